@@ -1,0 +1,297 @@
+"""TFRecord framing: reading and writing records, CRC checks, compression.
+
+A TFRecord file is a sequence of records, each::
+
+    uint64 length (little-endian) | uint32 masked CRC32C of those 8 bytes
+    payload (length bytes)        | uint32 masked CRC32C of the payload
+
+with ``masked(crc) = ((crc >> 15) | (crc << 17)) + 0xa282ead8 (mod 2**32)``.
+The whole stream may be gzip- or zlib-compressed.
+
+Reading (:class:`TFRecordReader`) walks a large in-memory chunk (8 MiB by
+default) at a time and yields the payloads of the complete records in it as
+one :class:`RecordBatch`; only the tail of an unfinished record is carried to
+the next chunk, so memory is bounded by the chunk size plus the largest record.
+Both CRCs are checked with the C implementation of ``google-crc32c``.
+
+Damage is reported as :class:`TFRecordError`, one line naming the file, the
+record index, the byte offset of the record (in the decompressed stream for
+compressed files) and what is wrong.  The reader is stricter than TensorFlow:
+a file ending inside a 12-byte record header, and a non-empty file shorter
+than one header, are errors rather than a silent end of data.  With
+``on_error="skip"`` only records whose payload CRC fails while the framing is
+intact are dropped (and counted in :attr:`TFRecordReader.skipped`).
+"""
+
+import os
+import struct
+import zlib
+
+import google_crc32c
+
+COMPRESSIONS = ("auto", "none", "gzip", "zlib")
+HEADER = 12  # uint64 length + uint32 length CRC
+FOOTER = 4  # uint32 payload CRC
+_MASK_DELTA = 0xA282EAD8
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "zlib": zlib.MAX_WBITS}
+_HEADER_STRUCT = struct.Struct("<QI")
+_CRC_STRUCT = struct.Struct("<I")
+
+
+class TFRecordError(Exception):
+    """Damaged or unreadable TFRecord input; ``str()`` is the one-line report."""
+
+    def __init__(self, path, index, offset, what, compressed=False):
+        where = "byte offset" + (" (decompressed)" if compressed else "")
+        super().__init__(f"{path}: record {index} at {where} {offset}: {what}")
+        self.path, self.index, self.offset = path, index, offset
+
+
+def masked_crc(data):
+    """TensorFlow's masked CRC32C of ``data`` (bytes)."""
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def frame(payload):
+    """One TFRecord record (header, payload, footer) as bytes."""
+    length = struct.pack("<Q", len(payload))
+    return b"".join((length, _CRC_STRUCT.pack(masked_crc(length)), payload,
+                     _CRC_STRUCT.pack(masked_crc(payload))))
+
+
+def detect_compression(head):
+    """Guess the compression of a file from its first bytes: none, gzip or zlib.
+
+    A valid first record header (its length CRC matches) means ``none``, which
+    also settles the rare uncompressed file whose first two bytes happen to
+    form a zlib header.  Otherwise the gzip magic ``1f 8b`` means ``gzip`` and
+    a valid zlib header (deflate, window <= 32K, header checksum) ``zlib``.
+    Anything else is read as ``none`` so that framing reports what is wrong.
+    """
+    if len(head) >= HEADER:
+        length_bytes, (crc,) = head[:8], _CRC_STRUCT.unpack_from(head, 8)
+        if masked_crc(length_bytes) == crc:
+            return "none"
+    if head[:2] == b"\x1f\x8b":
+        return "gzip"
+    if len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0:
+        return "zlib"
+    return "none"
+
+
+class _StreamError(Exception):
+    """The compressed stream itself is damaged or ends early."""
+
+
+class _PlainStream:
+    """Uncompressed file bytes; ``consumed`` counts bytes read from disk."""
+
+    def __init__(self, fileobj):
+        self._file = fileobj
+        self.consumed = 0
+
+    def read(self, size):
+        data = self._file.read(size)
+        self.consumed += len(data)
+        return data
+
+
+class _InflateStream:
+    """gzip or zlib decompression with bounded output per call.
+
+    ``read(size)`` returns at most ``size`` decompressed bytes (``max_length``
+    keeps a highly compressed input from exploding in memory) and ``b""`` only
+    at a clean end of stream.  Concatenated streams (multi-member gzip) are
+    read one after the other.  A stream that stops before its end marker, or
+    does not inflate, raises :class:`_StreamError`.
+    """
+
+    _RAW_CHUNK = 1 << 20
+
+    def __init__(self, fileobj, compression):
+        self._file = fileobj
+        self._kind = compression
+        self._inflate = zlib.decompressobj(_WBITS[compression])
+        self._started = False
+        self.consumed = 0
+
+    def _raw(self):
+        data = self._file.read(self._RAW_CHUNK)
+        self.consumed += len(data)
+        return data
+
+    def read(self, size):
+        out, got = [], 0
+        while got < size:
+            source = self._inflate.unconsumed_tail
+            if not source:
+                if self._inflate.eof:
+                    source = self._inflate.unused_data or self._raw()
+                    if not source:
+                        break
+                    self._inflate = zlib.decompressobj(_WBITS[self._kind])
+                else:
+                    source = self._raw()
+                    if not source:
+                        raise _StreamError(
+                            f"the {self._kind} stream ends before its end marker: the file is "
+                            "truncated; re-copy it")
+            try:
+                piece = self._inflate.decompress(source, size - got)
+            except zlib.error as exc:
+                reason = str(exc).split(": ", 1)[-1]
+                hint = ("is the file really " + self._kind + "-compressed? Try --compression auto"
+                        if not self._started else "the compressed data is damaged; re-copy the file")
+                raise _StreamError(f"{self._kind} inflate failed ({reason}): {hint}") from None
+            self._started = True
+            out.append(piece)
+            got += len(piece)
+        return b"".join(out)
+
+
+class RecordBatch:
+    """Payloads of consecutive good records, with their indices and byte offsets."""
+
+    __slots__ = ("payloads", "indices", "offsets")
+
+    def __init__(self, payloads, indices, offsets):
+        self.payloads, self.indices, self.offsets = payloads, indices, offsets
+
+
+class TFRecordReader:
+    """Iterate over one TFRecord file as :class:`RecordBatch` objects.
+
+    ``compression`` is one of :data:`COMPRESSIONS`; after construction
+    :attr:`compression` holds the one in use (``auto`` resolved).  Attributes
+    updated while iterating: ``records`` (good records yielded), ``skipped``
+    (payload-CRC failures dropped with ``on_error="skip"``) and ``consumed``
+    (bytes read from the file, for progress).
+    """
+
+    def __init__(self, path, compression="auto", on_error="stop", chunk_size=8 << 20):
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+        if on_error not in ("stop", "skip"):
+            raise ValueError(f"on_error must be 'stop' or 'skip', not {on_error!r}")
+        self.path = path
+        self.size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(HEADER)
+        if compression == "auto":
+            compression = detect_compression(head)
+        self.compression = compression
+        self._head = head
+        self.on_error = on_error
+        self.chunk_size = chunk_size
+        self.records = self.skipped = 0
+        self._stream = None
+
+    @property
+    def consumed(self):
+        return self._stream.consumed if self._stream else 0
+
+    def _error(self, index, offset, what):
+        return TFRecordError(self.path, index, offset, what, self.compression != "none")
+
+    def _bad_first_header(self):
+        """Explain a first record whose header fails: usually not a TFRecord at all."""
+        guess = detect_compression(self._head)
+        if self.compression == "none" and guess != "none":
+            return f"not a TFRecord file: it looks {guess}-compressed; use --compression {guess} or auto"
+        return "not a TFRecord file (the first record header fails its CRC); is this even a TFRecord file?"
+
+    def __iter__(self):
+        with open(self.path, "rb") as f:
+            self._stream = _PlainStream(f) if self.compression == "none" else _InflateStream(f, self.compression)
+            yield from self._batches(self._stream)
+
+    def _batches(self, stream):
+        unpack_header, unpack_crc, crc32c = _HEADER_STRUCT.unpack_from, _CRC_STRUCT.unpack_from, google_crc32c.value
+        skip = self.on_error == "skip"
+        buf, pos, base, index = b"", 0, 0, 0
+        want = self.chunk_size
+        eof, stream_error = False, None
+        while not eof:
+            try:
+                data = stream.read(want)
+            except _StreamError as exc:
+                data, stream_error = b"", str(exc)
+            eof = not data
+            buf, base, pos = buf[pos:] + data, base + pos, 0
+            end = len(buf)
+            want = self.chunk_size
+            payloads, indices, offsets = [], [], []
+            while end - pos >= HEADER:
+                length, length_crc = unpack_header(buf, pos)
+                crc = crc32c(buf[pos:pos + 8])
+                if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
+                    if index == 0:
+                        raise self._error(index, base + pos, self._bad_first_header())
+                    raise self._error(index, base + pos,
+                                      "length CRC mismatch: the record header is corrupted and the records "
+                                      "after it cannot be located; re-copy the file")
+                stop = pos + HEADER + length
+                if stop + FOOTER > end:
+                    if not eof:  # read at least the rest of this record next time
+                        want = max(self.chunk_size, stop + FOOTER - end)
+                        break
+                    raise self._error(index, base + pos, stream_error or (
+                        f"the file ends inside the record ({length} byte payload needs "
+                        f"{HEADER + length + FOOTER} bytes, {end - pos} left): the file is truncated; re-copy it"))
+                payload = buf[pos + HEADER:stop]
+                crc = crc32c(payload)
+                if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != unpack_crc(buf, stop)[0]:
+                    if not skip:
+                        raise self._error(index, base + pos,
+                                          "payload CRC mismatch: the record is corrupted; re-copy the file, "
+                                          "or pass --on-error skip to drop such records")
+                    self.skipped += 1
+                else:
+                    payloads.append(payload)
+                    indices.append(index)
+                    offsets.append(base + pos)
+                pos = stop + FOOTER
+                index += 1
+            if payloads:
+                self.records += len(payloads)
+                yield RecordBatch(payloads, indices, offsets)
+        if stream_error:
+            raise self._error(index, base + pos, stream_error)
+        if pos < end:
+            if index == 0 and base == 0:
+                what = (f"not a TFRecord file: only {end} bytes, fewer than one {HEADER}-byte record header")
+            else:
+                what = (f"the file ends {end - pos} bytes into a {HEADER}-byte record header: "
+                        "the file is truncated; re-copy it")
+            raise self._error(index, base + pos, what)
+
+
+class TFRecordWriter:
+    """Write framed records to an open binary file, optionally compressed.
+
+    ``compression`` is ``none``, ``gzip`` or ``zlib``; call :meth:`close` (or
+    use ``with``) to flush the compressor's end marker.  The file object is
+    not closed.
+    """
+
+    def __init__(self, fileobj, compression="none"):
+        if compression not in ("none", "gzip", "zlib"):
+            raise ValueError(f"compression must be none, gzip or zlib, not {compression!r}")
+        self._file = fileobj
+        self._deflate = None if compression == "none" else zlib.compressobj(6, zlib.DEFLATED, _WBITS[compression])
+
+    def write(self, payload):
+        record = frame(payload)
+        self._file.write(self._deflate.compress(record) if self._deflate else record)
+
+    def close(self):
+        if self._deflate:
+            self._file.write(self._deflate.flush())
+            self._deflate = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,174 @@
+"""The all-reduce: average one flat buffer per tower, in place, on every tower.
+
+This is where a step's gradients are averaged (``TowerAllReduce.average``,
+called once per step by ``towers.train``).
+
+Algorithm, for towers grouped by device (``Placement.groups``):
+
+1. Within each device group, the group's first tower (its leader) accumulates
+   the sum of the group's buffers, scaled by ``n_groups / n_towers``.
+2. Across groups (distinct GPUs) one grouped NCCL all-reduce with ``NCCL_AVG``
+   over the leaders' whole buffers, each on its leader's stream.  The result is
+   ``sum(all towers) / n_towers`` whatever the group sizes.
+3. Leaders copy the result to the other towers of their group.
+
+CPU towers form a single group, so only steps 1 and 3 run (an on-device mean);
+so do towers that all share one GPU.  Every tower ends with bit-identical
+values, which keeps the replicas bit-identical after the update.
+
+Limits: one process drives every GPU, so every collective of a step sits inside
+one ``groupStart()``/``groupEnd()`` pair (a plain loop would block on the first
+rank).  Two ranks on one GPU are refused by NCCL, so towers sharing a GPU are
+reduced on the device first.  NCCL's AVG multiplies by 1/N before summing, so
+results can differ from ``sum / N`` in the last bit when N is not a power of two.
+
+The NCCL module is injected at one place: the ``nccl`` argument (default
+``cupy.cuda.nccl``).  Tests pass a host-memory stand-in with the same call
+signatures; with CPU towers and a stand-in, each tower becomes its own rank.
+"""
+from __future__ import annotations
+
+import numpy
+
+from towers import UserError
+
+
+def nccl_module():
+    """The real ``cupy.cuda.nccl`` (imported lazily: the CPU path never needs it)."""
+    from cupy.cuda import nccl
+
+    return nccl
+
+
+def data_ptr(array) -> int:
+    """Address of an array's first element: CuPy ``.data.ptr``, NumPy ``.ctypes.data``."""
+    data = getattr(array, "data", None)
+    ptr = getattr(data, "ptr", None)
+    return int(ptr) if ptr is not None else int(array.ctypes.data)
+
+
+class NcclAllReduce:
+    """One communicator per rank (``initAll``) and a grouped in-place average."""
+
+    def __init__(self, device_ids: list[int], nccl=None):
+        if len(set(device_ids)) != len(device_ids):
+            raise UserError(
+                f"NCCL needs distinct GPUs, got {device_ids}: towers sharing a GPU are reduced on it first"
+            )
+        self.nccl = nccl or nccl_module()
+        self.device_ids = list(device_ids)
+        self._dtypes = {
+            numpy.dtype(numpy.float32): self.nccl.NCCL_FLOAT32,
+            numpy.dtype(numpy.float64): self.nccl.NCCL_FLOAT64,
+        }
+        # initAll takes an int or a list (a tuple raises ValueError).
+        self.comms = self.nccl.NcclCommunicator.initAll(list(self.device_ids))
+
+    def average(self, buffers: list, stream_ptrs: list[int]) -> None:
+        """In-place ``NCCL_AVG`` of ``buffers[r]`` on rank r, on ``stream_ptrs[r]``."""
+        nccl = self.nccl
+        if len(buffers) != len(self.comms) or len(stream_ptrs) != len(self.comms):
+            raise ValueError(f"{len(self.comms)} ranks, got {len(buffers)} buffers and {len(stream_ptrs)} streams")
+        # Build and check every argument before groupStart: an exception between
+        # groupStart and the last rank's call would leave a half-built collective.
+        count, dtype = buffers[0].size, buffers[0].dtype
+        calls = []
+        for comm, buf, stream in zip(self.comms, buffers, stream_ptrs):
+            if buf.size != count or buf.dtype != dtype or buf.ndim != 1 or not buf.flags.c_contiguous:
+                raise ValueError(
+                    f"all-reduce buffers must be contiguous 1-D arrays of one size and dtype; "
+                    f"got {buf.shape} {buf.dtype} against ({count},) {dtype}"
+                )
+            if dtype not in self._dtypes:
+                raise ValueError(f"NCCL all-reduce of {dtype} is not supported here")
+            ptr = data_ptr(buf)
+            calls.append((comm, ptr, int(stream)))
+        nccl_dtype = self._dtypes[dtype]
+        nccl.groupStart()
+        try:
+            for comm, ptr, stream in calls:
+                comm.allReduce(ptr, ptr, count, nccl_dtype, nccl.NCCL_AVG, stream)
+        finally:
+            nccl.groupEnd()  # nothing is enqueued before this returns
+
+    def close(self) -> None:
+        for comm in self.comms:
+            comm.destroy()
+        self.comms = []
+
+
+class TowerAllReduce:
+    """Averages one buffer per tower across all towers (see the module docstring)."""
+
+    def __init__(self, placement, streams=None, nccl=None):
+        self.devices = list(placement.towers)
+        self.n = len(self.devices)
+        self.streams = list(streams) if streams is not None else [None] * self.n
+        all_cpu = not any(d.is_gpu for d in self.devices)
+        if all_cpu and nccl is not None:
+            # Stand-in over host memory: every CPU tower is its own rank.
+            self.groups = [[i] for i in range(self.n)]
+            rank_ids = list(range(self.n))
+        else:
+            self.groups = placement.groups
+            rank_ids = [self.devices[g[0]].index for g in self.groups]
+        self.nccl = NcclAllReduce(rank_ids, nccl) if len(self.groups) > 1 else None
+        self._scale = len(self.groups) / self.n  # step 1's factor, see the docstring
+
+    @property
+    def uses_nccl(self) -> bool:
+        return self.nccl is not None
+
+    def _stream_ptr(self, i: int) -> int:
+        s = self.streams[i]
+        return int(s.ptr) if s is not None else 0
+
+    def average(self, buffers: list) -> None:
+        """In place: every ``buffers[i]`` becomes the mean over all towers."""
+        if self.n == 1:
+            return
+        leaders = [g[0] for g in self.groups]
+        # 1. Sum each group into its leader, on the leader's device and stream.
+        for g in self.groups:
+            if len(g) == 1 and self._scale == 1.0:
+                continue
+            lead = buffers[g[0]]
+            with self.devices[g[0]].scope(), _on(self.streams[g[0]]):
+                for j in g[1:]:
+                    _after(self.streams[g[0]], self.streams[j])
+                    lead += buffers[j]
+                if self._scale != 1.0:
+                    lead *= lead.dtype.type(self._scale)
+        # 2. Average the leaders across GPUs: the one collective of the step.
+        if self.nccl is not None:
+            self.nccl.average([buffers[i] for i in leaders], [self._stream_ptr(i) for i in leaders])
+        # 3. Hand the result to the other towers of each group.
+        for g in self.groups:
+            lead = buffers[g[0]]
+            with self.devices[g[0]].scope(), _on(self.streams[g[0]]):
+                for j in g[1:]:
+                    buffers[j][...] = lead
+                    _after(self.streams[j], self.streams[g[0]])
+
+    def close(self) -> None:
+        if self.nccl is not None:
+            self.nccl.close()
+
+
+class _NoStream:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _on(stream):
+    """Enter a CuPy stream, or nothing on the CPU."""
+    return stream if stream is not None else _NoStream()
+
+
+def _after(waiter, producer) -> None:
+    """Order ``waiter`` after the work queued so far on ``producer`` (GPU only)."""
+    if waiter is not None and producer is not None and waiter is not producer:
+        waiter.wait_event(producer.record())

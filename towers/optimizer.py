@@ -1,0 +1,118 @@
+"""Optimizer: learning-rate schedule, SGD (with optional momentum) and the EMA.
+
+Per step, on every replica, after the all-reduce has left identical averaged
+gradients ``g`` in each replica's flat gradient buffer:
+
+    v = momentum * v + g                 (only when momentum > 0)
+    p = p - lr * (v or g)
+    ema = ema - (1 - d) * (ema - p)      (first tower only)
+
+with TensorFlow's formulas:
+
+* ``lr = lr0 * decay_rate ** (examples_seen / examples_per_epoch)``
+  (``exponential_decay``; ``staircase`` floors the exponent);
+* ``d = min(ema_decay, (1 + step) / (10 + step))``
+  (``ExponentialMovingAverage(decay, num_updates=step)``), the shadow starting
+  equal to the initial weights.
+
+On a GPU the three lines are one fused elementwise kernel over the flat buffer.
+On the CPU NumPy has no fusion, so they are a few in-place passes over
+preallocated scratch (no allocation per step).  Every replica runs the same
+arithmetic on the same inputs, so replicas stay bit-identical.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy
+
+
+def learning_rate(lr0: float, decay_rate: float, examples_seen: int, examples_per_epoch: int,
+                  staircase: bool = False) -> float:
+    """TF ``exponential_decay`` with ``decay_steps`` counted in examples (one epoch)."""
+    exponent = examples_seen / examples_per_epoch
+    if staircase:
+        exponent = math.floor(exponent)
+    return lr0 * decay_rate ** exponent
+
+
+def ema_decay(decay: float, step: int) -> float:
+    """TF ``ExponentialMovingAverage`` decay with ``num_updates=step``."""
+    return min(decay, (1.0 + step) / (10.0 + step))
+
+
+_KERNELS: dict = {}
+
+
+def _gpu_kernel(momentum: bool, ema: bool):
+    """The fused update as one CuPy ElementwiseKernel (built once per variant)."""
+    key = (momentum, ema)
+    if key not in _KERNELS:
+        import cupy
+
+        params = "T g, T lr, T mu, T one_minus_d"
+        outs = "T p" + (", T v" if momentum else "") + (", T e" if ema else "")
+        body = "T step = g;\n"
+        if momentum:
+            body += "v = mu * v + g;\nstep = v;\n"
+        body += "T np_ = p - lr * step;\np = np_;\n"
+        if ema:
+            body += "e = e - one_minus_d * (e - np_);\n"
+        _KERNELS[key] = cupy.ElementwiseKernel(
+            params, outs, body, f"towers_sgd_m{int(momentum)}_e{int(ema)}"
+        )
+    return _KERNELS[key]
+
+
+class SGD:
+    """Update of one replica's flat buffer, with the EMA when this replica holds it."""
+
+    def __init__(self, params, momentum: float = 0.0, ema=None):
+        self.params = params
+        self.xp = _array_module(params)
+        self.dtype = params.dtype.type
+        self.momentum = float(momentum)
+        self.velocity = self.xp.zeros_like(params) if self.momentum else None
+        self.ema = ema  # an EMA whose shadow lives on this replica's device, or None
+        self._tmp = None if self.xp is not numpy else numpy.empty_like(params)
+
+    def step(self, grads, lr: float, step: int) -> None:
+        """Apply one update with learning rate ``lr``; ``step`` counts earlier updates."""
+        one_minus_d = 1.0 - ema_decay(self.ema.decay, step) if self.ema is not None else 0.0
+        t = self.dtype
+        if self.xp is numpy:
+            self._cpu_step(grads, t(lr), t(one_minus_d))
+        else:
+            args = [grads, t(lr), t(self.momentum), t(one_minus_d), self.params]
+            if self.velocity is not None:
+                args.append(self.velocity)
+            if self.ema is not None:
+                args.append(self.ema.shadow)
+            _gpu_kernel(self.velocity is not None, self.ema is not None)(*args)
+
+    def _cpu_step(self, g, lr, one_minus_d) -> None:
+        tmp, p = self._tmp, self.params
+        step = g
+        if self.velocity is not None:
+            self.velocity *= self.dtype(self.momentum)
+            self.velocity += g
+            step = self.velocity
+        numpy.multiply(step, lr, out=tmp)
+        p -= tmp
+        if self.ema is not None:
+            e = self.ema.shadow
+            numpy.subtract(e, p, out=tmp)
+            tmp *= one_minus_d
+            e -= tmp
+
+
+class EMA:
+    """The moving average of the weights: one flat shadow buffer on one device."""
+
+    def __init__(self, params, decay: float):
+        self.decay = float(decay)
+        self.shadow = params.copy()  # TF starts the shadow at the variable's value
+
+
+def _array_module(a):
+    return numpy if isinstance(a, numpy.ndarray) else __import__("cupy")

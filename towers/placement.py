@@ -1,0 +1,216 @@
+"""Placement: which device each tower runs on.
+
+The rules follow TensorFlow's ``allow_soft_placement``:
+
+* ``--n-gpu N`` asks for N towers on GPUs 0..N-1; ``--devices 0,2`` names the
+  GPUs; ``--devices cpu`` puts every tower on the CPU.
+* With soft placement (the default) a request that cannot be met exactly is
+  bent, and one line says how: with no CUDA device the towers run on the CPU
+  with NumPy; with fewer GPUs than towers the towers share GPUs round-robin.
+* Without it (``--no-soft-placement``) both cases are a ``UserError`` that says
+  what was asked and what exists.
+
+Whatever the flags, the device list is validated here (ids exist, none named
+twice) before ``towers.allreduce`` creates any NCCL communicator.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy
+
+from towers import UserError
+
+
+@dataclass(frozen=True)
+class Device:
+    """One place a tower can live: the CPU, or CUDA device ``index``."""
+
+    kind: str  # "cpu" or "gpu"
+    index: int = 0
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "gpu"
+
+    @property
+    def xp(self):
+        """The array module for this device: NumPy or CuPy."""
+        if self.is_gpu:
+            import cupy
+
+            return cupy
+        return numpy
+
+    def scope(self):
+        """Make this device current (a no-op on the CPU)."""
+        if self.is_gpu:
+            import cupy
+
+            return cupy.cuda.Device(self.index)
+        return contextlib.nullcontext()
+
+    def __str__(self) -> str:
+        return f"gpu:{self.index}" if self.is_gpu else "cpu"
+
+
+CPU = Device("cpu")
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices CuPy can use; 0 without CuPy, a driver or a GPU."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no cupy, no driver, no device: all mean "no GPU here"
+        return 0
+
+
+@dataclass
+class Placement:
+    """The resolved placement: one device per tower, plus a soft-placement notice."""
+
+    towers: list[Device]
+    notice: str | None = None
+
+    @property
+    def n_towers(self) -> int:
+        return len(self.towers)
+
+    @property
+    def gpus(self) -> list[Device]:
+        """Distinct GPUs in tower order (ranks of the NCCL communicator)."""
+        seen: list[Device] = []
+        for d in self.towers:
+            if d.is_gpu and d not in seen:
+                seen.append(d)
+        return seen
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """Tower indices grouped by device, in order of each device's first tower."""
+        order: dict[Device, list[int]] = {}
+        for i, d in enumerate(self.towers):
+            order.setdefault(d, []).append(i)
+        return list(order.values())
+
+    @property
+    def ema_device(self) -> Device:
+        return self.towers[0]
+
+    def reducer_description(self) -> str:
+        groups = self.groups
+        if self.n_towers == 1:
+            return "none (one tower)"
+        shared = any(len(g) > 1 for g in groups)
+        if len(groups) == 1:
+            return f"on-device mean on {self.towers[0]} ({self.n_towers} towers)"
+        text = "NCCL all-reduce (avg, float32) over " + ", ".join(map(str, self.gpus))
+        if shared:
+            text += ", after an on-device mean of towers that share a GPU"
+        return text
+
+    def table(self) -> str:
+        """The ``--log-placement`` table."""
+        rows = [(f"tower {i}", str(d)) for i, d in enumerate(self.towers)]
+        rows += [
+            ("EMA", f"{self.ema_device} (first tower's device)"),
+            ("input parsing", "cpu (background thread)"),
+            ("reducer", self.reducer_description()),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _parse_devices(text: str) -> list[int] | None:
+    """``"cpu"`` -> None; ``"0,2"`` -> [0, 2]."""
+    if text.strip().lower() == "cpu":
+        return None
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip() != ""]
+    except ValueError:
+        raise UserError(
+            f"--devices {text!r} is not understood: give 'cpu' or GPU ids such as 0,2"
+        ) from None
+    if not ids or any(i < 0 for i in ids):
+        raise UserError(f"--devices {text!r}: GPU ids are non-negative integers such as 0,2")
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise UserError(
+            f"--devices {text!r} names GPU {dupes[0]} twice: list each GPU once "
+            "(use --n-gpu to put several towers on fewer GPUs)"
+        )
+    return ids
+
+
+def _have(count: int) -> str:
+    if count == 0:
+        return "no CUDA device is visible"
+    return f"only {count} CUDA device{'s' if count > 1 else ''} exist{'' if count > 1 else 's'} (ids 0-{count - 1})"
+
+
+def resolve(
+    n_towers: int | None = None,
+    devices: str | None = None,
+    soft: bool = True,
+    gpu_count: int | None = None,
+) -> Placement:
+    """Turn ``--n-gpu``/``--devices``/``--[no-]soft-placement`` into a Placement.
+
+    ``n_towers`` None means "not given": one tower, or one per listed device.
+    ``gpu_count`` defaults to what CuPy sees; tests pass it explicitly.
+    """
+    if n_towers is not None and n_towers < 1:
+        raise UserError(f"--n-gpu {n_towers}: the number of towers must be at least 1")
+    ids = _parse_devices(devices) if devices is not None else None
+    if devices is not None and ids is None:  # --devices cpu
+        return Placement([CPU] * (n_towers or 1))
+    if gpu_count is None:
+        gpu_count = cuda_device_count()
+
+    if ids is None:
+        want = n_towers or 1
+        ids = list(range(min(want, gpu_count)))
+        asked = f"{want} GPU tower{'s' if want > 1 else ''} (--n-gpu {want})"
+    else:
+        want = n_towers or len(ids)
+        asked = f"GPUs {','.join(map(str, ids))} (--devices)"
+        missing = [i for i in ids if i >= gpu_count]
+        if missing and gpu_count > 0:
+            raise UserError(
+                f"GPU {missing[0]} does not exist: {_have(gpu_count)}; fix --devices"
+            )
+        if want < len(ids):
+            raise UserError(
+                f"--n-gpu {want} is fewer than the {len(ids)} GPUs named by --devices: "
+                "name fewer GPUs or drop --n-gpu"
+            )
+
+    if gpu_count == 0:
+        if not soft:
+            raise UserError(
+                f"asked for {asked} but {_have(0)}; use --devices cpu, "
+                "or drop --no-soft-placement to fall back to the CPU"
+            )
+        return Placement(
+            [CPU] * want,
+            notice=f"soft placement: no CUDA device found, running {want} "
+            f"tower{'s' if want > 1 else ''} on the CPU with NumPy",
+        )
+    if want > len(ids):
+        if not soft:
+            where = f"GPUs {','.join(map(str, ids))} were named" if devices else _have(gpu_count)
+            raise UserError(
+                f"asked for {want} towers, one per GPU, but {where}; "
+                "ask for fewer towers, or drop --no-soft-placement to share GPUs"
+            )
+        towers = [Device("gpu", ids[i % len(ids)]) for i in range(want)]
+        return Placement(
+            towers,
+            notice=f"soft placement: {want} towers share {len(ids)} GPU"
+            f"{'s' if len(ids) > 1 else ''} round-robin "
+            f"({', '.join(f'tower {i} -> {d}' for i, d in enumerate(towers))})",
+        )
+    return Placement([Device("gpu", i) for i in ids[:want]])
