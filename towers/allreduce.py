@@ -100,15 +100,16 @@ class NcclAllReduce:
 class TowerAllReduce:
     """Averages one buffer per tower across all towers (see the module docstring)."""
 
-    def __init__(self, placement, streams=None, nccl=None):
+    def __init__(self, placement, streams=None, nccl=None, host_groups=None):
         self.devices = list(placement.towers)
         self.n = len(self.devices)
         self.streams = list(streams) if streams is not None else [None] * self.n
         all_cpu = not any(d.is_gpu for d in self.devices)
         if all_cpu and nccl is not None:
-            # Stand-in over host memory: every CPU tower is its own rank.
-            self.groups = [[i] for i in range(self.n)]
-            rank_ids = list(range(self.n))
+            # Stand-in over host memory: CPU towers play GPUs, grouped as
+            # ``host_groups`` says (default: each tower its own rank).
+            self.groups = host_groups or [[i] for i in range(self.n)]
+            rank_ids = list(range(len(self.groups)))
         else:
             self.groups = placement.groups
             rank_ids = [self.devices[g[0]].index for g in self.groups]

@@ -1,0 +1,59 @@
+"""Shared fixtures: paths, the NCCL stand-in, the GPU marker."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+DIGITS = REPO / "data" / "digits.npz"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for nccl_standin
+
+
+def shared_file(*parts: str) -> Path:
+    """A file under ../shared, or skip the test with the reason."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} is absent (../shared holds test data next to the checkout)")
+    return path
+
+
+def cuda_count() -> int:
+    from towers.placement import cuda_device_count
+
+    return cuda_device_count()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_count() > 0:
+        return
+    skip = pytest.mark.skip(reason="no CUDA device visible to CuPy")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def standin():
+    import nccl_standin
+
+    nccl_standin.reset()
+    yield nccl_standin
+    nccl_standin.reset()
+
+
+def run_cli(*args: str, module: str = "towers.train", timeout: int = 120) -> subprocess.CompletedProcess:
+    """Run ``python -m module args`` from the repository root, as a user would."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=timeout,
+    )

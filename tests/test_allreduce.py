@@ -1,0 +1,110 @@
+"""The real all-reduce code driven over NumPy buffers through the NCCL stand-in."""
+import numpy as np
+import pytest
+
+from towers.allreduce import NcclAllReduce, TowerAllReduce
+from towers.model import Replica, build_model
+from towers.placement import resolve
+
+
+def replicas(n, seed=0):
+    model = build_model("mlp", (5,), 3, hidden=4)
+    out = []
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        r = Replica(model, np)
+        r.grads[...] = rng.normal(size=model.size).astype(np.float32)
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_grouped_nccl_average_in_place_over_host_buffers(standin, n):
+    reps = replicas(n)
+    for r in reps:
+        standin.register(r.grads)
+    expected = np.mean([r.grads.astype(np.float64) for r in reps], axis=0)
+    ptrs = [r.grads.ctypes.data for r in reps]
+
+    ar = TowerAllReduce(resolve(n, "cpu"), nccl=standin)
+    assert ar.uses_nccl
+    ar.average([r.grads for r in reps])
+
+    kinds = [c[0] for c in standin.calls]
+    assert kinds == ["initAll", "groupStart"] + ["allReduce"] * n + ["groupEnd"]
+    assert standin.calls[0] == ("initAll", list(range(n)))  # a list, as CuPy requires
+    for rank, c in enumerate(standin.calls[2 : 2 + n]):
+        _, r_id, send, recv, count, dtype, op, stream = c
+        assert r_id == rank and send == recv == ptrs[rank]  # in place, on each replica's buffer
+        assert count == reps[0].grads.size  # elements, not bytes
+        assert dtype == standin.NCCL_FLOAT32 and op == standin.NCCL_AVG and stream == 0
+    for r in reps:
+        np.testing.assert_allclose(r.grads, expected, rtol=1e-6, atol=1e-7)
+        # The named gradient views see the averaged values.
+        np.testing.assert_array_equal(r.grad["layer1/weights"].ravel(), r.grads[: 5 * 4])
+    assert all(np.array_equal(reps[0].grads, r.grads) for r in reps)
+    ar.close()
+    assert [c for c in standin.calls if c[0] == "destroy"] == [("destroy", i) for i in range(n)]
+
+
+def test_uneven_groups_give_the_mean_over_all_towers(standin):
+    # Towers 0,1 share a "GPU", tower 2 has one to itself: sum*scale on each
+    # device, then NCCL AVG over 2 ranks, must still be the mean over 3 towers.
+    reps = replicas(3, seed=5)
+    for r in reps:
+        standin.register(r.grads)
+    expected = np.mean([r.grads.astype(np.float64) for r in reps], axis=0)
+    ar = TowerAllReduce(resolve(3, "cpu"), nccl=standin, host_groups=[[0, 1], [2]])
+    ar.average([r.grads for r in reps])
+    assert sum(c[0] == "allReduce" for c in standin.calls) == 2
+    for r in reps:
+        np.testing.assert_allclose(r.grads, expected, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(reps[0].grads, reps[1].grads)
+
+
+def test_cpu_towers_without_nccl_take_the_on_device_mean():
+    reps = replicas(4, seed=2)
+    expected = np.mean([r.grads.astype(np.float64) for r in reps], axis=0)
+    ar = TowerAllReduce(resolve(4, "cpu"))
+    assert not ar.uses_nccl
+    ar.average([r.grads for r in reps])
+    for r in reps:
+        np.testing.assert_allclose(r.grads, expected, rtol=1e-5, atol=1e-6)
+        assert np.array_equal(r.grads, reps[0].grads)
+
+
+def test_bad_arguments_fail_before_group_start(standin):
+    a, b = np.ones(10, np.float32), np.ones(12, np.float32)
+    standin.register(a, b)
+    nar = NcclAllReduce([0, 1], nccl=standin)
+    with pytest.raises(ValueError, match="one size and dtype"):
+        nar.average([a, b], [0, 0])
+    with pytest.raises(ValueError, match="one size and dtype"):
+        nar.average([a, np.ones(10, np.float64)], [0, 0])
+    assert not any(c[0] == "groupStart" for c in standin.calls)
+
+
+def test_standin_catches_a_count_in_bytes_and_calls_outside_a_group(standin):
+    a, b = np.ones(8, np.float32), np.ones(8, np.float32)
+    standin.register(a, b)
+    comms = standin.NcclCommunicator.initAll([0, 1])
+    standin.groupStart()
+    try:
+        for c, buf in zip(comms, (a, b)):
+            c.allReduce(buf.ctypes.data, buf.ctypes.data, buf.nbytes, standin.NCCL_FLOAT32, standin.NCCL_SUM, 0)
+        with pytest.raises(standin.NcclError, match="outside every registered buffer"):
+            standin.groupEnd()
+    finally:
+        standin._group_depth = 0
+    with pytest.raises(RuntimeError, match="block forever"):
+        comms[0].allReduce(a.ctypes.data, a.ctypes.data, 8, standin.NCCL_FLOAT32, standin.NCCL_SUM, 0)
+    with pytest.raises(ValueError):
+        standin.NcclCommunicator.initAll((0, 1))
+
+
+def test_distinct_devices_are_required_before_init(standin):
+    from towers import UserError
+
+    with pytest.raises(UserError, match="distinct GPUs"):
+        NcclAllReduce([0, 0], nccl=standin)
+    assert standin.calls == []

@@ -1,0 +1,72 @@
+"""Learning-rate schedule, SGD with momentum, and the EMA against hand computations."""
+import math
+
+import numpy as np
+
+from towers.optimizer import EMA, SGD, ema_decay, learning_rate
+
+
+def test_exponential_decay_matches_tensorflow_formula():
+    assert learning_rate(0.8, 0.99, 0, 1000) == 0.8
+    assert math.isclose(learning_rate(0.8, 0.99, 1500, 1000), 0.8 * 0.99 ** 1.5)
+    assert math.isclose(learning_rate(0.8, 0.99, 1500, 1000, staircase=True), 0.8 * 0.99)
+    assert math.isclose(learning_rate(0.8, 0.99, 2999, 1000, staircase=True), 0.8 * 0.99 ** 2)
+
+
+def test_ema_decay_warms_up_like_tensorflow():
+    assert ema_decay(0.99, 0) == 0.1
+    assert ema_decay(0.99, 10) == 11 / 20
+    assert ema_decay(0.99, 10**6) == 0.99
+
+
+def hand_run(p0, grads, lrs, momentum, decay):
+    """Plain-Python float64 reference of SGD(+momentum) and TF's EMA."""
+    p = [float(v) for v in p0]
+    v = [0.0] * len(p)
+    e = list(p)
+    for step, (g, lr) in enumerate(zip(grads, lrs)):
+        d = min(decay, (1 + step) / (10 + step))
+        for i in range(len(p)):
+            if momentum:
+                v[i] = momentum * v[i] + g[i]
+                upd = v[i]
+            else:
+                upd = g[i]
+            p[i] -= lr * upd
+            e[i] -= (1 - d) * (e[i] - p[i])
+    return np.array(p), np.array(e)
+
+
+def check(momentum):
+    rng = np.random.default_rng(7)
+    p0 = rng.normal(size=6).astype(np.float32)
+    grads = rng.normal(size=(25, 6)).astype(np.float32)
+    lrs = [0.5 * 0.9 ** (s / 5) for s in range(25)]
+    params = p0.copy()
+    ema = EMA(params, 0.99)
+    opt = SGD(params, momentum=momentum, ema=ema)
+    for step, (g, lr) in enumerate(zip(grads, lrs)):
+        opt.step(g, lr, step)
+    want_p, want_e = hand_run(p0, grads, lrs, momentum, 0.99)
+    np.testing.assert_allclose(params, want_p, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ema.shadow, want_e, rtol=1e-5, atol=1e-6)
+    assert params.dtype == ema.shadow.dtype == np.float32
+    assert not np.allclose(ema.shadow, params)  # the average lags the weights
+
+
+def test_sgd_and_ema_match_hand_computation():
+    check(momentum=0.0)
+
+
+def test_momentum_and_ema_match_hand_computation():
+    check(momentum=0.9)
+
+
+def test_replica_without_ema_applies_the_same_update():
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=5).astype(np.float32)
+    b = a.copy()
+    g = rng.normal(size=5).astype(np.float32)
+    SGD(a, ema=EMA(a, 0.99)).step(g, 0.1, 0)
+    SGD(b).step(g, 0.1, 0)
+    assert np.array_equal(a, b)  # bit-identical replicas whether or not they hold the EMA

@@ -1,0 +1,136 @@
+"""The trainer end to end, on the CPU (and through the NCCL stand-in)."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import DIGITS, cuda_count, run_cli
+from towers.data import BatchSource, load_dataset
+from towers.placement import resolve
+from towers.train import Config, Trainer, run
+
+
+def final(logdir):
+    with np.load(logdir / "final.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+def rel_diff(a, b):
+    return float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b.astype(np.float64)))
+
+
+def test_n_towers_times_b_equals_one_tower_times_n_b(tmp_path):
+    """N x B and 1 x N*B see the same examples, so after 20 steps they agree to rounding."""
+    common = dict(devices="cpu", steps=20, hidden=64, quiet=True, log_every=10)
+    runs = {}
+    for n, b in [(1, 120), (2, 60), (4, 30)]:
+        logdir = tmp_path / f"n{n}"
+        run(Config(n_gpu=n, batch_size=b, logdir=str(logdir), **common))
+        runs[n] = final(logdir)
+    ref = runs[1]
+    assert int(ref["step"]) == 20
+    for n in (2, 4):
+        for key in ref:
+            if key.startswith(("params/", "ema/")):
+                assert rel_diff(runs[n][key], ref[key]) < 1e-5, (n, key)
+    # ... and training moved the weights (the comparison is not vacuous).
+    assert rel_diff(ref["params/layer1/weights"], ref["ema/layer1/weights"]) > 1e-4
+
+
+def trainer(n, nccl=None, hidden=32, batch=50):
+    cfg = Config(n_gpu=n, devices="cpu", hidden=hidden, batch_size=batch, momentum=0.9)
+    ds = load_dataset(str(DIGITS))
+    return cfg, ds, Trainer(cfg, resolve(n, "cpu"), ds, nccl=nccl)
+
+
+def drive(cfg, ds, tr, steps):
+    src = BatchSource(ds, cfg.batch_size * len(tr.replicas), cfg.seed)
+    for _ in range(steps):
+        tr.train_step(*src.next_batch())
+
+
+def test_nccl_path_through_the_standin_matches_the_on_device_mean(standin):
+    cfg, ds, tr = trainer(2, nccl=standin)
+    for r in tr.replicas:
+        standin.register(r.grads)
+    assert tr.allreduce.uses_nccl
+    drive(cfg, ds, tr, 15)
+    assert sum(c[0] == "groupEnd" for c in standin.calls) == 15  # one all-reduce per step
+    cfg2, ds2, ref = trainer(2)
+    drive(cfg2, ds2, ref, 15)
+    for a, b in zip(tr.replicas, ref.replicas):
+        np.testing.assert_allclose(a.params, b.params, rtol=1e-6, atol=1e-7)
+    assert np.array_equal(tr.replicas[0].params, tr.replicas[1].params)
+
+
+def test_replicas_stay_bit_identical_and_the_ema_follows():
+    cfg, ds, tr = trainer(3, batch=40)
+    drive(cfg, ds, tr, 30)
+    p = [r.params for r in tr.replicas]
+    assert all(np.array_equal(p[0], q) for q in p[1:])
+    v = [o.velocity for o in tr.optimizers]
+    assert all(np.array_equal(v[0], w) for w in v[1:])
+    assert tr.optimizers[0].ema is tr.ema and all(o.ema is None for o in tr.optimizers[1:])
+    assert 0 < rel_diff(tr.ema.shadow, p[0]) < 0.5
+
+
+def test_default_command_trains_on_embedded_data(tmp_path):
+    """`python -m towers.train --n-gpu 2` as in the quick start (plus a logdir)."""
+    res = run_cli("--n-gpu", "2", "--logdir", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    if cuda_count() == 0:
+        assert "soft placement: no CUDA device found, running 2 towers on the CPU with NumPy" in res.stderr
+    assert "step 100, loss = " in res.stdout and "examples/sec; " in res.stdout
+    lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines[:-1]] == list(range(100, 2001, 100))
+    assert set(lines[0]) == {"step", "loss", "lr", "examples_per_sec"}
+    assert lines[-1]["test_accuracy_ema"] >= 0.95, lines[-1]
+    assert f"{lines[-1]['test_accuracy_ema']:.4f} (EMA weights)" in res.stdout
+    f = final(tmp_path)
+    assert set(f) == {"step"} | {f"{p}/layer{i}/{w}" for p in ("params", "ema") for i in (1, 2)
+                                 for w in ("weights", "biases")}
+    assert f["params/layer1/weights"].dtype == np.float32 and f["step"].dtype == np.int64
+    assert f["params/layer1/weights"].shape == (64, 500)
+
+
+def one_line_error(res, *needles):
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.skipif(cuda_count() >= 4, reason="needs fewer than 4 GPUs")
+def test_no_soft_placement_is_a_clear_error_and_writes_nothing(tmp_path):
+    res = run_cli("--n-gpu", "4", "--no-soft-placement", "--logdir", str(tmp_path / "out"))
+    one_line_error(res, "asked for", "--no-soft-placement")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--batch-size", "ten"], ["invalid int value"]),
+        (["--frobnicate"], ["unrecognized arguments"]),
+        (["--devices", "0,0"], ["names GPU 0 twice"]),
+        (["--data", "missing.npz"], ["missing.npz does not exist"]),
+        (["--batch-size", "5000"], ["larger than the dataset"]),
+        (["--model", "nope"], ["--model 'nope' is unknown"]),
+        (["--steps", "0"], ["--steps must be at least 1"]),
+    ],
+)
+def test_user_mistakes_get_one_line_errors(tmp_path, args, needles):
+    placement = [] if "--devices" in args else ["--devices", "cpu"]
+    res = run_cli(*args, *placement, "--quiet", "--logdir", str(tmp_path / "out"))
+    one_line_error(res, *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_log_placement_table(tmp_path):
+    res = run_cli("--devices", "cpu", "--n-gpu", "2", "--steps", "5", "--log-placement", "--quiet",
+                  "--logdir", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    for text in ("tower 0", "tower 1", "EMA", "input parsing", "reducer", "on-device mean on cpu (2 towers)"):
+        assert text in res.stdout
