@@ -11,6 +11,7 @@ Where things live:
 ``towers.placement``   which device each tower runs on, and why
 ``towers.model``       the layer API, models, loss, one replica's buffers
 ``towers.allreduce``   the gradient all-reduce (NCCL or on-device mean)
+``towers.sync``        sync modes (gradients / weights every K) and the replica check
 ``towers.optimizer``   learning-rate schedule, SGD update and EMA
 ``towers.data``        npz input, shuffling, background batches, staging
 ``towers.summaries``   progress bar, log lines, metrics.jsonl
@@ -27,4 +28,11 @@ class UserError(Exception):
     """
 
 
-__all__ = ["UserError"]
+class TrainingError(Exception):
+    """A run that cannot go on (replicas diverged, the loss is not finite).
+
+    Printed as one line by the entry points, with a non-zero exit status.
+    """
+
+
+__all__ = ["UserError", "TrainingError"]

@@ -100,18 +100,48 @@ class SGD:
         numpy.multiply(step, lr, out=tmp)
         p -= tmp
         if self.ema is not None:
-            e = self.ema.shadow
-            numpy.subtract(e, p, out=tmp)
-            tmp *= one_minus_d
-            e -= tmp
+            self.ema.apply(p, one_minus_d, tmp)
 
 
 class EMA:
-    """The moving average of the weights: one flat shadow buffer on one device."""
+    """The moving average of the weights: one flat shadow buffer on one device.
+
+    Usually updated inside ``SGD.step`` (fused with the update).  ``update`` is
+    the standalone pass, for when the weights change outside the optimizer
+    (weight averaging in ``--sync weights``).
+    """
 
     def __init__(self, params, decay: float):
         self.decay = float(decay)
         self.shadow = params.copy()  # TF starts the shadow at the variable's value
+        self._tmp = None
+
+    def update(self, params, num_updates: int) -> None:
+        """``shadow -= (1 - d) * (shadow - params)`` with d from ``num_updates``."""
+        t = self.shadow.dtype.type
+        one_minus_d = t(1.0 - ema_decay(self.decay, num_updates))
+        if isinstance(self.shadow, numpy.ndarray):
+            if self._tmp is None:
+                self._tmp = numpy.empty_like(self.shadow)
+            self.apply(params, one_minus_d, self._tmp)
+        else:
+            _gpu_ema_kernel()(params, one_minus_d, self.shadow)
+
+    def apply(self, params, one_minus_d, tmp) -> None:
+        """The CPU pass, with caller-provided scratch ``tmp``."""
+        numpy.subtract(self.shadow, params, out=tmp)
+        tmp *= one_minus_d
+        self.shadow -= tmp
+
+
+def _gpu_ema_kernel():
+    if "ema" not in _KERNELS:
+        import cupy
+
+        _KERNELS["ema"] = cupy.ElementwiseKernel(
+            "T p, T one_minus_d", "T e", "e = e - one_minus_d * (e - p);", "towers_ema"
+        )
+    return _KERNELS["ema"]
 
 
 def _array_module(a):

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import numpy
 
-from towers import UserError
+from towers import TrainingError, UserError
 from towers.allreduce import TowerAllReduce
 from towers.checkpoint import atomic_save_npz, flat_to_named
 from towers.data import BatchSource, Prefetcher, Stager, load_dataset
 from towers.model import Replica, build_model
 from towers.optimizer import EMA, SGD, learning_rate
 from towers.placement import resolve
+from towers.sync import check_mode, check_replicas
 from towers.summaries import Reporter
 
 DEFAULT_DATA = str(Path(__file__).resolve().parents[1] / "data" / "digits.npz")
@@ -67,6 +68,10 @@ class Config:
     l2: float = 1e-4
     ema_decay: float = 0.99
     seed: int = 0
+    # keeping replicas together
+    sync: str = "grads"  # or "weights"
+    average_every: int = 1  # K, with --sync weights
+    check_replicas: int = 0  # every K steps; 0: only at the end
     # output
     log_every: int = 100
     logdir: str | None = None  # default runs/<timestamp>
@@ -89,6 +94,9 @@ HELP = {
     "staircase": "decay the learning rate once per whole epoch",
     "momentum": "SGD momentum (0: plain SGD)", "l2": "L2 regularization scale on weights",
     "ema_decay": "EMA decay (TF ExponentialMovingAverage)", "seed": "seed of weights and shuffling",
+    "sync": "grads: average gradients every step; weights: each tower steps alone, weights averaged every K",
+    "average_every": "K: steps between weight averages with --sync weights",
+    "check_replicas": "compare every replica with the first every K steps (0: only at the end)",
     "log_every": "steps between log lines", "logdir": "output directory (default runs/<timestamp>)",
     "quiet": "no progress bar and no per-step log lines",
 }
@@ -126,6 +134,9 @@ def _check(cfg: Config) -> None:
         raise UserError("--lr must be > 0 and --lr-decay in (0, 1]")
     if not 0 <= cfg.momentum < 1 or not 0 <= cfg.ema_decay < 1 or cfg.l2 < 0:
         raise UserError("--momentum and --ema-decay must be in [0, 1), --l2 >= 0")
+    if cfg.check_replicas < 0:
+        raise UserError(f"--check-replicas must be 0 (end only) or a number of steps, got {cfg.check_replicas}")
+    check_mode(cfg.sync, cfg.average_every)
 
 
 # -- the trainer ---------------------------------------------------------------------
@@ -155,13 +166,20 @@ class Trainer:
             self.stagers.append(Stager(dev, stream, cfg.batch_size, dataset.example_shape, dataset.x.dtype))
         with self.devices[0].scope():
             self.ema = EMA(self.replicas[0].params, cfg.ema_decay)
+        # In grads mode the EMA is fused into the first tower's update; in
+        # weights mode it follows the averaged weights (see towers.sync).
+        self.weights_mode = cfg.sync == "weights"
+        fused_ema = None if self.weights_mode else self.ema
         self.optimizers = []
         for i, (dev, r) in enumerate(zip(self.devices, self.replicas)):
             with dev.scope():
-                self.optimizers.append(SGD(r.params, cfg.momentum, self.ema if i == 0 else None))
+                self.optimizers.append(SGD(r.params, cfg.momentum, fused_ema if i == 0 else None))
         # Devices were validated by placement.resolve before this communicator.
         self.allreduce = TowerAllReduce(placement, self.streams, nccl)
         self.step = 0
+        self.all_reduces = 0  # collectives issued, for the communication report
+        self.last_average = None  # step count right after the last weight average
+        self.n_averages = 0
         self.examples_per_epoch = len(dataset.x)
 
     @property
@@ -184,14 +202,49 @@ class Trainer:
             with dev.scope(), _on(stream):
                 xs, ys = self.stagers[i].stage(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])
                 losses.append(r.loss_and_grads(xs, ys, self.cfg.l2, want_loss))
-        # 3. All-reduce: average the gradient buffers across towers.
-        self.allreduce.average([r.grads for r in self.replicas])
+        # 3. All-reduce: average the gradient buffers across towers (grads mode).
+        if not self.weights_mode:
+            self._average([r.grads for r in self.replicas])
         # 4. Update (and the EMA on the first tower), the same on every replica.
         for dev, stream, r, opt in zip(self.devices, self.streams, self.replicas, self.optimizers):
             with dev.scope(), _on(stream):
                 opt.step(r.grads, lr, self.step)
         self.step += 1
+        # 5. Weights mode: every K steps average the weights, then the EMA follows.
+        if self.weights_mode and self.step % self.cfg.average_every == 0:
+            self.average_weights()
         return losses if want_loss else None
+
+    def _average(self, buffers) -> None:
+        if len(buffers) > 1:
+            self.allreduce.average(buffers)
+            self.all_reduces += 1
+
+    def average_weights(self) -> None:
+        """Weights mode: average parameters (and momentum), then update the EMA."""
+        self._average([r.params for r in self.replicas])
+        if self.optimizers[0].velocity is not None:
+            self._average([o.velocity for o in self.optimizers])
+        self.n_averages += 1
+        with self.devices[0].scope(), _on(self.streams[0]):
+            self.ema.update(self.replicas[0].params, self.n_averages - 1)
+        self.last_average = self.step
+
+    def finish(self) -> None:
+        """End of training: in weights mode, a last average if steps were taken since."""
+        if self.weights_mode and self.last_average != self.step:
+            self.average_weights()
+
+    def check_replicas(self) -> bool:
+        """Compare replicas now if they are meant to agree; return whether it ran."""
+        if self.weights_mode and self.last_average != self.step:
+            return False  # between averages replicas differ by design
+        self.synchronize()
+        atol = 0.0
+        if self.weights_mode:  # an average leaves them equal up to the reducer's rounding
+            atol = 1e-6 * max(1.0, float(abs(self.replicas[0].params).max()))
+        check_replicas(self.replicas, self.step, atol)
+        return True
 
     def synchronize(self) -> None:
         for s in self.streams:
@@ -252,6 +305,7 @@ def run(cfg: Config, nccl=None) -> dict:
     # -- the loop.
     t_start = t_last = time.perf_counter()
     last_step = 0
+    next_check = cfg.check_replicas or cfg.steps + 1
     try:
         for _ in range(cfg.steps):
             x, y = prefetch.get()
@@ -267,6 +321,10 @@ def run(cfg: Config, nccl=None) -> dict:
                 reporter.log_step(trainer.step, loss, lr, steps * trainer.global_batch / (now - t_last),
                                   (now - t_last) / steps)
                 t_last, last_step = now, trainer.step
+            if trainer.step >= next_check and trainer.check_replicas():
+                next_check = (trainer.step // cfg.check_replicas + 1) * cfg.check_replicas
+        trainer.finish()
+        trainer.check_replicas()  # always at the end: the saved weights are every replica's
         trainer.synchronize()
         elapsed = time.perf_counter() - t_start
     finally:
@@ -290,7 +348,9 @@ def run(cfg: Config, nccl=None) -> dict:
     reporter.say(
         f"done: {trainer.step} steps in {elapsed:.1f} s, {result['examples_per_sec']:.1f} examples/sec "
         f"on {placement.n_towers} tower{'s' if placement.n_towers > 1 else ''} "
-        f"({', '.join(map(str, placement.towers))}); wrote {os.path.join(logdir, 'final.npz')}"
+        f"({', '.join(map(str, placement.towers))}), {cfg.sync} sync, "
+        f"{trainer.all_reduces / max(trainer.step, 1):.2f} all-reduces/step; "
+        f"wrote {os.path.join(logdir, 'final.npz')}"
     )
     reporter.close()
     trainer.close()
@@ -304,6 +364,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"towers.train: error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:
+        print(f"towers.train: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("towers.train: interrupted", file=sys.stderr)
         return 130
