@@ -107,13 +107,13 @@ class _InflateStream:
     does not inflate, raises :class:`_StreamError`.
     """
 
-    _RAW_CHUNK = 1 << 20
+    _RAW_CHUNK = 1 << 16  # small, so a damaged stream loses little of the good data before it
 
     def __init__(self, fileobj, compression):
         self._file = fileobj
         self._kind = compression
         self._inflate = zlib.decompressobj(_WBITS[compression])
-        self._started = False
+        self._pending = None
         self.consumed = 0
 
     def _raw(self):
@@ -122,32 +122,44 @@ class _InflateStream:
         return data
 
     def read(self, size):
+        if self._pending:
+            raise _StreamError(self._pending)
         out, got = [], 0
-        while got < size:
-            source = self._inflate.unconsumed_tail
-            if not source:
-                if self._inflate.eof:
-                    source = self._inflate.unused_data or self._raw()
-                    if not source:
-                        break
-                    self._inflate = zlib.decompressobj(_WBITS[self._kind])
-                else:
-                    source = self._raw()
-                    if not source:
-                        raise _StreamError(
-                            f"the {self._kind} stream ends before its end marker: the file is "
-                            "truncated; re-copy it")
-            try:
-                piece = self._inflate.decompress(source, size - got)
-            except zlib.error as exc:
-                reason = str(exc).split(": ", 1)[-1]
-                hint = ("is the file really " + self._kind + "-compressed? Try --compression auto"
-                        if not self._started else "the compressed data is damaged; re-copy the file")
-                raise _StreamError(f"{self._kind} inflate failed ({reason}): {hint}") from None
-            self._started = True
-            out.append(piece)
-            got += len(piece)
+        try:
+            while got < size:
+                piece = self._inflate_some(size - got)
+                if piece is None:
+                    break
+                out.append(piece)
+                got += len(piece)
+        except _StreamError as exc:
+            if not out:
+                raise
+            self._pending = str(exc)  # hand out the good data first; fail on the next call
         return b"".join(out)
+
+    def _inflate_some(self, size):
+        """Up to ``size`` more decompressed bytes; None at a clean end of stream."""
+        source = self._inflate.unconsumed_tail
+        if not source:
+            if self._inflate.eof:
+                source = self._inflate.unused_data or self._raw()
+                if not source:
+                    return None
+                self._inflate = zlib.decompressobj(_WBITS[self._kind])
+            else:
+                source = self._raw()
+                if not source:
+                    raise _StreamError(f"the {self._kind} stream ends before its end marker: the file is "
+                                       "truncated; re-copy it")
+        try:
+            piece = self._inflate.decompress(source, size)
+        except zlib.error as exc:
+            reason = str(exc).split(": ", 1)[-1]
+            hint = (f"is the file really {self._kind}-compressed? Try --compression auto"
+                    if "header" in reason else "the compressed data is damaged; re-copy the file")
+            raise _StreamError(f"{self._kind} inflate failed ({reason}): {hint}") from None
+        return piece
 
 
 class RecordBatch:

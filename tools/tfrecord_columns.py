@@ -1,0 +1,268 @@
+"""Turn parsed records into columns, spilled to disk batch by batch.
+
+Every record is parsed as a ``tf.train.SequenceExample`` (an Example is one
+with no feature lists, see :mod:`tools.tfrecord_proto`).  For each feature a
+column keeps, for the current batch only, the batch positions of the records
+that have it, the value count of each, and the values as a flat Python list.
+At the end of a batch the column becomes NumPy arrays (``present``,
+``row_lengths``, ``values`` and, for bytes, ``value_lengths``; feature lists
+also ``step_counts``) that are appended to one raw spill file per array.  A
+feature first seen late gets zero-filled ``present``/``row_lengths`` for the
+records before it.  Memory is one batch plus one small object per feature,
+whatever the number of records.
+
+:meth:`ColumnStore.entries` then names the spill files in the npz convention
+of ``shared/tfrecord-samples/README.md`` (``F.present``, ``F.row_lengths``,
+``F.values``, ``F.value_lengths``, the dense ``F`` when every record has the
+same count; ``context/`` and ``feature_lists/`` prefixes once any record has
+feature lists) as :class:`~tools.npz_stream.ArraySource` objects, without
+reading them.  Per-column statistics (presence, min/max values per record,
+min/max byte lengths) are kept on the fly for the dense decision and for
+``--schema``.
+
+Limits: a feature whose kind changes between records is an error; a feature
+that is only ever an empty ``Feature`` (no kind set) is written as float32.
+"""
+
+import os
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from tools.npz_stream import ArraySource
+from tools.tfrecord import TFRecordError
+from tools.tfrecord_proto import KIND_BYTES, KIND_FLOAT, KIND_NAMES, KIND_OF_FIELD, SequenceExample
+
+_VALUE_DTYPES = {KIND_BYTES: np.dtype(np.uint8), KIND_FLOAT: np.dtype(np.float32)}
+_ZERO_BLOCK = 1 << 20
+
+
+class _Spill:
+    """One array, appended to a raw file batch by batch (or only counted)."""
+
+    def __init__(self, directory, name, dtype):
+        self.path = None if directory is None else os.path.join(directory, name)
+        self.dtype = np.dtype(dtype)
+        self.size = 0
+        if self.path is not None:
+            open(self.path, "wb").close()
+
+    def append(self, array):
+        self.size += array.size
+        if self.path is not None and array.size:
+            with open(self.path, "ab") as f:
+                np.ascontiguousarray(array, self.dtype).tofile(f)
+
+    def append_zeros(self, count):
+        while count > 0:
+            n = min(count, _ZERO_BLOCK)
+            self.append(np.zeros(n, self.dtype))
+            count -= n
+
+    def source(self, dtype=None, shape=None):
+        return ArraySource(dtype or self.dtype, shape or (self.size,), self.path)
+
+
+class _Column:
+    """Values of one feature: its kind, the batch buffers and the running statistics.
+
+    ``rows``/``counts`` are per record for a context feature; a feature list
+    also keeps per-step ``step_lengths`` (its ``counts`` are step counts).
+    """
+
+    def __init__(self, store, key, done_rows, is_list):
+        self.key, self.is_list, self.field, self.kind = key, is_list, None, None
+        self._dir, self._stem = store.spill_dir, f"c{len(store.columns):05d}"
+        self.rows, self.counts, self.step_lengths, self.vals = [], [], [], []
+        self.present_count, self.min_count, self.max_count = 0, None, None
+        self.min_bytes = self.max_bytes = None
+        self.present = _Spill(self._dir, self._stem + ".present", np.bool_)
+        self.row_counts = _Spill(self._dir, self._stem + ".counts", np.int64)
+        self.step_lens = _Spill(self._dir, self._stem + ".steplens", np.int64) if is_list else None
+        self.values = self.value_lengths = None
+        self.present.append_zeros(done_rows)
+        self.row_counts.append_zeros(done_rows)
+
+    def set_field(self, field):
+        """Fix the kind on first sight of a typed Feature; return False on a conflict."""
+        if self.field is None:
+            self.field, self.kind = field, KIND_OF_FIELD[field]
+            self.values = _Spill(self._dir, self._stem + ".values", _VALUE_DTYPES.get(self.kind, np.int64))
+            if self.kind == KIND_BYTES:
+                self.value_lengths = _Spill(self._dir, self._stem + ".valuelens", np.int64)
+            return True
+        return field is self.field
+
+    def take(self, feature):
+        """Buffer the values of one Feature message; return how many there are.
+
+        ``ListFields`` returns the one set member of the ``kind`` oneof as
+        (descriptor, list) in a single C call; comparing descriptors by
+        identity keeps the per-value cost to one ``extend``.
+        """
+        fields = feature.ListFields()
+        if not fields:
+            return 0  # a Feature with no kind set: an empty list
+        (field, typed), = fields
+        if field is not self.field and not self.set_field(field):
+            raise _KindChange(self.key, field, self)
+        values = typed.value
+        self.vals.extend(values)
+        return len(values)
+
+    def flush(self, batch_size):
+        """Append this batch's arrays to the spill files and reset the buffers."""
+        present = np.zeros(batch_size, np.bool_)
+        counts = np.zeros(batch_size, np.int64)
+        if self.rows:
+            rows = np.array(self.rows, np.intp)
+            present[rows] = True
+            counts[rows] = self.counts
+            self.present_count += len(self.rows)
+            self._widen("count", counts[rows])
+        self.present.append(present)
+        self.row_counts.append(counts)
+        if self.is_list:
+            self.step_lens.append(np.array(self.step_lengths, np.int64))
+        vals = self.vals
+        if self.kind == KIND_BYTES:
+            lengths = np.fromiter(map(len, vals), np.int64, len(vals))
+            self._widen("bytes", lengths)
+            self.value_lengths.append(lengths)
+            self.values.append(np.frombuffer(b"".join(vals), np.uint8))
+        elif self.kind is not None:
+            self.values.append(np.array(vals, self.values.dtype))
+        self.rows, self.counts, self.step_lengths, self.vals = [], [], [], []
+
+    def _widen(self, what, array):
+        if array.size:
+            low, high = int(array.min()), int(array.max())
+            old_low, old_high = getattr(self, "min_" + what), getattr(self, "max_" + what)
+            setattr(self, "min_" + what, low if old_low is None else min(low, old_low))
+            setattr(self, "max_" + what, high if old_high is None else max(high, old_high))
+
+    @property
+    def kind_name(self):
+        return KIND_NAMES.get(self.kind, "unknown")
+
+    def dense_shape(self, n):
+        """Shape of the dense form (None if there is none), per the npz convention."""
+        if self.is_list or self.kind is None or self.present_count != n or n == 0 or self.min_count != self.max_count:
+            return None
+        length = self.min_count
+        if self.kind == KIND_BYTES:
+            if length != 1 or self.min_bytes != self.max_bytes:
+                return None
+            return (n, self.min_bytes)
+        return (n,) if length == 1 else (n, length)
+
+    def entries(self, n, prefix):
+        """The npz keys of this column as (key, ArraySource)."""
+        key = prefix + self.key
+        values = self.values or _Spill(None, "", np.float32)
+        out = [(key + ".present", self.present.source())]
+        if self.is_list:
+            out += [(key + ".step_counts", self.row_counts.source()),
+                    (key + ".row_lengths", self.step_lens.source())]
+        else:
+            out.append((key + ".row_lengths", self.row_counts.source()))
+        out.append((key + ".values", values.source()))
+        if self.kind == KIND_BYTES:
+            out.append((key + ".value_lengths", self.value_lengths.source()))
+        shape = self.dense_shape(n)
+        if shape is not None:
+            out.append((key, values.source(shape=shape)))
+        return out
+
+
+class ColumnStore:
+    """Accumulates parsed records into spilled columns (``spill_dir=None``: statistics only)."""
+
+    def __init__(self, spill_dir=None):
+        self.spill_dir = spill_dir
+        self.columns = []
+        self.context, self.lists = {}, {}
+        self.rows = 0
+        self.sequence = False
+
+    def _column(self, table, name, is_list):
+        column = table[name] = _Column(self, name, self.rows, is_list)
+        self.columns.append(column)
+        return column
+
+    def add(self, batch, path):
+        """Parse and add one :class:`~tools.tfrecord.RecordBatch` read from ``path``."""
+        parse, context = SequenceExample.FromString, self.context
+        j = -1
+        try:
+            for j, payload in enumerate(batch.payloads):
+                record = parse(payload)
+                for name, feature in record.context.feature.items():
+                    column = context.get(name) or self._column(context, name, False)
+                    column.rows.append(j)
+                    column.counts.append(column.take(feature))
+                # Field 2 (feature_lists) with entries is what makes a SequenceExample.
+                if record.HasField("feature_lists") and record.feature_lists.feature_list:
+                    self.sequence = True
+                    self._add_lists(record.feature_lists.feature_list, j)
+        except DecodeError as exc:
+            raise TFRecordError(path, batch.indices[j], batch.offsets[j],
+                                f"the payload is not a tf.train.Example or SequenceExample ({exc}); "
+                                "convert only files of Example records") from None
+        except _KindChange as exc:
+            raise TFRecordError(path, batch.indices[j], batch.offsets[j], str(exc)) from None
+        for column in self.columns:
+            column.flush(len(batch.payloads))
+        self.rows += len(batch.payloads)
+
+    def _add_lists(self, feature_lists, j):
+        for name, feature_list in feature_lists.items():
+            column = self.lists.get(name) or self._column(self.lists, name, True)
+            steps = feature_list.feature
+            column.rows.append(j)
+            column.counts.append(len(steps))
+            for feature in steps:
+                column.step_lengths.append(column.take(feature))
+
+    def find(self, name):
+        """The context column called ``name`` (also accepted with its ``context/`` prefix)."""
+        if self.sequence and name.startswith("context/"):
+            name = name[len("context/"):]
+        return self.context.get(name)
+
+    def prefixes(self):
+        return ("context/", "feature_lists/") if self.sequence else ("", "feature_lists/")
+
+    def entries(self):
+        """All (key, ArraySource) pairs in the npz convention, sorted by feature name."""
+        context_prefix, list_prefix = self.prefixes()
+        out = []
+        for name in sorted(self.context):
+            out += self.context[name].entries(self.rows, context_prefix)
+        for name in sorted(self.lists):
+            out += self.lists[name].entries(self.rows, list_prefix)
+        return out
+
+    def schema_lines(self):
+        """One line per feature: key, kind, values (or steps) per record min..max, presence."""
+        context_prefix, list_prefix = self.prefixes()
+        lines = []
+        for table, prefix, per in ((self.context, context_prefix, "values"), (self.lists, list_prefix, "steps")):
+            for name in sorted(table):
+                c = table[name]
+                span = "-" if c.min_count is None else f"{c.min_count}..{c.max_count}"
+                line = (f"{prefix + name:30s} {c.kind_name:7s} {per}/record {span:>9s}  "
+                        f"in {c.present_count}/{self.rows} records")
+                if c.kind == KIND_BYTES and c.min_bytes is not None:
+                    line += f"  bytes/value {c.min_bytes}..{c.max_bytes}"
+                shape = c.dense_shape(self.rows)
+                if shape is not None:
+                    line += f"  dense {c.values.dtype.name}{list(shape)}"
+                lines.append(line)
+        return lines
+
+
+class _KindChange(Exception):
+    def __init__(self, name, field, column):
+        super().__init__(f"feature {name!r} is {KIND_NAMES[KIND_OF_FIELD[field]]} here but "
+                         f"{column.kind_name} in earlier records; a feature must keep one kind")

@@ -1,0 +1,231 @@
+"""Convert TFRecord files of tf.train.Example / SequenceExample records to one .npz.
+
+Usage::
+
+    python -m tools.tfrecord_to_npz INPUT [INPUT ...] -o OUT.npz [options]
+    python -m tools.tfrecord_to_npz output.tfrecords -o mnist.npz \\
+        --decode image_raw:uint8:28,28 --x image_raw --y label
+
+Each INPUT is a path or a glob; a glob's matches are read in sorted order and
+all inputs are concatenated in the order given.  The pipeline per file is
+:class:`tools.tfrecord.TFRecordReader` (framing, both CRCs, decompression)
+-> :class:`tools.tfrecord_columns.ColumnStore` (protobuf parse, columns
+spilled to a temporary folder beside OUT) -> :func:`tools.npz_stream.write_npz`
+into a temporary file that is renamed to OUT only when everything succeeded.
+
+Exit status: 0 on success, 1 for damaged or unreadable input (one line naming
+file, record index and byte offset), 2 for a usage mistake, 130 on Ctrl-C.
+No OUT is left behind unless the status is 0.  See tools/README.md.
+"""
+
+import argparse
+import glob
+import math
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from tools.atomic import atomic_path
+from tools.npz_stream import write_npz
+from tools.tfrecord import COMPRESSIONS, TFRecordError, TFRecordReader
+from tools.tfrecord_columns import ColumnStore
+from tools.tfrecord_proto import KIND_BYTES
+
+PROG = "tfrecord_to_npz"
+
+
+class UsageError(Exception):
+    """A mistake in the flags or in what they ask of the data; exit status 2."""
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog=f"python -m tools.{PROG}", description=__doc__.split("\n\n")[0])
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="TFRecord file or glob (matches read sorted)")
+    p.add_argument("-o", "--output", metavar="OUT.npz", help="output file (required unless --schema)")
+    p.add_argument("--compression", choices=COMPRESSIONS, default="auto",
+                   help="input compression; auto detects gzip/zlib per file (default: auto)")
+    p.add_argument("--decode", action="append", default=[], metavar="NAME:DTYPE[:SHAPE]",
+                   help="turn a fixed-length bytes feature into a dense array, e.g. image_raw:uint8:28,28")
+    p.add_argument("--x", metavar="NAME", help="also write this feature's dense array as 'x'")
+    p.add_argument("--y", metavar="NAME", help="also write this feature's dense array as 'y'")
+    p.add_argument("--schema", action="store_true", help="print the inferred schema and write nothing")
+    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
+                   help="skip: drop records whose payload CRC fails (framing intact) and count them")
+    p.add_argument("--compress", action="store_true", help="deflate the npz members (smaller, slower)")
+    p.add_argument("--chunk-size", type=int, default=8 << 20, metavar="BYTES",
+                   help="bytes read and converted per batch (default 8 MiB)")
+    return p
+
+
+def expand_inputs(patterns):
+    """Paths for the INPUT arguments: globs expanded and sorted, argument order kept."""
+    paths = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = sorted(glob.glob(pattern))
+            if not matches:
+                raise UsageError(f"no file matches {pattern!r}; check the pattern (quote it for the shell)")
+            paths += matches
+        elif os.path.isfile(pattern):
+            paths.append(pattern)
+        else:
+            raise UsageError(f"{pattern}: no such file; give a TFRecord file or a glob")
+    return paths
+
+
+def parse_decode(spec):
+    """``NAME:DTYPE[:SHAPE]`` -> (name, dtype, shape or None); dtypes default to little-endian."""
+    parts = spec.split(":")
+    shape = None
+    if len(parts) >= 3 and all(p.strip().isdigit() for p in parts[-1].split(",")):
+        shape = tuple(int(p) for p in parts.pop().split(","))
+    if len(parts) < 2 or not parts[-1]:
+        raise UsageError(f"--decode {spec!r}: expected NAME:DTYPE[:SHAPE], e.g. image_raw:uint8:28,28")
+    name, dtype_name = ":".join(parts[:-1]), parts[-1]
+    try:
+        dtype = np.dtype(dtype_name)
+    except TypeError:
+        raise UsageError(f"--decode {spec!r}: {dtype_name!r} is not a NumPy dtype (e.g. uint8, float32)") from None
+    if dtype.kind not in "biufc":
+        raise UsageError(f"--decode {spec!r}: {dtype_name!r} is not a numeric dtype")
+    if dtype.byteorder == "=":
+        dtype = dtype.newbyteorder("<")  # TFRecord writers store raw bytes little-endian in practice
+    return name, dtype, shape
+
+
+def _decoded(store, name, dtype, shape, spec):
+    """ArraySource of a bytes feature read as ``dtype`` with shape (N, *shape)."""
+    column = store.find(name)
+    if column is None or column.is_list:
+        raise UsageError(f"--decode {spec}: no feature {name!r}; see --schema for the names")
+    n = store.rows
+    per_record = None if shape is None else math.prod(shape) * dtype.itemsize
+    fixed = (column.kind == KIND_BYTES and column.present_count == n and n > 0
+             and column.min_count == column.max_count == 1 and column.min_bytes == column.max_bytes)
+    if not fixed or (per_record is not None and column.min_bytes != per_record) or column.min_bytes % dtype.itemsize:
+        want = f"{per_record} bytes" if per_record is not None else f"a multiple of {dtype.itemsize} bytes"
+        have = (f"{column.kind_name}, {column.min_count}..{column.max_count} values in "
+                f"{column.present_count}/{n} records, {column.min_bytes}..{column.max_bytes} bytes each")
+        raise UsageError(f"--decode {spec}: needs one string of {want} in every record, but {name!r} is "
+                         f"{have}; fix the DTYPE/SHAPE or drop --decode")
+    if shape is None:
+        shape = (column.min_bytes // dtype.itemsize,)
+    return column.values.source(dtype=dtype, shape=(n, *shape))
+
+
+def _entries(store, args):
+    """The npz members: the convention's keys, decoded arrays, and x/y."""
+    entries = dict(store.entries())
+    dense_key = {name: store.prefixes()[0] + name for name in store.context}
+    decoded = {}
+    for spec in args.decode:
+        name, dtype, shape = parse_decode(spec)
+        source = _decoded(store, name, dtype, shape, spec)
+        key = dense_key[store.find(name).key]
+        entries[key] = decoded[key] = source
+    for flag, name in (("x", args.x), ("y", args.y)):
+        if name is None:
+            continue
+        column = store.find(name)
+        if column is None or column.is_list:
+            raise UsageError(f"--{flag} {name}: no feature {name!r}; see --schema for the names")
+        key = dense_key[column.key]
+        if key not in entries:
+            raise UsageError(f"--{flag} {name}: the feature has no dense form ({column.kind_name}, "
+                             f"{column.min_count}..{column.max_count} values in {column.present_count}/"
+                             f"{store.rows} records); use --decode for fixed-length bytes")
+        if flag in entries and flag != key:
+            raise UsageError(f"--{flag} {name}: a feature is already called {flag!r}; rename it first")
+        entries[flag] = entries[key]
+    return list(entries.items())
+
+
+def _progress(total):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True,
+                disable=not sys.stderr.isatty(), file=sys.stderr, desc="converting")
+
+
+def read_all(paths, store, args, say):
+    """Feed every record of every file to ``store``; return the count of skipped records."""
+    skipped, last_choice = 0, None
+    with _progress(sum(os.path.getsize(p) for p in paths)) as bar:
+        for path in paths:
+            reader = TFRecordReader(path, args.compression, args.on_error, args.chunk_size)
+            if args.compression == "auto" and reader.compression != last_choice:
+                say(f"{path}: compression auto -> {reader.compression}")
+                last_choice = reader.compression
+            if reader.size == 0:
+                say(f"warning: {path} is empty (0 bytes): it adds no records")
+            done = 0
+            for batch in reader:
+                store.add(batch, path)
+                bar.update(reader.consumed - done)
+                done = reader.consumed
+                bar.set_postfix_str(f"{store.rows} records", refresh=False)
+            bar.update(reader.consumed - done)
+            skipped += reader.skipped
+    if skipped:
+        say(f"warning: dropped {skipped} record(s) whose payload CRC failed (--on-error skip)")
+    return skipped
+
+
+def convert(args, say):
+    paths = expand_inputs(args.inputs)
+    for spec in args.decode:
+        parse_decode(spec)  # flag mistakes surface before a long read
+    start = time.perf_counter()
+    if args.schema:
+        store = ColumnStore(None)
+        read_all(paths, store, args, say)
+        kind = "tf.train.SequenceExample" if store.sequence else "tf.train.Example"
+        print(f"{store.rows} records ({kind}) in {len(paths)} file(s)")
+        for line in store.schema_lines():
+            print(line)
+        return
+    if not args.output:
+        raise UsageError("give the output file with -o OUT.npz (or use --schema)")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"{args.output}: the folder {out_dir} does not exist; create it first")
+    # Spill files live beside OUT: same file system, and never a small /tmp.
+    with tempfile.TemporaryDirectory(prefix=f".{os.path.basename(args.output)}.columns-", dir=out_dir) as spill:
+        store = ColumnStore(spill)
+        read_all(paths, store, args, say)
+        entries = _entries(store, args)
+        with atomic_path(args.output) as tmp:
+            write_npz(tmp, entries, compress=args.compress)
+    seconds = time.perf_counter() - start
+    kind = "SequenceExample" if store.sequence else "Example"
+    say(f"wrote {args.output}: {store.rows} {kind} records, {len(store.columns)} features, {len(entries)} arrays "
+        f"in {seconds:.1f} s ({store.rows / max(seconds, 1e-9):,.0f} records/s)")
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+
+    def say(message):
+        print(f"{PROG}: {message}", file=sys.stderr)
+
+    try:
+        convert(args, say)
+    except TFRecordError as exc:
+        say(f"error: {exc}")
+        return 1
+    except UsageError as exc:
+        say(f"error: {exc}")
+        return 2
+    except OSError as exc:
+        say(f"error: {exc.filename or ''}: {exc.strerror or exc}; check the path, permissions and free space")
+        return 1
+    except KeyboardInterrupt:
+        say("interrupted: no output written")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
