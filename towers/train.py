@@ -25,9 +25,8 @@ from pathlib import Path
 
 import numpy
 
-from towers import UserError
+from towers import UserError, checkpoint
 from towers.allreduce import TowerAllReduce
-from towers import checkpoint
 from towers.checkpoint import atomic_save_npz, flat_to_named
 from towers.data import BatchSource, Prefetcher, Stager, load_dataset
 from towers.model import Replica, build_model
@@ -325,7 +324,8 @@ def run(cfg: Config, nccl=None) -> dict:
     atomic_save_npz(os.path.join(logdir, "final.npz"), arrays)
     reporter.record(**result)
     reporter.say(
-        f"done: {trainer.step - start_step} steps (to step {trainer.step}) in {elapsed:.1f} s, {result['examples_per_sec']:.1f} examples/sec "
+        f"done: {trainer.step - start_step} steps (to step {trainer.step}) in {elapsed:.1f} s, "
+        f"{result['examples_per_sec']:.1f} examples/sec "
         f"on {placement.n_towers} tower{'s' if placement.n_towers > 1 else ''} "
         f"({', '.join(map(str, placement.towers))}); wrote {os.path.join(logdir, 'final.npz')}"
     )
