@@ -1,4 +1,4 @@
-"""What a run reports: the progress bar, log lines, and ``metrics.jsonl``.
+"""What a run reports: the progress bar, log lines, ``metrics.jsonl`` and TensorBoard events.
 
 Log lines follow the original example:
 ``step 100, loss = 0.31 (41234.5 examples/sec; 0.005 sec/batch)``.
@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
+import numpy
 from tqdm import tqdm
 
 
@@ -47,3 +49,66 @@ class Reporter:
     def close(self) -> None:
         self.bar.close()
         self._metrics.close()
+
+
+class TensorBoard:
+    """TensorBoard event files in the logdir, written with tensorboardX.
+
+    Every ``every`` steps: scalars ``loss``, ``learning_rate`` and
+    ``examples_per_sec``, and histograms of every weight (``layer1/weights``)
+    and of the averaged gradient (``layer1/weights/gradients``), named as the
+    TensorFlow original names them.  Fetching weights and gradients is a host
+    sync, so it happens only at these steps.  ``test_accuracy`` and
+    ``test_accuracy_ema`` are written where the trainer evaluates: at checkpoint
+    steps and at the end (a full pass over the test set is too costly for every
+    summary step).
+
+    A resumed run opens its writer with ``purge_step``, so TensorBoard drops
+    what a crashed run wrote after the checkpoint it resumes from.
+    """
+
+    def __init__(self, logdir: str, every: int, start_step: int = 0):
+        self.every = every
+        self._writer = None
+        if every > 0:  # 0: no summaries, no event file
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(logdir, purge_step=start_step or None)
+        self._t, self._step = time.perf_counter(), start_step
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def write_step(self, trainer, loss: float, lr: float) -> None:
+        """The summaries of one step: scalars, then the histograms (a host sync)."""
+        from towers.checkpoint import flat_to_named
+
+        if self._writer is None:
+            return
+        now, step = time.perf_counter(), trainer.step
+        rate = (step - self._step) * trainer.global_batch / max(now - self._t, 1e-9)
+        self._t, self._step = now, step
+        self.scalars(step, loss=loss, learning_rate=lr, examples_per_sec=rate)
+        for name, a in flat_to_named(trainer.model, trainer.replicas[0].params).items():
+            self._writer.add_histogram(name, _finite(a), step, bins="tensorflow")
+        # After the all-reduce every replica's gradient buffer holds the average.
+        for name, a in flat_to_named(trainer.model, trainer.replicas[0].grads).items():
+            self._writer.add_histogram(name + "/gradients", _finite(a), step, bins="tensorflow")
+        self._writer.flush()  # summary steps are rare: readers see each one at once
+
+    def scalars(self, step: int, **values: float) -> None:
+        if self._writer is not None:
+            for k, v in values.items():
+                self._writer.add_scalar(k, float(v), step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _finite(a: numpy.ndarray) -> numpy.ndarray:
+    """Histograms reject inf/nan; a diverging run still gets its finite part drawn."""
+    a = numpy.asarray(a).reshape(-1)
+    return a if numpy.isfinite(a).all() else a[numpy.isfinite(a)]

@@ -25,15 +25,15 @@ from pathlib import Path
 
 import numpy
 
-from towers import TrainingError, UserError
+from towers import TrainingError, UserError, checkpoint
 from towers.allreduce import TowerAllReduce
 from towers.checkpoint import atomic_save_npz, flat_to_named
 from towers.data import BatchSource, Prefetcher, Stager, load_dataset
 from towers.model import Replica, build_model
 from towers.optimizer import EMA, SGD, learning_rate
 from towers.placement import resolve
+from towers.summaries import Reporter, TensorBoard
 from towers.sync import check_mode, check_replicas
-from towers.summaries import Reporter
 
 DEFAULT_DATA = str(Path(__file__).resolve().parents[1] / "data" / "digits.npz")
 
@@ -76,6 +76,11 @@ class Config:
     log_every: int = 100
     logdir: str | None = None  # default runs/<timestamp>
     quiet: bool = False
+    # checkpoints and summaries (towers.checkpoint, towers.summaries.TensorBoard)
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 5
+    resume: bool = False
+    summary_every: int = 100
 
 
 HELP = {
@@ -99,6 +104,12 @@ HELP = {
     "check_replicas": "compare every replica with the first every K steps (0: only at the end)",
     "log_every": "steps between log lines", "logdir": "output directory (default runs/<timestamp>)",
     "quiet": "no progress bar and no per-step log lines",
+    "checkpoint_every": "steps between checkpoints (ckpt-<step>.npz in --logdir); one is always written "
+                        "at the end; 0: only then",
+    "keep_checkpoints": "how many of the newest checkpoints to keep",
+    "resume": "continue from the latest valid checkpoint in --logdir (--steps is the total, not more steps)",
+    "summary_every": "steps between TensorBoard summaries (scalars, weight and gradient histograms; "
+                     "a host sync); 0: none",
 }
 
 
@@ -137,6 +148,15 @@ def _check(cfg: Config) -> None:
     if cfg.check_replicas < 0:
         raise UserError(f"--check-replicas must be 0 (end only) or a number of steps, got {cfg.check_replicas}")
     check_mode(cfg.sync, cfg.average_every)
+    if cfg.checkpoint_every < 0 or cfg.summary_every < 0 or cfg.keep_checkpoints < 1:
+        raise UserError("--checkpoint-every and --summary-every must be >= 0, --keep-checkpoints >= 1")
+    if cfg.sync == "weights" and cfg.checkpoint_every % cfg.average_every:
+        raise UserError(
+            f"with --sync weights, --checkpoint-every ({cfg.checkpoint_every}) must be a multiple of "
+            f"--average-every ({cfg.average_every}): a checkpoint holds the weights right after an average"
+        )
+    if cfg.resume and not cfg.logdir:
+        raise UserError("--resume needs --logdir DIR: the directory of the run to continue")
 
 
 # -- the trainer ---------------------------------------------------------------------
@@ -294,28 +314,49 @@ def run(cfg: Config, nccl=None) -> dict:
     # -- data: parsed on the CPU, batches assembled on a background thread.
     dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data)
     source = BatchSource(dataset, cfg.batch_size * placement.n_towers, cfg.seed)
+    logdir = cfg.logdir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    resume = _resume_point(cfg, logdir, dataset, placement.n_towers)
+    if resume is not None:  # the same pipeline, at the saved position
+        source = BatchSource(dataset, source.global_batch, cfg.seed, *resume.position)
 
     # -- model, replicas, optimizer, EMA, all-reduce.
     trainer = Trainer(cfg, placement, dataset, nccl=nccl)
-    logdir = cfg.logdir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if resume is not None:
+        checkpoint.restore(trainer, resume)
+    start_step = trainer.step
     os.makedirs(logdir, exist_ok=True)
-    reporter = Reporter(logdir, cfg.steps, quiet=cfg.quiet)
-    prefetch = Prefetcher(source, cfg.steps)
+    ckpt = checkpoint.Checkpointer(logdir, cfg, dataset, placement.n_towers, start_step, source.position)
+    ckpt.last_path = resume.path if resume is not None else None
+    tb = TensorBoard(logdir, cfg.summary_every, start_step)
+    reporter = Reporter(logdir, cfg.steps, start_step=start_step, quiet=cfg.quiet)
+    prefetch = Prefetcher(source, max(cfg.steps - start_step, 0))
 
     # -- the loop.
     t_start = t_last = time.perf_counter()
-    last_step = 0
+    last_step = start_step
     next_check = cfg.check_replicas or cfg.steps + 1
     try:
-        for _ in range(cfg.steps):
+        for _ in range(cfg.steps - start_step):
             x, y = prefetch.get()
             log_now = (trainer.step + 1) % cfg.log_every == 0 or trainer.step + 1 == cfg.steps
+            summary_now, ckpt_now = tb.due(trainer.step + 1), ckpt.due(trainer.step + 1, cfg.steps)
             lr = trainer.lr()
-            losses = trainer.train_step(x, y, want_loss=log_now)
+            losses = trainer.train_step(x, y, want_loss=log_now or summary_now or ckpt_now)
+            if trainer.step == cfg.steps:
+                trainer.finish()  # weights mode: a last average before the final checkpoint
             reporter.advance()
-            if log_now:
-                # Host sync point: the loss comes off the device only here.
+            if losses is not None:
+                # Host sync point: the loss comes off the device only at these steps.
                 loss = sum(float(v) for v in losses) / len(losses)
+                if not numpy.isfinite(loss):
+                    raise checkpoint.diverged(trainer.step, f"the loss is {loss}", ckpt.last_path)
+            if summary_now:
+                tb.write_step(trainer, loss, lr)
+            if ckpt_now:
+                ckpt.save(trainer)
+                if trainer.step != cfg.steps:  # the end is evaluated below
+                    tb.scalars(trainer.step, **_test_accuracy(trainer))
+            if log_now:
                 now = time.perf_counter()
                 steps = trainer.step - last_step
                 reporter.log_step(trainer.step, loss, lr, steps * trainer.global_batch / (now - t_last),
@@ -323,21 +364,23 @@ def run(cfg: Config, nccl=None) -> dict:
                 t_last, last_step = now, trainer.step
             if trainer.step >= next_check and trainer.check_replicas():
                 next_check = (trainer.step // cfg.check_replicas + 1) * cfg.check_replicas
-        trainer.finish()
         trainer.check_replicas()  # always at the end: the saved weights are every replica's
         trainer.synchronize()
         elapsed = time.perf_counter() - t_start
+        test = _test_accuracy(trainer)
+        tb.scalars(trainer.step, **test)
     finally:
         prefetch.close()
         reporter.bar.close()
+        tb.close()
 
     # -- teardown: evaluate, write the final weights.
-    result = {"step": trainer.step, "examples_per_sec": trainer.step * trainer.global_batch / elapsed}
-    if dataset.x_test is not None:
-        _, acc = trainer.evaluate(use_ema=False)
-        _, acc_ema = trainer.evaluate(use_ema=True)
-        result.update(test_accuracy=acc, test_accuracy_ema=acc_ema)
-        reporter.say(f"test accuracy: {acc:.4f} (raw weights), {acc_ema:.4f} (EMA weights)")
+    result = {"step": trainer.step,
+              "examples_per_sec": (trainer.step - start_step) * trainer.global_batch / max(elapsed, 1e-9)}
+    if test:
+        result.update(test)
+        reporter.say(f"test accuracy: {test['test_accuracy']:.4f} (raw weights), "
+                     f"{test['test_accuracy_ema']:.4f} (EMA weights)")
     else:
         reporter.say("no test data (x_test/y_test in --data, or --test-data): test accuracy skipped")
     arrays = {f"params/{k}": v for k, v in flat_to_named(trainer.model, trainer.replicas[0].params).items()}
@@ -346,15 +389,37 @@ def run(cfg: Config, nccl=None) -> dict:
     atomic_save_npz(os.path.join(logdir, "final.npz"), arrays)
     reporter.record(**result)
     reporter.say(
-        f"done: {trainer.step} steps in {elapsed:.1f} s, {result['examples_per_sec']:.1f} examples/sec "
+        f"done: {trainer.step - start_step} steps (to step {trainer.step}) in {elapsed:.1f} s, "
+        f"{result['examples_per_sec']:.1f} examples/sec "
         f"on {placement.n_towers} tower{'s' if placement.n_towers > 1 else ''} "
         f"({', '.join(map(str, placement.towers))}), {cfg.sync} sync, "
-        f"{trainer.all_reduces / max(trainer.step, 1):.2f} all-reduces/step; "
+        f"{trainer.all_reduces / max(trainer.step - start_step, 1):.2f} all-reduces/step; "
         f"wrote {os.path.join(logdir, 'final.npz')}"
     )
     reporter.close()
     trainer.close()
     return result
+
+
+def _resume_point(cfg: Config, logdir: str, dataset, n_towers: int):
+    """The checkpoint ``--resume`` continues from (None: fresh); a fresh run never overwrites one."""
+    def say(line, note=False):
+        print(line, file=sys.stderr if note else sys.stdout, flush=True)
+
+    if cfg.resume:
+        return checkpoint.find_resume(cfg, logdir, dataset, n_towers, say)
+    existing = checkpoint.list_checkpoints(logdir) if os.path.isdir(logdir) else []
+    if existing:
+        raise UserError(f"{logdir} already holds checkpoints (newest {existing[0][1]}): "
+                        "pass --resume to continue that run, or choose another --logdir")
+    return None
+
+
+def _test_accuracy(trainer: Trainer) -> dict:
+    """Test accuracy with the raw and the EMA weights ({} without test data)."""
+    if trainer.dataset.x_test is None:
+        return {}
+    return {"test_accuracy": trainer.evaluate(use_ema=False)[1], "test_accuracy_ema": trainer.evaluate(use_ema=True)[1]}
 
 
 def main(argv=None) -> int:

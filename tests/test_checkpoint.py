@@ -1,0 +1,182 @@
+"""Checkpoints and --resume: exact continuation, crash safety, refusals.
+
+Everything runs the real command line in a subprocess on the small digits data
+with a tiny MLP, so it tests what a user runs (including exit codes and the
+one-line errors) in a few seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy
+import pytest
+
+from towers.checkpoint import list_checkpoints, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--hidden", "16", "--batch-size", "50", "--quiet", "--summary-every", "0"]
+
+
+def train(logdir, *args, ok=True):
+    p = subprocess.run([sys.executable, "-m", "towers.train", "--logdir", str(logdir), *SMALL, *map(str, args)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def one_line_error(p, code: int = 2) -> str:
+    """The error a user sees: one line, no traceback; exit 2 for a user mistake, 1 for a failed run."""
+    assert p.returncode == code, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("towers.train: error:")]
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+def test_resume_is_byte_identical(tmp_path):
+    # --steps is the total: 20 steps, then --resume --steps 40 runs steps 21..40.
+    # Momentum exercises the optimizer state; 2 towers x 50 crosses an epoch
+    # boundary (1438 examples) before step 20, so the pipeline position matters.
+    common = ["--n-gpu", 2, "--momentum", 0.9, "--checkpoint-every", 7, "--log-every", 5]
+    train(tmp_path / "whole", "--steps", 40, *common)
+    train(tmp_path / "split", "--steps", 20, *common)
+    p = train(tmp_path / "split", "--steps", 40, "--resume", *common)
+    assert "resuming from" in p.stdout and "ckpt-00000020.npz" in p.stdout
+    whole, split = (tmp_path / d / "final.npz" for d in ("whole", "split"))
+    assert whole.read_bytes() == split.read_bytes()
+    with numpy.load(split) as z:
+        assert int(z["step"]) == 40
+
+
+def test_checkpoint_contents_index_and_keep(tmp_path):
+    train(tmp_path / "a", "--steps", 12, "--checkpoint-every", 2, "--keep-checkpoints", 3, "--momentum", 0.5)
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert [n for n in names if n.startswith("ckpt-")] == ["ckpt-00000008.npz", "ckpt-00000010.npz", "ckpt-00000012.npz"]
+    assert not [n for n in names if n.endswith(".tmp")]  # no leftovers of the atomic writes
+    index = (tmp_path / "a" / "checkpoint").read_text()
+    assert index.splitlines()[0] == 'model_checkpoint_path: "ckpt-00000012.npz"'
+    assert index.count("all_model_checkpoint_paths") == 3
+    ck = load_checkpoint(str(tmp_path / "a" / "ckpt-00000012.npz"))
+    assert int(ck["step"]) == 12
+    # 12 steps x 50 examples: epoch 0, index 600.
+    assert (int(ck["data/epoch"]), int(ck["data/index"])) == (0, 600)
+    assert ck["config"]["hidden"] == 16 and ck["config"]["momentum"] == 0.5
+    for kind in ("params", "ema", "momentum"):
+        assert ck[f"{kind}/layer1/weights"].shape == (64, 16)
+        assert ck[f"{kind}/layer2/biases"].dtype == numpy.float32
+    with numpy.load(tmp_path / "a" / "final.npz") as z:
+        numpy.testing.assert_array_equal(z["ema/layer1/weights"], ck["ema/layer1/weights"])
+    # The format does not depend on the tower count: same keys and shapes with 2 towers.
+    train(tmp_path / "b", "--steps", 2, "--n-gpu", 2, "--momentum", 0.5)
+    ck2 = load_checkpoint(str(tmp_path / "b" / "ckpt-00000002.npz"))
+    assert {k: numpy.shape(v) for k, v in ck2.items() if "/" in k and not k.startswith("data/")} == \
+           {k: numpy.shape(v) for k, v in ck.items() if "/" in k and not k.startswith("data/")}
+    assert int(ck2["n_towers"]) == 2
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
+    train(tmp_path, "--steps", 10, "--checkpoint-every", 5)
+    latest = tmp_path / "ckpt-00000010.npz"
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # truncated
+    p = train(tmp_path, "--steps", 12, "--checkpoint-every", 5, "--resume")
+    assert "ckpt-00000010.npz is unreadable" in p.stderr
+    assert "resuming from" in p.stdout and "ckpt-00000005.npz: step 5" in p.stdout
+    assert load_checkpoint(str(tmp_path / "ckpt-00000012.npz"))["step"] == 12
+    # Bytes flipped mid-file (CRC mismatch) are caught too; all unreadable is an error, not a fresh start.
+    for _, path in list_checkpoints(str(tmp_path)):
+        data = bytearray(Path(path).read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+        Path(path).write_bytes(bytes(data))
+    err = one_line_error(train(tmp_path, "--steps", 14, "--resume", ok=False))
+    assert "none of the" in err and "can be read" in err
+
+
+def test_resume_refusals_and_notes(tmp_path):
+    train(tmp_path, "--steps", 4, "--n-gpu", 2)
+    # A fresh run never overwrites a run's checkpoints.
+    assert "--resume" in one_line_error(train(tmp_path, "--steps", 4, ok=False))
+    # Another model shape: named, with the checkpoint's settings.
+    err = one_line_error(train(tmp_path, "--steps", 6, "--resume", "--hidden", 32, ok=False))
+    assert "layer1/weights" in err and "--hidden 16" in err
+    # Another dataset shape.
+    other = tmp_path / "other.npz"
+    numpy.savez(other, x=numpy.zeros((300, 5), numpy.uint8), y=numpy.arange(300) % 10)
+    assert "shape" in one_line_error(train(tmp_path, "--steps", 6, "--resume", "--data", other, ok=False))
+    # Another tower count is allowed, with a note; the run continues to --steps.
+    p = train(tmp_path, "--steps", 6, "--resume", "--n-gpu", 1, "--batch-size", 100)
+    assert "written by 2 tower(s)" in p.stderr and "same global batch" in p.stderr
+    assert load_checkpoint(str(tmp_path / "ckpt-00000006.npz"))["step"] == 6
+    # --resume without --logdir, and in an empty logdir.
+    p = subprocess.run([sys.executable, "-m", "towers.train", "--resume"], cwd=ROOT, capture_output=True, text=True)
+    assert "--resume needs --logdir" in one_line_error(p)
+    p = train(tmp_path / "empty", "--steps", 2, "--resume")
+    assert "no checkpoint" in p.stderr and "starting fresh" in p.stderr
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    train(tmp_path, "--steps", 10, "--checkpoint-every", 5)
+    p = train(tmp_path, "--steps", 40, "--resume", "--lr", "1e30", "--log-every", 1, ok=False)
+    err = one_line_error(p, code=1)
+    m = re.search(r"step (\d+): the loss is (nan|inf)", err)
+    assert m and int(m.group(1)) > 10, err
+    assert "ckpt-00000010.npz" in err
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [10, 5]
+    ck = load_checkpoint(str(tmp_path / "ckpt-00000010.npz"))
+    assert all(numpy.isfinite(v).all() for k, v in ck.items() if k.startswith(("params/", "ema/")))
+    with numpy.load(tmp_path / "final.npz") as z:  # still the good run's, step 10
+        assert int(z["step"]) == 10
+
+
+def _step(line: str) -> int:
+    try:
+        return json.loads(line)["step"]
+    except ValueError:  # a line the kill cut short
+        return -1
+
+
+def _newest_step(logdir) -> int:
+    found = list_checkpoints(str(logdir))
+    return found[0][0] if found else -1
+
+
+def test_sigkill_at_any_moment_loses_nothing_beyond_the_last_checkpoint(tmp_path):
+    steps = 600  # ~2 ms a step with a checkpoint each step: long enough to be killed mid-run
+    args = ["--steps", steps, "--checkpoint-every", 1, "--log-every", 1, "--batch-size", 20, "--keep-checkpoints", 3]
+    train(tmp_path / "ref", *args)
+    run = tmp_path / "crashy"
+    cmd = [sys.executable, "-m", "towers.train", "--logdir", str(run), *SMALL, *map(str, args)]
+    done = 0
+    # Kill the moment a new checkpoint appears, and at several delays after.
+    for delay in (0.0, 0.01, 0.05, 0.2):
+        p = subprocess.Popen(cmd + (["--resume"] if done else []), cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while _newest_step(run) <= done and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(delay)
+        os.kill(p.pid, signal.SIGKILL)
+        assert p.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+        # Every checkpoint file on disk is complete, and the index names a loadable one.
+        on_disk = list_checkpoints(str(run))
+        for _, path in on_disk:
+            load_checkpoint(path)
+        index = run / "checkpoint"
+        if index.exists():
+            load_checkpoint(str(run / re.match(r'model_checkpoint_path: "(.+)"', index.read_text()).group(1)))
+        else:  # killed between the very first checkpoint and the first index write
+            assert len(on_disk) == 1
+        # Nothing lost beyond the steps since the newest checkpoint: every step the
+        # run reported as done is in it.
+        logged = [_step(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert on_disk[0][0] >= max(logged, default=0) and on_disk[0][0] > done
+        done = on_disk[0][0]
+    train(run, *args, "--resume")
+    assert (run / "final.npz").read_bytes() == (tmp_path / "ref" / "final.npz").read_bytes()

@@ -1,0 +1,112 @@
+"""``python -m towers.eval`` and the TensorBoard event files, read back with TensorBoard's own reader."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--hidden", "16", "--batch-size", "50", "--quiet"]
+
+
+def cli(module, *args, ok=True):
+    p = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """One trained run: 20 steps, checkpoints every 10, summaries and log lines every 5."""
+    d = tmp_path_factory.mktemp("run")
+    cli("towers.train", "--logdir", d, *SMALL, "--steps", 20, "--checkpoint-every", 10,
+        "--summary-every", 5, "--log-every", 5, "--n-gpu", 2)
+    return d
+
+
+def metrics(d) -> list[dict]:
+    return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tensorboard_events_hold_scalars_and_histograms(run_dir):
+    # Use TensorBoard's TF-free code path (its own stub), as it runs without TensorFlow installed.
+    sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "histograms": 0})
+    ea.Reload()
+    tags = ea.Tags()
+    assert {"loss", "learning_rate", "examples_per_sec", "test_accuracy", "test_accuracy_ema"} <= set(tags["scalars"])
+    names = ["layer1/weights", "layer1/biases", "layer2/weights", "layer2/biases"]
+    assert set(tags["histograms"]) == set(names) | {n + "/gradients" for n in names}
+    assert [e.step for e in ea.Scalars("loss")] == [5, 10, 15, 20]
+    # The same values as the log lines and the final test accuracy (float32 in the events).
+    logged = {m["step"]: m for m in metrics(run_dir) if "loss" in m}
+    for e in ea.Scalars("loss"):
+        assert e.value == pytest.approx(logged[e.step]["loss"], rel=1e-6)
+    for e in ea.Scalars("learning_rate"):  # the rate of the update that made step e.step
+        assert e.value == pytest.approx(0.8 * 0.99 ** ((e.step - 1) * 100 / 1438), rel=1e-6)
+    final = metrics(run_dir)[-1]
+    assert ea.Scalars("test_accuracy_ema")[-1].value == pytest.approx(final["test_accuracy_ema"], rel=1e-6)
+    assert ea.Scalars("test_accuracy")[-1].value == pytest.approx(final["test_accuracy"], rel=1e-6)
+    assert all(e.value > 0 for e in ea.Scalars("examples_per_sec"))
+    # The last weight histogram describes the final weights.
+    with numpy.load(run_dir / "final.npz") as z:
+        w = z["params/layer1/weights"].astype(numpy.float64)
+    h = ea.Histograms("layer1/weights")[-1]
+    assert h.step == 20 and h.histogram_value.num == w.size
+    assert h.histogram_value.sum == pytest.approx(w.sum(), rel=1e-9, abs=1e-9)
+    assert h.histogram_value.max == pytest.approx(w.max())
+    assert sum(h.histogram_value.bucket) == w.size
+    g = ea.Histograms("layer2/biases/gradients")[-1].histogram_value
+    assert g.num == 10 and g.sum_squares > 0
+
+
+def test_eval_matches_the_trainers_accuracy(run_dir):
+    final = metrics(run_dir)[-1]
+    out = cli("towers.eval", "--logdir", run_dir).stdout
+    assert "ckpt-00000020.npz (step 20)" in out and "EMA weights" in out
+    assert f"accuracy = {final['test_accuracy_ema']:.4f}" in out
+    out = cli("towers.eval", "--logdir", run_dir, "--no-ema").stdout
+    assert f"accuracy = {final['test_accuracy']:.4f}" in out and "raw weights" in out
+    out = cli("towers.eval", "--checkpoint", run_dir / "ckpt-00000010.npz").stdout
+    assert "(step 10)" in out
+
+
+def test_eval_errors_are_one_line(run_dir, tmp_path):
+    def error(*args):
+        p = cli("towers.eval", *args, ok=False)
+        assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+        return p.stderr
+    assert "no checkpoint" in error("--logdir", tmp_path)
+    bad = tmp_path / "ckpt-00000001.npz"
+    bad.write_bytes(b"not a zip")
+    assert "not a readable checkpoint" in error("--checkpoint", bad)
+    other = tmp_path / "other.npz"
+    numpy.savez(other, x=numpy.zeros((20, 5), numpy.uint8), y=numpy.arange(20) % 10,
+                x_test=numpy.zeros((20, 5), numpy.uint8), y_test=numpy.arange(20) % 10)
+    assert "shape" in error("--logdir", run_dir, "--data", other)
+    assert "--watch needs --logdir" in error("--checkpoint", run_dir / "ckpt-00000010.npz", "--watch")
+
+
+def test_eval_watch_evaluates_each_new_checkpoint(tmp_path):
+    cli("towers.train", "--logdir", tmp_path, *SMALL, "--steps", 4, "--summary-every", 0)
+    watch = subprocess.Popen([sys.executable, "-m", "towers.eval", "--logdir", str(tmp_path), "--watch",
+                              "--interval", "0.05", "--max-evals", "2"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert watch.stdout.readline().startswith("watching")
+        assert "(step 4)" in watch.stdout.readline()  # the checkpoint already there
+        cli("towers.train", "--logdir", tmp_path, *SMALL, "--steps", 8, "--summary-every", 0, "--resume")
+        out, err = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert watch.returncode == 0, err
+    assert "(step 8)" in out

@@ -1,0 +1,137 @@
+"""Evaluate a checkpoint on test data: ``python -m towers.eval --logdir DIR``.
+
+Prints the cross-entropy loss (without the L2 term) and the accuracy on the test
+data, with the EMA weights by default (``--no-ema``: the raw ones), as the
+original's ``mnist_eval.py`` does.  The model and the data come from the
+checkpoint's configuration unless ``--data``/``--test-data`` say otherwise.
+``--watch`` evaluates each new checkpoint as it appears until interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from towers import UserError
+from towers.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_weights, named_to_flat
+from towers.data import load_dataset
+from towers.model import Replica, build_model
+from towers.placement import resolve
+from towers.train import _Parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m towers.eval", description="Loss and accuracy of a towers checkpoint on test data.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--logdir", help="evaluate the latest valid checkpoint of this run")
+    src.add_argument("--checkpoint", metavar="PATH", help="evaluate this ckpt-*.npz")
+    ap.add_argument("--no-ema", dest="ema", action="store_false", help="use the raw weights, not the EMA")
+    ap.add_argument("--data", help="data (.npz with x_test/y_test); default: the checkpoint's --data")
+    ap.add_argument("--test-data", help="separate test data (.npz); default: the checkpoint's --test-data")
+    ap.add_argument("--x-key", help="npz key of the examples (default: the checkpoint's)")
+    ap.add_argument("--y-key", help="npz key of the labels (default: the checkpoint's)")
+    ap.add_argument("--watch", action="store_true", help="evaluate each new checkpoint in --logdir until interrupted")
+    ap.add_argument("--interval", type=float, default=10.0, metavar="SEC", help="seconds between polls with --watch")
+    ap.add_argument("--max-evals", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N
+    return ap
+
+
+class Evaluator:
+    """Evaluates checkpoints on one device, loading each distinct test set once."""
+
+    def __init__(self, args):
+        self.args = args
+        self.device = resolve(1, None, soft=True).towers[0]  # a GPU when there is one
+        self._data: dict = {}
+
+    def dataset(self, ck: dict):
+        a = self.args
+        # --data replaces the whole data source, so the checkpoint's --test-data goes with it.
+        key = (a.data or ck["data"], a.test_data or (None if a.data else ck.get("test_data")),
+               a.x_key or ck.get("x_key", "x"), a.y_key or ck.get("y_key", "y"))
+        if key not in self._data:
+            ds = load_dataset(*key[:1], key[2], key[3], key[1])
+            if ds.x_test is None:
+                raise UserError(f"{key[0]} has no x_test/y_test: pass --data or --test-data with test examples")
+            self._data[key] = ds
+        return self._data[key]
+
+    def evaluate(self, path: str, arrays: dict) -> str:
+        ck, step = arrays["config"], int(arrays["step"])
+        shape, classes = tuple(int(v) for v in arrays["data/shape"][1:]), int(arrays["data/num_classes"])
+        ds = self.dataset(ck)
+        if ds.example_shape != shape:
+            raise UserError(f"{path} was trained on examples of shape {shape}, the test data has "
+                            f"{ds.example_shape}: pass matching --data/--test-data")
+        if len(ds.y_test) and int(ds.y_test.max()) >= classes:
+            raise UserError(f"test label {int(ds.y_test.max())} is out of range for {path} ({classes} classes)")
+        model = build_model(ck.get("model", "mlp"), shape, classes, ck.get("hidden", 500))
+        which = "ema" if self.args.ema else "params"
+        flat = named_to_flat(model, model_weights(model, arrays, which, path, "it cannot be evaluated"))
+        with self.device.scope():
+            replica = Replica(model, self.device.xp)
+            replica.set_params(flat)
+            loss, acc = replica.evaluate(ds.x_test, ds.y_test)
+        return (f"{os.path.basename(path)} (step {step}): loss = {loss:.4f}, accuracy = {acc:.4f} "
+                f"on {len(ds.y_test)} test examples ({'EMA' if self.args.ema else 'raw'} weights)")
+
+
+def _warn(line: str) -> None:
+    print(f"towers.eval: {line}", file=sys.stderr, flush=True)
+
+
+def run(args) -> None:
+    ev = Evaluator(args)
+    if args.checkpoint:
+        if args.watch:
+            raise UserError("--watch needs --logdir (it waits for new checkpoints there), not --checkpoint")
+        try:
+            arrays = load_checkpoint(args.checkpoint)
+        except CheckpointError as e:
+            raise UserError(f"{args.checkpoint} is not a readable checkpoint ({e})") from None
+        print(ev.evaluate(args.checkpoint, arrays), flush=True)
+        return
+    if not os.path.isdir(args.logdir):
+        raise UserError(f"--logdir {args.logdir} is not a directory: give the --logdir of a training run")
+    if not args.watch:
+        found = latest_checkpoint(args.logdir, warn=_warn)
+        if found is None:
+            raise UserError(f"no checkpoint in {args.logdir}: train with --logdir {args.logdir} first")
+        print(ev.evaluate(*found), flush=True)
+        return
+    last_step, evals, warned = None, 0, set()
+
+    def warn_once(line):  # a corrupt file would otherwise be reported at every poll
+        if line not in warned:
+            warned.add(line)
+            _warn(line)
+
+    print(f"watching {args.logdir} for new checkpoints every {args.interval:g} s (Ctrl-C stops)", flush=True)
+    while True:
+        found = latest_checkpoint(args.logdir, warn=warn_once)
+        if found is not None and int(found[1]["step"]) != last_step:
+            print(ev.evaluate(*found), flush=True)
+            last_step, evals = int(found[1]["step"]), evals + 1
+            if args.max_evals and evals >= args.max_evals:
+                return
+        time.sleep(args.interval)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.interval <= 0:
+            raise UserError(f"--interval must be > 0 seconds, got {args.interval:g}")
+        run(args)
+    except UserError as e:
+        print(f"towers.eval: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the way --watch ends
+        print("towers.eval: stopped", file=sys.stderr)
+        return 0 if args.watch else 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
