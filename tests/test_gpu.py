@@ -79,3 +79,32 @@ def test_cli_on_gpu(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "gpu:0" in res.stdout
     assert (tmp_path / "final.npz").exists()
+
+
+def test_weights_mode_on_a_shared_gpu_matches_grads_mode():
+    out = {}
+    for sync in ("grads", "weights"):
+        cfg = Config(n_gpu=2, devices="0", hidden=64, batch_size=60, sync=sync)
+        ds = load_dataset(str(DIGITS))
+        tr = Trainer(cfg, resolve(2, "0"), ds)
+        src = BatchSource(ds, 120, cfg.seed)
+        for _ in range(10):
+            tr.train_step(*src.next_batch())
+        tr.finish()
+        assert tr.check_replicas()
+        out[sync] = tr.replicas[0].params.get()
+        tr.close()
+    assert np.linalg.norm(out["weights"] - out["grads"]) / np.linalg.norm(out["grads"]) < 1e-5
+
+
+def test_resume_on_gpu_continues_the_same_run(tmp_path):
+    common = ["--n-gpu", "2", "--hidden", "64", "--momentum", "0.9", "--quiet", "--log-every", "10"]
+    assert run_cli(*common, "--steps", "40", "--logdir", str(tmp_path / "a")).returncode == 0
+    assert run_cli(*common, "--steps", "20", "--logdir", str(tmp_path / "b")).returncode == 0
+    res = run_cli(*common, "--steps", "40", "--resume", "--logdir", str(tmp_path / "b"))
+    assert res.returncode == 0, res.stderr
+    with np.load(tmp_path / "a" / "final.npz") as a, np.load(tmp_path / "b" / "final.npz") as b:
+        for k in a.files:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6)
+    ev = run_cli("--logdir", str(tmp_path / "b"), module="towers.eval")
+    assert ev.returncode == 0 and "accuracy = " in ev.stdout, ev.stderr
