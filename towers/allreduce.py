@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy
 
 from towers import UserError
+from towers.placement import on_stream
 
 
 def nccl_module():
@@ -134,7 +135,7 @@ class TowerAllReduce:
             if len(g) == 1 and self._scale == 1.0:
                 continue
             lead = buffers[g[0]]
-            with self.devices[g[0]].scope(), _on(self.streams[g[0]]):
+            with self.devices[g[0]].scope(), on_stream(self.streams[g[0]]):
                 for j in g[1:]:
                     _after(self.streams[g[0]], self.streams[j])
                     lead += buffers[j]
@@ -146,7 +147,7 @@ class TowerAllReduce:
         # 3. Hand the result to the other towers of each group.
         for g in self.groups:
             lead = buffers[g[0]]
-            with self.devices[g[0]].scope(), _on(self.streams[g[0]]):
+            with self.devices[g[0]].scope(), on_stream(self.streams[g[0]]):
                 for j in g[1:]:
                     buffers[j][...] = lead
                     _after(self.streams[j], self.streams[g[0]])
@@ -154,19 +155,6 @@ class TowerAllReduce:
     def close(self) -> None:
         if self.nccl is not None:
             self.nccl.close()
-
-
-class _NoStream:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _on(stream):
-    """Enter a CuPy stream, or nothing on the CPU."""
-    return stream if stream is not None else _NoStream()
 
 
 def _after(waiter, producer) -> None:

@@ -58,6 +58,11 @@ class Device:
 CPU = Device("cpu")
 
 
+def on_stream(stream):
+    """Enter a tower's CuPy stream; on the CPU (stream None) a no-op."""
+    return stream if stream is not None else contextlib.nullcontext()
+
+
 def cuda_device_count() -> int:
     """Number of CUDA devices CuPy can use; 0 without CuPy, a driver or a GPU."""
     try:

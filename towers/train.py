@@ -31,7 +31,7 @@ from towers.checkpoint import atomic_save_npz, flat_to_named
 from towers.data import BatchSource, Prefetcher, Stager, load_dataset
 from towers.model import Replica, build_model
 from towers.optimizer import EMA, SGD, learning_rate
-from towers.placement import resolve
+from towers.placement import on_stream, resolve
 from towers.summaries import Reporter, TensorBoard
 from towers.sync import check_mode, check_replicas
 
@@ -219,7 +219,7 @@ class Trainer:
         losses = []
         # 1-2. Input and compute, tower by tower (GPU work is queued, not waited on).
         for i, (dev, stream, r) in enumerate(zip(self.devices, self.streams, self.replicas)):
-            with dev.scope(), _on(stream):
+            with dev.scope(), on_stream(stream):
                 xs, ys = self.stagers[i].stage(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])
                 losses.append(r.loss_and_grads(xs, ys, self.cfg.l2, want_loss))
         # 3. All-reduce: average the gradient buffers across towers (grads mode).
@@ -227,7 +227,7 @@ class Trainer:
             self._average([r.grads for r in self.replicas])
         # 4. Update (and the EMA on the first tower), the same on every replica.
         for dev, stream, r, opt in zip(self.devices, self.streams, self.replicas, self.optimizers):
-            with dev.scope(), _on(stream):
+            with dev.scope(), on_stream(stream):
                 opt.step(r.grads, lr, self.step)
         self.step += 1
         # 5. Weights mode: every K steps average the weights, then the EMA follows.
@@ -246,7 +246,7 @@ class Trainer:
         if self.optimizers[0].velocity is not None:
             self._average([o.velocity for o in self.optimizers])
         self.n_averages += 1
-        with self.devices[0].scope(), _on(self.streams[0]):
+        with self.devices[0].scope(), on_stream(self.streams[0]):
             self.ema.update(self.replicas[0].params, self.n_averages - 1)
         self.last_average = self.step
 
@@ -284,18 +284,6 @@ class Trainer:
     def close(self) -> None:
         self.synchronize()
         self.allreduce.close()
-
-
-def _on(stream):
-    return stream if stream is not None else _Null()
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # -- the run -------------------------------------------------------------------------
