@@ -185,7 +185,13 @@ class MaxPool2D(Layer):
         win = self._windows(x, ws)
         n = x.shape[0]
         y = ws.array("y", (n,) + self.out_hwc, x.dtype)
-        xp.max(win, axis=(2, 4), out=y)
+        # k*k elementwise maxima over strided views: several times faster than a
+        # reduction over the two non-adjacent window axes.
+        y[...] = win[:, :, 0, :, 0, :]
+        for a in range(self.k):
+            for b in range(self.k):
+                if a or b:
+                    xp.maximum(y, win[:, :, a, :, b, :], out=y)
         ws.saved["win"], ws.saved["y"], ws.saved["x_shape"] = win, y, x.shape
         return y
 
@@ -221,14 +227,18 @@ def lenet5(input_shape: tuple, num_classes: int) -> Sequential:
     2x2, fc 512 + ReLU, fc ``num_classes``.  As in the book: weights
     truncated-normal(0.1); conv biases 0, fc biases 0.1; L2 only on the fully
     connected weights.
+
+    Each ReLU runs AFTER its pool: max-pooling commutes with the monotone ReLU
+    (relu(max(a, b)) == max(relu(a), relu(b))), so the function and its
+    gradient are the book's, while the ReLU touches 4x fewer values.
     """
     return Sequential([
         Conv2D("layer1-conv1", 32, 5),
-        ReLU(),
         MaxPool2D(2),  # layer2-pool1: no parameters, so no scope
-        Conv2D("layer3-conv2", 64, 5),
         ReLU(),
+        Conv2D("layer3-conv2", 64, 5),
         MaxPool2D(2),  # layer4-pool2
+        ReLU(),
         Flatten(),
         Dense("layer5-fc1", 512, bias=0.1),
         ReLU(),
