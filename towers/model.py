@@ -29,6 +29,7 @@ operation on a contiguous prefix.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 from typing import Callable
@@ -312,25 +313,32 @@ class Replica:
             x = layer.forward(p, x, ws)
         return x
 
-    def loss_and_grads(self, x, labels, l2: float, want_loss: bool = True):
+    def loss_and_grads(self, x, labels, l2: float, want_loss: bool = True, timer=None):
         """Forward, mean softmax cross-entropy + L2, backward into ``grads``.
 
         Returns the loss as a 0-d device array when ``want_loss`` (it is not
         fetched to the host here: that would be a sync point), else None.
+        ``timer(phase)``, when given, returns a context that times the
+        ``forward`` and ``backward`` phases (``towers.profile``).
         """
-        logits = self.forward(x)
-        loss, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss)
-        layers = self.model.layers
-        for i in range(len(layers) - 1, -1, -1):
-            p, g, ws = self._local[i]
-            dy = layers[i].backward(p, g, dy, ws, need_dx=i > 0)
-        if self._nreg and l2:
-            w = self.params[: self._nreg]
-            tmp = self._loss_ws.array("l2", w.shape, w.dtype)
-            self.xp.multiply(w, self.dtype.type(l2), out=tmp)
-            self.grads[: self._nreg] += tmp
-            if want_loss:
-                loss = loss + self.dtype.type(l2 / 2) * self.xp.dot(w, w)
+        timer = timer or _no_timer
+        with timer("forward"):
+            logits = self.forward(x)
+            loss, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss)
+        with timer("backward"):
+            layers = self.model.layers
+            for i in range(len(layers) - 1, -1, -1):
+                p, g, ws = self._local[i]
+                dy = layers[i].backward(p, g, dy, ws, need_dx=i > 0)
+            if self._nreg and l2:
+                w = self.params[: self._nreg]
+                # grads += l2 * w without a temporary: one fused pass would need a
+                # kernel, two in-place passes over a scratch buffer are the next best.
+                tmp = self._loss_ws.array("l2", w.shape, w.dtype)
+                self.xp.multiply(w, self.dtype.type(l2), out=tmp)
+                self.grads[: self._nreg] += tmp
+                if want_loss:
+                    loss = loss + self.dtype.type(l2 / 2) * self.xp.dot(w, w)
         return loss
 
 
@@ -353,6 +361,13 @@ class Replica:
             correct += accuracy_count(logits, yb)
         n = max(len(x), 1)
         return total_loss / n, correct / n
+
+
+_NO_TIMER = contextlib.nullcontext()
+
+
+def _no_timer(phase):
+    return _NO_TIMER
 
 
 def softmax_cross_entropy(logits, labels, ws: Workspace, want_loss: bool = True):

@@ -31,7 +31,9 @@ from towers.checkpoint import atomic_save_npz, flat_to_named
 from towers.data import BatchSource, Prefetcher, Stager, load_dataset
 from towers.model import Replica, build_model
 from towers.optimizer import EMA, SGD, learning_rate
+from towers.cpu_towers import TowerThreads, chunks, cpu_count, set_blas_threads
 from towers.placement import resolve
+from towers.profile import PhaseTimer, one_tower_rate, scaling_efficiency
 from towers.summaries import Reporter
 
 DEFAULT_DATA = str(Path(__file__).resolve().parents[1] / "data" / "digits.npz")
@@ -71,6 +73,10 @@ class Config:
     log_every: int = 100
     logdir: str | None = None  # default runs/<timestamp>
     quiet: bool = False
+    # performance
+    cpu_towers: str = "threads"  # CPU towers concurrently ("threads") or one after another ("serial")
+    blas_threads: int = 0  # 0: auto (one per concurrent CPU tower, else every core)
+    profile: bool = False
 
 
 HELP = {
@@ -91,6 +97,9 @@ HELP = {
     "ema_decay": "EMA decay (TF ExponentialMovingAverage)", "seed": "seed of weights and shuffling",
     "log_every": "steps between log lines", "logdir": "output directory (default runs/<timestamp>)",
     "quiet": "no progress bar and no per-step log lines",
+    "cpu_towers": "CPU towers run 'threads' (concurrently, the default: fastest measured) or 'serial'",
+    "blas_threads": "BLAS threads for the process (0: auto, 1 per concurrent CPU tower, else all cores)",
+    "profile": "print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase)",
 }
 
 
@@ -126,6 +135,10 @@ def _check(cfg: Config) -> None:
         raise UserError("--lr must be > 0 and --lr-decay in (0, 1]")
     if not 0 <= cfg.momentum < 1 or not 0 <= cfg.ema_decay < 1 or cfg.l2 < 0:
         raise UserError("--momentum and --ema-decay must be in [0, 1), --l2 >= 0")
+    if cfg.cpu_towers not in ("threads", "serial") or cfg.blas_threads < 0:
+        raise UserError(
+            f"--cpu-towers must be threads or serial (got {cfg.cpu_towers!r}), --blas-threads >= 0"
+        )
 
 
 # -- the trainer ---------------------------------------------------------------------
@@ -163,6 +176,26 @@ class Trainer:
         self.allreduce = TowerAllReduce(placement, self.streams, nccl)
         self.step = 0
         self.examples_per_epoch = len(dataset.x)
+        n = len(self.replicas)
+        self.timer = PhaseTimer(cfg.profile, n, [s.synchronize if s is not None else None for s in self.streams])
+        self._tower_timers = [self.timer.for_tower(i) for i in range(n)]
+        # CPU towers: concurrent threads with 1 BLAS thread each (or serial with
+        # all cores in BLAS); see towers.cpu_towers for why and the benchmark.
+        all_cpu = not any(d.is_gpu for d in self.devices)
+        self._pool = None
+        self._blas = None
+        if all_cpu:
+            threaded = n > 1 and cfg.cpu_towers == "threads"
+            blas = cfg.blas_threads or (max(1, cpu_count() // n) if threaded else cpu_count())
+            self._blas = set_blas_threads(blas)
+            self.blas_threads = blas
+            if threaded:
+                self._pool = TowerThreads(n)
+                parts = chunks(self.model.size, n)
+                # Tower thread i averages and updates slice i of EVERY replica's
+                # buffers, so the all-reduce and the update are split across cores.
+                self._parts = [(part, [r.grads[part] for r in self.replicas]) for part in parts]
+                self._losses = [None] * n
 
     @property
     def global_batch(self) -> int:
@@ -175,25 +208,55 @@ class Trainer:
     def train_step(self, x, y, want_loss: bool = False):
         """One synchronous step on the global batch ``x``, ``y`` (host arrays).
 
-        Returns the towers' losses as device scalars when ``want_loss``.
+        Returns the towers' losses as device scalars when ``want_loss``.  With
+        concurrent CPU towers the call returns while the other tower threads
+        finish their share of the update; ``synchronize`` (and the next step)
+        waits for it.
         """
-        b, lr = self.cfg.batch_size, self.lr()
+        if self._pool is not None:
+            self._step_args = (x, y, want_loss, self.lr(), self.step)
+            self._pool.run(self._cpu_tower_step)
+            self.step += 1
+            self.timer.step_done()
+            return list(self._losses) if want_loss else None
+        b, lr, t = self.cfg.batch_size, self.lr(), self.timer
         losses = []
         # 1-2. Input and compute, tower by tower (GPU work is queued, not waited on).
         for i, (dev, stream, r) in enumerate(zip(self.devices, self.streams, self.replicas)):
             with dev.scope(), _on(stream):
-                xs, ys = self.stagers[i].stage(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])
-                losses.append(r.loss_and_grads(xs, ys, self.cfg.l2, want_loss))
+                with t("stage", i):
+                    xs, ys = self.stagers[i].stage(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])
+                losses.append(r.loss_and_grads(xs, ys, self.cfg.l2, want_loss, self._tower_timers[i]))
         # 3. All-reduce: average the gradient buffers across towers.
-        self.allreduce.average([r.grads for r in self.replicas])
+        with t("all-reduce"):
+            self.allreduce.average([r.grads for r in self.replicas])
         # 4. Update (and the EMA on the first tower), the same on every replica.
-        for dev, stream, r, opt in zip(self.devices, self.streams, self.replicas, self.optimizers):
-            with dev.scope(), _on(stream):
+        for i, (dev, stream, r, opt) in enumerate(zip(self.devices, self.streams, self.replicas, self.optimizers)):
+            with dev.scope(), _on(stream), t("update+EMA", i):
                 opt.step(r.grads, lr, self.step)
         self.step += 1
+        self.timer.step_done()
         return losses if want_loss else None
 
+    def _cpu_tower_step(self, i: int) -> None:
+        """Tower ``i``'s share of a step, on its own thread (concurrent CPU towers)."""
+        x, y, want_loss, lr, step = self._step_args
+        b, t = self.cfg.batch_size, self.timer
+        with t("stage", i):
+            xs, ys = self.stagers[i].stage(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])
+        self._losses[i] = self.replicas[i].loss_and_grads(xs, ys, self.cfg.l2, want_loss, self._tower_timers[i])
+        with t("barrier", i):
+            self._pool.barrier.wait()  # every tower's gradients are complete
+        part, grads = self._parts[i]
+        with t("all-reduce", i):
+            self.allreduce.average(grads)
+        with t("update+EMA", i):
+            for g, opt in zip(grads, self.optimizers):
+                opt.step(g, lr, step, part)
+
     def synchronize(self) -> None:
+        if self._pool is not None:
+            self._pool.wait()
         for s in self.streams:
             if s is not None:
                 s.synchronize()
@@ -209,8 +272,14 @@ class Trainer:
             return r.evaluate(ds.x_test, ds.y_test)
 
     def close(self) -> None:
-        self.synchronize()
-        self.allreduce.close()
+        try:
+            self.synchronize()
+        finally:
+            if self._pool is not None:
+                self._pool.close()
+            if self._blas is not None:
+                self._blas.restore_original_limits()
+            self.allreduce.close()
 
 
 def _on(stream):
@@ -254,7 +323,8 @@ def run(cfg: Config, nccl=None) -> dict:
     last_step = 0
     try:
         for _ in range(cfg.steps):
-            x, y = prefetch.get()
+            with trainer.timer("input wait"):
+                x, y = prefetch.get()
             log_now = (trainer.step + 1) % cfg.log_every == 0 or trainer.step + 1 == cfg.steps
             lr = trainer.lr()
             losses = trainer.train_step(x, y, want_loss=log_now)
@@ -275,6 +345,12 @@ def run(cfg: Config, nccl=None) -> dict:
 
     # -- teardown: evaluate, write the final weights.
     result = {"step": trainer.step, "examples_per_sec": trainer.step * trainer.global_batch / elapsed}
+    if cfg.profile:
+        reporter.say(trainer.timer.report(trainer.global_batch))
+    # Scaling efficiency needs the 1-tower speed: measured here by a short
+    # 1-tower run (towers.profile.one_tower_rate), only when there are N > 1.
+    rate_1 = one_tower_rate(cfg, placement, dataset) if placement.n_towers > 1 else result["examples_per_sec"]
+    result["scaling_efficiency"] = scaling_efficiency(result["examples_per_sec"], placement.n_towers, rate_1)
     if dataset.x_test is not None:
         _, acc = trainer.evaluate(use_ema=False)
         _, acc_ema = trainer.evaluate(use_ema=True)
@@ -290,7 +366,8 @@ def run(cfg: Config, nccl=None) -> dict:
     reporter.say(
         f"done: {trainer.step} steps in {elapsed:.1f} s, {result['examples_per_sec']:.1f} examples/sec "
         f"on {placement.n_towers} tower{'s' if placement.n_towers > 1 else ''} "
-        f"({', '.join(map(str, placement.towers))}); wrote {os.path.join(logdir, 'final.npz')}"
+        f"({', '.join(map(str, placement.towers))}); scaling efficiency {result['scaling_efficiency']:.2f} "
+        f"(1 tower: {rate_1:.1f} examples/sec); wrote {os.path.join(logdir, 'final.npz')}"
     )
     reporter.close()
     trainer.close()
