@@ -29,6 +29,7 @@ operation on a contiguous prefix.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 from typing import Callable
@@ -44,7 +45,7 @@ class Param:
 
     name: str
     shape: tuple
-    init: str = "zeros"  # "zeros" or "truncated_normal:<stddev>"
+    init: str = "zeros"  # "zeros", "constant:<value>" or "truncated_normal:<stddev>"
     regularize: bool = False
 
 
@@ -94,10 +95,10 @@ class Flatten(Layer):
 
 
 class Dense(Layer):
-    """y = x @ weights + biases, weights truncated-normal(stddev), biases 0."""
+    """y = x @ weights + biases, weights truncated-normal(stddev), biases ``bias`` (0)."""
 
-    def __init__(self, scope: str, units: int, stddev: float = 0.1):
-        self.scope, self.units, self.stddev = scope, int(units), float(stddev)
+    def __init__(self, scope: str, units: int, stddev: float = 0.1, bias: float = 0.0):
+        self.scope, self.units, self.stddev, self.bias = scope, int(units), float(stddev), float(bias)
 
     def build(self, in_shape):
         if len(in_shape) != 1:
@@ -107,7 +108,7 @@ class Dense(Layer):
             )
         return [
             Param("weights", (in_shape[0], self.units), f"truncated_normal:{self.stddev}", True),
-            Param("biases", (self.units,), "zeros", False),
+            Param("biases", (self.units,), f"constant:{self.bias}" if self.bias else "zeros", False),
         ], (self.units,)
 
     def forward(self, p, x, ws):
@@ -204,6 +205,8 @@ class Sequential:
             kind, _, arg = inits[name].partition(":")
             if kind == "truncated_normal":
                 flat[off : off + size] = truncated_normal(rng, size, float(arg))
+            elif kind == "constant":
+                flat[off : off + size] = float(arg)
             elif kind != "zeros":
                 raise UserError(f"parameter {name}: unknown initializer {inits[name]!r}")
         return flat
@@ -229,7 +232,7 @@ def mlp(input_shape: tuple, num_classes: int, hidden: int = 500) -> Sequential:
     )
 
 
-MODELS: dict[str, Callable[..., Sequential]] = {"mlp": mlp}
+MODELS: dict[str, Callable[..., Sequential]] = {"mlp": mlp}  # "lenet5" is added at the end
 
 
 def build_model(spec: str, input_shape: tuple, num_classes: int, hidden: int = 500) -> Sequential:
@@ -310,32 +313,40 @@ class Replica:
             x = layer.forward(p, x, ws)
         return x
 
-    def loss_and_grads(self, x, labels, l2: float, want_loss: bool = True):
+    def loss_and_grads(self, x, labels, l2: float, want_loss: bool = True, timer=None):
         """Forward, mean softmax cross-entropy + L2, backward into ``grads``.
 
         Returns the loss as a 0-d device array when ``want_loss`` (it is not
         fetched to the host here: that would be a sync point), else None.
+        ``timer(phase)``, when given, returns a context that times the
+        ``forward`` and ``backward`` phases (``towers.profile``).
         """
-        logits = self.forward(x)
-        loss, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss)
-        layers = self.model.layers
-        for i in range(len(layers) - 1, -1, -1):
-            p, g, ws = self._local[i]
-            dy = layers[i].backward(p, g, dy, ws, need_dx=i > 0)
-        if self._nreg and l2:
-            w = self.params[: self._nreg]
-            tmp = self._loss_ws.array("l2", w.shape, w.dtype)
-            self.xp.multiply(w, self.dtype.type(l2), out=tmp)
-            self.grads[: self._nreg] += tmp
-            if want_loss:
-                loss = loss + self.dtype.type(l2 / 2) * self.xp.dot(w, w)
+        timer = timer or _no_timer
+        with timer("forward"):
+            logits = self.forward(x)
+            loss, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss)
+        with timer("backward"):
+            layers = self.model.layers
+            for i in range(len(layers) - 1, -1, -1):
+                p, g, ws = self._local[i]
+                dy = layers[i].backward(p, g, dy, ws, need_dx=i > 0)
+            if self._nreg and l2:
+                w = self.params[: self._nreg]
+                # grads += l2 * w without a temporary: one fused pass would need a
+                # kernel, two in-place passes over a scratch buffer are the next best.
+                tmp = self._loss_ws.array("l2", w.shape, w.dtype)
+                self.xp.multiply(w, self.dtype.type(l2), out=tmp)
+                self.grads[: self._nreg] += tmp
+                if want_loss:
+                    loss = loss + self.dtype.type(l2 / 2) * self.xp.dot(w, w)
         return loss
 
 
-    def evaluate(self, x, y, batch: int = 1000) -> tuple[float, float]:
+    def evaluate(self, x, y, batch: int = 250) -> tuple[float, float]:
         """Mean loss (without L2) and accuracy over host arrays ``x``, ``y``.
 
-        Counts real examples only (the last chunk is short, never padded).  uint8
+        Counts real examples only (the last chunk is short, never padded).  Chunks
+        are small because a convolution's im2col buffer grows with them.  uint8
         inputs are scaled by 1/255 on the device, as in training.
         """
         xp = self.xp
@@ -350,6 +361,13 @@ class Replica:
             correct += accuracy_count(logits, yb)
         n = max(len(x), 1)
         return total_loss / n, correct / n
+
+
+_NO_TIMER = contextlib.nullcontext()
+
+
+def _no_timer(phase):
+    return _NO_TIMER
 
 
 def softmax_cross_entropy(logits, labels, ws: Workspace, want_loss: bool = True):
@@ -385,6 +403,15 @@ def accuracy_count(logits, labels) -> int:
     """Number of correct predictions (host int: a sync point, used at eval only)."""
     return int((logits.argmax(axis=1) == labels).sum())
 
+
+def _lenet5(input_shape: tuple, num_classes: int) -> Sequential:
+    """``towers.layers_conv.lenet5``, imported on use (that module imports this one)."""
+    from towers.layers_conv import lenet5
+
+    return lenet5(input_shape, num_classes)
+
+
+MODELS["lenet5"] = _lenet5
 
 __all__ = [
     "Param", "Layer", "Flatten", "Dense", "ReLU", "Sequential", "Workspace",

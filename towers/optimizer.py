@@ -76,13 +76,20 @@ class SGD:
         self.ema = ema  # an EMA whose shadow lives on this replica's device, or None
         self._tmp = None if self.xp is not numpy else numpy.empty_like(params)
 
-    def step(self, grads, lr: float, step: int) -> None:
-        """Apply one update with learning rate ``lr``; ``step`` counts earlier updates."""
+    def step(self, grads, lr: float, step: int, part: slice | None = None) -> None:
+        """Apply one update with learning rate ``lr``; ``step`` counts earlier updates.
+
+        ``part`` (CPU only) limits the update to a slice of the flat buffer, so
+        that concurrent CPU towers can each update a share of it; ``grads`` is
+        then that slice's gradients.
+        """
         one_minus_d = 1.0 - ema_decay(self.ema.decay, step) if self.ema is not None else 0.0
         t = self.dtype
         if self.xp is numpy:
-            self._cpu_step(grads, t(lr), t(one_minus_d))
+            self._cpu_step(grads, t(lr), t(one_minus_d), slice(None) if part is None else part)
         else:
+            if part is not None:
+                raise ValueError("SGD.step(part=...) is for CPU buffers only")
             args = [grads, t(lr), t(self.momentum), t(one_minus_d), self.params]
             if self.velocity is not None:
                 args.append(self.velocity)
@@ -90,17 +97,18 @@ class SGD:
                 args.append(self.ema.shadow)
             _gpu_kernel(self.velocity is not None, self.ema is not None)(*args)
 
-    def _cpu_step(self, g, lr, one_minus_d) -> None:
-        tmp, p = self._tmp, self.params
+    def _cpu_step(self, g, lr, one_minus_d, part: slice) -> None:
+        tmp, p = self._tmp[part], self.params[part]
         step = g
         if self.velocity is not None:
-            self.velocity *= self.dtype(self.momentum)
-            self.velocity += g
-            step = self.velocity
+            v = self.velocity[part]
+            v *= self.dtype(self.momentum)
+            v += g
+            step = v
         numpy.multiply(step, lr, out=tmp)
         p -= tmp
         if self.ema is not None:
-            self.ema.apply(p, one_minus_d, tmp)
+            self.ema.apply(p, one_minus_d, tmp, part)
 
 
 class EMA:
@@ -127,11 +135,12 @@ class EMA:
         else:
             _gpu_ema_kernel()(params, one_minus_d, self.shadow)
 
-    def apply(self, params, one_minus_d, tmp) -> None:
-        """The CPU pass, with caller-provided scratch ``tmp``."""
-        numpy.subtract(self.shadow, params, out=tmp)
+    def apply(self, params, one_minus_d, tmp, part: slice = slice(None)) -> None:
+        """The CPU pass over ``shadow[part]`` (``params``, ``tmp``: that slice's)."""
+        e = self.shadow[part]
+        numpy.subtract(e, params, out=tmp)
         tmp *= one_minus_d
-        self.shadow -= tmp
+        e -= tmp
 
 
 def _gpu_ema_kernel():

@@ -31,7 +31,9 @@ from towers.checkpoint import atomic_save_npz, flat_to_named
 from towers.data import BatchSource, Prefetcher, Stager, load_dataset
 from towers.model import Replica, build_model
 from towers.optimizer import EMA, SGD, learning_rate
+from towers.cpu_towers import TowerThreads, chunks, cpu_count, set_blas_threads
 from towers.placement import on_stream, resolve
+from towers.profile import PhaseTimer, one_tower_rate, scaling_efficiency
 from towers.summaries import Reporter, TensorBoard
 from towers.sync import check_mode, check_replicas
 
@@ -81,6 +83,10 @@ class Config:
     keep_checkpoints: int = 5
     resume: bool = False
     summary_every: int = 100
+    # performance
+    cpu_towers: str = "threads"  # CPU towers concurrently ("threads") or one after another ("serial")
+    blas_threads: int = 0  # 0: auto (one per concurrent CPU tower, else every core)
+    profile: bool = False
 
 
 HELP = {
@@ -110,6 +116,9 @@ HELP = {
     "resume": "continue from the latest valid checkpoint in --logdir (--steps is the total, not more steps)",
     "summary_every": "steps between TensorBoard summaries (scalars, weight and gradient histograms; "
                      "a host sync); 0: none",
+    "cpu_towers": "CPU towers run 'threads' (concurrently, the default: fastest measured) or 'serial'",
+    "blas_threads": "BLAS threads for the process (0: auto, 1 per concurrent CPU tower, else all cores)",
+    "profile": "print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase)",
 }
 
 
@@ -157,6 +166,10 @@ def _check(cfg: Config) -> None:
         )
     if cfg.resume and not cfg.logdir:
         raise UserError("--resume needs --logdir DIR: the directory of the run to continue")
+    if cfg.cpu_towers not in ("threads", "serial") or cfg.blas_threads < 0:
+        raise UserError(
+            f"--cpu-towers must be threads or serial (got {cfg.cpu_towers!r}), --blas-threads >= 0"
+        )
 
 
 # -- the trainer ---------------------------------------------------------------------
@@ -201,6 +214,27 @@ class Trainer:
         self.last_average = None  # step count right after the last weight average
         self.n_averages = 0
         self.examples_per_epoch = len(dataset.x)
+        n = len(self.replicas)
+        self.timer = PhaseTimer(cfg.profile, n, [s.synchronize if s is not None else None for s in self.streams])
+        self._tower_timers = [self.timer.for_tower(i) for i in range(n)]
+        # CPU towers: concurrent threads with 1 BLAS thread each (or serial with
+        # all cores in BLAS); see towers.cpu_towers for why and the benchmark.
+        all_cpu = not any(d.is_gpu for d in self.devices)
+        self._pool = None
+        self._blas = None
+        if all_cpu:
+            # (Not with an NCCL stand-in: its ranks are driven by one thread.)
+            threaded = n > 1 and cfg.cpu_towers == "threads" and not self.allreduce.uses_nccl
+            blas = cfg.blas_threads or (max(1, cpu_count() // n) if threaded else cpu_count())
+            self._blas = set_blas_threads(blas)
+            self.blas_threads = blas
+            if threaded:
+                self._pool = TowerThreads(n)
+                parts = chunks(self.model.size, n)
+                # Tower thread i averages and updates slice i of EVERY replica's
+                # buffers, so the all-reduce and the update are split across cores.
+                self._parts = [(part, [r.grads[part] for r in self.replicas]) for part in parts]
+                self._losses = [None] * n
 
     @property
     def global_batch(self) -> int:
@@ -213,27 +247,65 @@ class Trainer:
     def train_step(self, x, y, want_loss: bool = False):
         """One synchronous step on the global batch ``x``, ``y`` (host arrays).
 
-        Returns the towers' losses as device scalars when ``want_loss``.
+        Returns the towers' losses as device scalars when ``want_loss``.  With
+        concurrent CPU towers the call returns while the other tower threads
+        finish their share of the update; ``synchronize`` (and the next step)
+        waits for it.
         """
-        b, lr = self.cfg.batch_size, self.lr()
+        if self._pool is not None:  # concurrent CPU towers: see _cpu_tower_step
+            self._step_args = (x, y, want_loss, self.lr(), self.step)
+            self._pool.run(self._cpu_tower_step)
+            if not self.weights_mode:
+                self.all_reduces += 1  # one all-reduce, shared out in slices among the threads
+            elif want_loss:
+                self._pool.wait()  # no barrier in weights mode: wait for every tower's loss
+            return self._step_done(list(self._losses) if want_loss else None)
+        b, lr, t = self.cfg.batch_size, self.lr(), self.timer
         losses = []
         # 1-2. Input and compute, tower by tower (GPU work is queued, not waited on).
         for i, (dev, stream, r) in enumerate(zip(self.devices, self.streams, self.replicas)):
             with dev.scope(), on_stream(stream):
-                xs, ys = self.stagers[i].stage(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])
-                losses.append(r.loss_and_grads(xs, ys, self.cfg.l2, want_loss))
+                with t("stage", i):
+                    xs, ys = self.stagers[i].stage(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])
+                losses.append(r.loss_and_grads(xs, ys, self.cfg.l2, want_loss, self._tower_timers[i]))
         # 3. All-reduce: average the gradient buffers across towers (grads mode).
         if not self.weights_mode:
-            self._average([r.grads for r in self.replicas])
+            with t("all-reduce"):
+                self._average([r.grads for r in self.replicas])
         # 4. Update (and the EMA on the first tower), the same on every replica.
-        for dev, stream, r, opt in zip(self.devices, self.streams, self.replicas, self.optimizers):
-            with dev.scope(), on_stream(stream):
+        for i, (dev, stream, r, opt) in enumerate(zip(self.devices, self.streams, self.replicas, self.optimizers)):
+            with dev.scope(), on_stream(stream), t("update+EMA", i):
                 opt.step(r.grads, lr, self.step)
+        return self._step_done(losses if want_loss else None)
+
+    def _step_done(self, losses):
         self.step += 1
         # 5. Weights mode: every K steps average the weights, then the EMA follows.
         if self.weights_mode and self.step % self.cfg.average_every == 0:
-            self.average_weights()
-        return losses if want_loss else None
+            with self.timer("all-reduce"):
+                self.average_weights()
+        self.timer.step_done()
+        return losses
+
+    def _cpu_tower_step(self, i: int) -> None:
+        """Tower ``i``'s share of a step, on its own thread (concurrent CPU towers)."""
+        x, y, want_loss, lr, step = self._step_args
+        b, t = self.cfg.batch_size, self.timer
+        with t("stage", i):
+            xs, ys = self.stagers[i].stage(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])
+        self._losses[i] = self.replicas[i].loss_and_grads(xs, ys, self.cfg.l2, want_loss, self._tower_timers[i])
+        if self.weights_mode:  # each tower steps alone; averages happen every K steps
+            with t("update+EMA", i):
+                self.optimizers[i].step(self.replicas[i].grads, lr, step)
+            return
+        with t("barrier", i):
+            self._pool.barrier.wait()  # every tower's gradients are complete
+        part, grads = self._parts[i]
+        with t("all-reduce", i):
+            self.allreduce.average(grads)
+        with t("update+EMA", i):
+            for g, opt in zip(grads, self.optimizers):
+                opt.step(g, lr, step, part)
 
     def _average(self, buffers) -> None:
         if len(buffers) > 1:
@@ -242,6 +314,8 @@ class Trainer:
 
     def average_weights(self) -> None:
         """Weights mode: average parameters (and momentum), then update the EMA."""
+        if self._pool is not None:
+            self._pool.wait()  # the tower threads' updates are complete
         self._average([r.params for r in self.replicas])
         if self.optimizers[0].velocity is not None:
             self._average([o.velocity for o in self.optimizers])
@@ -267,6 +341,8 @@ class Trainer:
         return True
 
     def synchronize(self) -> None:
+        if self._pool is not None:
+            self._pool.wait()
         for s in self.streams:
             if s is not None:
                 s.synchronize()
@@ -282,8 +358,14 @@ class Trainer:
             return r.evaluate(ds.x_test, ds.y_test)
 
     def close(self) -> None:
-        self.synchronize()
-        self.allreduce.close()
+        try:
+            self.synchronize()
+        finally:
+            if self._pool is not None:
+                self._pool.close()
+            if self._blas is not None:
+                self._blas.restore_original_limits()
+            self.allreduce.close()
 
 
 # -- the run -------------------------------------------------------------------------
@@ -325,7 +407,8 @@ def run(cfg: Config, nccl=None) -> dict:
     next_check = cfg.check_replicas or cfg.steps + 1
     try:
         for _ in range(cfg.steps - start_step):
-            x, y = prefetch.get()
+            with trainer.timer("input wait"):
+                x, y = prefetch.get()
             log_now = (trainer.step + 1) % cfg.log_every == 0 or trainer.step + 1 == cfg.steps
             summary_now, ckpt_now = tb.due(trainer.step + 1), ckpt.due(trainer.step + 1, cfg.steps)
             lr = trainer.lr()
@@ -338,6 +421,10 @@ def run(cfg: Config, nccl=None) -> dict:
                 loss = sum(float(v) for v in losses) / len(losses)
                 if not numpy.isfinite(loss):
                     raise checkpoint.diverged(trainer.step, f"the loss is {loss}", ckpt.last_path)
+            if summary_now or ckpt_now:
+                # Host sync point: tower threads and GPU streams finish the step
+                # before its weights are read.
+                trainer.synchronize()
             if summary_now:
                 tb.write_step(trainer, loss, lr)
             if ckpt_now:
@@ -365,6 +452,12 @@ def run(cfg: Config, nccl=None) -> dict:
     # -- teardown: evaluate, write the final weights.
     result = {"step": trainer.step,
               "examples_per_sec": (trainer.step - start_step) * trainer.global_batch / max(elapsed, 1e-9)}
+    if cfg.profile:
+        reporter.say(trainer.timer.report(trainer.global_batch))
+    # Scaling efficiency needs the 1-tower speed: measured here by a short
+    # 1-tower run (towers.profile.one_tower_rate), only when there are N > 1.
+    rate_1 = one_tower_rate(cfg, placement, dataset) if placement.n_towers > 1 else result["examples_per_sec"]
+    result["scaling_efficiency"] = scaling_efficiency(result["examples_per_sec"], placement.n_towers, rate_1)
     if test:
         result.update(test)
         reporter.say(f"test accuracy: {test['test_accuracy']:.4f} (raw weights), "
@@ -381,7 +474,8 @@ def run(cfg: Config, nccl=None) -> dict:
         f"{result['examples_per_sec']:.1f} examples/sec "
         f"on {placement.n_towers} tower{'s' if placement.n_towers > 1 else ''} "
         f"({', '.join(map(str, placement.towers))}), {cfg.sync} sync, "
-        f"{trainer.all_reduces / max(trainer.step - start_step, 1):.2f} all-reduces/step; "
+        f"{trainer.all_reduces / max(trainer.step - start_step, 1):.2f} all-reduces/step, "
+        f"scaling efficiency {result['scaling_efficiency']:.2f} (1 tower: {rate_1:.1f} examples/sec); "
         f"wrote {os.path.join(logdir, 'final.npz')}"
     )
     reporter.close()

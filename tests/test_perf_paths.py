@@ -1,0 +1,91 @@
+"""Concurrent CPU towers, the phase profiler and the scaling-efficiency report."""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from towers import UserError
+from towers.cpu_towers import TowerThreads, chunks
+from towers.data import Dataset
+from towers.placement import resolve
+from towers.train import Config, Trainer, main
+
+
+def _data(n=400, seed=0):
+    rng = numpy.random.default_rng(seed)
+    x = rng.integers(0, 256, (n, 6, 6), dtype=numpy.uint8)
+    y = (x.reshape(n, -1)[:, :3].sum(1) % 3).astype(numpy.int32)
+    return Dataset(x, y, 3)
+
+
+def _train(cpu_towers, steps=15, model="mlp", momentum=0.0):
+    ds = _data()
+    cfg = Config(n_gpu=2, devices="cpu", cpu_towers=cpu_towers, batch_size=8, lr=0.1, hidden=16,
+                 momentum=momentum, model=model, profile=True)
+    tr = Trainer(cfg, resolve(2, "cpu", True), ds)
+    try:
+        for s in range(steps):
+            sl = slice(16 * s % 384, 16 * s % 384 + 16)
+            losses = tr.train_step(ds.x[sl], ds.y[sl], want_loss=s == steps - 1)
+        tr.synchronize()
+        return [r.params.copy() for r in tr.replicas], tr.ema.shadow.copy(), losses, tr.timer
+    finally:
+        tr.close()
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_threaded_towers_equal_serial_towers_bit_for_bit(momentum):
+    p_t, e_t, l_t, _ = _train("threads", momentum=momentum)
+    p_s, e_s, l_s, _ = _train("serial", momentum=momentum)
+    for a, b in zip(p_t, p_s):
+        numpy.testing.assert_array_equal(a, b)
+    numpy.testing.assert_array_equal(p_t[0], p_t[1])  # replicas stay identical
+    numpy.testing.assert_array_equal(e_t, e_s)
+    assert [float(v) for v in l_t] == [float(v) for v in l_s]
+    assert not numpy.array_equal(e_t, p_t[0])  # the EMA moved, but not onto the weights
+
+
+def test_profile_reports_every_phase_per_tower():
+    *_, timer = _train("threads", model="lenet5", steps=3)
+    text = timer.report(16)
+    for phase in ("stage", "forward", "backward", "barrier", "all-reduce", "update+EMA"):
+        assert phase in text
+    assert "tower 1" in text and "examples/sec" in text
+
+
+def test_tower_threads_reraise_and_recover():
+    pool = TowerThreads(2)
+    try:
+        def bad(i):
+            pool.barrier.wait()
+            if i == 1:
+                raise RuntimeError("tower 1 failed")
+        with pytest.raises(RuntimeError, match="tower 1 failed"):  # from run or from wait
+            pool.run(bad)
+            pool.wait()
+        seen = []
+        pool.run(lambda i: seen.append(i))  # the pool still works afterwards
+        pool.wait()
+        assert sorted(seen) == [0, 1]
+    finally:
+        pool.close()
+
+
+def test_chunks_cover_exactly():
+    parts = chunks(10, 3)
+    assert [(p.start, p.stop) for p in parts] == [(0, 3), (3, 6), (6, 10)]
+
+
+def test_summary_line_has_scaling_efficiency(tmp_path, capsys):
+    rc = main(["--n-gpu", "2", "--steps", "30", "--quiet", "--profile", "--logdir", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "profile: ms per step" in out
+    last = [l for l in out.splitlines() if l.startswith("done:")][-1]
+    assert "scaling efficiency" in last and "1 tower:" in last
+
+
+def test_bad_cpu_towers_flag():
+    with pytest.raises(UserError, match="cpu-towers"):
+        from towers.train import run
+        run(Config(cpu_towers="fibers"))
