@@ -289,6 +289,7 @@ class Replica:
             self.param[name] = self.params[off : off + size].reshape(shape, copy=False)
             self.grad[name] = self.grads[off : off + size].reshape(shape, copy=False)
         self._nreg = model.n_regularized
+        self._first_param_layer = min((li for li, _, _ in model.params), default=0)
         self._local = []  # per layer: (params dict, grads dict, workspace)
         by_layer: dict[int, list[tuple[str, str]]] = {}
         for li, name, prm in model.params:
@@ -327,9 +328,11 @@ class Replica:
             loss, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss)
         with timer("backward"):
             layers = self.model.layers
-            for i in range(len(layers) - 1, -1, -1):
+            # Backward stops at the first layer with parameters, which needs no
+            # input gradient (for the MLP that saves a third of the step's FLOPs).
+            for i in range(len(layers) - 1, self._first_param_layer - 1, -1):
                 p, g, ws = self._local[i]
-                dy = layers[i].backward(p, g, dy, ws, need_dx=i > 0)
+                dy = layers[i].backward(p, g, dy, ws, need_dx=i > self._first_param_layer)
             if self._nreg and l2:
                 w = self.params[: self._nreg]
                 # grads += l2 * w without a temporary: one fused pass would need a

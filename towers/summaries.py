@@ -90,10 +90,10 @@ class TensorBoard:
         self._t, self._step = now, step
         self.scalars(step, loss=loss, learning_rate=lr, examples_per_sec=rate)
         for name, a in flat_to_named(trainer.model, trainer.replicas[0].params).items():
-            self._writer.add_histogram(name, _finite(a), step, bins="tensorflow")
+            self._writer.add_histogram(name, _finite(a), step, bins=64)
         # After the all-reduce every replica's gradient buffer holds the average.
         for name, a in flat_to_named(trainer.model, trainer.replicas[0].grads).items():
-            self._writer.add_histogram(name + "/gradients", _finite(a), step, bins="tensorflow")
+            self._writer.add_histogram(name + "/gradients", _finite(a), step, bins=64)
         self._writer.flush()  # summary steps are rare: readers see each one at once
 
     def scalars(self, step: int, **values: float) -> None:
