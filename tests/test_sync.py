@@ -40,6 +40,7 @@ def test_weights_mode_averages_every_k_steps(momentum, per_average):
     tr, src = make("weights", k=5, momentum=momentum)
     for step in range(1, 13):
         tr.train_step(*src.next_batch())
+        tr.synchronize()  # join the tower threads before reading their replicas
         same = np.array_equal(tr.replicas[0].params, tr.replicas[1].params)
         assert same == (step % 5 == 0), step  # towers drift apart between averages
         assert tr.check_replicas() == (step % 5 == 0)
@@ -68,6 +69,7 @@ def test_replica_check_names_the_tower_and_the_largest_difference(sync):
 def test_grads_mode_check_is_bitwise():
     tr, src = make("grads")
     tr.train_step(*src.next_batch())
+    tr.synchronize()
     flat = tr.replicas[1].params
     flat[0] = np.nextafter(flat[0], np.float32(np.inf))  # one ulp
     with pytest.raises(TrainingError, match="tower 1"):

@@ -47,6 +47,7 @@ def drive(cfg, ds, tr, steps):
     src = BatchSource(ds, cfg.batch_size * len(tr.replicas), cfg.seed)
     for _ in range(steps):
         tr.train_step(*src.next_batch())
+    tr.synchronize()  # concurrent CPU towers may still be finishing the last update
 
 
 def test_nccl_path_through_the_standin_matches_the_on_device_mean(standin):
