@@ -1,6 +1,8 @@
 """Concurrent CPU towers, the phase profiler and the scaling-efficiency report."""
 from __future__ import annotations
 
+import time
+
 import numpy
 import pytest
 
@@ -18,10 +20,10 @@ def _data(n=400, seed=0):
     return Dataset(x, y, 3)
 
 
-def _train(cpu_towers, steps=15, model="mlp", momentum=0.0):
+def _train(cpu_towers, steps=15, model="mlp", momentum=0.0, sync="grads"):
     ds = _data()
     cfg = Config(n_gpu=2, devices="cpu", cpu_towers=cpu_towers, batch_size=8, lr=0.1, hidden=16,
-                 momentum=momentum, model=model, profile=True)
+                 momentum=momentum, model=model, profile=True, sync=sync, average_every=5)
     tr = Trainer(cfg, resolve(2, "cpu", True), ds)
     try:
         for s in range(steps):
@@ -43,6 +45,25 @@ def test_threaded_towers_equal_serial_towers_bit_for_bit(momentum):
     numpy.testing.assert_array_equal(e_t, e_s)
     assert [float(v) for v in l_t] == [float(v) for v in l_s]
     assert not numpy.array_equal(e_t, p_t[0])  # the EMA moved, but not onto the weights
+
+
+def test_weights_mode_tower_threads_that_start_late_still_train_on_their_own_step(monkeypatch):
+    """Weights mode has no barrier: the caller may start the next step before a tower
+    thread has begun this one.  Each thread must still see its own step's batch."""
+    p_s, e_s, _, _ = _train("serial", sync="weights", steps=13)
+    start = TowerThreads._call
+
+    def late(self, i):
+        if i > 0:
+            time.sleep(0.005)
+        start(self, i)
+
+    monkeypatch.setattr(TowerThreads, "_call", late)
+    p_t, e_t, _, _ = _train("threads", sync="weights", steps=13)
+    for a, b in zip(p_t, p_s):
+        numpy.testing.assert_array_equal(a, b)
+    numpy.testing.assert_array_equal(e_t, e_s)
+    assert not numpy.array_equal(p_t[0], p_t[1])  # steps 11-13: each tower on its own
 
 
 def test_profile_reports_every_phase_per_tower():

@@ -129,6 +129,13 @@ def test_user_mistakes_get_one_line_errors(tmp_path, args, needles):
     assert not (tmp_path / "out").exists()
 
 
+def test_logdir_that_is_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "out").write_text("not a directory")
+    res = run_cli("--devices", "cpu", "--steps", "3", "--quiet", "--logdir", str(tmp_path / "out"))
+    one_line_error(res, "exists and is not a directory")
+    assert (tmp_path / "out").read_text() == "not a directory"
+
+
 def test_log_placement_table(tmp_path):
     res = run_cli("--devices", "cpu", "--n-gpu", "2", "--steps", "5", "--log-placement", "--quiet",
                   "--logdir", str(tmp_path))

@@ -89,37 +89,41 @@ class Config:
     profile: bool = False
 
 
-HELP = {
-    "n_gpu": "number of towers (default 1, or one per --devices entry)",
-    "devices": "'cpu', or GPU ids such as 0,2",
-    "soft_placement": "bend impossible placements (no GPU: CPU; too few GPUs: share) instead of failing",
-    "log_placement": "print which device runs each tower, the EMA, input parsing and the reducer",
-    "data": "training data (.npz with x, y and optionally x_test, y_test)",
-    "test_data": "separate test data (.npz); default: x_test/y_test of --data",
-    "x_key": "npz key of the examples", "y_key": "npz key of the labels",
-    "model": "mlp, or package.module:function returning a towers.model.Sequential",
-    "hidden": "hidden units of the mlp",
-    "batch_size": "examples per tower per step",
-    "steps": "training steps", "lr": "initial learning rate",
-    "lr_decay": "learning-rate decay per epoch (TF exponential_decay)",
-    "staircase": "decay the learning rate once per whole epoch",
-    "momentum": "SGD momentum (0: plain SGD)", "l2": "L2 regularization scale on weights",
-    "ema_decay": "EMA decay (TF ExponentialMovingAverage)", "seed": "seed of weights and shuffling",
-    "sync": "grads: average gradients every step; weights: each tower steps alone, weights averaged every K",
-    "average_every": "K: steps between weight averages with --sync weights",
-    "check_replicas": "compare every replica with the first every K steps (0: only at the end)",
-    "log_every": "steps between log lines", "logdir": "output directory (default runs/<timestamp>)",
-    "quiet": "no progress bar and no per-step log lines",
-    "checkpoint_every": "steps between checkpoints (ckpt-<step>.npz in --logdir); one is always written "
-                        "at the end; 0: only then",
-    "keep_checkpoints": "how many of the newest checkpoints to keep",
-    "resume": "continue from the latest valid checkpoint in --logdir (--steps is the total, not more steps)",
-    "summary_every": "steps between TensorBoard summaries (scalars, weight and gradient histograms; "
-                     "a host sync); 0: none",
-    "cpu_towers": "CPU towers run 'threads' (concurrently, the default: fastest measured) or 'serial'",
-    "blas_threads": "BLAS threads for the process (0: auto, 1 per concurrent CPU tower, else all cores)",
-    "profile": "print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase)",
-}
+# --help text, one flag a line: the Config field, then its help.
+HELP = dict(line.split(None, 1) for line in """
+n_gpu             number of towers (default 1, or one per --devices entry)
+devices           'cpu', or GPU ids such as 0,2
+soft_placement    bend impossible placements (no GPU: CPU; too few GPUs: share) instead of failing
+log_placement     print which device runs each tower, the EMA, input parsing and the reducer
+data              training data (.npz with x, y and optionally x_test, y_test)
+test_data         separate test data (.npz); default: x_test/y_test of --data
+x_key             npz key of the examples
+y_key             npz key of the labels
+model             mlp, lenet5, or package.module:function returning a towers.model.Sequential
+hidden            hidden units of the mlp
+batch_size        examples per tower per step
+steps             training steps
+lr                initial learning rate
+lr_decay          learning-rate decay per epoch (TF exponential_decay)
+staircase         decay the learning rate once per whole epoch
+momentum          SGD momentum (0: plain SGD)
+l2                L2 regularization scale on weights
+ema_decay         EMA decay (TF ExponentialMovingAverage)
+seed              seed of weights and shuffling
+sync              grads: average gradients every step; weights: each tower steps alone, weights averaged every K
+average_every     K: steps between weight averages with --sync weights
+check_replicas    compare every replica with the first every K steps (0: only at the end)
+log_every         steps between log lines
+logdir            output directory (default runs/<timestamp>)
+quiet             no progress bar and no per-step log lines
+checkpoint_every  steps between checkpoints (ckpt-<step>.npz in --logdir); one is always written at the end; 0: only then
+keep_checkpoints  how many of the newest checkpoints to keep
+resume            continue from the latest valid checkpoint in --logdir (--steps is the total, not more steps)
+summary_every     steps between TensorBoard summaries (scalars, weight and gradient histograms; a host sync); 0: none
+cpu_towers        CPU towers run 'threads' (concurrently, the default: fastest measured) or 'serial'
+blas_threads      BLAS threads for the process (0: auto, 1 per concurrent CPU tower, else all cores)
+profile           print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase)
+""".strip().splitlines())
 
 
 class _Parser(argparse.ArgumentParser):
@@ -253,8 +257,11 @@ class Trainer:
         waits for it.
         """
         if self._pool is not None:  # concurrent CPU towers: see _cpu_tower_step
-            self._step_args = (x, y, want_loss, self.lr(), self.step)
-            self._pool.run(self._cpu_tower_step)
+            # The arguments are bound to this step's call, not stored on self:
+            # without a barrier (weights mode) a late tower thread of the last
+            # step could otherwise read this step's batch.
+            args = (x, y, want_loss, self.lr(), self.step)
+            self._pool.run(lambda i: self._cpu_tower_step(i, *args))
             if not self.weights_mode:
                 self.all_reduces += 1  # one all-reduce, shared out in slices among the threads
             elif want_loss:
@@ -287,9 +294,8 @@ class Trainer:
         self.timer.step_done()
         return losses
 
-    def _cpu_tower_step(self, i: int) -> None:
+    def _cpu_tower_step(self, i: int, x, y, want_loss: bool, lr: float, step: int) -> None:
         """Tower ``i``'s share of a step, on its own thread (concurrent CPU towers)."""
-        x, y, want_loss, lr, step = self._step_args
         b, t = self.cfg.batch_size, self.timer
         with t("stage", i):
             xs, ys = self.stagers[i].stage(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])
@@ -371,6 +377,15 @@ class Trainer:
 # -- the run -------------------------------------------------------------------------
 
 
+def _make_logdir(logdir: str) -> None:
+    try:
+        os.makedirs(logdir, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"--logdir {logdir} exists and is not a directory: pick another path") from None
+    except OSError as e:
+        raise UserError(f"cannot create --logdir {logdir}: {e.strerror}; pick a writable path") from None
+
+
 def run(cfg: Config, nccl=None) -> dict:
     """Train as ``cfg`` says; return the final metrics."""
     _check(cfg)
@@ -394,7 +409,7 @@ def run(cfg: Config, nccl=None) -> dict:
     if resume is not None:
         checkpoint.restore(trainer, resume)
     start_step = trainer.step
-    os.makedirs(logdir, exist_ok=True)
+    _make_logdir(logdir)
     ckpt = checkpoint.Checkpointer(logdir, cfg, dataset, placement.n_towers, start_step, source.position)
     ckpt.last_path = resume.path if resume is not None else None
     tb = TensorBoard(logdir, cfg.summary_every, start_step)
