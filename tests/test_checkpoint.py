@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import numpy
-import pytest
 
 from towers.checkpoint import list_checkpoints, load_checkpoint
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import DIGITS, cuda_count, run_cli
 from towers.data import BatchSource, load_dataset
-from towers.placement import resolve
+from towers.placement import resolve, to_host
 from towers.train import Config, Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("error::cupy._util.PerformanceWarning")]
@@ -24,8 +24,8 @@ def train(n, devices, steps=20, momentum=0.9):
         out = tr.train_step(*src.next_batch(), want_loss=step == steps - 1)
     losses = [float(v) for v in out]
     tr.synchronize()
-    params = [np.asarray(r.params.get() if hasattr(r.params, "get") else r.params) for r in tr.replicas]
-    ema = tr.ema.shadow.get() if hasattr(tr.ema.shadow, "get") else tr.ema.shadow
+    params = [to_host(r.params) for r in tr.replicas]
+    ema = to_host(tr.ema.shadow)
     acc = tr.evaluate(use_ema=True)[1]
     tr.close()
     return params, ema, losses, acc

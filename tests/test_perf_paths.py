@@ -10,7 +10,7 @@ from towers import UserError
 from towers.cpu_towers import TowerThreads, chunks
 from towers.data import Dataset
 from towers.placement import resolve
-from towers.train import Config, Trainer, main
+from towers.train import Config, Trainer, main, run
 
 
 def _data(n=400, seed=0):
@@ -108,5 +108,4 @@ def test_summary_line_has_scaling_efficiency(tmp_path, capsys):
 
 def test_bad_cpu_towers_flag():
     with pytest.raises(UserError, match="cpu-towers"):
-        from towers.train import run
         run(Config(cpu_towers="fibers"))

@@ -29,10 +29,6 @@ class ArraySource:
         array = np.ascontiguousarray(array)
         return cls(array.dtype, array.shape, array=array)
 
-    def with_layout(self, dtype, shape):
-        """The same bytes read as another dtype and shape."""
-        return ArraySource(dtype, shape, self.path, self.array)
-
     def blocks(self):
         if self.array is not None:
             yield memoryview(self.array.reshape(-1).view(np.uint8))

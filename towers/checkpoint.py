@@ -28,7 +28,6 @@ import glob
 import json
 import os
 import re
-import sys
 import tempfile
 import zipfile
 from dataclasses import asdict, dataclass
@@ -36,6 +35,7 @@ from dataclasses import asdict, dataclass
 import numpy
 
 from towers import TrainingError, UserError
+from towers.placement import to_host
 
 FORMAT = 1
 INDEX = "checkpoint"  # the TensorFlow-style text file naming the latest checkpoint
@@ -93,14 +93,9 @@ def _atomic_write(path: str, write) -> None:
     fsync_dir(directory)
 
 
-def weights_to_host(replica) -> dict[str, numpy.ndarray]:
-    """Named float32 host copies of a replica's parameters (a sync point on GPU)."""
-    return {name: _host(view) for name, view in replica.param.items()}
-
-
 def flat_to_named(model, flat) -> dict[str, numpy.ndarray]:
     """Split a flat buffer into named host arrays using the model's layout."""
-    host = _host(flat)
+    host = to_host(flat, copy=True)
     return {name: host[off : off + size].reshape(shape) for name, shape, off, size in model.layout()}
 
 
@@ -111,9 +106,6 @@ def named_to_flat(model, named: dict) -> numpy.ndarray:
         flat[off : off + size] = numpy.asarray(named[name], dtype=numpy.float32).reshape(-1)
     return flat
 
-
-def _host(a) -> numpy.ndarray:
-    return a.get() if hasattr(a, "get") else numpy.array(a, copy=True)
 
 
 # -- finding and reading checkpoints --------------------------------------------------

@@ -48,10 +48,11 @@ class Evaluator:
     def dataset(self, ck: dict):
         a = self.args
         # --data replaces the whole data source, so the checkpoint's --test-data goes with it.
-        key = (a.data or ck["data"], a.test_data or (None if a.data else ck.get("test_data")),
-               a.x_key or ck.get("x_key", "x"), a.y_key or ck.get("y_key", "y"))
+        # The key is load_dataset's arguments: (data, x_key, y_key, test_data).
+        key = (a.data or ck["data"], a.x_key or ck.get("x_key", "x"), a.y_key or ck.get("y_key", "y"),
+               a.test_data or (None if a.data else ck.get("test_data")))
         if key not in self._data:
-            ds = load_dataset(*key[:1], key[2], key[3], key[1])
+            ds = load_dataset(*key)
             if ds.x_test is None:
                 raise UserError(f"{key[0]} has no x_test/y_test: pass --data or --test-data with test examples")
             self._data[key] = ds

@@ -63,6 +63,13 @@ def on_stream(stream):
     return stream if stream is not None else contextlib.nullcontext()
 
 
+def to_host(a, copy: bool = False) -> numpy.ndarray:
+    """A device array as a NumPy array (a sync point on GPU); ``copy`` also copies host arrays."""
+    if hasattr(a, "get"):
+        return a.get()
+    return numpy.array(a, copy=True) if copy else a
+
+
 def cuda_device_count() -> int:
     """Number of CUDA devices CuPy can use; 0 without CuPy, a driver or a GPU."""
     try:

@@ -91,16 +91,9 @@ class PhaseTimer:
         return "\n".join(lines)
 
 
-def scaling_efficiency(rate_n: float, n_towers: int, rate_1: float | None) -> float | None:
-    """(examples/s with N towers) / (N x examples/s with 1 tower); None when unknown."""
-    if n_towers == 1:
-        return 1.0
-    if not rate_1:
-        return None
-    return rate_n / (n_towers * rate_1)
-
-
-__all__ = ["PhaseTimer", "PHASES", "scaling_efficiency"]
+def scaling_efficiency(rate_n: float, n_towers: int, rate_1: float) -> float:
+    """(examples/s with N towers) / (N x examples/s with 1 tower); 1 for one tower."""
+    return 1.0 if n_towers == 1 else rate_n / (n_towers * rate_1)
 
 
 def one_tower_rate(cfg, placement, dataset, steps: int = 20, warmup: int = 2) -> float:
@@ -132,3 +125,6 @@ def one_tower_rate(cfg, placement, dataset, steps: int = 20, warmup: int = 2) ->
         return steps * cfg.batch_size / (time.perf_counter() - t0)
     finally:
         trainer.close()
+
+
+__all__ = ["PHASES", "PhaseTimer", "one_tower_rate", "scaling_efficiency"]

@@ -111,4 +111,5 @@ class TensorBoard:
 def _finite(a: numpy.ndarray) -> numpy.ndarray:
     """Histograms reject inf/nan; a diverging run still gets its finite part drawn."""
     a = numpy.asarray(a).reshape(-1)
-    return a if numpy.isfinite(a).all() else a[numpy.isfinite(a)]
+    ok = numpy.isfinite(a)
+    return a if ok.all() else a[ok]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy
 
 from towers import TrainingError, UserError
+from towers.placement import to_host
 
 MODES = ("grads", "weights")
 
@@ -35,19 +36,15 @@ def check_mode(sync: str, average_every: int) -> None:
         raise UserError("--average-every applies to --sync weights; add --sync weights or drop it")
 
 
-def _host(a) -> numpy.ndarray:
-    return a.get() if hasattr(a, "get") else a
-
-
 def check_replicas(replicas, step: int, atol: float = 0.0) -> None:
     """Compare every replica's parameter buffer with the first one's.
 
     ``atol`` 0 demands bit-identical buffers.  Fetching device buffers to the
     host is a sync point: call this only at check steps.
     """
-    ref = _host(replicas[0].params)
+    ref = to_host(replicas[0].params)
     for i, r in enumerate(replicas[1:], start=1):
-        other = _host(r.params)
+        other = to_host(r.params)
         if atol == 0.0:
             same = numpy.array_equal(ref, other)
         else:

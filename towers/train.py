@@ -523,12 +523,9 @@ def main(argv=None) -> int:
     cfg = parse_config(argv)
     try:
         run(cfg)
-    except UserError as e:
+    except (UserError, TrainingError) as e:  # a user mistake (2) or a run that cannot go on (1)
         print(f"towers.train: error: {e}", file=sys.stderr)
-        return 2
-    except TrainingError as e:
-        print(f"towers.train: error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, UserError) else 1
     except KeyboardInterrupt:
         print("towers.train: interrupted", file=sys.stderr)
         return 130
