@@ -23,7 +23,7 @@ def shared_file(*parts: str) -> Path:
 
 
 def cuda_count() -> int:
-    from towers.placement import cuda_device_count
+    from towers.devices.placement import cuda_device_count
 
     return cuda_device_count()
 

@@ -1,5 +1,5 @@
 """A host-memory stand-in for ``cupy.cuda.nccl``, for running the real NCCL call
-sequence of ``towers.allreduce`` on a machine without a GPU.
+sequence of ``towers.parallel.allreduce`` on a machine without a GPU.
 
 It has the same names and call signatures as the CuPy module
 (``NcclCommunicator.initAll(devices)``, ``comm.allReduce(sendbuf, recvbuf, count,

@@ -2,9 +2,10 @@
 import numpy as np
 import pytest
 
-from towers.allreduce import NcclAllReduce, TowerAllReduce
-from towers.model import Replica, build_model
-from towers.placement import resolve
+from towers.parallel.allreduce import NcclAllReduce, TowerAllReduce
+from towers.nn.models import build_model
+from towers.nn.replica import Replica
+from towers.devices.placement import resolve
 
 
 def replicas(n, seed=0):
@@ -103,7 +104,7 @@ def test_standin_catches_a_count_in_bytes_and_calls_outside_a_group(standin):
 
 
 def test_distinct_devices_are_required_before_init(standin):
-    from towers import UserError
+    from towers.errors import UserError
 
     with pytest.raises(UserError, match="distinct GPUs"):
         NcclAllReduce([0, 0], nccl=standin)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy
 
-from towers.checkpoint import list_checkpoints, load_checkpoint
+from towers.output.checkpoint import list_checkpoints, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--hidden", "16", "--batch-size", "50", "--quiet", "--summary-every", "0"]

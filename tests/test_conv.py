@@ -4,9 +4,11 @@ from __future__ import annotations
 import numpy
 import pytest
 
-from towers import UserError
-from towers.layers_conv import Conv2D, MaxPool2D, lenet5
-from towers.model import Dense, Flatten, ReLU, Replica, Sequential, build_model
+from towers.errors import UserError
+from towers.nn.conv import Conv2D, MaxPool2D
+from towers.nn.layers import Dense, Flatten, ReLU, Sequential
+from towers.nn.models import build_model, lenet5
+from towers.nn.replica import Replica
 
 
 def _loss(replica, x, y, l2):

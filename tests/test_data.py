@@ -2,9 +2,11 @@
 import numpy as np
 import pytest
 
-from towers import UserError
-from towers.data import BatchSource, Dataset, Prefetcher, Stager, load_dataset
-from towers.placement import CPU
+from towers.errors import UserError
+from towers.data.batches import BatchSource, Prefetcher
+from towers.data.dataset import Dataset, load_dataset
+from towers.data.staging import Stager
+from towers.devices.placement import CPU
 
 
 def save(tmp_path, name="d.npz", **arrays):

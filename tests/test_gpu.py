@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from conftest import DIGITS, cuda_count, run_cli
-from towers.data import BatchSource, load_dataset
-from towers.placement import resolve, to_host
-from towers.train import Config, Trainer
+from towers.data.batches import BatchSource
+from towers.data.dataset import load_dataset
+from towers.devices.placement import resolve, to_host
+from towers import Config, Trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("error::cupy._util.PerformanceWarning")]
 
@@ -17,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("error::cupy._util.Per
 def train(n, devices, steps=20, momentum=0.9):
     cfg = Config(n_gpu=n, devices=devices, hidden=64, batch_size=60, momentum=momentum)
     ds = load_dataset(str(DIGITS))
-    tr = Trainer(cfg, resolve(n, devices), ds)
+    tr = Trainer(cfg, dataset=ds)
     src = BatchSource(ds, cfg.batch_size * n, cfg.seed)
     losses = []
     for step in range(steps):
@@ -62,7 +63,7 @@ def test_n_towers_on_n_gpus_match_cpu():
 
 def test_real_nccl_single_rank_all_reduce_is_a_copy():
     import cupy
-    from towers.allreduce import NcclAllReduce
+    from towers.parallel.allreduce import NcclAllReduce
 
     with cupy.cuda.Device(0):
         stream = cupy.cuda.Stream(non_blocking=True)
@@ -86,7 +87,7 @@ def test_weights_mode_on_a_shared_gpu_matches_grads_mode():
     for sync in ("grads", "weights"):
         cfg = Config(n_gpu=2, devices="0", hidden=64, batch_size=60, sync=sync)
         ds = load_dataset(str(DIGITS))
-        tr = Trainer(cfg, resolve(2, "0"), ds)
+        tr = Trainer(cfg, dataset=ds)
         src = BatchSource(ds, 120, cfg.seed)
         for _ in range(10):
             tr.train_step(*src.next_batch())

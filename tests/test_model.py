@@ -2,8 +2,11 @@
 import numpy as np
 import pytest
 
-from towers import UserError
-from towers.model import Dense, Flatten, ReLU, Replica, Sequential, build_model, softmax_cross_entropy, Workspace
+from towers.errors import UserError
+from towers.nn.layers import Dense, Flatten, ReLU, Sequential, Workspace
+from towers.nn.loss import softmax_cross_entropy
+from towers.nn.models import build_model
+from towers.nn.replica import Replica
 
 
 def numeric_grad_check(model, x, y, l2, seed=0, probes=None):

@@ -3,7 +3,9 @@ import math
 
 import numpy as np
 
-from towers.optimizer import EMA, SGD, ema_decay, learning_rate
+from towers.optim.ema import EMA, ema_decay
+from towers.optim.optimizers import SGD
+from towers.optim.schedule import learning_rate
 
 
 def test_exponential_decay_matches_tensorflow_formula():

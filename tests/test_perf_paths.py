@@ -6,11 +6,12 @@ import time
 import numpy
 import pytest
 
-from towers import UserError
-from towers.cpu_towers import TowerThreads, chunks
-from towers.data import Dataset
-from towers.placement import resolve
-from towers.train import Config, Trainer, main, run
+from towers.errors import UserError
+from towers.devices.cpu_threads import TowerThreads, chunks
+from towers.data.dataset import Dataset
+from towers.devices.placement import resolve
+from towers import Config, Trainer
+from towers.train import main, run
 
 
 def _data(n=400, seed=0):
@@ -23,8 +24,9 @@ def _data(n=400, seed=0):
 def _train(cpu_towers, steps=15, model="mlp", momentum=0.0, sync="grads"):
     ds = _data()
     cfg = Config(n_gpu=2, devices="cpu", cpu_towers=cpu_towers, batch_size=8, lr=0.1, hidden=16,
-                 momentum=momentum, model=model, profile=True, sync=sync, average_every=5)
-    tr = Trainer(cfg, resolve(2, "cpu", True), ds)
+                 momentum=momentum, model=model, profile=True, sync=sync,
+                 average_every=5 if sync == "weights" else 1, optimizer="sgd")
+    tr = Trainer(cfg, dataset=ds)
     try:
         for s in range(steps):
             sl = slice(16 * s % 384, 16 * s % 384 + 16)
@@ -97,15 +99,19 @@ def test_chunks_cover_exactly():
     assert [(p.start, p.stop) for p in parts] == [(0, 3), (3, 6), (6, 10)]
 
 
-def test_summary_line_has_scaling_efficiency(tmp_path, capsys):
-    rc = main(["--n-gpu", "2", "--steps", "30", "--quiet", "--profile", "--logdir", str(tmp_path)])
+def test_scaling_efficiency_is_opt_in(tmp_path, capsys):
+    rc = main(["--n-gpu", "2", "--steps", "30", "--quiet", "--profile", "--logdir", str(tmp_path / "a")])
     assert rc == 0
     out = capsys.readouterr().out
     assert "profile: ms per step" in out
     last = [l for l in out.splitlines() if l.startswith("done:")][-1]
+    assert "scaling efficiency" not in last  # no 1-tower run unless asked for
+    rc = main(["--n-gpu", "2", "--steps", "30", "--quiet", "--measure-scaling", "--logdir", str(tmp_path / "b")])
+    assert rc == 0
+    last = [l for l in capsys.readouterr().out.splitlines() if l.startswith("done:")][-1]
     assert "scaling efficiency" in last and "1 tower:" in last
 
 
 def test_bad_cpu_towers_flag():
-    with pytest.raises(UserError, match="cpu-towers"):
+    with pytest.raises(UserError, match="cpu_towers"):
         run(Config(cpu_towers="fibers"))

@@ -1,8 +1,8 @@
 """Placement rules: soft placement, explicit devices, validation."""
 import pytest
 
-from towers import UserError
-from towers.placement import CPU, Device, resolve
+from towers.errors import UserError
+from towers.devices.placement import CPU, Device, resolve
 
 
 def test_no_gpu_soft_places_towers_on_cpu_with_a_notice():
@@ -16,7 +16,7 @@ def test_no_gpu_without_soft_placement_says_what_was_asked_and_what_exists():
     with pytest.raises(UserError) as e:
         resolve(2, None, soft=False, gpu_count=0)
     msg = str(e.value)
-    assert "2 GPU towers" in msg and "no CUDA device" in msg and "--devices cpu" in msg
+    assert "2 GPU towers" in msg and "no CUDA device" in msg and "devices cpu" in msg and "soft_placement=True" in msg
 
 
 def test_fewer_gpus_than_towers_share_round_robin():

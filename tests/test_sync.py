@@ -3,10 +3,12 @@ import numpy as np
 import pytest
 
 from conftest import DIGITS, run_cli
-from towers import TrainingError
-from towers.data import BatchSource, load_dataset
-from towers.placement import resolve
-from towers.train import Config, Trainer, run
+from towers.errors import TrainingError
+from towers.data.batches import BatchSource
+from towers.data.dataset import load_dataset
+from towers.devices.placement import resolve
+from towers import Config, Trainer
+from towers.train import run
 
 
 def rel_diff(a, b):
@@ -30,7 +32,7 @@ def test_weights_every_step_with_plain_sgd_equals_gradient_averaging(tmp_path):
 def make(sync="grads", k=1, momentum=0.0, n=2):
     cfg = Config(n_gpu=n, devices="cpu", hidden=16, batch_size=40, sync=sync, average_every=k, momentum=momentum)
     ds = load_dataset(str(DIGITS))
-    tr = Trainer(cfg, resolve(n, "cpu"), ds)
+    tr = Trainer(cfg, dataset=ds)
     src = BatchSource(ds, cfg.batch_size * n, cfg.seed)
     return tr, src
 
@@ -88,7 +90,7 @@ def test_summary_reports_all_reduces_per_step(tmp_path):
     [
         (["--sync", "async"], "--sync 'async' is unknown"),
         (["--average-every", "5"], "--average-every applies to --sync weights"),
-        (["--sync", "weights", "--average-every", "0"], "--average-every must be at least 1"),
+        (["--sync", "weights", "--average-every", "0"], "--average-every must be an integer >= 1"),
     ],
 )
 def test_bad_sync_flags(tmp_path, args, needle):

@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 
 from conftest import DIGITS, cuda_count, run_cli
-from towers.data import BatchSource, load_dataset
-from towers.placement import resolve
-from towers.train import Config, Trainer, run
+from towers.data.batches import BatchSource
+from towers.data.dataset import load_dataset
+from towers.devices.placement import resolve
+from towers import Config, Trainer
+from towers.train import run
 
 
 def final(logdir):
@@ -40,7 +42,7 @@ def test_n_towers_times_b_equals_one_tower_times_n_b(tmp_path):
 def trainer(n, nccl=None, hidden=32, batch=50):
     cfg = Config(n_gpu=n, devices="cpu", hidden=hidden, batch_size=batch, momentum=0.9)
     ds = load_dataset(str(DIGITS))
-    return cfg, ds, Trainer(cfg, resolve(n, "cpu"), ds, nccl=nccl)
+    return cfg, ds, Trainer(cfg, dataset=ds, nccl=nccl)
 
 
 def drive(cfg, ds, tr, steps):
@@ -119,7 +121,7 @@ def test_no_soft_placement_is_a_clear_error_and_writes_nothing(tmp_path):
         (["--data", "missing.npz"], ["missing.npz does not exist"]),
         (["--batch-size", "5000"], ["larger than the dataset"]),
         (["--model", "nope"], ["--model 'nope' is unknown"]),
-        (["--steps", "0"], ["--steps must be at least 1"]),
+        (["--steps", "0"], ["--steps must be an integer >= 1"]),
     ],
 )
 def test_user_mistakes_get_one_line_errors(tmp_path, args, needles):

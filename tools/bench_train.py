@@ -68,8 +68,9 @@ def _towers_loop(a) -> float:
 
 def _towers_bare(a) -> float:
     """Forward/backward + plain SGD, towers in threads as the trainer runs them."""
-    from towers.cpu_towers import TowerThreads, cpu_count, set_blas_threads
-    from towers.model import Replica, build_model
+    from towers.devices.cpu_threads import TowerThreads, cpu_count, set_blas_threads
+    from towers.nn.models import build_model
+    from towers.nn.replica import Replica
 
     d = numpy.load(a.data)
     model = build_model(a.model, d["x"].shape[1:], 10, 500)
@@ -102,7 +103,8 @@ def _towers_bare(a) -> float:
 
 
 def _pipeline(a) -> float:
-    from towers.data import BatchSource, Prefetcher, load_dataset
+    from towers.data.batches import BatchSource, Prefetcher
+    from towers.data.dataset import load_dataset
 
     ds = load_dataset(a.data)
     steps = 3000

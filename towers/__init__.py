@@ -1,38 +1,34 @@
-"""towers: single-host multi-GPU tower training with CuPy + NCCL, NumPy on the CPU.
+"""towers: multi-GPU tower training with CuPy + NCCL, NumPy on the CPU.
 
 One process holds one model replica (a tower) per device.  Each step the towers
 compute gradients on their slice of one global batch, the gradients are averaged
-with one all-reduce (``towers.allreduce``), every replica applies the same update
-and an exponential moving average of the weights is kept (``towers.optimizer``).
+with one all-reduce, every replica applies the same update and an exponential
+moving average of the weights is kept.
 
-Where things live:
+The folders follow the data flow of a step::
 
-=====================  ==============================================
-``towers.placement``   which device each tower runs on, and why
-``towers.model``       the layer API, models, loss, one replica's buffers
-``towers.allreduce``   the gradient all-reduce (NCCL or on-device mean)
-``towers.sync``        sync modes (gradients / weights every K) and the replica check
-``towers.optimizer``   learning-rate schedule, SGD update and EMA
-``towers.data``        npz input, shuffling, background batches, staging
-``towers.summaries``   progress bar, log lines, metrics.jsonl
-``towers.train``       the training script (``python -m towers.train``)
-=====================  ==============================================
+    towers/data/      datasets, shuffled global batches, staging onto devices
+    towers/devices/   placement on GPUs or the CPU, CPU tower threads
+    towers/nn/        layers, models, the loss, one replica's flat buffers
+    towers/parallel/  the all-reduce, sync modes, the replica check
+    towers/optim/     learning-rate schedule, SGD and Adam, the EMA
+    towers/output/    atomic files, checkpoints, logs, TensorBoard
+
+and at the top: ``config`` (settings), ``trainer`` (the ``Trainer``: step and
+loop), ``extensions`` (the loop's side concerns), ``profiling``, and the
+command lines ``train`` and ``eval``.
+
+    >>> import towers
+    >>> with towers.Trainer(towers.Config(n_gpu=2, devices="cpu", steps=500)) as tr:
+    ...     metrics = tr.fit()
+    ...     weights = tr.get_weights()
 """
+from towers.config import Config
+from towers.data.dataset import Dataset
+from towers.errors import TrainingError, UserError
+from towers.nn.conv import Conv2D, MaxPool2D
+from towers.nn.layers import Dense, Flatten, ReLU, Sequential
+from towers.trainer import Trainer
 
-
-class UserError(Exception):
-    """A mistake in the user's input (flags, files, placement).
-
-    The command-line entry points print its message as one line and exit with
-    status 2; it is never shown as a traceback.
-    """
-
-
-class TrainingError(Exception):
-    """A run that cannot go on (replicas diverged, the loss is not finite).
-
-    Printed as one line by the entry points, with a non-zero exit status.
-    """
-
-
-__all__ = ["UserError", "TrainingError"]
+__all__ = ["Config", "Trainer", "Dataset", "Sequential", "Dense", "ReLU", "Flatten", "Conv2D", "MaxPool2D",
+           "UserError", "TrainingError"]

@@ -13,16 +13,17 @@ import os
 import sys
 import time
 
-from towers import UserError
-from towers.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_weights, named_to_flat
-from towers.data import load_dataset
-from towers.model import Replica, build_model
-from towers.placement import resolve
-from towers.train import _Parser
+from towers.errors import UserError
+from towers.output.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_weights, named_to_flat
+from towers.data.dataset import load_dataset
+from towers.nn.models import build_model
+from towers.nn.replica import Replica
+from towers.devices.placement import resolve
+from towers.train import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m towers.eval", description="Loss and accuracy of a towers checkpoint on test data.")
+    ap = Parser(prog="python -m towers.eval", description="Loss and accuracy of a towers checkpoint on test data.")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--logdir", help="evaluate the latest valid checkpoint of this run")
     src.add_argument("--checkpoint", metavar="PATH", help="evaluate this ckpt-*.npz")

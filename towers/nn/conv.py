@@ -1,6 +1,6 @@
-"""Convolution and max-pooling layers, and the book's LeNet-5.
+"""Convolution and max-pooling layers.
 
-Both layers follow the layer API of ``towers.model`` (build / forward /
+Both layers follow the layer API of ``towers.nn.layers`` (build / forward /
 backward, scratch from a ``Workspace``, gradients written into views) and run
 on NumPy or CuPy alike.  Activations are NHWC, as in the TensorFlow original,
 which is also the layout in which im2col needs no transpose.
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import numpy
 
-from towers import UserError
-from towers.model import Dense, Flatten, Layer, Param, ReLU, Sequential
+from towers.errors import UserError
+from towers.nn.layers import Layer, Param
 
 
 def _as_strided(xp, a, shape, strides):
@@ -220,30 +220,4 @@ class MaxPool2D(Layer):
         return dx.reshape(ws.saved["x_shape"])
 
 
-def lenet5(input_shape: tuple, num_classes: int) -> Sequential:
-    """The book's chapter 6 LeNet-5 (``LeNet5_infernece``), without dropout.
-
-    conv 5x5x32 SAME + ReLU, max-pool 2x2, conv 5x5x64 SAME + ReLU, max-pool
-    2x2, fc 512 + ReLU, fc ``num_classes``.  As in the book: weights
-    truncated-normal(0.1); conv biases 0, fc biases 0.1; L2 only on the fully
-    connected weights.
-
-    Each ReLU runs AFTER its pool: max-pooling commutes with the monotone ReLU
-    (relu(max(a, b)) == max(relu(a), relu(b))), so the function and its
-    gradient are the book's, while the ReLU touches 4x fewer values.
-    """
-    return Sequential([
-        Conv2D("layer1-conv1", 32, 5),
-        MaxPool2D(2),  # layer2-pool1: no parameters, so no scope
-        ReLU(),
-        Conv2D("layer3-conv2", 64, 5),
-        MaxPool2D(2),  # layer4-pool2
-        ReLU(),
-        Flatten(),
-        Dense("layer5-fc1", 512, bias=0.1),
-        ReLU(),
-        Dense("layer6-fc2", num_classes, bias=0.1),
-    ])
-
-
-__all__ = ["Conv2D", "MaxPool2D", "lenet5"]
+__all__ = ["Conv2D", "MaxPool2D"]

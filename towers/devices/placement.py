@@ -11,7 +11,7 @@ The rules follow TensorFlow's ``allow_soft_placement``:
   what was asked and what exists.
 
 Whatever the flags, the device list is validated here (ids exist, none named
-twice) before ``towers.allreduce`` creates any NCCL communicator.
+twice) before ``towers.parallel.allreduce`` creates any NCCL communicator.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from towers import UserError
+from towers.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -144,15 +144,15 @@ def _parse_devices(text: str) -> list[int] | None:
         ids = [int(part) for part in text.split(",") if part.strip() != ""]
     except ValueError:
         raise UserError(
-            f"--devices {text!r} is not understood: give 'cpu' or GPU ids such as 0,2"
+            f"`devices` {text!r} is not understood: give 'cpu' or GPU ids such as 0,2"
         ) from None
     if not ids or any(i < 0 for i in ids):
-        raise UserError(f"--devices {text!r}: GPU ids are non-negative integers such as 0,2")
+        raise UserError(f"`devices` {text!r}: GPU ids are non-negative integers such as 0,2")
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise UserError(
-            f"--devices {text!r} names GPU {dupes[0]} twice: list each GPU once "
-            "(use --n-gpu to put several towers on fewer GPUs)"
+            f"`devices` {text!r} names GPU {dupes[0]} twice: list each GPU once "
+            "(use `n_gpu` to put several towers on fewer GPUs)"
         )
     return ids
 
@@ -175,7 +175,7 @@ def resolve(
     ``gpu_count`` defaults to what CuPy sees; tests pass it explicitly.
     """
     if n_towers is not None and n_towers < 1:
-        raise UserError(f"--n-gpu {n_towers}: the number of towers must be at least 1")
+        raise UserError(f"`n_gpu` {n_towers}: the number of towers must be at least 1")
     ids = _parse_devices(devices) if devices is not None else None
     if devices is not None and ids is None:  # --devices cpu
         return Placement([CPU] * (n_towers or 1))
@@ -185,26 +185,26 @@ def resolve(
     if ids is None:
         want = n_towers or 1
         ids = list(range(min(want, gpu_count)))
-        asked = f"{want} GPU tower{'s' if want > 1 else ''} (--n-gpu {want})"
+        asked = f"{want} GPU tower{'s' if want > 1 else ''} (`n_gpu` {want})"
     else:
         want = n_towers or len(ids)
-        asked = f"GPUs {','.join(map(str, ids))} (--devices)"
+        asked = f"GPUs {','.join(map(str, ids))} (`devices`)"
         missing = [i for i in ids if i >= gpu_count]
         if missing and gpu_count > 0:
             raise UserError(
-                f"GPU {missing[0]} does not exist: {_have(gpu_count)}; fix --devices"
+                f"GPU {missing[0]} does not exist: {_have(gpu_count)}; fix `devices`"
             )
         if want < len(ids):
             raise UserError(
-                f"--n-gpu {want} is fewer than the {len(ids)} GPUs named by --devices: "
-                "name fewer GPUs or drop --n-gpu"
+                f"`n_gpu` {want} is fewer than the {len(ids)} GPUs named by `devices`: "
+                "name fewer GPUs or drop `n_gpu`"
             )
 
     if gpu_count == 0:
         if not soft:
             raise UserError(
-                f"asked for {asked} but {_have(0)}; use --devices cpu, "
-                "or drop --no-soft-placement to fall back to the CPU"
+                f"asked for {asked} but {_have(0)}; use `devices` cpu, "
+                "or fall back to the CPU (`soft_placement`)"
             )
         return Placement(
             [CPU] * want,
@@ -216,7 +216,7 @@ def resolve(
             where = f"GPUs {','.join(map(str, ids))} were named" if devices else _have(gpu_count)
             raise UserError(
                 f"asked for {want} towers, one per GPU, but {where}; "
-                "ask for fewer towers, or drop --no-soft-placement to share GPUs"
+                "ask for fewer towers, or share GPUs (`soft_placement`)"
             )
         towers = [Device("gpu", ids[i % len(ids)]) for i in range(want)]
         return Placement(

@@ -14,6 +14,8 @@ import time
 import numpy
 from tqdm import tqdm
 
+from towers.output.checkpoint import flat_to_named
+
 
 class Reporter:
     """Progress bar (TTY only, off with --quiet), log lines and the metrics file."""
@@ -81,8 +83,6 @@ class TensorBoard:
 
     def write_step(self, trainer, loss: float, lr: float) -> None:
         """The summaries of one step: scalars, then the histograms (a host sync)."""
-        from towers.checkpoint import flat_to_named
-
         if self._writer is None:
             return
         now, step = time.perf_counter(), trainer.step

@@ -1,4 +1,4 @@
-"""``--profile``: where a training step's time goes, phase by phase and tower by tower.
+"""``profile``: where a training step's time goes, phase by phase and tower by tower.
 
 Phases: ``input wait`` (the loop waiting for the background batch thread),
 ``stage`` (a tower's slice onto its device, uint8 -> float32), ``forward``
@@ -96,35 +96,4 @@ def scaling_efficiency(rate_n: float, n_towers: int, rate_1: float) -> float:
     return 1.0 if n_towers == 1 else rate_n / (n_towers * rate_1)
 
 
-def one_tower_rate(cfg, placement, dataset, steps: int = 20, warmup: int = 2) -> float:
-    """Examples/s of ONE tower on the first tower's device, same model and batch size.
-
-    The denominator of the scaling efficiency: a short run of a fresh 1-tower
-    trainer (its own BLAS setting, as a 1-tower run would have), timed after
-    ``warmup`` steps, on batches drawn beforehand so input is not part of it.
-    """
-    import dataclasses
-
-    from towers.data import BatchSource
-    from towers.placement import Placement
-    from towers.train import Trainer
-
-    one = Placement(towers=[placement.towers[0]])
-    trainer = Trainer(dataclasses.replace(cfg, n_gpu=1, devices=None, profile=False), one, dataset)
-    try:
-        source = BatchSource(dataset, cfg.batch_size, cfg.seed)
-        batches = [source.next_batch() for _ in range(min(warmup + steps, 64))]
-        for x, y in batches[:warmup]:
-            trainer.train_step(x, y)
-        trainer.synchronize()
-        t0 = time.perf_counter()
-        for k in range(steps):
-            x, y = batches[warmup + k % (len(batches) - warmup)]
-            trainer.train_step(x, y)
-        trainer.synchronize()
-        return steps * cfg.batch_size / (time.perf_counter() - t0)
-    finally:
-        trainer.close()
-
-
-__all__ = ["PHASES", "PhaseTimer", "one_tower_rate", "scaling_efficiency"]
+__all__ = ["PHASES", "PhaseTimer", "scaling_efficiency"]

@@ -28,69 +28,17 @@ import glob
 import json
 import os
 import re
-import tempfile
-import zipfile
 from dataclasses import asdict, dataclass
 
 import numpy
 
-from towers import TrainingError, UserError
-from towers.placement import to_host
+from towers.devices.placement import to_host
+from towers.errors import TrainingError, UserError
+from towers.output.files import atomic_save_npz, atomic_write_text
 
 FORMAT = 1
 INDEX = "checkpoint"  # the TensorFlow-style text file naming the latest checkpoint
 _CKPT = re.compile(r"^ckpt-(\d{8,})\.npz$")
-_ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # zip's earliest date: no wall clock in the bytes
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename in ``path`` durable (a no-op where directories can't be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_save_npz(path: str, arrays: dict) -> None:
-    """Write ``arrays`` to ``path`` as an uncompressed, deterministic npz, atomically."""
-    _atomic_write(path, lambda f: _write_npz(f, arrays))
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def _write_npz(f, arrays: dict) -> None:
-    # numpy.savez stamps each member with the current time; a fixed stamp makes
-    # the file a function of the arrays alone (byte-identical resume test).
-    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, value in arrays.items():
-            info = zipfile.ZipInfo(name + ".npy", date_time=_ZIP_EPOCH)
-            with zf.open(info, "w", force_zip64=True) as member:
-                numpy.lib.format.write_array(member, numpy.asanyarray(value), allow_pickle=False)
-
-
-def _atomic_write(path: str, write) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide it from other readers
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(directory)
 
 
 def flat_to_named(model, flat) -> dict[str, numpy.ndarray]:
@@ -171,7 +119,7 @@ def latest_checkpoint(logdir: str, warn=None) -> tuple[str, dict] | None:
     if bad:
         raise UserError(
             f"none of the {len(bad)} checkpoints in {logdir} can be read (newest: {bad[0]}); "
-            "move them away to start fresh, or point --logdir elsewhere"
+            "move them away to start fresh, or point `logdir` elsewhere"
         )
     return None
 
@@ -191,8 +139,8 @@ def model_weights(model, arrays: dict, prefix: str, path: str, fix: str) -> dict
         ck = arrays["config"]
         raise UserError(
             f"{path} does not fit this model: {n} is {have.get(n, 'absent')} there but "
-            f"{want.get(n, 'absent')} here (the checkpoint was trained with --model {ck.get('model')} "
-            f"--hidden {ck.get('hidden')}); {fix}"
+            f"{want.get(n, 'absent')} here (the checkpoint was trained with `model` {ck.get('model')} "
+            f"`hidden` {ck.get('hidden')}); {fix}"
         )
     return named
 
@@ -202,52 +150,109 @@ def advance(position: tuple[int, int], examples: int, n: int) -> tuple[int, int]
     return divmod(position[0] * n + position[1] + examples, n)
 
 
+# -- the state dict: what a checkpoint holds -------------------------------------------
+
+_META = ("format", "step", "data/epoch", "data/index", "data/shape", "data/num_classes",
+         "n_towers", "global_batch", "sync/n_averages", "config")
+_SLOTS = ("momentum", "adam_m", "adam_v")  # optimizer state buffers any optimizer may have
+
+
+def check_names(model, named: dict, where: str) -> dict:
+    """``named`` if it has exactly the model's names with their shapes; else a UserError naming one."""
+    want = {name: shape for name, shape, _, _ in model.layout()}
+    for name in want:
+        if name not in named:
+            raise UserError(f"{where}: {name!r} is missing (the model has {', '.join(want)})")
+    for name, a in named.items():
+        if name not in want:
+            raise UserError(f"{where}: {name!r} is not a weight of this model (it has {', '.join(want)})")
+        if tuple(numpy.shape(a)) != want[name]:
+            raise UserError(f"{where}: {name!r} has shape {tuple(numpy.shape(a))}, the model's is {want[name]}")
+    return named
+
+
+def state_dict(trainer) -> dict:
+    """The trainer's state as {name: host array}: weights, EMA, optimizer state, step, input position."""
+    model = trainer.model
+    named = {"params": flat_to_named(model, trainer.replicas[0].params),
+             "ema": flat_to_named(model, trainer.ema.shadow)}
+    for slot, buf in trainer.optimizers[0].state.items():
+        named[slot] = flat_to_named(model, buf)
+    arrays = {f"{kind}/{name}": a for kind, d in named.items() for name, a in d.items()}
+    epoch, index = trainer.data_position()
+    ds = trainer.dataset
+    arrays.update({
+        "format": numpy.int64(FORMAT), "step": numpy.int64(trainer.step),
+        "data/epoch": numpy.int64(epoch), "data/index": numpy.int64(index),
+        "data/shape": numpy.array(ds.x.shape, dtype=numpy.int64),
+        "data/num_classes": numpy.int64(ds.num_classes),
+        "n_towers": numpy.int64(trainer.n_towers), "global_batch": numpy.int64(trainer.global_batch),
+        "sync/n_averages": numpy.int64(trainer.n_averages),
+        "config": numpy.array(config_json(trainer.cfg)),
+    })
+    return arrays
+
+
+def load_state_dict(trainer, state: dict, where: str) -> None:
+    """Load ``state`` (``state_dict`` output or a checkpoint's arrays) into ``trainer``.
+
+    Strict: an unknown key, a missing one, or a weight of the wrong name or
+    shape is a UserError naming it, and nothing is changed.  Optimizer state
+    of another optimizer (or none, after a change of ``momentum``) is allowed:
+    the buffers this optimizer lacks start at zero.
+    """
+    model, ds = trainer.model, trainer.dataset
+    prefixes = {k.split("/", 1)[0] for k in state if "/" in k and k not in _META}
+    for key in state:
+        if key not in _META and key.split("/", 1)[0] not in ("params", "ema") + _SLOTS:
+            raise UserError(f"{where}: {key!r} is not part of a towers state dict")
+    for key in _META[:5]:
+        if key not in state:
+            raise UserError(f"{where}: {key!r} is missing")
+    shape, classes = tuple(int(v) for v in state["data/shape"]), int(state.get("data/num_classes", -1))
+    if shape[1:] != tuple(ds.example_shape) or classes != ds.num_classes:
+        raise UserError(f"{where}: trained on examples of shape {shape[1:]} with {classes} classes, "
+                        f"but the data has {ds.example_shape} with {ds.num_classes} classes")
+    flats = {kind: named_to_flat(model, check_names(model, read_model(state, kind), f"{where} ({kind})"))
+             for kind in ("params", "ema") + _SLOTS if kind in prefixes}
+    for kind in ("params", "ema"):
+        if kind not in flats:
+            raise UserError(f"{where}: no {kind}/ weights")
+    trainer.synchronize()
+    for i, (dev, r, opt) in enumerate(zip(trainer.devices, trainer.replicas, trainer.optimizers)):
+        with dev.scope():
+            r.set_params(flats["params"])
+            for slot, buf in opt.state.items():
+                buf[...] = dev.xp.asarray(flats[slot]) if slot in flats else 0
+            if i == 0:
+                trainer.ema.shadow[...] = dev.xp.asarray(flats["ema"])
+    trainer.step = int(state["step"])
+    trainer.n_averages = int(state.get("sync/n_averages", 0))
+    # Checkpoints are taken right after an average (weights mode) or hold every
+    # replica's identical weights (grads mode).
+    trainer.last_average = trainer.step
+
+
 # -- writing during training --------------------------------------------------------
 
 
 class Checkpointer:
     """Writes ``ckpt-*.npz`` every ``every`` steps (0: only at the end), keeps the newest ``keep``."""
 
-    def __init__(self, logdir: str, cfg, dataset, n_towers: int, start_step: int = 0,
-                 start_position: tuple[int, int] = (0, 0)):
-        self.logdir, self.every, self.keep = logdir, cfg.checkpoint_every, cfg.keep_checkpoints
-        self.n_towers, self.global_batch = n_towers, cfg.batch_size * n_towers
-        self.start_step, self.start_position = start_step, tuple(start_position)
-        self.dataset = dataset
-        self.config_json = config_json(cfg)
+    def __init__(self, logdir: str, every: int, keep: int):
+        self.logdir, self.every, self.keep = logdir, every, keep
         self.last_path: str | None = None  # the newest checkpoint on disk, once known
 
     def due(self, step: int, last_step: int) -> bool:
         return step == last_step or (self.every > 0 and step % self.every == 0)
 
-    def position(self, step: int) -> tuple[int, int]:
-        """Where the input pipeline stands after ``step``: every step takes one global batch."""
-        return advance(self.start_position, (step - self.start_step) * self.global_batch, len(self.dataset.x))
-
     def save(self, trainer) -> str:
         """Write the trainer's state (a host sync on GPU), then the index, then prune."""
-        step, model = trainer.step, trainer.model
-        named = {"params": flat_to_named(model, trainer.replicas[0].params),
-                 "ema": flat_to_named(model, trainer.ema.shadow)}
-        velocity = trainer.optimizers[0].velocity
-        if velocity is not None:
-            named["momentum"] = flat_to_named(model, velocity)
-        for kind, arrays in named.items():
-            for name, a in arrays.items():
-                if not numpy.isfinite(a).all():
-                    raise diverged(step, f"{kind}/{name} holds non-finite values", self.last_path)
-        epoch, index = self.position(step)
-        arrays = {f"{kind}/{name}": a for kind, d in named.items() for name, a in d.items()}
-        arrays.update({
-            "format": numpy.int64(FORMAT), "step": numpy.int64(step),
-            "data/epoch": numpy.int64(epoch), "data/index": numpy.int64(index),
-            "data/shape": numpy.array(self.dataset.x.shape, dtype=numpy.int64),
-            "data/num_classes": numpy.int64(self.dataset.num_classes),
-            "n_towers": numpy.int64(self.n_towers), "global_batch": numpy.int64(self.global_batch),
-            "sync/n_averages": numpy.int64(trainer.n_averages),
-            "config": numpy.array(self.config_json),
-        })
-        path = os.path.join(self.logdir, checkpoint_name(step))
+        arrays = trainer.state_dict()
+        for key, a in arrays.items():
+            if key.split("/", 1)[0] in ("params", "ema") + _SLOTS and not numpy.isfinite(a).all():
+                raise diverged(trainer.step, f"{key} holds non-finite values", self.last_path)
+        path = os.path.join(self.logdir, checkpoint_name(trainer.step))
         atomic_save_npz(path, arrays)
         self.last_path = path
         kept = list_checkpoints(self.logdir)
@@ -268,7 +273,7 @@ def diverged(step: int, what: str, last_path: str | None) -> TrainingError:
     keep = f"the last good checkpoint is {last_path}" if last_path else "no checkpoint was written"
     return TrainingError(
         f"step {step}: {what}; training stopped ({keep}). "
-        "Lower --lr, then --resume (it continues from that checkpoint) or start over"
+        "Lower `lr`, then `resume` (it continues from that checkpoint) or start over"
     )
 
 
@@ -293,7 +298,7 @@ def remove_stale_temporaries(logdir: str) -> None:
 # -- resuming -----------------------------------------------------------------------
 
 # Settings whose change makes the continuation differ from an uninterrupted run.
-_TRAJECTORY = ("lr", "lr_decay", "staircase", "momentum", "l2", "ema_decay", "seed", "sync", "average_every")
+_TRAJECTORY = ("optimizer", "lr", "lr_decay", "staircase", "momentum", "beta1", "beta2", "epsilon", "l2", "ema_decay", "seed", "sync", "average_every")
 
 
 @dataclass
@@ -318,7 +323,7 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
     remove_stale_temporaries(logdir)
     found = latest_checkpoint(logdir, warn=lambda line: say(line, note=True))
     if found is None:
-        say(f"--resume: no checkpoint in {logdir}; starting fresh", note=True)
+        say(f"`resume`: no checkpoint in {logdir}; starting fresh", note=True)
         return None
     path, arrays = found
     ck = arrays["config"]
@@ -326,8 +331,8 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
     if shape != tuple(dataset.x.shape) or classes != dataset.num_classes:
         raise UserError(
             f"{path} was trained on data of shape {shape} with {classes} classes ({ck.get('data')}), "
-            f"but --data gives {tuple(dataset.x.shape)} with {dataset.num_classes} classes: "
-            "resume with the same --data, or use another --logdir"
+            f"but `data` gives {tuple(dataset.x.shape)} with {dataset.num_classes} classes: "
+            "resume with the same `data`, or use another `logdir`"
         )
     r = Resume(path, arrays)
     say(f"resuming from {path}: step {r.step}, input at epoch {r.position[0]} index {r.position[1]}")
@@ -340,30 +345,9 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
                 "to an uninterrupted run")
         say(f"note: the checkpoint was written by {old_towers} tower(s) x {ck.get('batch_size')}, "
             f"this run has {n_towers} x {cfg.batch_size}: {same}", note=True)
-    changed = [f"--{k.replace('_', '-')} {ck[k]} -> {getattr(cfg, k)}"
+    changed = [f"`{k}` {ck[k]} -> {getattr(cfg, k)}"
                for k in _TRAJECTORY if k in ck and ck[k] != getattr(cfg, k)]
     if changed:
         say(f"note: settings changed since the checkpoint ({', '.join(changed)}): "
             "the continuation differs from an uninterrupted run", note=True)
     return r
-
-
-def restore(trainer, resume: Resume) -> None:
-    """Load a checkpoint into every replica, the EMA and the momentum buffers."""
-    model, arrays = trainer.model, resume.arrays
-    flat = named_to_flat(model, model_weights(model, arrays, "params", resume.path,
-                                              "resume with the checkpoint's settings, or use another --logdir"))
-    for dev, r in zip(trainer.devices, trainer.replicas):
-        with dev.scope():
-            r.set_params(flat)
-    with trainer.devices[0].scope():
-        trainer.ema.shadow[...] = trainer.devices[0].xp.asarray(named_to_flat(model, read_model(arrays, "ema")))
-    momentum = read_model(arrays, "momentum")
-    for dev, opt in zip(trainer.devices, trainer.optimizers):
-        if opt.velocity is not None and momentum:  # no buffers saved: start from zero (noted above)
-            with dev.scope():
-                opt.velocity[...] = dev.xp.asarray(named_to_flat(model, momentum))
-    trainer.step = resume.step
-    trainer.n_averages = int(arrays.get("sync/n_averages", 0))
-    if trainer.weights_mode:  # checkpoints are taken right after an average
-        trainer.last_average = trainer.step

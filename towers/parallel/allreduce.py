@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import numpy
 
-from towers import UserError
-from towers.placement import on_stream
+from towers.errors import UserError
+from towers.devices.placement import on_stream
 
 
 def nccl_module():

@@ -1,0 +1,182 @@
+"""Every setting of a run (``Config``), its validation, and the model's defaults.
+
+``Config`` is plain data: the command line builds one from flags, a Python user
+writes one.  ``Config.resolved()`` checks every setting that needs no data and
+fills the ones left unset (``None``) from the model's defaults
+(``towers.nn.models``); the ``Trainer`` calls it before anything is allocated,
+so a bad setting is a ``UserError`` naming it, whatever the caller.
+
+Defaults, in order: what the user set; else the model's settings for the chosen
+optimizer (``--model lenet5`` trains with Adam; ``--optimizer adam`` with no
+``--lr`` gets Adam's own learning rate); else the generic ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from towers.errors import UserError
+from towers.nn.models import model_defaults
+from towers.optim.optimizers import OPTIMIZERS
+from towers.parallel.sync import MODES
+
+
+
+def _default_data() -> str:
+    """The embedded digits data: ``data/`` of a checkout, installed as ``towers/_data``."""
+    here = Path(__file__).resolve().parent
+    installed = here / "_data" / "digits.npz"
+    return str(installed if installed.exists() else here.parent / "data" / "digits.npz")
+
+
+DEFAULT_DATA = _default_data()
+# Settings filled from the model's defaults when left as None.
+MODEL_DEFAULTED = ("lr", "lr_decay", "momentum")
+
+
+@dataclass
+class Config:
+    """Every setting of a run, with its default (the command-line flags mirror these)."""
+
+    # placement
+    n_gpu: int | None = None  # towers per host (GPU or CPU); None: 1, or one per `devices` entry
+    devices: str | None = None  # "cpu" or "0,2"
+    soft_placement: bool = True
+    log_placement: bool = False
+    # data
+    data: str = DEFAULT_DATA
+    test_data: str | None = None
+    x_key: str = "x"
+    y_key: str = "y"
+    # model
+    model: str = "mlp"
+    hidden: int = 500
+    # optimization; None: the model's default (towers.nn.models)
+    optimizer: str | None = None  # sgd or adam
+    batch_size: int = 100  # per tower
+    steps: int = 2000
+    lr: float | None = None
+    lr_decay: float | None = None  # per epoch
+    staircase: bool = False
+    momentum: float | None = None
+    beta1: float = 0.9  # Adam, TensorFlow's defaults
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+    l2: float = 1e-4
+    ema_decay: float = 0.99
+    seed: int = 0
+    # keeping replicas together
+    sync: str = "grads"  # or "weights"
+    average_every: int = 1  # K, with sync="weights"
+    check_replicas: int = 0  # every K steps; 0: only at the end
+    # output
+    log_every: int = 100
+    logdir: str | None = None  # default runs/<timestamp>
+    quiet: bool = False
+    # checkpoints and summaries
+    checkpoint_every: int | None = None  # None: 1000, rounded up to a multiple of average_every
+    keep_checkpoints: int = 5
+    resume: bool = False
+    summary_every: int = 100
+    # performance
+    cpu_towers: str = "threads"  # CPU towers concurrently ("threads") or one after another ("serial")
+    blas_threads: int = 0  # 0: auto (one per concurrent CPU tower, else every core)
+    profile: bool = False
+    measure_scaling: bool = False  # time 1 tower after the run, for the scaling efficiency
+
+    def resolved(self, model=None) -> "Config":
+        """A copy with every unset setting filled in, after checking every setting.
+
+        ``model`` is the model object handed to the ``Trainer`` (it then gets
+        the generic defaults, not those of ``self.model``).
+        """
+        _check(self)
+        spec = self.model if model is None else None
+        optimizer, defaults = model_defaults(spec, self.optimizer)
+        filled = {k: defaults[k] for k in MODEL_DEFAULTED if getattr(self, k) is None}
+        if self.checkpoint_every is None:  # a checkpoint holds weights right after an average
+            k = self.average_every if self.sync == "weights" else 1
+            filled["checkpoint_every"] = -(-1000 // k) * k
+        cfg = dataclasses.replace(self, optimizer=optimizer, **filled)
+        _check_optimization(cfg)
+        return cfg
+
+    def changed(self) -> dict:
+        """The settings that differ from the defaults (for the 'settings in effect' line)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default}
+
+
+def _check(cfg: Config) -> None:
+    """Settings that need no data: fail before anything is allocated."""
+    unknown = [f.name for f in dataclasses.fields(cfg) if f.name not in cfg.__dict__]
+    if unknown:
+        raise UserError(f"Config lacks {unknown[0]}")
+    for name in ("batch_size", "steps", "log_every", "hidden", "keep_checkpoints"):
+        _integer(cfg, name, minimum=1)
+    for name in ("check_replicas", "summary_every", "blas_threads"):
+        _integer(cfg, name, minimum=0)
+    if cfg.n_gpu is not None:
+        _integer(cfg, "n_gpu", minimum=1)
+    if cfg.checkpoint_every is not None:
+        _integer(cfg, "checkpoint_every", minimum=0)
+    _choice(cfg, "sync", MODES)
+    _integer(cfg, "average_every", minimum=1)
+    if cfg.sync == "grads" and cfg.average_every != 1:
+        raise UserError("`average_every` applies to `sync` weights; set `sync` weights or drop it")
+    if cfg.optimizer is not None:
+        _choice(cfg, "optimizer", OPTIMIZERS)
+    _choice(cfg, "cpu_towers", ("threads", "serial"))
+    if cfg.resume and not cfg.logdir:
+        raise UserError("`resume` needs `logdir`: the directory of the run to continue")
+    if not isinstance(cfg.model, str):
+        raise UserError(f"`model` is a name such as mlp, lenet5 or package.module:function, "
+                        f"got {type(cfg.model).__name__}: hand a model object to Trainer(model=...)")
+
+
+def _check_optimization(cfg: Config) -> None:
+    """Numeric settings, once the model's defaults are filled in."""
+    _number(cfg, "lr", low=0, low_open=True)
+    _number(cfg, "lr_decay", low=0, high=1, low_open=True)
+    _number(cfg, "momentum", low=0, high=1, high_open=True)
+    _number(cfg, "beta1", low=0, high=1, high_open=True)
+    _number(cfg, "beta2", low=0, high=1, high_open=True)
+    _number(cfg, "epsilon", low=0, low_open=True)
+    _number(cfg, "l2", low=0)
+    _number(cfg, "ema_decay", low=0, high=1, high_open=True)
+    if cfg.momentum and cfg.optimizer != "sgd":
+        raise UserError(f"`momentum` is for `optimizer` sgd, not {cfg.optimizer}; drop it")
+    if cfg.sync == "weights" and cfg.checkpoint_every % cfg.average_every:
+        raise UserError(
+            f"with `sync` weights, `checkpoint_every` ({cfg.checkpoint_every}) must be a multiple of "
+            f"`average_every` ({cfg.average_every}): a checkpoint holds the weights right after an average"
+        )
+
+
+def _integer(cfg, name: str, minimum: int) -> None:
+    v = getattr(cfg, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise UserError(f"`{name}` must be an integer >= {minimum}, got {v!r}")
+
+
+def _choice(cfg, name: str, choices) -> None:
+    v = getattr(cfg, name)
+    if v not in choices:
+        raise UserError(f"`{name}` {v!r} is unknown: use one of {', '.join(choices)}")
+
+
+def _number(cfg, name: str, low=None, high=None, low_open=False, high_open=False) -> None:
+    v = getattr(cfg, name)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if ok and low is not None:
+        ok = v > low if low_open else v >= low
+    if ok and high is not None:
+        ok = v < high if high_open else v <= high
+    if not ok:
+        lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
+        hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
+        want = f"in {lo}, {hi}" if low is not None and high is not None else (
+            f"{'>' if low_open else '>='} {low:g}")
+        raise UserError(f"`{name}` must be a finite number {want}, got {v!r}")

@@ -1,0 +1,1 @@
+"""Input, first stage of the data flow: datasets, shuffled global batches, staging onto devices."""

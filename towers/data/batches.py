@@ -1,0 +1,100 @@
+"""Global batches: the seeded per-epoch shuffle and the background batch thread.
+
+Each step draws ONE global batch of ``n_towers * batch_size`` examples from a
+seeded per-epoch permutation; the trainer splits it into equal contiguous slices
+in tower order, so N towers x B follow exactly the same sequence of examples as
+1 tower x N*B.  A batch that runs past the end of an epoch continues into the
+next epoch's permutation, so every epoch is seen whole and no tower ever gets a
+short slice.
+
+The permutation of epoch ``e`` is drawn from ``default_rng([seed, e])``: the
+position (epoch, index in epoch) is the pipeline's whole state, which makes
+resuming exact.  ``Prefetcher`` assembles global batches on a background thread
+into a bounded queue, ahead of the trainer.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy
+
+from towers.data.dataset import Dataset
+from towers.errors import UserError
+
+
+class BatchSource:
+    """Global batches from per-epoch seeded permutations; state = (epoch, index)."""
+
+    def __init__(self, dataset: Dataset, global_batch: int, seed: int, epoch: int = 0, index: int = 0):
+        n = len(dataset.x)
+        if global_batch > n:
+            raise UserError(
+                f"the global batch ({global_batch} examples) is larger than the dataset ({n}); "
+                "lower `batch_size` or the number of towers"
+            )
+        self.x, self.y, self.n = dataset.x, dataset.y, n
+        self.global_batch, self.seed = global_batch, seed
+        self.epoch, self.index = epoch, index
+        self._perm = self._permutation(epoch)
+
+    def _permutation(self, epoch: int) -> numpy.ndarray:
+        return numpy.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.epoch, self.index
+
+    def next_indices(self) -> numpy.ndarray:
+        out = numpy.empty(self.global_batch, dtype=numpy.int64)
+        filled = 0
+        while filled < self.global_batch:
+            take = min(self.global_batch - filled, self.n - self.index)
+            out[filled : filled + take] = self._perm[self.index : self.index + take]
+            filled += take
+            self.index += take
+            if self.index == self.n:  # epoch boundary: the next permutation
+                self.epoch, self.index = self.epoch + 1, 0
+                self._perm = self._permutation(self.epoch)
+        return out
+
+    def next_batch(self):
+        idx = self.next_indices()
+        return self.x[idx], self.y[idx]
+
+
+class Prefetcher:
+    """Runs ``BatchSource.next_batch`` on a background thread, ``depth`` batches ahead."""
+
+    _DONE = object()
+
+    def __init__(self, source: BatchSource, steps: int, depth: int = 4):
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(source, steps), daemon=True, name="towers-input")
+        self._thread.start()
+
+    def _run(self, source, steps):
+        try:
+            for _ in range(steps):
+                item = source.next_batch()
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+        except BaseException as e:  # surfaced in the main thread by get()
+            self._q.put(e)
+
+    def get(self):
+        item = self._q.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

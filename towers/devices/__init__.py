@@ -1,0 +1,1 @@
+"""Where towers run: placement on GPUs or the CPU, and concurrent CPU tower threads."""

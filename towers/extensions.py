@@ -1,0 +1,256 @@
+"""The training loop's side concerns, as small objects called when due.
+
+``Trainer.fit`` runs steps; after each one, every extension whose ``due(step)``
+is true is called with the ``Run`` (the logdir, the reporter, the TensorBoard
+writer, the checkpointer, and the step's loss).  The built-in ones, in the
+order they run:
+
+* ``NonFiniteStop``: stops with a ``TrainingError`` when the loss fetched at
+  this step is not finite (the last good checkpoint stays the latest);
+* ``Summaries``: TensorBoard scalars and histograms every ``summary_every``;
+* ``Checkpoints``: ``ckpt-<step>.npz`` every ``checkpoint_every`` and at the end,
+  with the test accuracy at each checkpoint;
+* ``LogLine``: the ``step N, loss = ...`` line and ``metrics.jsonl`` record;
+* ``ReplicaCheck``: every ``check_replicas`` steps, replicas compared.
+
+A user's extension subclasses ``Extension`` (``due`` and ``__call__``; ``needs_loss``
+when it reads ``run.loss``) and is passed to ``fit(extensions=[...])``.
+
+Sync points: the loss reaches the host only at steps where some extension
+``needs_loss``; weights only where ``Summaries`` or ``Checkpoints`` run (they call
+``trainer.synchronize()`` first).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import numpy
+
+from towers.errors import UserError, render
+from towers.output import checkpoint
+from towers.output.files import atomic_save_npz
+from towers.output.summaries import Reporter, TensorBoard
+
+
+class Extension:
+    """A side concern of the loop.  Override ``due`` and ``__call__``."""
+
+    needs_loss = False  # whether __call__ reads run.loss (the loop then fetches it)
+
+    def due(self, step: int, last_step: int) -> bool:
+        return False
+
+    def __call__(self, run: "Run") -> None:
+        pass
+
+
+class Every(Extension):
+    """Due every ``every`` steps (0: never), and at the last step when ``at_end``."""
+
+    def __init__(self, every: int, at_end: bool = False):
+        self.every, self.at_end = every, at_end
+
+    def due(self, step, last_step):
+        return (self.every > 0 and step % self.every == 0) or (self.at_end and step == last_step)
+
+
+class NonFiniteStop(Extension):
+    """Stop when the fetched loss is not finite; the last good checkpoint stays the latest."""
+
+    def due(self, step, last_step):
+        return True
+
+    def __call__(self, run):
+        if run.loss is not None and not math.isfinite(run.loss):
+            raise checkpoint.diverged(run.trainer.step, f"the loss is {run.loss}", run.checkpointer.last_path)
+
+
+class Summaries(Every):
+    """TensorBoard scalars and weight/gradient histograms (a host sync)."""
+
+    needs_loss = True
+
+    def __call__(self, run):
+        run.trainer.synchronize()
+        run.tensorboard.write_step(run.trainer, run.loss, run.lr)
+
+
+class Checkpoints(Every):
+    """A checkpoint (a host sync), and the test accuracy except at the end (``Run.finish`` does it)."""
+
+    needs_loss = True  # a diverged run must not write its weights
+
+    def __call__(self, run):
+        run.trainer.synchronize()
+        run.checkpointer.save(run.trainer)
+        if run.trainer.step != run.last_step:
+            run.tensorboard.scalars(run.trainer.step, **run.trainer.test_accuracy())
+
+
+class LogLine(Every):
+    """The original's log line, and a ``metrics.jsonl`` record."""
+
+    needs_loss = True
+
+    def __init__(self, every: int):
+        super().__init__(every, at_end=True)
+        self._t, self._step = time.perf_counter(), None
+
+    def __call__(self, run):
+        now, step = time.perf_counter(), run.trainer.step
+        steps = step - (self._step if self._step is not None else run.start_step)
+        run.reporter.log_step(step, run.loss, run.lr, steps * run.trainer.global_batch / (now - self._t),
+                              (now - self._t) / steps)
+        self._t, self._step = now, step
+
+
+class ReplicaCheck(Every):
+    """Compare every replica with the first (bitwise in grads mode)."""
+
+    def __init__(self, every: int):
+        super().__init__(every)
+        self._pending = False  # weights mode: checks wait for the next average
+
+    def due(self, step, last_step):
+        self._pending |= super().due(step, last_step)
+        return self._pending
+
+    def __call__(self, run):
+        if run.trainer.check_replicas():
+            self._pending = False
+
+
+class Run:
+    """One ``fit``: the logdir's writers, the extensions, and the current step's loss."""
+
+    def __init__(self, trainer, logdir: str, extensions):
+        self.trainer, self.logdir = trainer, logdir
+        cfg = trainer.cfg
+        self.last_step, self.start_step = cfg.steps, trainer.step
+        self.extensions = list(extensions)
+        self.loss: float | None = None
+        self.lr = trainer.lr()
+        self.reporter = self.tensorboard = None
+        self.checkpointer = checkpoint.Checkpointer(logdir, cfg.checkpoint_every, cfg.keep_checkpoints)
+
+    @classmethod
+    def open(cls, trainer, logdir: str, extensions=()) -> "Run":
+        """Resume (or refuse to overwrite), create the logdir, open the writers."""
+        cfg = trainer.cfg
+        resume = _resume_point(trainer, logdir)
+        _make_logdir(logdir)
+        run = cls(trainer, logdir, ())
+        run.checkpointer.last_path = resume
+        run.reporter = Reporter(logdir, cfg.steps, start_step=trainer.step, quiet=cfg.quiet)
+        run.tensorboard = TensorBoard(logdir, cfg.summary_every, trainer.step)
+        run.extensions = [NonFiniteStop(), Summaries(cfg.summary_every),
+                          Checkpoints(cfg.checkpoint_every, at_end=True), LogLine(cfg.log_every),
+                          ReplicaCheck(cfg.check_replicas), *extensions]
+        return run
+
+    def start(self) -> None:
+        self.reporter.say(render(settings_line(self.trainer.cfg)))
+        self._t0 = time.perf_counter()
+
+    def wants_loss(self, step: int) -> bool:
+        return any(e.needs_loss and e.due(step, self.last_step) for e in self.extensions)
+
+    def after_step(self, losses) -> None:
+        """Call the extensions due at this step, with its loss when it was fetched."""
+        step = self.trainer.step
+        self.reporter.advance()
+        # Host sync point: the loss comes off the device only at these steps.
+        self.loss = None if losses is None else sum(float(v) for v in losses) / len(losses)
+        self.lr = self.trainer.lr_at(step - 1)
+        for ext in self.extensions:
+            if ext.due(step, self.last_step):
+                ext(self)
+
+    def finish(self) -> dict:
+        """Evaluate, write ``final.npz`` and the summary line; return the metrics."""
+        t, cfg = self.trainer, self.trainer.cfg
+        t.synchronize()
+        elapsed = time.perf_counter() - self._t0
+        rate = (t.step - self.start_step) * t.global_batch / max(elapsed, 1e-9)
+        test = t.test_accuracy()
+        self.tensorboard.scalars(t.step, **test)
+        result = {"step": t.step, "examples_per_sec": rate}
+        if cfg.profile:
+            self.reporter.say(t.timer.report(t.global_batch))
+        efficiency, rate_1 = t.scaling(rate)
+        if not math.isnan(efficiency):
+            result["scaling_efficiency"] = efficiency
+        if test:
+            result.update(test)
+            self.reporter.say(f"test accuracy: {test['test_accuracy']:.4f} (raw weights), "
+                              f"{test['test_accuracy_ema']:.4f} (EMA weights)")
+        else:
+            self.reporter.say("no test data (x_test/y_test in `data`, or `test_data`): test accuracy skipped")
+        weights = {f"params/{k}": v for k, v in t.get_weights().items()}
+        weights.update({f"ema/{k}": v for k, v in t.get_weights(ema=True).items()})
+        weights["step"] = numpy.int64(t.step)
+        final = os.path.join(self.logdir, "final.npz")
+        atomic_save_npz(final, weights)
+        self.reporter.record(**result)
+        scaling = ("" if math.isnan(efficiency) else
+                   f", scaling efficiency {efficiency:.2f} (1 tower: {rate_1:.1f} examples/sec)")
+        self.reporter.say(
+            f"done: {t.step - self.start_step} steps (to step {t.step}) in {elapsed:.1f} s, "
+            f"{rate:.1f} examples/sec on {t.n_towers} tower{'s' if t.n_towers > 1 else ''} "
+            f"({', '.join(map(str, t.devices))}), {cfg.sync} sync, "
+            f"{t.all_reduces / max(t.step - self.start_step, 1):.2f} all-reduces/step{scaling}; wrote {final}")
+        return result
+
+    def close(self) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def settings_line(cfg) -> str:
+    """The settings in effect, first line of a run: the model's and the optimizer's."""
+    parts = [f"model {cfg.model}", f"optimizer {cfg.optimizer}", f"lr {cfg.lr:g}", f"lr_decay {cfg.lr_decay:g}"]
+    if cfg.optimizer == "sgd":
+        parts.append(f"momentum {cfg.momentum:g}")
+    else:
+        parts.append(f"beta1 {cfg.beta1:g} beta2 {cfg.beta2:g} epsilon {cfg.epsilon:g}")
+    parts += [f"batch {cfg.batch_size}/tower", f"l2 {cfg.l2:g}", f"ema_decay {cfg.ema_decay:g}",
+              f"steps {cfg.steps}", f"sync {cfg.sync}"]
+    return "settings: " + ", ".join(parts)
+
+
+def _make_logdir(logdir: str) -> None:
+    try:
+        os.makedirs(logdir, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"`logdir` {logdir} exists and is not a directory: pick another path") from None
+    except OSError as e:
+        raise UserError(f"cannot create `logdir` {logdir}: {e.strerror}; pick a writable path") from None
+
+
+def _resume_point(trainer, logdir: str) -> str | None:
+    """Load the checkpoint ``resume`` continues from into ``trainer``; its path (None: fresh).
+
+    A fresh run never overwrites a logdir that holds checkpoints.
+    """
+    def say(line, note=False):
+        print(render(line), file=sys.stderr if note else sys.stdout, flush=True)
+
+    cfg = trainer.cfg
+    if cfg.resume:
+        found = checkpoint.find_resume(cfg, logdir, trainer.dataset, trainer.n_towers, say)
+        if found is None:
+            return None
+        checkpoint.model_weights(trainer.model, found.arrays, "params", found.path,
+                                 "resume with the checkpoint's settings, or use another `logdir`")
+        trainer.load_state_dict(found.arrays, where=found.path)
+        return found.path
+    existing = checkpoint.list_checkpoints(logdir) if os.path.isdir(logdir) else []
+    if existing:
+        raise UserError(f"{logdir} already holds checkpoints (newest {existing[0][1]}): "
+                        "set `resume` to continue that run, or choose another `logdir`")
+    return None

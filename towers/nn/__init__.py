@@ -1,0 +1,1 @@
+"""The replicas: layers, models, the loss, and one replica's flat buffers on its device."""

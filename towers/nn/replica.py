@@ -1,0 +1,120 @@
+"""One replica (tower) of the model on its device: flat buffers, forward, backward.
+
+A replica owns two contiguous buffers on its device, one for all parameters
+and one for all gradients; named parameters are views into them, so the
+all-reduce and the optimizer each touch one array per step.  L2-regularized
+parameters come first in the buffer so that the L2 term and its gradient are
+one operation on a contiguous prefix.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy
+
+from towers.nn.layers import Sequential, Workspace
+from towers.nn.loss import accuracy_count, softmax_cross_entropy
+
+
+class Replica:
+    """One tower's copy of the model: flat parameter and gradient buffers on a device.
+
+    ``params`` and ``grads`` are contiguous 1-D arrays; ``param[name]`` and
+    ``grad[name]`` are views into them.  All arrays live on ``xp`` (NumPy or CuPy;
+    for CuPy the caller makes the right device current).
+    """
+
+    def __init__(self, model: Sequential, xp, dtype=numpy.float32):
+        self.model, self.xp, self.dtype = model, xp, numpy.dtype(dtype)
+        self.params = xp.zeros(model.size, dtype=self.dtype)
+        self.grads = xp.zeros(model.size, dtype=self.dtype)
+        self.param, self.grad = {}, {}
+        for name, shape, off, size in model.layout():
+            # copy=False raises rather than silently copying: the views must alias.
+            self.param[name] = self.params[off : off + size].reshape(shape, copy=False)
+            self.grad[name] = self.grads[off : off + size].reshape(shape, copy=False)
+        self._nreg = model.n_regularized
+        self._first_param_layer = min((li for li, _, _ in model.params), default=0)
+        self._local = []  # per layer: (params dict, grads dict, workspace)
+        by_layer: dict[int, list[tuple[str, str]]] = {}
+        for li, name, prm in model.params:
+            by_layer.setdefault(li, []).append((prm.name, name))
+        for li in range(len(model.layers)):
+            names = by_layer.get(li, [])
+            self._local.append(
+                (
+                    {k: self.param[n] for k, n in names},
+                    {k: self.grad[n] for k, n in names},
+                    Workspace(xp),
+                )
+            )
+        self._loss_ws = Workspace(xp)
+
+    def set_params(self, flat) -> None:
+        """Copy a flat host or device array into the parameter buffer."""
+        self.params[...] = self.xp.asarray(flat, dtype=self.dtype)
+
+    def forward(self, x):
+        for layer, (p, _, ws) in zip(self.model.layers, self._local):
+            x = layer.forward(p, x, ws)
+        return x
+
+    def loss_and_grads(self, x, labels, l2: float, want_loss: bool = True, timer=None):
+        """Forward, mean softmax cross-entropy + L2, backward into ``grads``.
+
+        Returns the loss as a 0-d device array when ``want_loss`` (it is not
+        fetched to the host here: that would be a sync point), else None.
+        ``timer(phase)``, when given, returns a context that times the
+        ``forward`` and ``backward`` phases (``towers.profiling``).
+        """
+        timer = timer or _no_timer
+        with timer("forward"):
+            logits = self.forward(x)
+            loss, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss)
+        with timer("backward"):
+            layers = self.model.layers
+            # Backward stops at the first layer with parameters, which needs no
+            # input gradient (for the MLP that saves a third of the step's FLOPs).
+            for i in range(len(layers) - 1, self._first_param_layer - 1, -1):
+                p, g, ws = self._local[i]
+                dy = layers[i].backward(p, g, dy, ws, need_dx=i > self._first_param_layer)
+            if self._nreg and l2:
+                w = self.params[: self._nreg]
+                # grads += l2 * w without a temporary: one fused pass would need a
+                # kernel, two in-place passes over a scratch buffer are the next best.
+                tmp = self._loss_ws.array("l2", w.shape, w.dtype)
+                self.xp.multiply(w, self.dtype.type(l2), out=tmp)
+                self.grads[: self._nreg] += tmp
+                if want_loss:
+                    loss = loss + self.dtype.type(l2 / 2) * self.xp.dot(w, w)
+        return loss
+
+
+    def evaluate(self, x, y, batch: int = 250) -> tuple[float, float]:
+        """Mean loss (without L2) and accuracy over host arrays ``x``, ``y``.
+
+        Counts real examples only (the last chunk is short, never padded).  Chunks
+        are small because a convolution's im2col buffer grows with them.  uint8
+        inputs are scaled by 1/255 on the device, as in training.
+        """
+        xp = self.xp
+        total_loss, correct = 0.0, 0
+        for start in range(0, len(x), batch):
+            xb = xp.asarray(x[start : start + batch])
+            yb = xp.asarray(y[start : start + batch])
+            xb = xb * numpy.float32(1 / 255) if xb.dtype == numpy.uint8 else xb.astype(self.dtype, copy=False)
+            logits = self.forward(xb.astype(self.dtype, copy=False))
+            loss, _ = softmax_cross_entropy(logits, yb, self._loss_ws, True)
+            total_loss += float(loss) * len(yb)
+            correct += accuracy_count(logits, yb)
+        n = max(len(x), 1)
+        return total_loss / n, correct / n
+
+
+
+
+_NO_TIMER = contextlib.nullcontext()
+
+
+def _no_timer(phase):
+    return _NO_TIMER

@@ -1,0 +1,1 @@
+"""The update after the all-reduce: learning-rate schedule, SGD and Adam, the EMA."""

@@ -1,0 +1,1 @@
+"""What a run writes: atomic files, checkpoints (state dicts on disk), logs and TensorBoard."""

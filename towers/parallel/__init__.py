@@ -1,0 +1,1 @@
+"""Keeping replicas together: the all-reduce and the sync modes."""
