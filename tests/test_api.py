@@ -1,0 +1,191 @@
+"""The Python API: Config, Trainer, Dataset, weights and state as name -> array dicts."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info
+
+import towers
+from conftest import DIGITS, run_cli
+from towers import Config, Dataset, Dense, Flatten, ReLU, Trainer, UserError
+
+SMALL = dict(n_gpu=2, devices="cpu", hidden=16, batch_size=50, quiet=True, summary_every=0)
+
+
+def digits():
+    with np.load(DIGITS) as z:
+        return {k: z[k] for k in z.files}
+
+
+def test_public_names():
+    for name in ("Config", "Trainer", "Dataset", "Sequential", "Dense", "ReLU", "Flatten", "Conv2D",
+                 "MaxPool2D", "UserError", "TrainingError"):
+        assert hasattr(towers, name), name
+    assert issubclass(UserError, ValueError)
+
+
+def test_cli_and_api_write_byte_identical_final_npz(tmp_path):
+    res = run_cli("--n-gpu", "2", "--devices", "cpu", "--hidden", "16", "--batch-size", "50", "--steps", "30",
+                  "--momentum", "0.9", "--quiet", "--summary-every", "0", "--logdir", str(tmp_path / "cli"))
+    assert res.returncode == 0, res.stderr
+    with Trainer(Config(**SMALL, steps=30, momentum=0.9, logdir=str(tmp_path / "api"))) as tr:
+        metrics = tr.fit()
+    assert metrics["step"] == 30 and metrics["test_accuracy_ema"] > 0.5
+    assert (tmp_path / "cli" / "final.npz").read_bytes() == (tmp_path / "api" / "final.npz").read_bytes()
+
+
+def test_get_set_weights_round_trip_and_identical_replicas():
+    with Trainer(Config(**SMALL)) as tr:
+        w = tr.get_weights()
+        assert set(w) == {"layer1/weights", "layer1/biases", "layer2/weights", "layer2/biases"}
+        assert all(a.dtype == np.float32 for a in w.values())
+        assert w["layer1/weights"].shape == (64, 16)
+        new = {k: np.full_like(v, 0.25) + np.arange(v.size, dtype=np.float32).reshape(v.shape) * 1e-3
+               for k, v in w.items()}
+        tr.set_weights(new)
+        got = tr.get_weights()
+        for k in new:
+            assert np.array_equal(got[k], new[k]), k
+        assert tr.check_replicas()  # every replica holds them, bit for bit
+        tr.set_weights({k: v * 2 for k, v in new.items()}, ema=True)
+        assert np.array_equal(tr.get_weights(ema=True)["layer2/biases"], new["layer2/biases"] * 2)
+        assert np.array_equal(tr.get_weights()["layer2/biases"], new["layer2/biases"])  # EMA only
+        got["layer1/weights"][...] = 9  # host copies: changing them changes nothing
+        assert not np.array_equal(tr.get_weights()["layer1/weights"], got["layer1/weights"])
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda w: w.pop("layer2/biases"), "'layer2/biases' is missing"),
+    (lambda w: w.update({"layer3/weights": np.zeros(3, np.float32)}), "'layer3/weights' is not a weight"),
+    (lambda w: w.update({"layer1/weights": np.zeros((16, 64), np.float32)}), "'layer1/weights' has shape (16, 64)"),
+])
+def test_set_weights_rejects_bad_names_and_changes_nothing(change, needle):
+    with Trainer(Config(**SMALL)) as tr:
+        before = tr.get_weights()
+        bad = {k: v + 1 for k, v in before.items()}
+        change(bad)
+        with pytest.raises(UserError) as e:
+            tr.set_weights(bad)
+        assert needle in str(e.value)
+        after = tr.get_weights()
+        assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(sync="wieghts"), "sync 'wieghts' is unknown"),
+    (dict(lr=float("nan")), "lr must be a finite number"),
+    (dict(l2=float("inf")), "l2 must be a finite number"),
+    (dict(optimizer="rmsprop"), "optimizer 'rmsprop' is unknown"),
+    (dict(optimizer="adam", momentum=0.9), "momentum is for optimizer sgd"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1"),
+    (dict(average_every=3), "average_every applies to sync weights"),
+])
+def test_invalid_settings_fail_before_any_allocation(kw, needle):
+    # 10**9 hidden units would need 256 GB: a check made after allocating
+    # would fail with MemoryError (or take the machine down), not UserError.
+    with pytest.raises(UserError) as e:
+        Trainer(Config(**{**SMALL, "hidden": 10**9, **kw}))
+    assert needle in str(e.value)
+
+
+def test_global_batch_larger_than_data_fails_before_allocation():
+    with pytest.raises(UserError, match="larger than the dataset"):
+        Trainer(Config(**{**SMALL, "hidden": 10**9, "batch_size": 5000}))
+
+
+def test_model_object_and_in_memory_arrays_match_the_built_in_model():
+    d = digits()
+    ds = Dataset.from_arrays(d["x"], d["y"], d["x_test"], d["y_test"])
+    layers = [Flatten(), Dense("layer1", 16), ReLU(), Dense("layer2", 10)]
+    results = []
+    for kw in (dict(model=layers, dataset=ds), {}):
+        with Trainer(Config(**SMALL), **kw) as tr:
+            for _ in range(15):
+                tr.train_step(*tr.source.next_batch())
+            results.append((tr.get_weights(), tr.evaluate(ema=False)))
+    (w_obj, ev_obj), (w_cfg, ev_cfg) = results
+    for k in w_cfg:
+        assert np.array_equal(w_obj[k], w_cfg[k]), k
+    assert ev_obj == ev_cfg and ev_obj["accuracy"] > 0.5
+
+
+def test_dataset_from_arrays_is_validated_like_a_file():
+    d = digits()
+    with pytest.raises(UserError, match="negative label"):
+        Dataset.from_arrays(d["x"], -d["y"] - 1)
+    with pytest.raises(UserError, match="examples but"):
+        Dataset.from_arrays(d["x"], d["y"][:-1])
+    with pytest.raises(UserError, match="test label 10 is out of range"):
+        Dataset.from_arrays(d["x"], d["y"] % 5 * 2 + 0, d["x_test"], d["y_test"] * 0 + 10)
+    with pytest.raises(UserError, match="towers.Dataset"):
+        Trainer(Config(**SMALL), dataset=(d["x"], d["y"]))
+    with pytest.raises(UserError, match="not a towers.Sequential"):
+        Trainer(Config(**SMALL), model={"layer1": 16})
+
+
+def test_state_dict_round_trip_continues_exactly():
+    cfg = Config(**SMALL, optimizer="adam")
+    with Trainer(cfg) as a:
+        for _ in range(7):
+            a.train_step(*a.source.next_batch())
+        state = a.state_dict()
+        for _ in range(5):
+            a.train_step(*a.source.next_batch())
+        want = a.get_weights()
+    assert {"params/layer1/weights", "ema/layer1/weights", "adam_m/layer1/weights", "adam_v/layer1/weights",
+            "step", "data/epoch", "data/index", "config"} <= set(state)
+    with Trainer(cfg) as b:
+        b.load_state_dict(state)
+        assert b.step == 7
+        for _ in range(5):
+            b.train_step(*b.source.next_batch())
+        got = b.get_weights()
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+        with pytest.raises(UserError, match="'extra/thing' is not part of a towers state dict"):
+            b.load_state_dict({**state, "extra/thing": np.zeros(1)})
+        with pytest.raises(UserError, match="'layer2/biases' is missing"):
+            b.load_state_dict({k: v for k, v in state.items() if k != "ema/layer2/biases"})
+
+
+def test_resume_with_adam_is_byte_identical(tmp_path):
+    common = ["--n-gpu", "2", "--devices", "cpu", "--optimizer", "adam", "--hidden", "16", "--batch-size", "50",
+              "--checkpoint-every", "7", "--quiet", "--summary-every", "0"]
+    for args in (["--steps", "30", "--logdir", str(tmp_path / "whole")],
+                 ["--steps", "14", "--logdir", str(tmp_path / "split")],
+                 ["--steps", "30", "--resume", "--logdir", str(tmp_path / "split")]):
+        res = run_cli(*common, *args)
+        assert res.returncode == 0, res.stderr
+    whole, split = ((tmp_path / d / "final.npz").read_bytes() for d in ("whole", "split"))
+    assert whole == split
+
+
+def test_model_defaults_and_what_overrides_them(tmp_path):
+    assert (Config(model="lenet5").resolved().optimizer, Config(model="lenet5").resolved().lr) == ("adam", 0.001)
+    sgd = Config(model="lenet5", optimizer="sgd").resolved()
+    assert (sgd.lr, sgd.momentum) == (0.01, 0.9)
+    assert Config(optimizer="adam").resolved().lr == 0.001  # Adam's own default, not the MLP's 0.8
+    mlp = Config().resolved()
+    assert (mlp.optimizer, mlp.lr, mlp.lr_decay, mlp.momentum) == ("sgd", 0.8, 0.99, 0.0)
+    assert Config(model="lenet5", lr=0.003).resolved().lr == 0.003
+    res = run_cli("--devices", "cpu", "--optimizer", "adam", "--steps", "3", "--hidden", "8", "--quiet",
+                  "--summary-every", "0", "--logdir", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    first = res.stdout.splitlines()[0]
+    assert first.startswith("settings:") and "optimizer adam" in first and "lr 0.001" in first
+
+
+def _towers_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("towers-cpu")]
+
+
+def test_leaving_the_with_block_releases_threads_and_blas_limits_even_after_an_error():
+    blas_before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    with pytest.raises(RuntimeError, match="boom"):
+        with Trainer(Config(**SMALL, blas_threads=1)) as tr:
+            tr.train_step(*tr.source.next_batch())
+            assert _towers_threads()
+            raise RuntimeError("boom")
+    assert not _towers_threads()
+    assert [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"] == blas_before
