@@ -1,26 +1,201 @@
-"""Atomic output files: write to a temporary file beside the target, then rename.
+"""Writing an output without ever hurting the user's data: temporaries, atomic rename, refusals.
 
-``os.replace`` within one directory is atomic on POSIX, so readers see either
-no file (or the old one) or the complete new one.  On any exception, including
-``KeyboardInterrupt``, the temporary file is removed and the target is left
-untouched, so a failed or interrupted conversion never leaves a partial output.
+A run keeps every temporary file in one *owned folder* beside the output
+(:func:`output_folder`): the column spill files and the output being
+written.  Beside, not in ``/tmp``: the final :func:`os.replace` is atomic only
+within one file system, and ``/tmp`` is often a small RAM-backed tmpfs that
+the spill would fill.
+
+Ownership is proven by the kernel, not by guessing from names: the folder
+holds a lock file on which its run takes an exclusive ``flock`` for as long
+as it lives.  The kernel drops that lock when the process ends, however it
+ends (SIGKILL, a crash, a reboot), so the next run in the same folder
+removes exactly the folders whose lock it can take: their owners are dead.
+A live owner's folder is never touched, whatever its pid namespace or host
+(over NFS the lock is held by the server).  This replaces guessing from a pid
+in the name, which pid reuse, containers and shared folders defeat.  Limits:
+folders with our name but no lock file are left alone (a run killed between
+creating its folder and locking it leaves an empty one); without ``fcntl``
+(Windows) nothing is removed; folders another user owns are left to that
+user; folders of older versions (``.OUT.columns-*``) are not recognised.
+
+:func:`atomic_path` creates the partial output with ``O_CREAT | O_EXCL`` and
+mode 0o666, so the umask gives it exactly the mode ``open()`` would (not
+``mkstemp``'s 0600).  When the caller has written it, the file is fsynced,
+renamed over the output, and the output's folder is fsynced so that the
+rename itself survives a power cut.  Readers see either no output (or the old
+one) or the complete new one.
+
+The sync points are those two fsyncs at the end of a successful write; a
+failure or interruption anywhere removes the owned folder, so no partial
+output and no temporary file remain.  :func:`sigterm_raises` turns SIGTERM
+into :class:`Terminated`, which unwinds like ``KeyboardInterrupt`` so the same
+cleanup runs (the command-line tools exit 143 = 128 + SIGTERM, as they exit
+130 = 128 + SIGINT on Ctrl-C).  A full disk (or quota) inside either context
+becomes an :class:`OutputError` naming the output and what was being written.
+:func:`refuse_overwriting_inputs` stops an output that is one of the inputs.
 """
 
 import contextlib
+import errno
 import os
+import re
+import shutil
+import signal
 import tempfile
+import threading
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so no proof of a dead owner
+    fcntl = None
+
+_LOCK = ".owner.lock"
+_TAG = ".tmp-"
+_OWNED = re.compile(r"\..*\.tmp-\d+-[a-z0-9_]{8}\Z")  # mkdtemp's 8 random characters
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # disk full, quota exceeded
+
+
+class OutputError(Exception):
+    """A one-line report about the output; ``status`` is the exit status a tool should use."""
+
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.status = status
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (see :func:`sigterm_raises`); a BaseException so only cleanup code sees it."""
 
 
 @contextlib.contextmanager
-def atomic_path(path):
-    """Yield a temporary path in ``path``'s directory; rename it to ``path`` on success."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=directory)
-    os.close(fd)
+def sigterm_raises():
+    """While active (main thread only), SIGTERM raises :class:`Terminated` once.
+
+    A second SIGTERM during the cleanup is ignored so that it cannot cut the
+    cleanup short; SIGKILL stays the hard stop.  A SIGTERM the parent set to
+    be ignored stays ignored.  The previous handler is restored on exit.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def refuse_overwriting_inputs(output, inputs):
+    """Raise :class:`OutputError` (status 2) if ``output`` is, by any path or link, one of ``inputs``.
+
+    Files are compared by (st_dev, st_ino) after following symlinks, so
+    another spelling, a symlink, a hard link and a glob match are all caught.
+    Only stats files: call it before reading anything.
+    """
+    try:
+        target = os.stat(output)
+    except OSError:
+        return  # no such file yet: it cannot be an input
+    for path in inputs:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            if os.path.samestat(os.stat(path), target):
+                raise OutputError(f"{output} is the same file as the input {path}: writing it would destroy "
+                                  "the input; choose another output path", 2)
+
+
+def _full_disk(output, what, exc):
+    where = os.path.dirname(os.path.abspath(output))
+    reason = os.strerror(exc.errno)
+    return OutputError(f"{output}: {reason[0].lower() + reason[1:]} while writing {what}; free some space "
+                       f"in {where} or choose another output folder", 1)
+
+
+def remove_stale(directory):
+    """Remove owned folders in ``directory`` whose owner is dead (their lock is free); return their paths."""
+    if fcntl is None:
+        return []
+    removed = []
+    with os.scandir(directory) as entries:
+        candidates = [e.path for e in entries if _OWNED.match(e.name) and e.is_dir(follow_symlinks=False)]
+    for path in candidates:
+        try:  # read-write: where flock is emulated by fcntl locks (NFS) an exclusive lock needs it
+            fd = os.open(os.path.join(path, _LOCK), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # no lock file (not ours, or not yet locked) or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: the owner is alive
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+@contextlib.contextmanager
+def output_folder(output, removed=None):
+    """Yield a new owned folder beside ``output`` for all of a run's temporaries; remove it on exit.
+
+    Dead runs' folders are removed first (their paths are appended to
+    ``removed`` when a list is given).  An ENOSPC/EDQUOT raised in the body
+    becomes :class:`OutputError` naming ``output``.
+    """
+    directory = os.path.dirname(os.path.abspath(output))
+    stale = remove_stale(directory)
+    if removed is not None:
+        removed += stale
+    folder = tempfile.mkdtemp(prefix=f".{os.path.basename(output)[:100]}{_TAG}{os.getpid()}-", dir=directory)
+    lock = None
+    try:
+        lock = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield folder
+    except OSError as exc:
+        if exc.errno in _FULL:
+            raise _full_disk(output, "its temporary files", exc) from None
         raise
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the lock file goes too, while still held
+        if lock is not None:
+            os.close(lock)
+
+
+@contextlib.contextmanager
+def atomic_path(output, folder):
+    """Yield a path in ``folder`` (an :func:`output_folder`) to write; on success it becomes ``output``.
+
+    The file is created with the mode ``open()`` would give; it is fsynced
+    before the rename and the output's folder after it.
+    """
+    partial = os.path.join(folder, "output.partial")
+    try:
+        os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        yield partial
+        _fsync(partial, os.O_RDONLY)
+        os.replace(partial, output)
+        _fsync(os.path.dirname(os.path.abspath(output)), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        if exc.errno in _FULL:
+            raise _full_disk(output, "it", exc) from None
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+
+
+def _fsync(path, flags):
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

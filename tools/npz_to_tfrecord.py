@@ -14,6 +14,11 @@ npz gives the same npz.  The kind comes from the dtype of ``F.values``:
 uint8 with ``value_lengths`` is bytes, floating is float (written as float32),
 integer is int64.
 
+The output is written as :mod:`tools.atomic` describes (never over the input,
+no partial output or temporaries on failure, Ctrl-C or SIGTERM; exit status 0,
+1 for unreadable input or a full disk, 2 for a layout or usage mistake, 130 on
+Ctrl-C, 143 on SIGTERM).
+
 A present feature with no values is written as an empty list of its kind (as
 TensorFlow writes it); an absent one is left out of the record.  Limits: the
 npz arrays are loaded into memory (the records are written one at a time).
@@ -24,7 +29,8 @@ import sys
 
 import numpy as np
 
-from tools.atomic import atomic_path
+from tools.atomic import OutputError, Terminated, atomic_path, output_folder, refuse_overwriting_inputs, \
+    sigterm_raises
 from tools.tfrecord import TFRecordWriter
 from tools.tfrecord_proto import SequenceExample
 
@@ -110,13 +116,18 @@ def records(context, lists, n):
         yield record.SerializeToString()
 
 
-def write(npz_path, out_path, compression="none"):
-    """Write the records of ``npz_path`` to ``out_path`` atomically; return the record count."""
+def write(npz_path, out_path, compression="none", removed=None):
+    """Write the records of ``npz_path`` to ``out_path`` atomically; return the record count.
+
+    Paths of dead runs' temporary folders removed on the way are appended to ``removed``.
+    """
+    refuse_overwriting_inputs(out_path, [npz_path])
     with np.load(npz_path) as npz:
         context, lists, n = load_features(npz)
-    with atomic_path(out_path) as tmp, open(tmp, "wb") as f, TFRecordWriter(f, compression) as writer:
-        for payload in records(context, lists, n):
-            writer.write(payload)
+    with output_folder(out_path, removed) as folder, atomic_path(out_path, folder) as tmp:
+        with open(tmp, "wb") as f, TFRecordWriter(f, compression) as writer:
+            for payload in records(context, lists, n):
+                writer.write(payload)
     return n
 
 
@@ -126,17 +137,27 @@ def main(argv=None):
     p.add_argument("-o", "--output", required=True, metavar="OUT.tfrecords")
     p.add_argument("--compression", choices=("none", "gzip", "zlib"), default="none")
     args = p.parse_args(argv)
+    stale = []
     try:
-        n = write(args.input, args.output, args.compression)
+        with sigterm_raises():
+            n = write(args.input, args.output, args.compression, stale)
+    except OutputError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.status
     except LayoutError as exc:
         print(f"{PROG}: error: {args.input}: {exc}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as exc:
-        print(f"{PROG}: error: {args.input}: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {getattr(exc, 'filename', None) or args.input}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted: no output written", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"{PROG}: terminated (SIGTERM): no output written", file=sys.stderr)
+        return 143
+    for path in stale:
+        print(f"{PROG}: removed {path}: temporary files of a conversion that was killed", file=sys.stderr)
     print(f"{PROG}: wrote {args.output}: {n} records ({args.compression})", file=sys.stderr)
     return 0
 

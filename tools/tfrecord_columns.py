@@ -51,7 +51,8 @@ class _Spill:
         self.size += array.size
         if self.path is not None and array.size:
             with open(self.path, "ab") as f:
-                np.ascontiguousarray(array, self.dtype).tofile(f)
+                # f.write, not ndarray.tofile: a full disk must raise OSError with its errno (ENOSPC)
+                f.write(np.ascontiguousarray(array, self.dtype).data)
 
     def append_zeros(self, count):
         while count > 0:

@@ -10,12 +10,16 @@ Each INPUT is a path or a glob; a glob's matches are read in sorted order and
 all inputs are concatenated in the order given.  The pipeline per file is
 :class:`tools.tfrecord.TFRecordReader` (framing, both CRCs, decompression)
 -> :class:`tools.tfrecord_columns.ColumnStore` (protobuf parse, columns
-spilled to a temporary folder beside OUT) -> :func:`tools.npz_stream.write_npz`
-into a temporary file that is renamed to OUT only when everything succeeded.
+spilled to an owned temporary folder beside OUT, see :mod:`tools.atomic`) ->
+:func:`tools.npz_stream.write_npz` into a temporary file that is renamed to OUT
+only when everything succeeded.  An OUT that is one of the inputs is refused
+before anything is read.
 
 Exit status: 0 on success, 1 for damaged or unreadable input (one line naming
-file, record index and byte offset), 2 for a usage mistake, 130 on Ctrl-C.
-No OUT is left behind unless the status is 0.  See tools/README.md.
+file, record index and byte offset) or a full disk, 2 for a usage mistake
+(including OUT being an input), 130 on Ctrl-C, 143 on SIGTERM.  No OUT and no
+temporary files are left behind unless the status is 0; what a SIGKILL leaves
+is removed by the next run writing to the same folder.  See tools/README.md.
 """
 
 import argparse
@@ -23,12 +27,12 @@ import glob
 import math
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-from tools.atomic import atomic_path
+from tools.atomic import OutputError, Terminated, atomic_path, output_folder, refuse_overwriting_inputs, \
+    sigterm_raises
 from tools.npz_stream import write_npz
 from tools.tfrecord import COMPRESSIONS, TFRecordError, TFRecordReader
 from tools.tfrecord_columns import ColumnStore
@@ -188,15 +192,18 @@ def convert(args, say):
         return
     if not args.output:
         raise UsageError("give the output file with -o OUT.npz (or use --schema)")
+    refuse_overwriting_inputs(args.output, paths)
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise UsageError(f"{args.output}: the folder {out_dir} does not exist; create it first")
-    # Spill files live beside OUT: same file system, and never a small /tmp.
-    with tempfile.TemporaryDirectory(prefix=f".{os.path.basename(args.output)}.columns-", dir=out_dir) as spill:
-        store = ColumnStore(spill)
+    stale = []
+    with output_folder(args.output, stale) as folder:
+        for path in stale:
+            say(f"removed {path}: temporary files of a conversion that was killed")
+        store = ColumnStore(folder)
         read_all(paths, store, args, say)
         entries = _entries(store, args)
-        with atomic_path(args.output) as tmp:
+        with atomic_path(args.output, folder) as tmp:
             write_npz(tmp, entries, compress=args.compress)
     seconds = time.perf_counter() - start
     kind = "SequenceExample" if store.sequence else "Example"
@@ -211,7 +218,11 @@ def main(argv=None):
         print(f"{PROG}: {message}", file=sys.stderr)
 
     try:
-        convert(args, say)
+        with sigterm_raises():
+            convert(args, say)
+    except OutputError as exc:
+        say(f"error: {exc}")
+        return exc.status
     except TFRecordError as exc:
         say(f"error: {exc}")
         return 1
@@ -224,6 +235,9 @@ def main(argv=None):
     except KeyboardInterrupt:
         say("interrupted: no output written")
         return 130
+    except Terminated:
+        say("terminated (SIGTERM): no output written")
+        return 143
     return 0
 
 
