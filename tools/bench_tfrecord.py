@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from tools import tfrecord_to_npz
-from tools.npz_stream import write_npz
+from towers.output.files import write_npz
 from tools.tfrecord import TFRecordReader
 from tools.tfrecord_columns import ColumnStore
 from tools.tfrecord_proto import SequenceExample

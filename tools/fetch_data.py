@@ -39,8 +39,8 @@ import zlib
 
 import numpy as np
 
-from tools.atomic import atomic_path
-from tools.npz_stream import ArraySource, write_npz
+from towers.output.files import atomic_path
+from towers.output.files import ArraySource, write_npz
 
 PROG = "fetch_data"
 USER_AGENT = "towers-fetch_data/1 (+python urllib)"

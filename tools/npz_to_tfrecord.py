@@ -14,7 +14,7 @@ npz gives the same npz.  The kind comes from the dtype of ``F.values``:
 uint8 with ``value_lengths`` is bytes, floating is float (written as float32),
 integer is int64.
 
-The output is written as :mod:`tools.atomic` describes (never over the input,
+The output is written as :mod:`towers.output.files` describes (never over the input,
 no partial output or temporaries on failure, Ctrl-C or SIGTERM; exit status 0,
 1 for unreadable input or a full disk, 2 for a layout or usage mistake, 130 on
 Ctrl-C, 143 on SIGTERM).
@@ -29,7 +29,7 @@ import sys
 
 import numpy as np
 
-from tools.atomic import OutputError, Terminated, atomic_path, output_folder, refuse_overwriting_inputs, \
+from towers.output.files import OutputError, Terminated, atomic_path, output_folder, refuse_overwriting_inputs, \
     sigterm_raises
 from tools.tfrecord import TFRecordWriter
 from tools.tfrecord_proto import SequenceExample

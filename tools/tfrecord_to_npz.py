@@ -10,8 +10,8 @@ Each INPUT is a path or a glob; a glob's matches are read in sorted order and
 all inputs are concatenated in the order given.  The pipeline per file is
 :class:`tools.tfrecord.TFRecordReader` (framing, both CRCs, decompression)
 -> :class:`tools.tfrecord_columns.ColumnStore` (protobuf parse, columns
-spilled to an owned temporary folder beside OUT, see :mod:`tools.atomic`) ->
-:func:`tools.npz_stream.write_npz` into a temporary file that is renamed to OUT
+spilled to an owned temporary folder beside OUT, see :mod:`towers.output.files`) ->
+:func:`towers.output.files.write_npz` into a temporary file that is renamed to OUT
 only when everything succeeded.  An OUT that is one of the inputs is refused
 before anything is read.
 
@@ -31,9 +31,9 @@ import time
 
 import numpy as np
 
-from tools.atomic import OutputError, Terminated, atomic_path, output_folder, refuse_overwriting_inputs, \
+from towers.output.files import OutputError, Terminated, atomic_path, output_folder, refuse_overwriting_inputs, \
     sigterm_raises
-from tools.npz_stream import write_npz
+from towers.output.files import write_npz
 from tools.tfrecord import COMPRESSIONS, TFRecordError, TFRecordReader
 from tools.tfrecord_columns import ColumnStore
 from tools.tfrecord_proto import KIND_BYTES

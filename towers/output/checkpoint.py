@@ -34,7 +34,7 @@ import numpy
 
 from towers.devices.placement import to_host
 from towers.errors import TrainingError, UserError
-from towers.output.files import atomic_save_npz, atomic_write_text
+from towers.output.files import atomic_save_npz, atomic_write_text, remove_stale
 
 FORMAT = 1
 INDEX = "checkpoint"  # the TensorFlow-style text file naming the latest checkpoint
@@ -286,15 +286,6 @@ def config_json(cfg) -> str:
     return json.dumps(d, sort_keys=True)
 
 
-def remove_stale_temporaries(logdir: str) -> None:
-    """Delete temporary files a killed writer left behind (they were never renamed into place)."""
-    for path in glob.glob(os.path.join(glob.escape(logdir), ".*.tmp")):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
 # -- resuming -----------------------------------------------------------------------
 
 # Settings whose change makes the continuation differ from an uninterrupted run.
@@ -320,7 +311,8 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
 
     ``say(line, note=False)`` reports; notes (warnings) go to stderr.
     """
-    remove_stale_temporaries(logdir)
+    if os.path.isdir(logdir):
+        remove_stale(logdir)  # what writers killed mid-write left behind
     found = latest_checkpoint(logdir, warn=lambda line: say(line, note=True))
     if found is None:
         say(f"`resume`: no checkpoint in {logdir}; starting fresh", note=True)

@@ -1,76 +1,308 @@
-"""Files written whole or not at all: the atomic writer and the deterministic npz writer.
+"""Files written whole or not at all, never over the user's data: the one writer of towers and tools/.
 
-``atomic_write(path, write)``: ``write(f)`` fills a temporary file in the same
-directory, which is flushed and fsynced, renamed over ``path``, and the
-directory is fsynced.  A crash (even SIGKILL) at any moment leaves the old file
-or the complete new one, never a torn one; an exception removes the temporary.
-The file gets the mode a plain ``open`` would give (0666 less the umask), not
-``mkstemp``'s 0600.
+Atomic outputs
+--------------Writing an output without ever hurting the user's data: temporaries, atomic rename, refusals.
 
-npz members get a fixed timestamp, so equal arrays give byte-identical files.
+A run keeps every temporary file in one *owned folder* beside the output
+(:func:`output_folder`): the column spill files and the output being
+written.  Beside, not in ``/tmp``: the final :func:`os.replace` is atomic only
+within one file system, and ``/tmp`` is often a small RAM-backed tmpfs that
+the spill would fill.
+
+Ownership is proven by the kernel, not by guessing from names: the folder
+holds a lock file on which its run takes an exclusive ``flock`` for as long
+as it lives.  The kernel drops that lock when the process ends, however it
+ends (SIGKILL, a crash, a reboot), so the next run in the same folder
+removes exactly the folders whose lock it can take: their owners are dead.
+A live owner's folder is never touched, whatever its pid namespace or host
+(over NFS the lock is held by the server).  This replaces guessing from a pid
+in the name, which pid reuse, containers and shared folders defeat.  Limits:
+folders with our name but no lock file are left alone (a run killed between
+creating its folder and locking it leaves an empty one); without ``fcntl``
+(Windows) nothing is removed; folders another user owns are left to that
+user; folders of older versions (``.OUT.columns-*``) are not recognised.
+
+:func:`atomic_path` creates the partial output with ``O_CREAT | O_EXCL`` and
+mode 0o666, so the umask gives it exactly the mode ``open()`` would (not
+``mkstemp``'s 0600).  When the caller has written it, the file is fsynced,
+renamed over the output, and the output's folder is fsynced so that the
+rename itself survives a power cut.  Readers see either no output (or the old
+one) or the complete new one.
+
+The sync points are those two fsyncs at the end of a successful write; a
+failure or interruption anywhere removes the owned folder, so no partial
+output and no temporary file remain.  :func:`sigterm_raises` turns SIGTERM
+into :class:`Terminated`, which unwinds like ``KeyboardInterrupt`` so the same
+cleanup runs (the command-line tools exit 143 = 128 + SIGTERM, as they exit
+130 = 128 + SIGINT on Ctrl-C).  A full disk (or quota) inside either context
+becomes an :class:`OutputError` naming the output and what was being written.
+:func:`refuse_overwriting_inputs` stops an output that is one of the inputs.
+
+npz files
+---------
+Write an ``.npz`` whose arrays are streamed from files, never held in memory.
+
+``numpy.savez`` needs every array in memory at once.  :func:`write_npz`
+instead writes each member of the zip archive as an ``.npy`` header followed
+by the raw bytes of an :class:`ArraySource`, copied in blocks, so a 10 GB
+output costs a few MiB of memory.  The result is an ordinary npz archive
+(ZIP64 where needed) that ``numpy.load`` reads.
+Members carry a fixed timestamp, so identical arrays give byte-identical files
+(checkpoints rely on it for the byte-identical resume).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import re
+import shutil
+import signal
 import tempfile
+import threading
 import zipfile
 
-import numpy
+import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so no proof of a dead owner
+    fcntl = None
 
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # zip's earliest date: no wall clock in the bytes
 
+_LOCK = ".owner.lock"
+_TAG = ".tmp-"
+_OWNED = re.compile(r"\..*\.tmp-\d+-[a-z0-9_]{8}\Z")  # mkdtemp's 8 random characters
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # disk full, quota exceeded
 
-def fsync_dir(path: str) -> None:
-    """Make a rename in ``path`` durable (a no-op where directories can't be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+
+class OutputError(Exception):
+    """A one-line report about the output; ``status`` is the exit status a tool should use."""
+
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.status = status
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (see :func:`sigterm_raises`); a BaseException so only cleanup code sees it."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """While active (main thread only), SIGTERM raises :class:`Terminated` once.
+
+    A second SIGTERM during the cleanup is ignored so that it cannot cut the
+    cleanup short; SIGKILL stays the hard stop.  A SIGTERM the parent set to
+    be ignored stays ignored.  The previous handler is restored on exit.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
         return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def refuse_overwriting_inputs(output, inputs):
+    """Raise :class:`OutputError` (status 2) if ``output`` is, by any path or link, one of ``inputs``.
+
+    Files are compared by (st_dev, st_ino) after following symlinks, so
+    another spelling, a symlink, a hard link and a glob match are all caught.
+    Only stats files: call it before reading anything.
+    """
+    try:
+        target = os.stat(output)
+    except OSError:
+        return  # no such file yet: it cannot be an input
+    for path in inputs:
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(path), target):
+                raise OutputError(f"{output} is the same file as the input {path}: writing it would destroy "
+                                  "the input; choose another output path", 2)
+
+
+def _full_disk(output, what, exc):
+    where = os.path.dirname(os.path.abspath(output))
+    reason = os.strerror(exc.errno)
+    return OutputError(f"{output}: {reason[0].lower() + reason[1:]} while writing {what}; free some space "
+                       f"in {where} or choose another output folder", 1)
+
+
+def remove_stale(directory):
+    """Remove owned folders in ``directory`` whose owner is dead (their lock is free); return their paths."""
+    if fcntl is None:
+        return []
+    removed = []
+    with os.scandir(directory) as entries:
+        candidates = [e.path for e in entries if _OWNED.match(e.name) and e.is_dir(follow_symlinks=False)]
+    for path in candidates:
+        try:  # read-write: where flock is emulated by fcntl locks (NFS) an exclusive lock needs it
+            fd = os.open(os.path.join(path, _LOCK), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # no lock file (not ours, or not yet locked) or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: the owner is alive
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+@contextlib.contextmanager
+def output_folder(output, removed=None):
+    """Yield a new owned folder beside ``output`` for all of a run's temporaries; remove it on exit.
+
+    Dead runs' folders are removed first (their paths are appended to
+    ``removed`` when a list is given).  An ENOSPC/EDQUOT raised in the body
+    becomes :class:`OutputError` naming ``output``.
+    """
+    directory = os.path.dirname(os.path.abspath(output))
+    stale = remove_stale(directory)
+    if removed is not None:
+        removed += stale
+    folder = tempfile.mkdtemp(prefix=f".{os.path.basename(output)[:100]}{_TAG}{os.getpid()}-", dir=directory)
+    lock = None
+    try:
+        lock = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield folder
+    except OSError as exc:
+        if exc.errno in _FULL:
+            raise _full_disk(output, "its temporary files", exc) from None
+        raise
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the lock file goes too, while still held
+        if lock is not None:
+            os.close(lock)
+
+
+@contextlib.contextmanager
+def atomic_path(output, folder=None):
+    """Yield a path in ``folder`` (an :func:`output_folder`) to write; on success it becomes ``output``.
+
+    Without ``folder`` a new owned folder is made for this one file.  The
+    file is created with the mode ``open()`` would give; it is fsynced before
+    the rename and the output's folder after it.
+    """
+    if folder is None:
+        with output_folder(output) as own, atomic_path(output, own) as path:
+            yield path
+        return
+    partial = os.path.join(folder, "output.partial")
+    try:
+        os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        yield partial
+        _fsync(partial, os.O_RDONLY)
+        os.replace(partial, output)
+        _fsync(os.path.dirname(os.path.abspath(output)), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        if exc.errno in _FULL:
+            raise _full_disk(output, "it", exc) from None
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+
+
+def _fsync(path, flags):
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def atomic_save_npz(path: str, arrays: dict) -> None:
+# -- npz files ----------------------------------------------------------------------
+
+
+
+_BLOCK = 8 << 20
+
+
+class ArraySource:
+    """An array to write: a dtype, a shape and where its C-order bytes come from.
+
+    Either ``array`` (in memory) or ``path`` (a raw file of exactly
+    ``prod(shape) * itemsize`` bytes, such as a column spill file).
+    """
+
+    def __init__(self, dtype, shape, path=None, array=None):
+        self.dtype, self.shape, self.path, self.array = np.dtype(dtype), tuple(shape), path, array
+
+    @classmethod
+    def of(cls, array):
+        array = np.asanyarray(array)
+        array = array if array.flags.c_contiguous else array.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
+        return cls(array.dtype, array.shape, array=array)
+
+    def blocks(self):
+        if self.array is not None:
+            yield memoryview(self.array.reshape(-1).view(np.uint8))
+            return
+        expected = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        if expected == 0:
+            return
+        with open(self.path, "rb") as f:
+            while expected > 0:
+                block = f.read(min(_BLOCK, expected))
+                if not block:
+                    raise OSError(f"{self.path}: spill file is shorter than its array")
+                expected -= len(block)
+                yield block
+
+    def load(self):
+        """The whole array in memory (for small arrays and for tests)."""
+        data = b"".join(bytes(b) for b in self.blocks())
+        return np.frombuffer(data, self.dtype).reshape(self.shape)
+
+
+def write_npz(path, entries, compress=False):
+    """Write ``entries``, ``(key, ArraySource or array)`` pairs, to the npz file ``path`` (or file object).
+
+    Members carry a fixed timestamp, so equal arrays give byte-identical files.
+    """
+    method = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
+    with zipfile.ZipFile(path, "w", method, allowZip64=True) as archive:
+        for key, source in entries:
+            if not isinstance(source, ArraySource):
+                source = ArraySource.of(np.asanyarray(source))
+            if source.dtype.hasobject:
+                raise ValueError(f"{key}: object arrays would need pickles, which npz files here never hold")
+            header = {"descr": np.lib.format.dtype_to_descr(source.dtype), "fortran_order": False,
+                      "shape": source.shape}
+            info = zipfile.ZipInfo(key + ".npy", date_time=_ZIP_EPOCH)
+            info.compress_type = method
+            with archive.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array_header_1_0(member, header)
+                for block in source.blocks():
+                    member.write(block)
+
+
+def atomic_write(path, write) -> None:
+    """``write(f)`` fills a binary file object that becomes ``path`` only when complete."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
+
+
+def atomic_save_npz(path, arrays: dict) -> None:
     """Write ``arrays`` to ``path`` as an uncompressed, deterministic npz, atomically."""
-    atomic_write(path, lambda f: _write_npz(f, arrays))
+    atomic_write(path, lambda f: write_npz(f, arrays.items()))
 
 
-def atomic_write_text(path: str, text: str) -> None:
+def atomic_write_text(path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def _write_npz(f, arrays: dict) -> None:
-    # numpy.savez stamps each member with the current time; a fixed stamp makes
-    # the file a function of the arrays alone (byte-identical resume test).
-    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, value in arrays.items():
-            info = zipfile.ZipInfo(name + ".npy", date_time=_ZIP_EPOCH)
-            with zf.open(info, "w", force_zip64=True) as member:
-                numpy.lib.format.write_array(member, numpy.asanyarray(value), allow_pickle=False)
-
-
-def atomic_write(path: str, write) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 would hide it from other readers
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(directory)
-
-
-def _umask() -> int:
-    mask = os.umask(0)  # the only way to read it is to set it: put it straight back
-    os.umask(mask)
-    return mask
