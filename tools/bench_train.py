@@ -58,12 +58,13 @@ def make_data(path: str, n: int = N_EXAMPLES) -> None:
 
 
 def _towers_loop(a) -> float:
-    from towers.train import Config, run
+    from towers import Config, Trainer
 
     cfg = Config(n_gpu=a.towers, devices="cpu", data=a.data, model=a.model, steps=a.steps, lr=a.lr,
                  cpu_towers=a.cpu_towers, blas_threads=a.blas_threads, quiet=True,
                  log_every=max(1, a.steps // 4), logdir=tempfile.mkdtemp(prefix="bench-"))
-    return run(cfg)["examples_per_sec"]
+    with Trainer(cfg) as trainer:
+        return trainer.fit()["examples_per_sec"]
 
 
 def _towers_bare(a) -> float:
