@@ -55,10 +55,10 @@ def test_weights_mode_tower_threads_that_start_late_still_train_on_their_own_ste
     p_s, e_s, _, _ = _train("serial", sync="weights", steps=13)
     start = TowerThreads._call
 
-    def late(self, i):
+    def late(self, fn, i):
         if i > 0:
             time.sleep(0.005)
-        start(self, i)
+        start(self, fn, i)
 
     monkeypatch.setattr(TowerThreads, "_call", late)
     p_t, e_t, _, _ = _train("threads", sync="weights", steps=13)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 
 def cpu_count() -> int:
@@ -41,73 +42,50 @@ def set_blas_threads(n: int):
 class TowerThreads:
     """Runs ``fn(tower)`` for every tower at once: tower 0 on the caller's thread.
 
-    ``fn`` may call ``barrier.wait()`` (a ``threading.Barrier`` over all towers).
-    An exception in any tower breaks the barrier (so no one hangs) and is
-    re-raised by ``wait``.
+    Towers 1..N-1 run on a ``concurrent.futures.ThreadPoolExecutor`` of N-1
+    threads, so all N run at the same time and ``fn`` may call
+    ``barrier.wait()`` (a ``threading.Barrier`` over all towers).  An exception
+    in any tower breaks the barrier (so no one hangs) and is re-raised by
+    ``wait`` (or by ``run``, when tower 0 saw it).
     """
 
     def __init__(self, n: int):
         self.n = n
         self.barrier = threading.Barrier(n)
-        self._fn = None
-        self._errors: list = []
-        self._go = [threading.Semaphore(0) for _ in range(n)]
-        self._done = [threading.Semaphore(0) for _ in range(n)]
-        self._busy = False
-        self._closing = False
-        self._threads = [
-            threading.Thread(target=self._worker, args=(i,), daemon=True, name=f"towers-cpu-{i}")
-            for i in range(1, n)
-        ]
-        for t in self._threads:
-            t.start()
+        self._executor = ThreadPoolExecutor(max_workers=max(1, n - 1), thread_name_prefix="towers-cpu")
+        self._futures: list = []
 
-    def _call(self, i: int) -> None:
+    def _call(self, fn, i: int) -> None:
         try:
-            self._fn(i)
-        except BaseException as e:  # surfaced by wait()
-            self._errors.append(e)
-            self.barrier.abort()
-
-    def _worker(self, i: int) -> None:
-        while True:
-            self._go[i].acquire()
-            if self._closing:
-                return
-            self._call(i)
-            self._done[i].release()
+            fn(i)
+        except BaseException:
+            self.barrier.abort()  # the other towers stop waiting for this one
+            raise
 
     def run(self, fn) -> None:
         """Start ``fn`` on every tower; return when tower 0's share is done."""
         self.wait()
-        self._fn, self._busy = fn, True
-        for i in range(1, self.n):
-            self._go[i].release()
-        self._call(0)
-        if self._errors:  # fail now, not one step later
-            self.wait()
+        self._futures = [self._executor.submit(self._call, fn, i) for i in range(1, self.n)]
+        try:
+            self._call(fn, 0)
+        except BaseException:
+            self.wait()  # a tower thread's own error, if any, is the cause: raise that one
+            raise
 
     def wait(self) -> None:
         """Join the workers' share of the last ``run``; re-raise their first error."""
-        if not self._busy:
-            return
-        for i in range(1, self.n):
-            self._done[i].acquire()
-        self._busy = False
-        if self._errors:
-            err, self._errors = self._errors[0], []
+        futures, self._futures = self._futures, []
+        errors = [f.exception() for f in futures]  # waits for each
+        real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+        if any(errors):
             self.barrier.reset()
-            raise err
+            raise (real or [e for e in errors if e is not None])[0]
 
     def close(self) -> None:
         try:
             self.wait()
         finally:
-            self._closing = True
-            for i in range(1, self.n):
-                self._go[i].release()
-            for t in self._threads:
-                t.join(timeout=5)
+            self._executor.shutdown(wait=True)
 
 
 def chunks(size: int, n: int) -> list[slice]:
