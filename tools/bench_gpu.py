@@ -96,8 +96,9 @@ def time_steps(step, sync, steps: int, warmup: int, rounds: int) -> dict:
     """Wall and host time per step: ``rounds`` rounds of ``steps``, one sync per round.
 
     Host time is ``time.thread_time`` of this thread (the one that issues the
-    GPU work) up to the end of the last launch, before the final sync.  It
-    includes any blocking the step does itself (a pinned buffer's event wait,
+    GPU work) up to the end of the last launch, before the final sync;
+    ``cpu_us_per_step`` is ``time.process_time`` (every thread: PyTorch runs
+    backward on a thread of its own, which thread time misses).  Both include any blocking the step does itself (a pinned buffer's event wait,
     a full launch queue), which CUDA may spin on.  The round with the lowest
     wall time is kept: on a shared machine it is the least disturbed one.
     """
@@ -108,17 +109,18 @@ def time_steps(step, sync, steps: int, warmup: int, rounds: int) -> dict:
     sync()
     best, walls = None, []
     for _ in range(rounds):
-        h0, w0 = time.thread_time(), time.perf_counter()
+        h0, c0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
         for _ in range(steps):
             step(k)
             k += 1
-        h1 = time.thread_time()
+        h1, c1 = time.thread_time(), time.process_time()
         sync()
         wall = time.perf_counter() - w0
         walls.append(wall / steps * 1e6)
         if best is None or wall < best[0]:
-            best = (wall, h1 - h0)
+            best = (wall, h1 - h0, c1 - c0)
     return {"wall_us_per_step": best[0] / steps * 1e6, "host_us_per_step": best[1] / steps * 1e6,
+            "cpu_us_per_step": best[2] / steps * 1e6,
             "wall_us_per_step_rounds": walls, "next_k": k}
 
 
@@ -402,28 +404,28 @@ def _plan(gpus: int, torch_ok: bool, quick: bool) -> list[dict]:
 
 
 def _print_table(rows: list[dict]) -> None:
-    head = ("row", "samples/s", "wall us/step", "host us/step", "kernel us/step", "launches/tower-step",
+    head = ("row", "samples/s", "wall us/step", "host us/step", "all threads us/step", "kernel us/step", "launches/tower-step",
             "copies/step", "last loss")
-    print(f"| {head[0]:<48} | " + " | ".join(f"{h:>{max(len(h), 9)}}" for h in head[1:]) + " |")
-    print(f"| {'-' * 48} | " + " | ".join("-" * max(len(h), 9) for h in head[1:]) + " |")
+    print(f"| {head[0]:<50} | " + " | ".join(f"{h:>{max(len(h), 9)}}" for h in head[1:]) + " |")
+    print(f"| {'-' * 50} | " + " | ".join("-" * max(len(h), 9) for h in head[1:]) + " |")
     for r in rows:
         res = r.get("result") or {}
         if r["kind"] == "skip" or "error" in res:
             msg = r.get("note") if r["kind"] == "skip" else "FAILED: " + res["error"][:160]
-            print(f"| {r['name']:<48} | {msg}")
+            print(f"| {r['name']:<50} | {msg}")
             continue
         ln = res["launches"]
-        vals = [res["samples_per_sec"], res["wall_us_per_step"], res["host_us_per_step"],
+        vals = [res["samples_per_sec"], res["wall_us_per_step"], res["host_us_per_step"], res.get("cpu_us_per_step"),
                 ln.get("kernel_us_per_step"), ln.get("kernels_per_tower_step"), ln.get("copies_per_step"), res["loss"]]
-        specs = ["{:.0f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.3f}"]
+        specs = ["{:.0f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.3f}"]
         cells = [_fmt(v, s) for v, s in zip(vals, specs)]
-        print(f"| {r['name']:<48} | " + " | ".join(f"{c:>{max(len(h), 9)}}" for c, h in zip(cells, head[1:])) + " |")
+        print(f"| {r['name']:<50} | " + " | ".join(f"{c:>{max(len(h), 9)}}" for c, h in zip(cells, head[1:])) + " |")
 
 
 def _print_startup(rows: list[dict]) -> None:
     print("start-up: seconds from process launch to each mark (cold: empty CuPy kernel cache; warm: same cache again)")
-    print(f"| {'row':<48} | {'run':<5} | {'imports':>8} | {'built':>8} | {'1st step':>8} |")
-    print(f"| {'-' * 48} | ----- | -------- | -------- | -------- |")
+    print(f"| {'row':<50} | {'run':<5} | {'imports':>8} | {'built':>8} | {'1st step':>8} |")
+    print(f"| {'-' * 50} | ----- | -------- | -------- | -------- |")
     for r in rows:
         for run in ("cold", "warm", "once"):
             res = r.get({"cold": "cold", "warm": "result", "once": "result"}[run]) or {}
@@ -431,7 +433,7 @@ def _print_startup(rows: list[dict]) -> None:
                 continue
             s = res["startup"]
             label = "-" if run == "once" else run
-            print(f"| {r['name']:<48} | {label:<5} | {s['imports']:8.2f} | {s['trainer built']:8.2f} | "
+            print(f"| {r['name']:<50} | {label:<5} | {s['imports']:8.2f} | {s['trainer built']:8.2f} | "
                   f"{s['first step done']:8.2f} |")
 
 
