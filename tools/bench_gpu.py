@@ -60,10 +60,10 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 # -- towers' API used by this benchmark: the ONE place to edit when towers' modules move.
-from towers.train import Config, Trainer  # noqa: E402
-from towers.data import BatchSource, load_dataset  # noqa: E402
-from towers.placement import resolve  # noqa: E402
-from tools.atomic import atomic_path  # noqa: E402
+from towers import Config, Trainer  # noqa: E402
+from towers.data.batches import BatchSource  # noqa: E402
+from towers.data.dataset import load_dataset  # noqa: E402
+from towers.output.files import atomic_path  # noqa: E402
 
 BATCH = 100  # per tower, as the issue asks
 RING = 32  # global batches drawn before timing, reused in turn
@@ -211,8 +211,8 @@ def _towers_worker(spec) -> dict:
     ds = load_dataset(spec["data"])
     name, lr, momentum = MODELS[spec["model"]]
     cfg = Config(n_gpu=spec["towers"], devices=spec["devices"], model=name, batch_size=BATCH,
-                 lr=lr, momentum=momentum, quiet=True)
-    trainer = Trainer(cfg, resolve(cfg.n_gpu, cfg.devices, cfg.soft_placement), ds)
+                 optimizer="sgd", lr=lr, momentum=momentum, quiet=True)
+    trainer = Trainer(cfg, dataset=ds)
     marks["trainer built"] = _since(t_launch)
     try:
         source = BatchSource(ds, trainer.global_batch, cfg.seed)
