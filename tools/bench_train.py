@@ -5,7 +5,7 @@
 
 What is timed (samples/s, MNIST-shaped uint8 data, float32, SGD, L2 1e-4):
 
-* towers MLP 784-500-10 through the real loop (``towers.train.run``: input
+* towers MLP 784-500-10 through the real loop (``towers.Trainer.fit``: input
   thread, staging, forward/backward, all-reduce, update+EMA, log lines), with
   1 tower (batch 100) and 2 CPU towers (batch 100 each = global 200), towers
   concurrent in threads (the default) and in sequence;

@@ -25,7 +25,7 @@ data              training data (.npz with x, y and optionally x_test, y_test)
 test_data         separate test data (.npz); default: x_test/y_test of --data
 x_key             npz key of the examples
 y_key             npz key of the labels
-model             mlp, lenet5, or package.module:function returning a towers.model.Sequential
+model             mlp, lenet5, or package.module:function returning a towers.Sequential (or a list of layers)
 hidden            hidden units of the mlp
 batch_size        examples per tower per step
 steps             training steps

@@ -1,7 +1,7 @@
 """The all-reduce: average one flat buffer per tower, in place, on every tower.
 
 This is where a step's gradients are averaged (``TowerAllReduce.average``,
-called once per step by ``towers.train``).
+called once per step by ``towers.trainer.Trainer``).
 
 Algorithm, for towers grouped by device (``Placement.groups``):
 
