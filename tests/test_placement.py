@@ -56,6 +56,8 @@ def test_devices_cpu_forces_cpu_even_with_gpus():
     [
         ("0,0", 2, "names GPU 0 twice"),
         ("1,3", 2, "GPU 3 does not exist"),
+        ("9", 0, "GPU 9 does not exist: no CUDA device is visible"),  # before any fallback to the CPU
+        ("0", 0, "GPU 0 does not exist"),
         ("a,b", 2, "not understood"),
         ("-1", 2, "non-negative"),
     ],

@@ -6,7 +6,8 @@ writer, the checkpointer, and the step's loss).  The built-in ones, in the
 order they run:
 
 * ``NonFiniteStop``: stops with a ``TrainingError`` when the loss fetched at
-  this step is not finite (the last good checkpoint stays the latest);
+  this step is not finite (the last good checkpoint stays the latest); when
+  the input holds NaN/inf, the message says so;
 * ``Summaries``: TensorBoard scalars and histograms every ``summary_every``;
 * ``Checkpoints``: ``ckpt-<step>.npz`` every ``checkpoint_every`` and at the end,
   with the test accuracy at each checkpoint;
@@ -19,9 +20,16 @@ when it reads ``run.loss``) and is passed to ``fit(extensions=[...])``.
 Sync points: the loss reaches the host only at steps where some extension
 ``needs_loss``; weights only where ``Summaries`` or ``Checkpoints`` run (they call
 ``trainer.synchronize()`` first).
+
+The logdir belongs to one live run: ``Run.open`` locks it before writing
+anything there (``towers.output.files.lock_logdir``) and ``Run.close``
+releases it.  A failed write (full disk, read-only) stops the run with a
+``DiskError`` naming the file, the step and the last complete checkpoint;
+writers still open are then closed without a second error.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -31,8 +39,8 @@ import numpy
 
 from towers.errors import UserError, render
 from towers.output import checkpoint
-from towers.output.files import atomic_save_npz
-from towers.output.summaries import Reporter, TensorBoard
+from towers.output.files import DiskError, atomic_save_npz, lock_logdir, writing
+from towers.output.summaries import Reporter, TensorBoard, trim_metrics
 
 
 class Extension:
@@ -65,7 +73,7 @@ class NonFiniteStop(Extension):
 
     def __call__(self, run):
         if run.loss is not None and not math.isfinite(run.loss):
-            raise checkpoint.diverged(run.trainer.step, f"the loss is {run.loss}", run.checkpointer.last_path)
+            raise run.diverged(f"the loss is {run.loss}")
 
 
 class Summaries(Every):
@@ -84,8 +92,11 @@ class Checkpoints(Every):
     needs_loss = True  # a diverged run must not write its weights
 
     def __call__(self, run):
-        run.trainer.synchronize()
-        run.checkpointer.save(run.trainer)
+        state = run.trainer.state_dict()  # a host sync
+        key = checkpoint.non_finite(state)
+        if key is not None:  # never written: the last good checkpoint stays the latest
+            raise run.diverged(f"{key} holds non-finite values")
+        run.checkpointer.write(run.trainer.step, state)
         if run.trainer.step != run.last_step:
             run.tensorboard.scalars(run.trainer.step, **run.trainer.test_accuracy())
 
@@ -132,24 +143,48 @@ class Run:
         self.last_step, self.start_step = cfg.steps, trainer.step
         self.extensions = list(extensions)
         self.loss: float | None = None
+        self.batch = None  # the host examples of the current step
         self.lr = trainer.lr()
         self.reporter = self.tensorboard = None
+        self._lock: int | None = None
         self.checkpointer = checkpoint.Checkpointer(logdir, cfg.checkpoint_every, cfg.keep_checkpoints)
 
     @classmethod
     def open(cls, trainer, logdir: str, extensions=()) -> "Run":
-        """Resume (or refuse to overwrite), create the logdir, open the writers."""
+        """Create and lock the logdir, resume (or refuse to overwrite), open the writers.
+
+        The lock comes before anything else is written in the logdir: a second
+        run on it fails here without touching the first one's files.
+        """
         cfg = trainer.cfg
-        resume = _resume_point(trainer, logdir)
         _make_logdir(logdir)
         run = cls(trainer, logdir, ())
-        run.checkpointer.last_path = resume
-        run.reporter = Reporter(logdir, cfg.steps, start_step=trainer.step, quiet=cfg.quiet)
-        run.tensorboard = TensorBoard(logdir, cfg.summary_every, trainer.step)
+        run._lock = lock_logdir(logdir)
+        try:
+            run.checkpointer.last_path = _resume_point(trainer, logdir)
+            if cfg.resume or trainer.step:
+                trim_metrics(logdir, trainer.step)  # the steps after the checkpoint are redone
+            run.reporter = Reporter(logdir, cfg.steps, start_step=trainer.step, quiet=cfg.quiet)
+            # The purge keeps the checkpoint step's own points: they are not redone.
+            purge = trainer.step + 1 if cfg.resume or trainer.step else None
+            run.tensorboard = TensorBoard(logdir, cfg.summary_every, trainer.step, purge_step=purge)
+        except BaseException:
+            run.close()
+            raise
         run.extensions = [NonFiniteStop(), Summaries(cfg.summary_every),
                           Checkpoints(cfg.checkpoint_every, at_end=True), LogLine(cfg.log_every),
                           ReplicaCheck(cfg.check_replicas), *extensions]
         return run
+
+    @contextlib.contextmanager
+    def _stops_on_disk_errors(self):
+        """A failed write says where training stopped and which checkpoint is kept."""
+        try:
+            yield
+        except DiskError as e:
+            if e.step is not None:
+                raise
+            raise e.at(self.trainer.step, self.checkpointer.last_path) from None
 
     def start(self) -> None:
         self.reporter.say(render(settings_line(self.trainer.cfg)))
@@ -158,19 +193,45 @@ class Run:
     def wants_loss(self, step: int) -> bool:
         return any(e.needs_loss and e.due(step, self.last_step) for e in self.extensions)
 
-    def after_step(self, losses) -> None:
-        """Call the extensions due at this step, with its loss when it was fetched."""
+    def after_step(self, losses, batch=None) -> None:
+        """Call the extensions due at this step, with its loss when it was fetched.
+
+        ``batch``: the step's host examples, looked at only if the loss is not finite.
+        """
         step = self.trainer.step
         self.reporter.advance()
         # Host sync point: the loss comes off the device only at these steps.
         self.loss = None if losses is None else sum(float(v) for v in losses) / len(losses)
         self.lr = self.trainer.lr_at(step - 1)
-        for ext in self.extensions:
-            if ext.due(step, self.last_step):
-                ext(self)
+        self.batch = batch
+        with self._stops_on_disk_errors():
+            for ext in self.extensions:
+                if ext.due(step, self.last_step):
+                    ext(self)
+
+    def diverged(self, what: str):
+        """The error for a non-finite loss or weights at this step, with its cause when it is the input.
+
+        Only on this failure path the current batch, then the whole training
+        data, is scanned for NaN/inf: non-finite input poisons the weights at
+        the step it is met, which may be before the step the loss is looked at.
+        """
+        step, x = self.trainer.step, self.trainer.dataset.x
+        cause = None
+        if self.batch is not None and _has_non_finite(self.batch):
+            cause = f"the input batch at step {step} holds NaN/inf"
+        elif _has_non_finite(x):
+            bad = numpy.flatnonzero(~numpy.isfinite(x.reshape(len(x), -1)).all(axis=1))
+            cause = (f"`data` holds NaN/inf (example {bad[0]}"
+                     + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "), met before this step")
+        return checkpoint.diverged(step, what, self.checkpointer.last_path, cause)
 
     def finish(self) -> dict:
         """Evaluate, write ``final.npz`` and the summary line; return the metrics."""
+        with self._stops_on_disk_errors():
+            return self._finish()
+
+    def _finish(self) -> dict:
         t, cfg = self.trainer, self.trainer.cfg
         t.synchronize()
         elapsed = time.perf_counter() - self._t0
@@ -193,7 +254,8 @@ class Run:
         weights.update({f"ema/{k}": v for k, v in t.get_weights(ema=True).items()})
         weights["step"] = numpy.int64(t.step)
         final = os.path.join(self.logdir, "final.npz")
-        atomic_save_npz(final, weights)
+        with writing(final):
+            atomic_save_npz(final, weights)
         self.reporter.record(**result)
         scaling = ("" if math.isnan(efficiency) else
                    f", scaling efficiency {efficiency:.2f} (1 tower: {rate_1:.1f} examples/sec)")
@@ -202,13 +264,23 @@ class Run:
             f"{rate:.1f} examples/sec on {t.n_towers} tower{'s' if t.n_towers > 1 else ''} "
             f"({', '.join(map(str, t.devices))}), {cfg.sync} sync, "
             f"{t.all_reduces / max(t.step - self.start_step, 1):.2f} all-reduces/step{scaling}; wrote {final}")
+        self.reporter.close()  # a failed last flush is an error here, on the way out it is not
+        self.tensorboard.close()
         return result
 
     def close(self) -> None:
-        if self.reporter is not None:
-            self.reporter.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        """Close the writers still open and release the logdir (idempotent).
+
+        After a failure their last flush may fail too (the same full disk):
+        that is dropped, so the error reported stays the first one.
+        """
+        for writer in (self.reporter, self.tensorboard):
+            if writer is not None:
+                with contextlib.suppress(DiskError):
+                    writer.close()
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
 
 def settings_line(cfg) -> str:
@@ -223,13 +295,17 @@ def settings_line(cfg) -> str:
     return "settings: " + ", ".join(parts)
 
 
+def _has_non_finite(x) -> bool:
+    return numpy.issubdtype(x.dtype, numpy.floating) and not numpy.isfinite(x).all()
+
+
 def _make_logdir(logdir: str) -> None:
     try:
         os.makedirs(logdir, exist_ok=True)
     except FileExistsError:
         raise UserError(f"`logdir` {logdir} exists and is not a directory: pick another path") from None
-    except OSError as e:
-        raise UserError(f"cannot create `logdir` {logdir}: {e.strerror}; pick a writable path") from None
+    except OSError as e:  # read-only, full, no permission: as any other failed write
+        raise DiskError(logdir, e, "create") from None
 
 
 def _resume_point(trainer, logdir: str) -> str | None:

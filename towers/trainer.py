@@ -390,7 +390,7 @@ class Trainer:
                 losses = self.train_step(x, y, want_loss=run.wants_loss(self.step + 1))
                 if self.step == cfg.steps:
                     self.finish()  # weights mode: a last average before the final checkpoint
-                run.after_step(losses)
+                run.after_step(losses, x)
             self.check_replicas()  # always at the end: the saved weights are every replica's
             return run.finish()
         finally:

@@ -11,7 +11,9 @@ The rules follow TensorFlow's ``allow_soft_placement``:
   what was asked and what exists.
 
 Whatever the flags, the device list is validated here (ids exist, none named
-twice) before ``towers.parallel.allreduce`` creates any NCCL communicator.
+twice) before ``towers.parallel.allreduce`` creates any NCCL communicator.  A
+GPU id that does not exist is an error even with soft placement and even with
+no GPU at all: soft placement bends how many GPUs a run gets, not which.
 """
 from __future__ import annotations
 
@@ -190,9 +192,10 @@ def resolve(
         want = n_towers or len(ids)
         asked = f"GPUs {','.join(map(str, ids))} (`devices`)"
         missing = [i for i in ids if i >= gpu_count]
-        if missing and gpu_count > 0:
+        if missing:  # before any fallback: soft placement bends counts, never a wrong id
             raise UserError(
                 f"GPU {missing[0]} does not exist: {_have(gpu_count)}; fix `devices`"
+                + (" (or `devices` cpu)" if gpu_count == 0 else "")
             )
         if want < len(ids):
             raise UserError(

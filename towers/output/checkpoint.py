@@ -34,7 +34,7 @@ import numpy
 
 from towers.devices.placement import to_host
 from towers.errors import TrainingError, UserError
-from towers.output.files import atomic_save_npz, atomic_write_text, remove_stale
+from towers.output.files import atomic_save_npz, atomic_write_text, remove_stale, writing
 
 FORMAT = 1
 INDEX = "checkpoint"  # the TensorFlow-style text file naming the latest checkpoint
@@ -101,26 +101,42 @@ def load_checkpoint(path: str) -> dict:
     return arrays
 
 
-def latest_checkpoint(logdir: str, warn=None) -> tuple[str, dict] | None:
+def latest_checkpoint(logdir: str, warn=None, finite: bool = False) -> tuple[str, dict] | None:
     """The newest loadable checkpoint in ``logdir`` as (path, arrays), or None if there is none.
 
-    Unreadable newer ones are reported through ``warn`` and skipped.  When
-    checkpoints exist but none loads, that is an error, not a silent fresh start.
+    Unreadable newer ones (with ``finite``: also those holding non-finite
+    weights, which a run must not continue from) are reported through ``warn``
+    and skipped.  When checkpoints exist but none loads, that is an error, not
+    a silent fresh start.
     """
     candidates = list_checkpoints(logdir)
-    bad = []
+    bad, unusable = [], False
     for _, path in candidates:
         try:
-            return path, load_checkpoint(path)
+            arrays = load_checkpoint(path)
         except CheckpointError as e:
-            bad.append(path)
-            if warn:
-                warn(f"checkpoint {path} is unreadable ({e}); trying the one before it")
+            problem = f"is unreadable ({e})"
+        else:
+            key = non_finite(arrays) if finite else None
+            if key is None:
+                return path, arrays
+            problem, unusable = f"holds non-finite values ({key})", True
+        bad.append(path)
+        if warn:
+            warn(f"checkpoint {path} {problem}; trying the one before it")
     if bad:
         raise UserError(
-            f"none of the {len(bad)} checkpoints in {logdir} can be read (newest: {bad[0]}); "
-            "move them away to start fresh, or point `logdir` elsewhere"
+            f"none of the {len(bad)} checkpoints in {logdir} can be {'used' if unusable else 'read'} "
+            f"(newest: {bad[0]}); move them away to start fresh, or point `logdir` elsewhere"
         )
+    return None
+
+
+def non_finite(arrays: dict) -> str | None:
+    """The first weight or optimizer-state array of a state dict holding NaN or inf, or None."""
+    for key, a in arrays.items():
+        if key.split("/", 1)[0] in ("params", "ema") + _SLOTS and not numpy.isfinite(a).all():
+            return key
     return None
 
 
@@ -247,20 +263,34 @@ class Checkpointer:
         return step == last_step or (self.every > 0 and step % self.every == 0)
 
     def save(self, trainer) -> str:
-        """Write the trainer's state (a host sync on GPU), then the index, then prune."""
+        """Write the trainer's state (a host sync on GPU), then the index, then prune.
+
+        Non-finite weights are refused (a ``TrainingError``), so every checkpoint
+        on disk, and ``last_path``, holds finite weights.
+        """
         arrays = trainer.state_dict()
-        for key, a in arrays.items():
-            if key.split("/", 1)[0] in ("params", "ema") + _SLOTS and not numpy.isfinite(a).all():
-                raise diverged(trainer.step, f"{key} holds non-finite values", self.last_path)
-        path = os.path.join(self.logdir, checkpoint_name(trainer.step))
-        atomic_save_npz(path, arrays)
+        key = non_finite(arrays)
+        if key is not None:
+            raise diverged(trainer.step, f"{key} holds non-finite values", self.last_path)
+        return self.write(trainer.step, arrays)
+
+    def write(self, step: int, arrays: dict) -> str:
+        """Write a state dict already checked to be finite as the checkpoint of ``step``.
+
+        A write that fails (full disk, read-only) is a ``DiskError`` naming the
+        file; the atomic writer leaves the previous checkpoints as they were.
+        """
+        path = os.path.join(self.logdir, checkpoint_name(step))
+        with writing(path):
+            atomic_save_npz(path, arrays)
         self.last_path = path
         kept = list_checkpoints(self.logdir)
         # Index first, then delete: the index never names a file that is gone.
         names = [os.path.basename(p) for _, p in reversed(kept[: self.keep])]
-        atomic_write_text(os.path.join(self.logdir, INDEX),
-                          f'model_checkpoint_path: "{names[-1]}"\n'
-                          + "".join(f'all_model_checkpoint_paths: "{n}"\n' for n in names))
+        index = os.path.join(self.logdir, INDEX)
+        with writing(index):
+            atomic_write_text(index, f'model_checkpoint_path: "{names[-1]}"\n'
+                              + "".join(f'all_model_checkpoint_paths: "{n}"\n' for n in names))
         for _, old in kept[self.keep :]:
             try:
                 os.unlink(old)
@@ -269,8 +299,18 @@ class Checkpointer:
         return path
 
 
-def diverged(step: int, what: str, last_path: str | None) -> TrainingError:
+def diverged(step: int, what: str, last_path: str | None, cause: str | None = None) -> TrainingError:
+    """The error of a run whose loss or weights went non-finite at ``step``.
+
+    ``cause``: what made it, when known (non-finite input); else the usual
+    culprit, a learning rate too high.
+    """
     keep = f"the last good checkpoint is {last_path}" if last_path else "no checkpoint was written"
+    if cause:
+        fix = ("(keep its shape to `resume` from that checkpoint) or start over" if last_path else
+               "and start over")
+        return TrainingError(f"step {step}: {what}: {cause}; training stopped ({keep}). "
+                             f"Replace the NaN/inf values in `data` {fix}")
     return TrainingError(
         f"step {step}: {what}; training stopped ({keep}). "
         "Lower `lr`, then `resume` (it continues from that checkpoint) or start over"
@@ -313,7 +353,7 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
     """
     if os.path.isdir(logdir):
         remove_stale(logdir)  # what writers killed mid-write left behind
-    found = latest_checkpoint(logdir, warn=lambda line: say(line, note=True))
+    found = latest_checkpoint(logdir, warn=lambda line: say(line, note=True), finite=True)
     if found is None:
         say(f"`resume`: no checkpoint in {logdir}; starting fresh", note=True)
         return None

@@ -49,6 +49,19 @@ output costs a few MiB of memory.  The result is an ordinary npz archive
 (ZIP64 where needed) that ``numpy.load`` reads.
 Members carry a fixed timestamp, so identical arrays give byte-identical files
 (checkpoints rely on it for the byte-identical resume).
+
+Write failures and the logdir lock
+----------------------------------
+``writing(path)`` turns an ``OSError`` (a full disk, a read-only filesystem, an
+I/O error) into a ``DiskError`` naming the file and the OS error, which the
+command line prints as one line.
+
+``lock_logdir(logdir)``: a logdir belongs to one live run.  The lock is an
+``flock`` on ``<logdir>/lock``, held for the run's life; the kernel drops it
+when the process dies, however it dies, so a dead run's lock file never blocks.
+The file holds the owner's pid and host, for the message a second run gets.
+The file is never deleted: unlinking a lock file lets a third process lock a
+new inode while the second still holds the old one.
 """
 from __future__ import annotations
 
@@ -58,8 +71,10 @@ import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
+import time
 import zipfile
 
 import numpy as np
@@ -68,6 +83,8 @@ try:
     import fcntl
 except ImportError:  # Windows: no flock, so no proof of a dead owner
     fcntl = None
+
+from towers.errors import TrainingError, UserError
 
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # zip's earliest date: no wall clock in the bytes
 
@@ -80,9 +97,10 @@ _FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # disk full, quo
 class OutputError(Exception):
     """A one-line report about the output; ``status`` is the exit status a tool should use."""
 
-    def __init__(self, message, status):
+    def __init__(self, message, status, os_error=None):
         super().__init__(message)
         self.status = status
+        self.os_error = os_error  # the OSError behind a full disk
 
 
 class Terminated(BaseException):
@@ -135,7 +153,7 @@ def _full_disk(output, what, exc):
     where = os.path.dirname(os.path.abspath(output))
     reason = os.strerror(exc.errno)
     return OutputError(f"{output}: {reason[0].lower() + reason[1:]} while writing {what}; free some space "
-                       f"in {where} or choose another output folder", 1)
+                       f"in {where} or choose another output folder", 1, exc)
 
 
 def remove_stale(directory):
@@ -306,3 +324,86 @@ def atomic_save_npz(path, arrays: dict) -> None:
 
 def atomic_write_text(path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+# -- write failures ---------------------------------------------------------------------
+
+
+class DiskError(TrainingError):
+    """Writing ``path`` failed with ``error`` (an OSError): disk full, read-only, I/O error.
+
+    ``at(step, last_checkpoint)`` adds where training stopped and what is kept.
+    """
+
+    def __init__(self, path: str, error: OSError, verb: str = "write", step: int | None = None,
+                 kept: str | None = None):
+        self.path, self.error, self.verb, self.step, self.kept = path, error, verb, step, kept
+        code = errno.errorcode.get(error.errno or 0)
+        what = f"cannot {verb} {path}: {error.strerror or error}" + (f" [{code}]" if code else "")
+        if step is None:
+            advice = "; free space on its disk or make `logdir` writable, then run again"
+        else:
+            keep = f"the last complete checkpoint is {kept}" if kept else "no checkpoint was written"
+            advice = (f"; training stopped at step {step} ({keep}): free space on its disk or make "
+                      "`logdir` writable, then `resume`")
+        super().__init__(what + advice)
+
+    def at(self, step: int, kept: str | None) -> "DiskError":
+        return DiskError(self.path, self.error, self.verb, step, kept)
+
+
+@contextlib.contextmanager
+def writing(path: str, verb: str = "write"):
+    """Within it, an OSError becomes a ``DiskError`` naming ``path``."""
+    try:
+        yield
+    except OSError as e:
+        raise DiskError(path, e, verb) from None
+    except OutputError as e:  # the atomic writer's full-disk report
+        if e.os_error is None:
+            raise
+        raise DiskError(path, e.os_error, verb) from None
+
+
+# -- one live run per logdir ---------------------------------------------------------------
+
+LOCK = "lock"
+
+
+def lock_logdir(logdir: str) -> int:
+    """Lock ``logdir`` for this process; the lock file's descriptor (close it to release).
+
+    A logdir locked by a live process is a ``UserError`` naming that process; a
+    lock file that cannot be written is a ``DiskError``.
+    """
+    path = os.path.join(logdir, LOCK)
+    with writing(path):
+        # Not O_TRUNC: the owner's pid stays readable until the lock is ours.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        try:
+            if fcntl is not None:  # (Windows: no flock; the logdir is not locked there)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"`logdir` {logdir} is in use by another run ({_owner(fd)}, see {path}): "
+                            "wait for it to end, or choose another `logdir`") from None
+        with writing(path):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _owner(fd: int, wait: float = 1.0) -> str:
+    """'pid N on host H' from a held lock file (its owner may not have written it yet)."""
+    deadline = time.monotonic() + wait
+    while True:
+        words = os.pread(fd, 256, 0).decode(errors="replace").split()
+        if words or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    if not words:
+        return "pid unknown"
+    return f"pid {words[0]}" + (f" on host {words[1]}" if len(words) > 1 else "")

@@ -3,11 +3,17 @@
 Log lines follow the original example:
 ``step 100, loss = 0.31 (41234.5 examples/sec; 0.005 sec/batch)``.
 They go through ``tqdm.write`` so they don't break the bar.
+
+Every write into the logdir goes through ``towers.output.files.writing``, so a
+full or read-only disk is a ``DiskError`` naming the file, raised in the
+training thread at the step that wrote it.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
+import socket
 import sys
 import time
 
@@ -15,6 +21,37 @@ import numpy
 from tqdm import tqdm
 
 from towers.output.checkpoint import flat_to_named
+from towers.output.files import atomic_write_text, writing
+
+METRICS = "metrics.jsonl"
+
+
+def trim_metrics(logdir: str, step: int) -> None:
+    """Drop ``metrics.jsonl`` records after ``step`` (and a line a crash cut short), atomically.
+
+    A resumed run redoes the steps after its checkpoint; without this the steps
+    a crashed run logged after it would appear twice.
+    """
+    path = os.path.join(logdir, METRICS)
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines(keepends=True)
+    except FileNotFoundError:
+        return
+    keep = [line for line in lines if _record_step(line) is not None and _record_step(line) <= step]
+    if keep != lines:
+        with writing(path):
+            atomic_write_text(path, "".join(keep))
+
+
+def _record_step(line: str) -> int | None:
+    """The step of a complete record; None for a torn or foreign line."""
+    if not line.endswith("\n"):
+        return None
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class Reporter:
@@ -26,7 +63,9 @@ class Reporter:
             total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
             disable=quiet or not sys.stderr.isatty(),
         )
-        self._metrics = open(os.path.join(logdir, "metrics.jsonl"), "a", encoding="utf-8")
+        self.path = os.path.join(logdir, METRICS)
+        with writing(self.path):
+            self._metrics = open(self.path, "a", encoding="utf-8")
 
     def say(self, line: str) -> None:
         """A line for the user (kept even with --quiet: it's the run's result)."""
@@ -45,16 +84,19 @@ class Reporter:
         self.record(step=step, loss=loss, lr=lr, examples_per_sec=examples_per_sec)
 
     def record(self, **fields) -> None:
-        self._metrics.write(json.dumps(fields) + "\n")
-        self._metrics.flush()
+        with writing(self.path):
+            self._metrics.write(json.dumps(fields) + "\n")
+            self._metrics.flush()
 
     def close(self) -> None:
+        """Close the bar and the metrics file (idempotent; a failed flush raises a DiskError)."""
         self.bar.close()
-        self._metrics.close()
+        with writing(self.path):
+            self._metrics.close()  # closed even when its flush fails
 
 
 class TensorBoard:
-    """TensorBoard event files in the logdir, written with tensorboardX.
+    """TensorBoard event files in the logdir, written with tensorboardX's record writer.
 
     Every ``every`` steps: scalars ``loss``, ``learning_rate`` and
     ``examples_per_sec``, and histograms of every weight (``layer1/weights``)
@@ -65,47 +107,91 @@ class TensorBoard:
     steps and at the end (a full pass over the test set is too costly for every
     summary step).
 
-    A resumed run opens its writer with ``purge_step``, so TensorBoard drops
-    what a crashed run wrote after the checkpoint it resumes from.
+    Events are written and flushed (with fsync) in the calling thread at each
+    summary step, not by tensorboardX's ``SummaryWriter``: its writer thread
+    dies on a full disk with a traceback, and the next events then block the
+    training loop on its full queue.  Here a write error is a ``DiskError`` at
+    the step that wrote it.  The summaries and the event framing (crc32c) are
+    tensorboardX's.
+
+    A resumed run starts its event file with a ``SessionLog.START`` at
+    ``purge_step`` (the checkpoint's step + 1): TensorBoard then drops what a
+    crashed run wrote after that checkpoint and keeps the checkpoint step's
+    points.  Event file names end in a sequence number, so files opened in the
+    same second sort in the order they were written.
     """
 
-    def __init__(self, logdir: str, every: int, start_step: int = 0):
-        self.every = every
+    def __init__(self, logdir: str, every: int, start_step: int = 0, purge_step: int | None = None):
+        self.every, self.path = every, None
         self._writer = None
         if every > 0:  # 0: no summaries, no event file
-            from tensorboardX import SummaryWriter
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            from tensorboardX.record_writer import RecordWriter
 
-            self._writer = SummaryWriter(logdir, purge_step=start_step or None)
+            self._event = Event
+            seq = len(glob.glob(os.path.join(glob.escape(logdir), "events.out.tfevents.*")))
+            self.path = os.path.join(logdir, f"events.out.tfevents.{int(time.time()):010d}."
+                                             f"{socket.gethostname()}.{seq:04d}")
+            with writing(self.path):
+                self._writer = RecordWriter(self.path)
+            self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+            if purge_step is not None:
+                self._write(Event(wall_time=time.time(), step=purge_step,
+                                  session_log=SessionLog(status=SessionLog.START)))
+            self.flush()  # a disk that cannot take the file fails now, not at the first summary
         self._t, self._step = time.perf_counter(), start_step
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
+    def _write(self, event) -> None:
+        with writing(self.path):
+            self._writer.write(event.SerializeToString())
+
+    def _summary(self, summary, step: int) -> None:
+        self._write(self._event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            with writing(self.path):
+                self._writer.flush()  # flush and fsync: readers see each summary step at once
+
     def write_step(self, trainer, loss: float, lr: float) -> None:
         """The summaries of one step: scalars, then the histograms (a host sync)."""
         if self._writer is None:
             return
+        from tensorboardX.summary import histogram
+
         now, step = time.perf_counter(), trainer.step
         rate = (step - self._step) * trainer.global_batch / max(now - self._t, 1e-9)
         self._t, self._step = now, step
-        self.scalars(step, loss=loss, learning_rate=lr, examples_per_sec=rate)
+        self.scalars(step, flush=False, loss=loss, learning_rate=lr, examples_per_sec=rate)
         for name, a in flat_to_named(trainer.model, trainer.replicas[0].params).items():
-            self._writer.add_histogram(name, _finite(a), step, bins=64)
+            self._summary(histogram(name, _finite(a), bins=64), step)
         # After the all-reduce every replica's gradient buffer holds the average.
         for name, a in flat_to_named(trainer.model, trainer.replicas[0].grads).items():
-            self._writer.add_histogram(name + "/gradients", _finite(a), step, bins=64)
-        self._writer.flush()  # summary steps are rare: readers see each one at once
+            self._summary(histogram(name + "/gradients", _finite(a), bins=64), step)
+        self.flush()
 
-    def scalars(self, step: int, **values: float) -> None:
-        if self._writer is not None:
-            for k, v in values.items():
-                self._writer.add_scalar(k, float(v), step)
-            self._writer.flush()
+    def scalars(self, step: int, flush: bool = True, **values: float) -> None:
+        if self._writer is None:
+            return
+        from tensorboardX.summary import scalar
+
+        for k, v in values.items():
+            self._summary(scalar(k, float(v)), step)
+        if flush:
+            self.flush()
 
     def close(self) -> None:
+        """Flush and close (idempotent; the file is closed even when the flush fails)."""
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            with writing(self.path):
+                try:
+                    writer.flush()
+                finally:
+                    writer.close()
 
 
 def _finite(a: numpy.ndarray) -> numpy.ndarray:
