@@ -45,7 +45,7 @@ def test_missing_and_unreadable_files(tmp_path):
         load_dataset(str(tmp_path / "nope.npz"))
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a zip file")
-    with pytest.raises(UserError, match="cannot read"):
+    with pytest.raises(UserError, match="is not an npz \\(zip\\) file"):
         load_dataset(str(bad))
 
 

@@ -1,19 +1,61 @@
 """Datasets: examples and labels in host memory, validated once, from a file or from arrays.
 
 ``Dataset.from_arrays(x, y, x_test=None, y_test=None)`` checks what training
-needs (integer labels 0..C-1, examples as uint8 pixels or floats, matching
-lengths and shapes, test labels within the training classes) and every loader
-goes through it, so in-memory arrays and files are held to the same rules.
-Every problem is a ``UserError`` naming the array (or the file and key).
+needs (integer labels 0..C-1 that fit int32 with C at most ``MAX_CLASSES``,
+examples as uint8 pixels or finite floats, matching lengths and shapes, test
+labels within the training classes) and every loader goes through it, so
+in-memory arrays and files are held to the same rules.  Every problem is a
+``UserError`` naming the array (or the file and key), and for bad values the
+count and the first index.  The value checks run in chunks of
+``CHUNK_BYTES`` along the first axis, so they need bounded memory on a
+memory-mapped array.
+
+``load_dataset`` reads .npz files with ``zipfile`` and ``numpy.lib.format``
+rather than ``numpy.load``, whose ``NpzFile`` reads members lazily (damage
+would surface mid-run) and cannot map a member:
+
+- a member stored uncompressed (``numpy.savez``) is memory-mapped read-only
+  (``numpy.memmap`` at the member's data offset: the local zip header's length
+  plus the .npy header's), so a file larger than RAM trains too; the batch
+  thread gathers ``x[idx]`` from the mapping and the page cache does the rest.
+  Its CRC-32 is still verified at load, in one streamed pass through
+  ``zipfile`` (bounded memory; the whole member is read once, which costs a
+  sequential read of the file and nothing is kept);
+- a compressed member (``numpy.savez_compressed``) is decompressed whole
+  into memory, in chunks, and ``zipfile`` checks its CRC at the end;
+- object (pickled) arrays are refused from their .npy header, before any of
+  their data is read.
+
+Limits of a mapped member: it stays mapped for the dataset's life, so the file
+must not be rewritten in place meanwhile (a truncated file faults on access);
+labels are copied into memory as int32 (4 bytes per example), and examples
+that are not uint8 or float32 in native byte order are converted, which loads
+them whole.  Gathering batches from a Fortran-ordered mapping is slow (each
+example is strided across the file): save C-ordered arrays.
 """
 from __future__ import annotations
 
 import os
+import struct
+import zipfile
+import zlib
 from dataclasses import dataclass
 
 import numpy
+from numpy.lib import format as npy
 
 from towers.errors import UserError
+
+# At most 2**20 classes (labels 0..1048575).  The class count sizes the output
+# layer (hidden x C float32, times replica, gradient, optimizer state and EMA):
+# at 2**20 and the default 500 hidden units that is already 2 GiB per copy,
+# about the most one device holds, while a label beyond it is in practice a
+# wrong key or garbage (one label of 2**24 asked for 31 GiB).  A cap relative
+# to the number of examples was not chosen: it would refuse legitimate small
+# subsets (ten examples of an ImageNet-1k file have labels up to 999).
+MAX_CLASSES = 1 << 20
+CHUNK_BYTES = 1 << 20  # per step of a value check, a read or a CRC pass: bounded memory, cache-sized (measured fastest)
+_INT32_MAX = int(numpy.iinfo(numpy.int32).max)
 
 
 @dataclass
@@ -34,12 +76,12 @@ class Dataset:
         """A validated dataset from host arrays (uint8 or float examples, integer labels)."""
         if (x_test is None) != (y_test is None):
             raise UserError(f"{where}: give both {names[2]} and {names[3]}, or neither")
-        x, y = _pair(numpy.asarray(x), numpy.asarray(y), where, names[0], names[1])
+        x, y = _pair(_host(x), _host(y), where, names[0], names[1])
         if len(x) == 0:
             raise UserError(f"{where}: the dataset is empty ({names[0]!r} has 0 examples)")
         num_classes = int(y.max()) + 1
         if x_test is not None:
-            x_test, y_test = _pair(numpy.asarray(x_test), numpy.asarray(y_test), where, names[2], names[3])
+            x_test, y_test = _pair(_host(x_test), _host(y_test), where, names[2], names[3])
             if x_test.shape[1:] != x.shape[1:]:
                 raise UserError(
                     f"{where}: test examples have shape {x_test.shape[1:]} but training examples {x.shape[1:]}"
@@ -52,40 +94,190 @@ class Dataset:
         return cls(x, y, num_classes, x_test, y_test)
 
 
+
+
+def _host(a) -> numpy.ndarray:
+    """A host array; a ``numpy.memmap`` stays one (it says the data is mapped, not loaded)."""
+    return a if isinstance(a, numpy.memmap) else numpy.asarray(a)
+
+
+def _scan(a: numpy.ndarray, bad) -> tuple[int, int]:
+    """(count, first example index or -1) of the elements where ``bad(chunk)`` is True.
+
+    Chunks of about ``CHUNK_BYTES`` along the first axis, so a mapped array is
+    read once, a chunk at a time.
+    """
+    rows = max(1, CHUNK_BYTES // max(1, a[:1].nbytes))
+    count, first = 0, -1
+    for start in range(0, len(a), rows):
+        b = bad(a[start : start + rows])
+        n = int(numpy.count_nonzero(b))
+        if n and first < 0:
+            first = start + int(numpy.argmax(b.reshape(len(b), -1).any(axis=1)))
+        count += n
+    return count, first
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _labels(y: numpy.ndarray, where: str, key: str) -> numpy.ndarray:
     if y.ndim != 1 or not numpy.issubdtype(y.dtype, numpy.integer):
         raise UserError(
             f"{where}: key {key!r} must be 1-D integer labels, got {y.dtype} {y.shape}"
         )
-    if y.size and y.min() < 0:
-        raise UserError(f"{where}: key {key!r} has a negative label ({int(y.min())}); labels are 0..C-1")
+    info = numpy.iinfo(y.dtype)
+    if info.min < 0:
+        n, i = _scan(y, lambda c: c < 0)
+        if n:
+            raise UserError(f"{where}: key {key!r} has {_plural(n, 'negative label')}: {int(y[i])} at index {i}; "
+                            "labels are 0..C-1")
+    # int32 first: it is what used to wrap silently into other classes.
+    for limit, what in ((_INT32_MAX + 1, "that {} not fit int32"),
+                        (MAX_CLASSES, f"of 2**{MAX_CLASSES.bit_length() - 1} or more")):
+        n, i = _scan(y, lambda c: c >= limit) if info.max >= limit else (0, -1)
+        if n:
+            v = int(y[i])
+            raise UserError(
+                f"{where}: key {key!r} has {_plural(n, 'label')} {what.format('does' if n == 1 else 'do')}: "
+                f"{v} at index {i} would make {v + 1} classes; towers keeps labels as int32 and allows "
+                f"at most {MAX_CLASSES} classes (labels 0..{MAX_CLASSES - 1})"
+            )
     return y.astype(numpy.int32)
 
 
 def _images(x: numpy.ndarray, where: str, key: str) -> numpy.ndarray:
     if x.dtype == numpy.uint8:
         return x
-    if numpy.issubdtype(x.dtype, numpy.floating):
-        return x.astype(numpy.float32, copy=False)
-    raise UserError(f"{where}: key {key!r} is {x.dtype}; give uint8 pixels or float32 features")
-
-
-def _load_npz(path: str):
-    if not os.path.exists(path):
-        raise UserError(f"data file {path} does not exist: set `data` to an .npz file")
-    try:
-        return numpy.load(path, allow_pickle=False)
-    except Exception as e:
-        raise UserError(f"cannot read {path} as .npz ({e.__class__.__name__}: {e})") from None
-
-
-def _member(npz, path: str, key: str):
-    if key not in npz.files:
+    if not numpy.issubdtype(x.dtype, numpy.floating):
+        raise UserError(f"{where}: key {key!r} is {x.dtype}; give uint8 pixels or float32 features")
+    x = x.astype(numpy.float32, copy=False)
+    n, i = _scan(x, lambda c: ~numpy.isfinite(c))
+    if n:
         raise UserError(
-            f"{path} has no key {key!r} (keys: {', '.join(npz.files) or 'none'}); "
-            "use `x_key`/`y_key` to pick others"
+            f"{where}: key {key!r} has {_plural(n, 'non-finite value')} (NaN or inf); the first in example {i}: "
+            "replace them (numpy.nan_to_num) or drop those examples"
         )
-    return npz[key]
+    return x
+
+
+class _Npz:
+    """An .npz file's members, each read (or mapped) and verified whole on request.
+
+    ``what`` and ``setting`` name the file in messages ("data", `data`).
+    """
+
+    def __init__(self, path: str, what: str, setting: str):
+        self.path, self.what = path, what
+        fix = f"set `{setting}` to an .npz file"
+        if os.path.isdir(path):
+            raise UserError(f"{what} file {path} is a directory: {fix}")
+        if not os.path.exists(path):
+            raise UserError(f"{what} file {path} does not exist: {fix}")
+        try:
+            self._zip = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, NotImplementedError) as e:
+            if str(e) == "File is not a zip file":  # no end-of-archive record: not a zip, or cut short
+                raise UserError(self._not_npz()) from None
+            raise UserError(f"{what} file {path} is a damaged zip file ({e}): write or download it again") from None
+        except OSError as e:
+            raise UserError(f"cannot read {what} file {path} ({e.strerror or e})") from None
+        self._members = {i.filename[:-4] if i.filename.endswith(".npy") else i.filename: i
+                         for i in self._zip.infolist()}
+
+    def _not_npz(self) -> str:
+        with open(self.path, "rb") as f:
+            if f.read(len(npy.MAGIC_PREFIX)) == npy.MAGIC_PREFIX:
+                return (f"{self.what} file {self.path} is a .npy file (one array), not an npz: "
+                        "save the arrays together with numpy.savez")
+        return (f"{self.what} file {self.path} is not an npz (zip) file, or it is cut short: "
+                "give a file written by numpy.savez")
+
+    def __enter__(self) -> "_Npz":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._zip.close()
+
+    def has(self, *keys: str) -> bool:
+        return all(k in self._members for k in keys)
+
+    def array(self, key: str) -> numpy.ndarray:
+        """The member ``key`` as an array: mapped if stored uncompressed, else read whole."""
+        info = self._members.get(key)
+        if info is None:
+            raise UserError(
+                f"{self.path} has no key {key!r} (keys: {', '.join(self._members) or 'none'}); "
+                "use `x_key`/`y_key` to pick others"
+            )
+        where = f"member {info.filename!r} of {self.path}"
+        try:
+            with self._zip.open(info) as f:
+                dtype, shape, order = _npy_header(f)
+                if dtype.hasobject:
+                    raise UserError(f"{where} holds pickled objects, which towers does not load: "
+                                    "save numeric arrays (uint8 or float examples, integer labels)")
+                nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
+                mapped = info.compress_type == zipfile.ZIP_STORED and nbytes > 0
+                at = f.tell()
+                arr = None if mapped else _read_into(f, dtype, shape, order, nbytes)
+                while f.read(CHUNK_BYTES):  # to the end: zipfile checks the CRC there
+                    pass
+        except UserError:
+            raise
+        except zipfile.BadZipFile as e:
+            raise self._corrupt(where, "bad CRC" if "CRC" in str(e) else str(e)) from None
+        except zlib.error:
+            raise self._corrupt(where, "bad deflate data") from None
+        except EOFError:
+            raise self._corrupt(where, "it ends early") from None
+        except ValueError as e:  # from the .npy header
+            raise self._corrupt(where, f"bad .npy header: {e}") from None
+        except OSError as e:
+            raise UserError(f"cannot read {where} ({e.strerror or e})") from None
+        except (RuntimeError, NotImplementedError) as e:  # zipfile: encrypted, or an unknown compression
+            raise UserError(f"cannot read {where} ({e}): write it with numpy.savez") from None
+        if arr is None:
+            if at + nbytes > info.file_size:
+                raise self._corrupt(where, "it ends early")
+            arr = numpy.memmap(self.path, dtype=dtype, mode="r", offset=self._data_offset(info) + at,
+                               shape=shape, order=order)
+        return arr
+
+    def _data_offset(self, info: zipfile.ZipInfo) -> int:
+        """Where a member's bytes start: after its local header, whose name and extra
+        field lengths may differ from the central directory's (zip64 extras)."""
+        with open(self.path, "rb") as f:
+            f.seek(info.header_offset)
+            fields = struct.unpack(zipfile.structFileHeader, f.read(zipfile.sizeFileHeader))
+        return info.header_offset + zipfile.sizeFileHeader + fields[10] + fields[11]  # name, extra lengths
+
+    @staticmethod
+    def _corrupt(where: str, why: str) -> UserError:
+        return UserError(f"{where} is corrupt ({why}): write or download the file again")
+
+
+def _npy_header(f) -> tuple[numpy.dtype, tuple, str]:
+    """(dtype, shape, order) from a .npy header; ``f`` is left at the array's data."""
+    version = npy.read_magic(f)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f".npy format {version[0]}.{version[1]} is not read by towers")
+    read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+    shape, fortran, dtype = read(f)
+    return dtype, shape, "F" if fortran else "C"
+
+
+def _read_into(f, dtype: numpy.dtype, shape: tuple, order: str, nbytes: int) -> numpy.ndarray:
+    """A member's array, read in chunks straight into its final buffer (no second copy)."""
+    flat = numpy.empty(nbytes, numpy.uint8)
+    view, pos = memoryview(flat), 0
+    while pos < nbytes:
+        n = f.readinto(view[pos : pos + CHUNK_BYTES])
+        if not n:
+            raise EOFError
+        pos += n
+    return flat.view(dtype).reshape(shape, order=order)
 
 
 def _pair(x, y, where: str, xk: str, yk: str):
@@ -98,17 +290,20 @@ def _pair(x, y, where: str, xk: str, yk: str):
 
 
 def load_dataset(path: str, x_key: str = "x", y_key: str = "y", test_path: str | None = None) -> Dataset:
-    """Load and validate training (and test) data from .npz files; every problem is a UserError."""
-    npz = _load_npz(path)
-    x, y = _member(npz, path, x_key), _member(npz, path, y_key)
-    tx = ty = None
-    tkx, tky = "x_test", "y_test"
-    if test_path is not None:
-        tnpz = _load_npz(test_path)
-        # A test file's own test split comes first, then its training keys.
-        tkx = "x_test" if "x_test" in tnpz.files and "y_test" in tnpz.files else x_key
-        tky = "y_test" if tkx == "x_test" else y_key
-        tx, ty = _member(tnpz, test_path, tkx), _member(tnpz, test_path, tky)
-    elif "x_test" in npz.files and "y_test" in npz.files:
-        tx, ty = npz["x_test"], npz["y_test"]
+    """Load and validate training (and test) data from .npz files; every problem is a UserError.
+
+    Members are read (or mapped) and verified at load, so a damaged file
+    stops here, before anything is allocated or written.  A ``test_path``
+    file's own ``x_test``/``y_test`` come first, then its training keys.
+    """
+    with _Npz(path, "data", "data") as npz:
+        x, y = npz.array(x_key), npz.array(y_key)
+        tx = ty = None
+        tkx, tky = "x_test", "y_test"
+        if test_path is not None:
+            with _Npz(test_path, "test data", "test_data") as tnpz:
+                tkx, tky = ("x_test", "y_test") if tnpz.has("x_test", "y_test") else (x_key, y_key)
+                tx, ty = tnpz.array(tkx), tnpz.array(tky)
+        elif npz.has("x_test", "y_test"):
+            tx, ty = npz.array("x_test"), npz.array("y_test")
     return Dataset.from_arrays(x, y, tx, ty, names=(x_key, y_key, tkx, tky), where=path)
