@@ -144,3 +144,14 @@ def test_log_placement_table(tmp_path):
     assert res.returncode == 0, res.stderr
     for text in ("tower 0", "tower 1", "EMA", "input parsing", "reducer", "on-device mean on cpu (2 towers)"):
         assert text in res.stdout
+
+
+def test_a_loss_that_does_not_move_is_said_on_the_log_line(tmp_path):
+    common = ["--devices", "cpu", "--hidden", "8", "--steps", "400", "--summary-every", "0"]
+    res = run_cli(*common, "--lr", "1e-9", "--logdir", str(tmp_path / "stuck"))
+    assert res.returncode == 0, res.stderr
+    lines = {ln.split(",")[0]: ln for ln in res.stdout.splitlines() if ln.startswith("step ")}
+    assert "has not moved since step 100" in lines["step 400"] and "--lr" in lines["step 400"]
+    assert "has not moved" not in lines["step 300"]  # not before STUCK_STEPS
+    res = run_cli(*common, "--logdir", str(tmp_path / "moving"))
+    assert res.returncode == 0 and "has not moved" not in res.stdout

@@ -102,19 +102,32 @@ class Checkpoints(Every):
 
 
 class LogLine(Every):
-    """The original's log line, and a ``metrics.jsonl`` record."""
+    """The original's log line, and a ``metrics.jsonl`` record.
+
+    A loss that has not moved for ``STUCK_STEPS`` steps (still within ``STUCK``
+    of the first logged one, or of chance level, ln(classes): guessing) is said
+    on the line: a run at chance accuracy otherwise looks like any other.
+    """
 
     needs_loss = True
+    STUCK, STUCK_STEPS = 0.02, 300
 
     def __init__(self, every: int):
         super().__init__(every, at_end=True)
         self._t, self._step = time.perf_counter(), None
+        self._first = None  # (step, loss) of the first log line
 
     def __call__(self, run):
         now, step = time.perf_counter(), run.trainer.step
         steps = step - (self._step if self._step is not None else run.start_step)
+        self._first = self._first or (step, run.loss)
+        note = None
+        chance = math.log(max(run.trainer.dataset.num_classes, 2))
+        if step - self._first[0] >= self.STUCK_STEPS and run.loss >= (1 - self.STUCK) * min(self._first[1], chance):
+            note = (f"the loss has not moved since step {self._first[0]} ({self._first[1]:.4f}): "
+                    "lower `lr`, or try `optimizer` adam")
         run.reporter.log_step(step, run.loss, run.lr, steps * run.trainer.global_batch / (now - self._t),
-                              (now - self._t) / steps)
+                              (now - self._t) / steps, render(note) if note else None)
         self._t, self._step = now, step
 
 

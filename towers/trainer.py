@@ -399,10 +399,10 @@ class Trainer:
 
     def scaling(self, rate: float) -> tuple[float, float]:
         """(efficiency, 1-tower rate), the 1-tower rate measured only if asked for."""
-        if self.n_towers == 1:
-            return 1.0, rate
         if not self.cfg.measure_scaling:
             return float("nan"), float("nan")
+        if self.n_towers == 1:
+            return 1.0, rate
         rate_1 = self.one_tower_rate()
         return scaling_efficiency(rate, self.n_towers, rate_1), rate_1
 

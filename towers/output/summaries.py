@@ -59,6 +59,7 @@ class Reporter:
 
     def __init__(self, logdir: str, total_steps: int, start_step: int = 0, quiet: bool = False):
         self.quiet = quiet
+        self._noted = False  # a warning said once in quiet mode
         self.bar = tqdm(
             total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
             disable=quiet or not sys.stderr.isatty(),
@@ -77,9 +78,17 @@ class Reporter:
     def advance(self, steps: int = 1) -> None:
         self.bar.update(steps)
 
-    def log_step(self, step: int, loss: float, lr: float, examples_per_sec: float, sec_per_batch: float) -> None:
+    def log_step(self, step: int, loss: float, lr: float, examples_per_sec: float, sec_per_batch: float,
+                 note: str | None = None) -> None:
+        """The log line; ``note`` (a warning) is added to it, and said once even when quiet."""
+        line = f"step {step}, loss = {loss:.4f} ({examples_per_sec:.1f} examples/sec; {sec_per_batch:.4f} sec/batch)"
+        if note and not self.quiet:
+            line += f"; {note}"
+        elif note and not self._noted:
+            self.say(f"warning: {note}")
+        self._noted |= bool(note)
         if not self.quiet:
-            self.say(f"step {step}, loss = {loss:.4f} ({examples_per_sec:.1f} examples/sec; {sec_per_batch:.4f} sec/batch)")
+            self.say(line)
         self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         self.record(step=step, loss=loss, lr=lr, examples_per_sec=examples_per_sec)
 
