@@ -40,8 +40,11 @@ epsilon           Adam's epsilon (TF default 1e-8)
 l2                L2 regularization scale on weights
 ema_decay         EMA decay (TF ExponentialMovingAverage)
 seed              seed of weights and shuffling
-sync              grads: average gradients every step; weights: each tower steps alone, weights averaged every K
+sync              grads: average gradients every step; weights: each tower steps alone, weights averaged every K; with --hosts > 1 also ps (synchronous parameter server) or async (asynchronous parameter server)
 average_every     K: steps between weight averages with --sync weights
+hosts             hosts (Ray actors), each running --n-gpu towers; > 1 starts or joins Ray (see --ray-address)
+ray_address       join this Ray cluster ('auto' or HOST:PORT of `ray start --head`); default: a local Ray instance
+ray_logs          show Ray's own log lines (hidden by default)
 check_replicas    compare every replica with the first every K steps (0: only at the end)
 log_every         steps between log lines
 logdir            output directory (default runs/<timestamp>)
@@ -144,6 +147,11 @@ def parse_config(argv=None) -> Config:
 
 def run(cfg: Config, nccl=None) -> dict:
     """Train as ``cfg`` says; return the final metrics (the command line's whole job)."""
+    if cfg.hosts > 1:  # Ray is imported only here: one host never pays for it
+        from towers.cluster.driver import ClusterTrainer
+
+        with ClusterTrainer(cfg, nccl=nccl) as trainer:
+            return trainer.fit()
     with Trainer(cfg, nccl=nccl) as trainer:
         return trainer.fit()
 

@@ -218,7 +218,21 @@ class Trainer:
         if len(x) != self.global_batch or len(y) != self.global_batch:
             raise UserError(f"gradients takes one global batch of {self.global_batch} examples, got {len(x)}")
         self.synchronize()
-        return self._gradients(x, y, want_loss, average=True)
+        losses = self._gradients(x, y, want_loss, average=True)
+        return losses if want_loss else None
+
+    def apply_gradients(self, grads) -> None:
+        """Stage 4 with given mean gradients (one host array): every replica's update, then the step ends.
+
+        For a parameter server (``towers.cluster.ps``), whose gradients come from elsewhere.
+        """
+        self.synchronize()
+        lr, step = self.lr(), self.step
+        for i, (dev, r) in enumerate(zip(self.devices, self.replicas)):
+            with dev.scope(), on_stream(self.streams[i]):
+                r.grads[...] = dev.xp.asarray(grads)
+            self._update(i, i, lr, step)
+        self._step_done(None)
 
     def _gradients(self, x, y, want_loss: bool, average: bool):
         losses = [self._stage_and_compute(i, x, y, want_loss) for i in range(self.n_towers)]

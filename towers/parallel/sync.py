@@ -24,12 +24,12 @@ import numpy
 from towers.errors import TrainingError, UserError
 from towers.devices.placement import to_host
 
-MODES = ("grads", "weights")
+MODES = ("grads", "weights", "ps", "async")  # ps, async: several hosts (towers.cluster)
 
 
 def check_mode(sync: str, average_every: int) -> None:
     if sync not in MODES:
-        raise UserError(f"`sync` {sync!r} is unknown: use grads or weights")
+        raise UserError(f"`sync` {sync!r} is unknown: use one of {', '.join(MODES)}")
     if average_every < 1:
         raise UserError(f"`average_every` must be at least 1, got {average_every}")
     if sync == "grads" and average_every != 1:
