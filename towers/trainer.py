@@ -170,13 +170,18 @@ class Trainer:
     def global_batch(self) -> int:
         return self.cfg.batch_size * self.n_towers
 
+    @property
+    def examples_per_step(self) -> int:
+        """Examples behind one update, which the schedule counts (every host's, on a cluster)."""
+        return self.global_batch
+
     def lr(self) -> float:
         """The learning rate of the next step."""
         return self.lr_at(self.step)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of the step after ``step`` steps (counted in examples seen)."""
-        seen = step * self.global_batch
+        seen = step * self.examples_per_step
         return learning_rate(self.cfg.lr, self.cfg.lr_decay, seen, len(self.dataset.x), self.cfg.staircase)
 
     # -- one step ------------------------------------------------------------------------

@@ -22,6 +22,19 @@ import os
 import numpy
 
 from towers.devices.placement import on_stream, resolve, to_host
+from towers.trainer import Trainer
+
+
+class HostTrainer(Trainer):
+    """One host's Trainer: its learning-rate schedule counts every host's examples."""
+
+    def __init__(self, examples_per_step: int, *args, **kwargs):
+        self._examples_per_step = examples_per_step
+        super().__init__(*args, **kwargs)
+
+    @property
+    def examples_per_step(self) -> int:
+        return self._examples_per_step
 
 
 def losses_to_host(losses) -> list[float] | None:
@@ -81,10 +94,8 @@ class Host:
 
     def build(self, model, dataset, world=None, exchange=None, towers_per_host=None) -> None:
         from towers.cluster.reduce import CrossHostMean
-        from towers.trainer import Trainer
-
         cross = CrossHostMean(exchange, self.rank, towers_per_host) if exchange is not None else None
-        self.trainer = Trainer(self.cfg, model=model, dataset=dataset, nccl=self.nccl, placement=self.placement,
+        self.trainer = HostTrainer(sum(towers_per_host) * self.cfg.batch_size, self.cfg, model=model, dataset=dataset, nccl=self.nccl, placement=self.placement,
                                quiet_placement=True, cross_host=cross, nccl_world=world)
 
     def nccl_ranks(self) -> list[tuple[int, int, bytes]]:
