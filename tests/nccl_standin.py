@@ -22,6 +22,7 @@ asynchrony, stream order or device placement.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy
 
@@ -50,6 +51,7 @@ _registry: list[tuple[int, int]] = []  # (start, end) byte ranges the stand-in m
 _group_depth = 0
 _pending: list = []
 _cliques: list[list["NcclCommunicator"]] = []
+_by_id: dict[bytes, list] = {}  # communicators made with NcclCommunicator(ndev, id, rank), by id
 
 
 def reset() -> None:
@@ -59,6 +61,7 @@ def reset() -> None:
     _registry.clear()
     _pending.clear()
     _cliques.clear()
+    _by_id.clear()
     _group_depth = 0
 
 
@@ -89,7 +92,7 @@ def get_version() -> int:
 
 
 def get_unique_id() -> bytes:
-    return bytes(128)
+    return os.urandom(128)  # distinct ids, so a communicator built from the wrong one is caught
 
 
 def groupStart() -> None:
@@ -142,7 +145,11 @@ def _run(work) -> None:
 class NcclCommunicator:
     def __init__(self, ndev: int, commId: bytes, rank: int, config=None):
         self._ndev, self._rank, self._device = int(ndev), int(rank), int(rank)
-        self.clique: list[NcclCommunicator] = []
+        self.comm_id = bytes(commId)
+        # Ranks built from one id form one clique (several "hosts" in one process).
+        self.clique: list[NcclCommunicator] = _by_id.setdefault(self.comm_id, [])
+        self.clique.append(self)
+        calls.append(("init", int(ndev), self.comm_id, int(rank)))
         self._alive = True
 
     @staticmethod
@@ -158,6 +165,7 @@ class NcclCommunicator:
             c = NcclCommunicator(len(devices), get_unique_id(), rank)
             c._device = int(dev)
             comms.append(c)
+        del calls[-len(comms):]  # their "init" records: initAll is recorded as one call
         for c in comms:
             c.clique = comms
         _cliques.append(comms)

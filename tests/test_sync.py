@@ -88,7 +88,8 @@ def test_summary_reports_all_reduces_per_step(tmp_path):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--sync", "async"], "--sync 'async' is unknown"),
+        (["--sync", "asynch"], "--sync 'asynch' is unknown"),
+        (["--sync", "async"], "--sync async is a parameter server for several hosts: set --hosts 2"),
         (["--average-every", "5"], "--average-every applies to --sync weights"),
         (["--sync", "weights", "--average-every", "0"], "--average-every must be an integer >= 1"),
     ],

@@ -68,9 +68,13 @@ class Config:
     ema_decay: float = 0.99
     seed: int = 0
     # keeping replicas together
-    sync: str = "grads"  # or "weights"
+    sync: str = "grads"  # or "weights"; with hosts > 1 also "ps" or "async"
     average_every: int = 1  # K, with sync="weights"
     check_replicas: int = 0  # every K steps; 0: only at the end
+    # several hosts (towers.cluster, Ray)
+    hosts: int = 1  # host actors, each with `n_gpu` towers
+    ray_address: str | None = None  # None: a local Ray instance; "auto" or HOST:PORT: join a cluster
+    ray_logs: bool = False  # show Ray's own log lines
     # output
     log_every: int = 100
     logdir: str | None = None  # default runs/<timestamp>
@@ -124,8 +128,13 @@ def _check(cfg: Config) -> None:
         _integer(cfg, "checkpoint_every", minimum=0)
     _choice(cfg, "sync", MODES)
     _integer(cfg, "average_every", minimum=1)
-    if cfg.sync == "grads" and cfg.average_every != 1:
+    if cfg.sync != "weights" and cfg.average_every != 1:
         raise UserError("`average_every` applies to `sync` weights; set `sync` weights or drop it")
+    _integer(cfg, "hosts", minimum=1)
+    if cfg.hosts == 1 and cfg.sync in ("ps", "async"):
+        raise UserError(f"`sync` {cfg.sync} is a parameter server for several hosts: set `hosts` 2 or more")
+    if cfg.hosts == 1 and cfg.ray_address is not None:
+        raise UserError("`ray_address` joins a Ray cluster for several hosts: set `hosts` 2 or more, or drop it")
     if cfg.optimizer is not None:
         _choice(cfg, "optimizer", OPTIMIZERS)
     _choice(cfg, "cpu_towers", ("threads", "serial"))

@@ -275,7 +275,7 @@ class Run:
         self.reporter.say(
             f"done: {t.step - self.start_step} steps (to step {t.step}) in {elapsed:.1f} s, "
             f"{rate:.1f} examples/sec on {t.n_towers} tower{'s' if t.n_towers > 1 else ''} "
-            f"({', '.join(map(str, t.devices))}), {cfg.sync} sync, "
+            f"({t.towers_text()}), {cfg.sync} sync, "
             f"{t.all_reduces / max(t.step - self.start_step, 1):.2f} all-reduces/step{scaling}; wrote {final}")
         self.reporter.close()  # a failed last flush is an error here, on the way out it is not
         self.tensorboard.close()

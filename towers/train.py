@@ -40,8 +40,11 @@ epsilon           Adam's epsilon (TF default 1e-8)
 l2                L2 regularization scale on weights
 ema_decay         EMA decay (TF ExponentialMovingAverage)
 seed              seed of weights and shuffling
-sync              grads: average gradients every step; weights: each tower steps alone, weights averaged every K
+sync              grads: average gradients every step; weights: each tower steps alone, weights averaged every K; with --hosts > 1 also ps (synchronous parameter server) or async (asynchronous parameter server)
 average_every     K: steps between weight averages with --sync weights
+hosts             hosts (Ray actors), each running --n-gpu towers; > 1 starts or joins Ray (see --ray-address)
+ray_address       join this Ray cluster ('auto' or HOST:PORT of `ray start --head`); default: a local Ray instance
+ray_logs          show Ray's own log lines (hidden by default)
 check_replicas    compare every replica with the first every K steps (0: only at the end)
 log_every         steps between log lines
 logdir            output directory (default runs/<timestamp>)
@@ -55,56 +58,6 @@ blas_threads      BLAS threads for the process (0: auto, 1 per concurrent CPU to
 profile           print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase)
 measure_scaling   after the run, time 1 tower alone and print the scaling efficiency
 """.strip().splitlines())
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not usage + line
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def build_parser(prog: str = "python -m towers.train") -> argparse.ArgumentParser:
-    ap = _Parser(prog=prog, description="Multi-tower training with CuPy + NCCL, or NumPy on the CPU.")
-    for f in fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "soft_placement":
-            ap.add_argument("--no-soft-placement", dest="soft_placement", action="store_false", help=HELP[f.name])
-        elif f.type == "bool":
-            ap.add_argument(flag, action="store_true", help=HELP[f.name])
-        else:
-            kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
-            ap.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper(), help=HELP[f.name])
-    return ap
-
-
-def parse_config(argv=None) -> Config:
-    return Config(**vars(build_parser().parse_args(argv)))
-
-
-def _check(cfg: Config) -> None:
-    """Preconditions that need no data: fail before anything is allocated."""
-    for name in ("batch_size", "steps", "log_every", "hidden"):
-        if getattr(cfg, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.lr <= 0 or not 0 < cfg.lr_decay <= 1:
-        raise UserError("--lr must be > 0 and --lr-decay in (0, 1]")
-    if not 0 <= cfg.momentum < 1 or not 0 <= cfg.ema_decay < 1 or cfg.l2 < 0:
-        raise UserError("--momentum and --ema-decay must be in [0, 1), --l2 >= 0")
-    if cfg.check_replicas < 0:
-        raise UserError(f"--check-replicas must be 0 (end only) or a number of steps, got {cfg.check_replicas}")
-    check_mode(cfg.sync, cfg.average_every)
-    if cfg.checkpoint_every < 0 or cfg.summary_every < 0 or cfg.keep_checkpoints < 1:
-        raise UserError("--checkpoint-every and --summary-every must be >= 0, --keep-checkpoints >= 1")
-    if cfg.sync == "weights" and cfg.checkpoint_every % cfg.average_every:
-        raise UserError(
-            f"with --sync weights, --checkpoint-every ({cfg.checkpoint_every}) must be a multiple of "
-            f"--average-every ({cfg.average_every}): a checkpoint holds the weights right after an average"
-        )
-    if cfg.resume and not cfg.logdir:
-        raise UserError("--resume needs --logdir DIR: the directory of the run to continue")
-    if cfg.cpu_towers not in ("threads", "serial") or cfg.blas_threads < 0:
-        raise UserError(
-            f"--cpu-towers must be threads or serial (got {cfg.cpu_towers!r}), --blas-threads >= 0"
-        )
 
 
 class Parser(argparse.ArgumentParser):
@@ -144,6 +97,11 @@ def parse_config(argv=None) -> Config:
 
 def run(cfg: Config, nccl=None) -> dict:
     """Train as ``cfg`` says; return the final metrics (the command line's whole job)."""
+    if cfg.hosts > 1:  # Ray is imported only here: one host never pays for it
+        from towers.cluster.driver import ClusterTrainer
+
+        with ClusterTrainer(cfg, nccl=nccl) as trainer:
+            return trainer.fit()
     with Trainer(cfg, nccl=nccl) as trainer:
         return trainer.fit()
 

@@ -68,11 +68,19 @@ class Trainer:
     Settings are checked, then the placement, then the data, all before any
     device memory is allocated.  ``nccl`` replaces ``cupy.cuda.nccl`` (tests
     pass a host-memory stand-in).  Use it as a context manager, or ``close()``.
+
+    Several hosts (``towers.cluster``): ``cross_host`` has ``average(buffers)``,
+    called after every local average (gradients in grads mode, weights in
+    weights mode) to make the mean over every host's towers; ``nccl_world``
+    (``towers.parallel.allreduce.NcclWorld``) makes the GPU all-reduce itself
+    span hosts instead.  Without them a Trainer is the one-host trainer.
     """
 
     def __init__(self, cfg: Config | None = None, *, model=None, dataset: Dataset | None = None,
-                 nccl=None, placement: Placement | None = None, quiet_placement: bool = False):
+                 nccl=None, placement: Placement | None = None, quiet_placement: bool = False,
+                 cross_host=None, nccl_world=None):
         self._closed = True  # until device memory exists
+        self.cross_host, self._nccl_world = cross_host, nccl_world
         self._pool = self._blas = self.allreduce = None
         self.streams, self._nccl = [], nccl
         self.cfg = cfg = (cfg if cfg is not None else Config()).resolved(model)
@@ -127,7 +135,7 @@ class Trainer:
                 fused = self.ema if i == 0 and not self.weights_mode else None
                 self.optimizers.append(make_optimizer(cfg, r.params, fused))
         # Devices were validated by placement.resolve before this communicator.
-        self.allreduce = TowerAllReduce(self.placement, self.streams, self._nccl)
+        self.allreduce = TowerAllReduce(self.placement, self.streams, self._nccl, world=self._nccl_world)
         self.step = 0
         self.all_reduces = 0  # collectives issued, for the communication report
         self.last_average = None  # step count right after the last weight average
@@ -138,8 +146,10 @@ class Trainer:
         # CPU towers: concurrent threads with 1 BLAS thread each (or serial with
         # all cores in BLAS); see towers.devices.cpu_threads for why.
         if not any(d.is_gpu for d in self.devices):
-            # (Not with an NCCL stand-in: its ranks are driven by one thread.)
-            threaded = n > 1 and cfg.cpu_towers == "threads" and not self.allreduce.uses_nccl
+            # (Not with an NCCL stand-in: its ranks are driven by one thread; not
+            # across hosts: the cross-host mean takes the whole local mean.)
+            threaded = (n > 1 and cfg.cpu_towers == "threads" and not self.allreduce.uses_nccl
+                        and self.cross_host is None)
             self.blas_threads = cfg.blas_threads or (max(1, cpu_count() // n) if threaded else cpu_count())
             self._blas = set_blas_threads(self.blas_threads)
             if threaded:
@@ -160,13 +170,18 @@ class Trainer:
     def global_batch(self) -> int:
         return self.cfg.batch_size * self.n_towers
 
+    @property
+    def examples_per_step(self) -> int:
+        """Examples behind one update, which the schedule counts (every host's, on a cluster)."""
+        return self.global_batch
+
     def lr(self) -> float:
         """The learning rate of the next step."""
         return self.lr_at(self.step)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of the step after ``step`` steps (counted in examples seen)."""
-        seen = step * self.global_batch
+        seen = step * self.examples_per_step
         return learning_rate(self.cfg.lr, self.cfg.lr_decay, seen, len(self.dataset.x), self.cfg.staircase)
 
     # -- one step ------------------------------------------------------------------------
@@ -194,13 +209,42 @@ class Trainer:
                 self._pool.wait()  # no barrier in weights mode: wait for every tower's loss
             return self._step_done(list(self._losses) if want_loss else None)
         # GPU towers (or serial CPU towers): each stage queued tower by tower.
-        losses = [self._stage_and_compute(i, x, y, want_loss) for i in range(self.n_towers)]
-        if not self.weights_mode:
-            with self.timer("all-reduce"):
-                self._average([r.grads for r in self.replicas])
+        losses = self._gradients(x, y, want_loss, average=not self.weights_mode)
         for i in range(self.n_towers):
             self._update(i, i, lr, step)
         return self._step_done(losses if want_loss else None)
+
+    def gradients(self, x, y, want_loss: bool = False):
+        """Stages 1-3 without the update: every tower's ``grads`` ends as the mean gradient.
+
+        For a parameter server (``towers.cluster``), which applies the update
+        itself; returns the towers' losses as device scalars when ``want_loss``.
+        """
+        if len(x) != self.global_batch or len(y) != self.global_batch:
+            raise UserError(f"gradients takes one global batch of {self.global_batch} examples, got {len(x)}")
+        self.synchronize()
+        losses = self._gradients(x, y, want_loss, average=True)
+        return losses if want_loss else None
+
+    def apply_gradients(self, grads) -> None:
+        """Stage 4 with given mean gradients (one host array): every replica's update, then the step ends.
+
+        For a parameter server (``towers.cluster.ps``), whose gradients come from elsewhere.
+        """
+        self.synchronize()
+        lr, step = self.lr(), self.step
+        for i, (dev, r) in enumerate(zip(self.devices, self.replicas)):
+            with dev.scope(), on_stream(self.streams[i]):
+                r.grads[...] = dev.xp.asarray(grads)
+            self._update(i, i, lr, step)
+        self._step_done(None)
+
+    def _gradients(self, x, y, want_loss: bool, average: bool):
+        losses = [self._stage_and_compute(i, x, y, want_loss) for i in range(self.n_towers)]
+        if average:
+            with self.timer("all-reduce"):
+                self._average([r.grads for r in self.replicas])
+        return losses
 
     def _stage_and_compute(self, i: int, x, y, want_loss: bool):
         """Stages 1-2 of tower ``i``: its slice onto its device, forward and backward."""
@@ -240,9 +284,11 @@ class Trainer:
         return losses
 
     def _average(self, buffers) -> None:
-        if len(buffers) > 1:
+        if len(buffers) > 1 or self.allreduce.uses_nccl:
             self.allreduce.average(buffers)
             self.all_reduces += 1
+        if self.cross_host is not None:  # then across hosts, into every tower's buffer
+            self.cross_host.average(buffers)
 
     def average_weights(self) -> None:
         """Weights mode: average parameters (and optimizer state), then update the EMA."""
@@ -384,18 +430,26 @@ class Trainer:
         prefetch = Prefetcher(self.source, max(cfg.steps - self.step, 0))
         try:
             run.start()
-            while self.step < cfg.steps:
-                with self.timer("input wait"):
-                    x, y = prefetch.get()
-                losses = self.train_step(x, y, want_loss=run.wants_loss(self.step + 1))
-                if self.step == cfg.steps:
-                    self.finish()  # weights mode: a last average before the final checkpoint
-                run.after_step(losses, x)
+            self._loop(run, prefetch)
             self.check_replicas()  # always at the end: the saved weights are every replica's
             return run.finish()
         finally:
             prefetch.close()
             run.close()
+
+    def _loop(self, run: Run, prefetch: Prefetcher) -> None:
+        """Steps up to ``cfg.steps``, the extensions after each."""
+        while self.step < self.cfg.steps:
+            with self.timer("input wait"):
+                x, y = prefetch.get()
+            losses = self.train_step(x, y, want_loss=run.wants_loss(self.step + 1))
+            if self.step == self.cfg.steps:
+                self.finish()  # weights mode: a last average before the final checkpoint
+            run.after_step(losses, x)
+
+    def towers_text(self) -> str:
+        """Where the towers run, for the summary line."""
+        return ", ".join(map(str, self.devices))
 
     def scaling(self, rate: float) -> tuple[float, float]:
         """(efficiency, 1-tower rate), the 1-tower rate measured only if asked for."""

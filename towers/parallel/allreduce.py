@@ -25,13 +25,25 @@ results can differ from ``sum / N`` in the last bit when N is not a power of two
 The NCCL module is injected at one place: the ``nccl`` argument (default
 ``cupy.cuda.nccl``).  Tests pass a host-memory stand-in with the same call
 signatures; with CPU towers and a stand-in, each tower becomes its own rank.
+
+Across hosts (``NcclWorld``, ``towers.cluster``): one communicator spans every
+host's GPU leaders.  Host h's leaders are ranks ``first_rank ..`` of ``n_ranks``;
+rank 0's host made the ``unique_id`` and every host got it from the driver.
+Each host builds its communicators with ``NcclCommunicator(n_ranks, id, rank)``
+inside ``groupStart()``/``groupEnd()`` (the calls of all ranks of one process
+must be grouped, like the all-reduce).  Step 1's scale becomes
+``n_ranks / total_towers`` so NCCL's average over all leaders is the mean over
+every tower of every host, whatever each host's tower count.
 """
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import numpy
 
 from towers.errors import UserError
-from towers.devices.placement import on_stream
+from towers.devices.placement import Device, on_stream
 
 
 def nccl_module():
@@ -48,10 +60,26 @@ def data_ptr(array) -> int:
     return int(ptr) if ptr is not None else int(array.ctypes.data)
 
 
-class NcclAllReduce:
-    """One communicator per rank (``initAll``) and a grouped in-place average."""
+@dataclass(frozen=True)
+class NcclWorld:
+    """This host's share of a communicator over several hosts (see the module docstring)."""
 
-    def __init__(self, device_ids: list[int], nccl=None):
+    unique_id: bytes  # from nccl.get_unique_id() on the host of rank 0
+    n_ranks: int  # GPU leaders over all hosts
+    first_rank: int  # this host's first leader's rank
+    total_towers: int  # towers over all hosts
+
+
+def world_layout(leaders_per_host: list[int], towers_per_host: list[int], unique_id: bytes) -> list[NcclWorld]:
+    """Each host's ``NcclWorld``: ranks numbered host by host, in host order."""
+    firsts = [sum(leaders_per_host[:h]) for h in range(len(leaders_per_host))]
+    return [NcclWorld(unique_id, sum(leaders_per_host), f, sum(towers_per_host)) for f in firsts]
+
+
+class NcclAllReduce:
+    """One communicator per rank (``initAll``, or a ``NcclWorld``'s ranks) and a grouped in-place average."""
+
+    def __init__(self, device_ids: list[int], nccl=None, world: NcclWorld | None = None, on_gpus: bool = True):
         if len(set(device_ids)) != len(device_ids):
             raise UserError(
                 f"NCCL needs distinct GPUs, got {device_ids}: towers sharing a GPU are reduced on it first"
@@ -62,8 +90,23 @@ class NcclAllReduce:
             numpy.dtype(numpy.float32): self.nccl.NCCL_FLOAT32,
             numpy.dtype(numpy.float64): self.nccl.NCCL_FLOAT64,
         }
-        # initAll takes an int or a list (a tuple raises ValueError).
-        self.comms = self.nccl.NcclCommunicator.initAll(list(self.device_ids))
+        if world is None:
+            # initAll takes an int or a list (a tuple raises ValueError).
+            self.comms = self.nccl.NcclCommunicator.initAll(list(self.device_ids))
+        else:
+            self.comms = self._join(world, on_gpus)
+
+    def _join(self, world: NcclWorld, on_gpus: bool) -> list:
+        """This host's ranks of ``world``: one communicator per local GPU, grouped."""
+        comms = []
+        self.nccl.groupStart()
+        try:
+            for k, dev in enumerate(self.device_ids):
+                with Device("gpu", dev).scope() if on_gpus else contextlib.nullcontext():
+                    comms.append(self.nccl.NcclCommunicator(world.n_ranks, world.unique_id, world.first_rank + k))
+        finally:
+            self.nccl.groupEnd()
+        return comms
 
     def average(self, buffers: list, stream_ptrs: list[int]) -> None:
         """In-place ``NCCL_AVG`` of ``buffers[r]`` on rank r, on ``stream_ptrs[r]``."""
@@ -101,7 +144,7 @@ class NcclAllReduce:
 class TowerAllReduce:
     """Averages one buffer per tower across all towers (see the module docstring)."""
 
-    def __init__(self, placement, streams=None, nccl=None, host_groups=None):
+    def __init__(self, placement, streams=None, nccl=None, host_groups=None, world: NcclWorld | None = None):
         self.devices = list(placement.towers)
         self.n = len(self.devices)
         self.streams = list(streams) if streams is not None else [None] * self.n
@@ -114,8 +157,12 @@ class TowerAllReduce:
         else:
             self.groups = placement.groups
             rank_ids = [self.devices[g[0]].index for g in self.groups]
-        self.nccl = NcclAllReduce(rank_ids, nccl) if len(self.groups) > 1 else None
-        self._scale = len(self.groups) / self.n  # step 1's factor, see the docstring
+        if world is None:
+            self.nccl = NcclAllReduce(rank_ids, nccl) if len(self.groups) > 1 else None
+            self._scale = len(self.groups) / self.n  # step 1's factor, see the docstring
+        else:  # one communicator over every host's leaders
+            self.nccl = NcclAllReduce(rank_ids, nccl, world, on_gpus=not all_cpu)
+            self._scale = world.n_ranks / world.total_towers
 
     @property
     def uses_nccl(self) -> bool:
@@ -127,7 +174,7 @@ class TowerAllReduce:
 
     def average(self, buffers: list) -> None:
         """In place: every ``buffers[i]`` becomes the mean over all towers."""
-        if self.n == 1:
+        if self.n == 1 and self.nccl is None:
             return
         leaders = [g[0] for g in self.groups]
         # 1. Sum each group into its leader, on the leader's device and stream.

@@ -21,19 +21,10 @@ from __future__ import annotations
 
 import numpy
 
-from towers.errors import TrainingError, UserError
+from towers.errors import TrainingError
 from towers.devices.placement import to_host
 
-MODES = ("grads", "weights")
-
-
-def check_mode(sync: str, average_every: int) -> None:
-    if sync not in MODES:
-        raise UserError(f"`sync` {sync!r} is unknown: use grads or weights")
-    if average_every < 1:
-        raise UserError(f"`average_every` must be at least 1, got {average_every}")
-    if sync == "grads" and average_every != 1:
-        raise UserError("`average_every` applies to `sync` weights; add `sync` weights or drop it")
+MODES = ("grads", "weights", "ps", "async")  # ps, async: several hosts (towers.cluster)
 
 
 def check_replicas(replicas, step: int, atol: float = 0.0) -> None:
