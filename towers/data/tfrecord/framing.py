@@ -45,6 +45,10 @@ class TFRecordError(Exception):
         where = "byte offset" + (" (decompressed)" if compressed else "")
         super().__init__(f"{path}: record {index} at {where} {offset}: {what}")
         self.path, self.index, self.offset = path, index, offset
+        self._args = (path, index, offset, what, compressed)
+
+    def __reduce__(self):  # rebuilt from its own arguments when it crosses from a worker process
+        return type(self), self._args
 
 
 def masked_crc(data):
