@@ -44,6 +44,7 @@ from towers.config import Config
 from towers.data.batches import BatchSource, Prefetcher
 from towers.data.dataset import Dataset, load_dataset
 from towers.data.staging import Stager
+from towers.data.tfrecord.records import close_dataset
 from towers.devices.cpu_threads import TowerThreads, chunks, cpu_count, set_blas_threads
 from towers.devices.placement import Placement, on_stream, resolve
 from towers.errors import UserError
@@ -73,6 +74,7 @@ class Trainer:
     def __init__(self, cfg: Config | None = None, *, model=None, dataset: Dataset | None = None,
                  nccl=None, placement: Placement | None = None, quiet_placement: bool = False):
         self._closed = True  # until device memory exists
+        self._owned_data = None
         self._pool = self._blas = self.allreduce = None
         self.streams, self._nccl = [], nccl
         self.cfg = cfg = (cfg if cfg is not None else Config()).resolved(model)
@@ -84,7 +86,9 @@ class Trainer:
             print(self.placement.table(), flush=True)
         # -- data (host): validated like a file, whatever its origin.
         if dataset is None:
-            dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data)
+            dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode,
+                                   on_error=cfg.on_error, workers=cfg.input_workers)
+            self._owned_data = dataset  # its TFRecord workers end with this trainer
         elif not isinstance(dataset, Dataset):
             raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "
                             f"got {type(dataset).__name__}")
@@ -410,6 +414,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release tower threads, BLAS limits and NCCL communicators (idempotent)."""
+        if self._owned_data is not None:
+            close_dataset(self._owned_data)
         if self._closed:
             return
         self._closed = True

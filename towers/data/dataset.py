@@ -97,8 +97,18 @@ def _pair(x, y, where: str, xk: str, yk: str):
     return x, y
 
 
-def load_dataset(path: str, x_key: str = "x", y_key: str = "y", test_path: str | None = None) -> Dataset:
-    """Load and validate training (and test) data from .npz files; every problem is a UserError."""
+def load_dataset(path: str, x_key: str = "x", y_key: str = "y", test_path: str | None = None,
+                 **tfrecord) -> Dataset:
+    """Load and validate training (and test) data from .npz files; every problem is a UserError.
+
+    TFRecord files and globs of shards go to ``towers.data.tfrecord.records``
+    (``tfrecord``: its ``decode``, ``on_error`` and ``workers``).
+    """
+    from towers.data.tfrecord.records import load_if_tfrecord
+
+    found = load_if_tfrecord(path, x_key, y_key, test_path, **tfrecord)
+    if found is not None:
+        return found
     npz = _load_npz(path)
     x, y = _member(npz, path, x_key), _member(npz, path, y_key)
     tx = ty = None
