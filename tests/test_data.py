@@ -93,7 +93,7 @@ def test_prefetcher_delivers_in_order_and_surfaces_errors():
     pf.close()
 
     class Broken:
-        def next_batch(self):
+        def submit_batch(self):
             raise OSError("disk gone")
 
     pf = Prefetcher(Broken(), steps=3)

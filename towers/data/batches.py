@@ -91,7 +91,7 @@ class Prefetcher:
     """
 
     def __init__(self, source: BatchSource, steps: int, depth: int = 4):
-        depth = max(depth, 2 * getattr(source.x, "workers", 0))
+        depth = max(depth, 2 * getattr(getattr(source, "x", None), "workers", 0))
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(source, steps), daemon=True, name="towers-input")
