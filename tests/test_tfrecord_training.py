@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import DIGITS
-from towers.data.tfrecord.framing import TFRecordWriter
-from towers.data.tfrecord.proto import Example
+from towers.data.tfrecord import from_npz
 from towers.data.tfrecord.records import file_index, index_cache_paths
 from towers.train import main as train_main
 from tools import tfrecord_to_npz
@@ -23,14 +22,7 @@ FEATURES = ["--x-key", "image_raw", "--y-key", "label", "--decode", "image_raw:u
 
 
 def write_examples(path, x, y, compression="none"):
-    """One Example per row: image_raw (bytes), label and pixels (int64), as the original MNIST script writes."""
-    with open(path, "wb") as f, TFRecordWriter(f, compression) as writer:
-        for xi, yi in zip(x, y):
-            e = Example()
-            e.features.feature["image_raw"].bytes_list.value.append(xi.tobytes())
-            e.features.feature["label"].int64_list.value.append(int(yi))
-            e.features.feature["pixels"].int64_list.value.append(xi.size)
-            writer.write(e.SerializeToString())
+    from_npz.write_examples(path, x, y, compression)
     return path
 
 

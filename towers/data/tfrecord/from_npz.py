@@ -116,6 +116,21 @@ def records(context, lists, n):
         yield record.SerializeToString()
 
 
+def write_examples(out_path, x, y, compression="none", x_feature="image_raw", y_feature="label"):
+    """Examples as the original MNIST script writes them: ``x_feature`` (each row's bytes), ``y_feature``
+    and ``pixels`` (int64); written atomically.  Returns the record count."""
+    with output_folder(out_path) as folder, atomic_path(out_path, folder) as tmp:
+        with open(tmp, "wb") as f, TFRecordWriter(f, compression) as writer:
+            for xi, yi in zip(x, y):
+                record = SequenceExample()
+                features = record.context.feature
+                features[x_feature].bytes_list.value.append(np.ascontiguousarray(xi).tobytes())
+                features[y_feature].int64_list.value.append(int(yi))
+                features["pixels"].int64_list.value.append(int(np.size(xi)))
+                writer.write(record.SerializeToString())
+    return len(y)
+
+
 def write(npz_path, out_path, compression="none", removed=None):
     """Write the records of ``npz_path`` to ``out_path`` atomically; return the record count.
 
