@@ -155,3 +155,16 @@ def test_without_decode_the_bytes_feature_is_flat_pixels(tmp_path, capsys, recor
     assert status == 0, err
     with np.load(tmp_path / "run" / "final.npz") as z:
         assert z["params/layer1/weights"].shape == (64, 500)
+
+
+def test_eval_reads_the_runs_tfrecord_test_data_with_its_decode(tmp_path, capsys, records):
+    from towers.eval import main as eval_main
+
+    status, err = train(capsys, tmp_path / "run", "--data", records, *FEATURES, "--steps", "20",
+                        "--test-data", records, "--input-workers", "1")
+    assert status == 0, err
+    with np.load(tmp_path / "run" / "final.npz") as z:
+        assert z["params/layer1/weights"].shape == (64, 500)
+    assert eval_main(["--logdir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "on 1438 test examples" in out, out
