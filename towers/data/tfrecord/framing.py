@@ -298,10 +298,12 @@ def read_record(fd, offset, length):
         return (f"the file ends inside the record ({length} byte payload needs {HEADER + length + FOOTER} bytes, "
                 f"{len(raw)} left): the file is truncated; re-copy it")
     header_length, header_crc = _HEADER_STRUCT.unpack_from(raw)
-    if header_length != length or masked_crc(raw[:8]) != header_crc:
+    crc = google_crc32c.value(raw[:8])  # masked_crc inlined: this runs once per record read
+    if header_length != length or (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != header_crc:
         return LENGTH_CRC
     payload = raw[HEADER:HEADER + length]
-    if masked_crc(payload) != _CRC_STRUCT.unpack_from(raw, HEADER + length)[0]:
+    crc = google_crc32c.value(payload)
+    if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != _CRC_STRUCT.unpack_from(raw, HEADER + length)[0]:
         return PAYLOAD_CRC
     return payload
 
