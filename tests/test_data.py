@@ -4,7 +4,8 @@ import pytest
 
 from towers.errors import UserError
 from towers.data.batches import BatchSource, Prefetcher
-from towers.data.dataset import Dataset, load_dataset
+from towers.data.dataset import Dataset
+from towers.data.loading import load_dataset
 from towers.data.staging import Stager
 from towers.devices.placement import CPU
 
@@ -93,7 +94,7 @@ def test_prefetcher_delivers_in_order_and_surfaces_errors():
     pf.close()
 
     class Broken:
-        def next_batch(self):
+        def submit_batch(self):
             raise OSError("disk gone")
 
     pf = Prefetcher(Broken(), steps=3)

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import DIGITS, cuda_count, run_cli
 from towers.data.batches import BatchSource
-from towers.data.dataset import load_dataset
+from towers.data.loading import load_dataset
 from towers.devices.placement import resolve, to_host
 from towers import Config, Trainer
 

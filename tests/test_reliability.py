@@ -23,7 +23,7 @@ import pytest
 from conftest import DIGITS, REPO, cuda_count
 from towers import Config, Dataset, Trainer, TrainingError
 from towers.data.batches import BatchSource
-from towers.data.dataset import load_dataset
+from towers.data.loading import load_dataset
 from towers.output.checkpoint import list_checkpoints, load_checkpoint
 from towers.output.files import atomic_save_npz
 

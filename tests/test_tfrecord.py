@@ -1,4 +1,4 @@
-"""Tests for the TFRecord <-> npz tools (tools/tfrecord*.py, tools/npz_to_tfrecord.py).
+"""Tests for the TFRecord <-> npz converters (towers/data/tfrecord/, tools/tfrecord_to_npz.py, tools/npz_to_tfrecord.py).
 
 Fixtures come from ../shared/tfrecord-samples (files written by TensorFlow and
 the npz TensorFlow's decoding gives); tests that need them skip when the
@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from tools import npz_to_tfrecord, tfrecord_to_npz
-from tools.tfrecord import TFRecordReader, TFRecordWriter, detect_compression, frame, masked_crc
-from tools.tfrecord_proto import Example, SequenceExample
+from towers.data.tfrecord import convert as converter
+from towers.data.tfrecord.framing import TFRecordReader, TFRecordWriter, detect_compression, frame, masked_crc
+from towers.data.tfrecord.proto import Example, SequenceExample
 
 SAMPLES = Path(__file__).resolve().parents[1].parent / "shared" / "tfrecord-samples"
 NAMES = ["mnist_t10k_head1000", "mixed_features", "sequence_examples"]
@@ -309,7 +310,7 @@ def test_interrupt_while_writing_leaves_no_output(tmp_path, capsys, monkeypatch)
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tfrecord_to_npz, "write_npz", interrupted)
+    monkeypatch.setattr(converter, "write_npz", interrupted)
     status, err = convert(capsys, sample("mixed_features"), "-o", tmp_path / "out.npz")
     assert status == 130 and "interrupted" in err[-1]
     assert os.listdir(tmp_path) == []

@@ -62,7 +62,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 # -- towers' API used by this benchmark: the ONE place to edit when towers' modules move.
 from towers import Config, Trainer  # noqa: E402
 from towers.data.batches import BatchSource  # noqa: E402
-from towers.data.dataset import load_dataset  # noqa: E402
+from towers.data.loading import load_dataset  # noqa: E402
 from towers.output.files import atomic_path  # noqa: E402
 
 BATCH = 100  # per tower, as the issue asks

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from tools import tfrecord_to_npz
 from towers.output.files import write_npz
-from tools.tfrecord import TFRecordReader
-from tools.tfrecord_columns import ColumnStore
-from tools.tfrecord_proto import SequenceExample
+from towers.data.tfrecord.framing import TFRecordReader
+from towers.data.tfrecord.columns import ColumnStore
+from towers.data.tfrecord.proto import SequenceExample
 
 DEFAULT_INPUT = Path(__file__).resolve().parents[1].parent / "shared" / "tfrecord-samples" / "mnist_t10k_head1000.tfrecords"
 

@@ -105,7 +105,7 @@ def _towers_bare(a) -> float:
 
 def _pipeline(a) -> float:
     from towers.data.batches import BatchSource, Prefetcher
-    from towers.data.dataset import load_dataset
+    from towers.data.loading import load_dataset
 
     ds = load_dataset(a.data)
     steps = 3000

@@ -50,6 +50,9 @@ class Config:
     test_data: str | None = None
     x_key: str = "x"
     y_key: str = "y"
+    decode: str | None = None  # TFRecord: NAME:DTYPE[:SHAPE] of the examples' bytes feature
+    on_error: str = "stop"  # TFRecord: "skip" leaves out records whose payload CRC fails
+    input_workers: int = 2  # TFRecord: parse worker processes (0: in the input thread)
     # model
     model: str = "mlp"
     hidden: int = 500
@@ -138,6 +141,12 @@ def _check(cfg: Config) -> None:
     if cfg.optimizer is not None:
         _choice(cfg, "optimizer", OPTIMIZERS)
     _choice(cfg, "cpu_towers", ("threads", "serial"))
+    _choice(cfg, "on_error", ("stop", "skip"))
+    _integer(cfg, "input_workers", minimum=0)
+    if cfg.decode is not None:
+        from towers.data.tfrecord.schema import parse_decode
+
+        parse_decode(cfg.decode)
     if cfg.resume and not cfg.logdir:
         raise UserError("`resume` needs `logdir`: the directory of the run to continue")
     if not isinstance(cfg.model, str):

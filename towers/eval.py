@@ -15,7 +15,8 @@ import time
 
 from towers.errors import UserError
 from towers.output.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_weights, named_to_flat
-from towers.data.dataset import load_dataset
+from towers.data.loading import load_dataset
+from towers.data.tfrecord.records import is_tfrecord
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
 from towers.devices.placement import resolve
@@ -53,7 +54,9 @@ class Evaluator:
         key = (a.data or ck["data"], a.x_key or ck.get("x_key", "x"), a.y_key or ck.get("y_key", "y"),
                a.test_data or (None if a.data else ck.get("test_data")))
         if key not in self._data:
-            ds = load_dataset(*key)
+            tfrecord = is_tfrecord(key[0]) or is_tfrecord(key[3])  # the run's --decode reads its records
+            ds = load_dataset(*key, decode=ck.get("decode") if tfrecord else None,
+                              on_error=ck.get("on_error", "stop"), workers=ck.get("input_workers", 2))
             if ds.x_test is None:
                 raise UserError(f"{key[0]} has no x_test/y_test: pass --data or --test-data with test examples")
             self._data[key] = ds

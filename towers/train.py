@@ -21,10 +21,13 @@ n_gpu             number of towers (default 1, or one per --devices entry)
 devices           'cpu', or GPU ids such as 0,2
 soft_placement    fail instead of bending an impossible placement (by default: no GPU runs on the CPU, too few GPUs are shared)
 log_placement     print which device runs each tower, the EMA, input parsing and the reducer
-data              training data (.npz with x, y and optionally x_test, y_test)
-test_data         separate test data (.npz); default: x_test/y_test of --data
-x_key             npz key of the examples
-y_key             npz key of the labels
+data              training data: .npz with x, y and optionally x_test, y_test; or TFRecord files ('train-*-of-*')
+test_data         separate test data (.npz or TFRecord); default: x_test/y_test of --data
+x_key             npz key or TFRecord feature of the examples
+y_key             npz key or TFRecord feature of the labels
+decode            TFRecord: NAME:DTYPE[:SHAPE] reads the examples' bytes feature, e.g. image_raw:uint8:28,28
+on_error          TFRecord: stop at a damaged record, or 'skip' records whose payload CRC fails (counted)
+input_workers     TFRecord: processes that read and parse records ahead of the towers (0: the input thread)
 model             mlp, lenet5, or package.module:function returning a towers.Sequential (or a list of layers)
 hidden            hidden units of the mlp
 batch_size        examples per tower per step

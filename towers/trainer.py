@@ -42,8 +42,10 @@ import numpy
 
 from towers.config import Config
 from towers.data.batches import BatchSource, Prefetcher
-from towers.data.dataset import Dataset, load_dataset
+from towers.data.dataset import Dataset
+from towers.data.loading import load_dataset
 from towers.data.staging import Stager
+from towers.data.tfrecord.records import close_dataset
 from towers.devices.cpu_threads import TowerThreads, chunks, cpu_count, set_blas_threads
 from towers.devices.placement import Placement, on_stream, resolve
 from towers.errors import UserError
@@ -81,6 +83,7 @@ class Trainer:
                  cross_host=None, nccl_world=None):
         self._closed = True  # until device memory exists
         self.cross_host, self._nccl_world = cross_host, nccl_world
+        self._owned_data = None
         self._pool = self._blas = self.allreduce = None
         self.streams, self._nccl = [], nccl
         self.cfg = cfg = (cfg if cfg is not None else Config()).resolved(model)
@@ -92,7 +95,9 @@ class Trainer:
             print(self.placement.table(), flush=True)
         # -- data (host): validated like a file, whatever its origin.
         if dataset is None:
-            dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data)
+            dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode,
+                                   on_error=cfg.on_error, workers=cfg.input_workers)
+            self._owned_data = dataset  # its TFRecord workers end with this trainer
         elif not isinstance(dataset, Dataset):
             raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "
                             f"got {type(dataset).__name__}")
@@ -464,6 +469,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release tower threads, BLAS limits and NCCL communicators (idempotent)."""
+        if self._owned_data is not None:
+            close_dataset(self._owned_data)
         if self._closed:
             return
         self._closed = True

@@ -37,7 +37,7 @@ from towers.cluster.hosts import Host
 from towers.cluster.ps import ParameterServer
 from towers.cluster.reduce import Exchange
 from towers.config import Config
-from towers.data.dataset import load_dataset
+from towers.data.loading import load_dataset
 from towers.devices.placement import CPU, Placement
 from towers.errors import TrainingError, UserError
 from towers.output.checkpoint import FORMAT  # noqa: F401  (same checkpoint format as one host)

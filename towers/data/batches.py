@@ -59,16 +59,39 @@ class BatchSource:
         return out
 
     def next_batch(self):
+        return self.submit_batch().result()
+
+    def submit_batch(self) -> "_Batch":
+        """The next global batch, started: ``result()`` gives (x, y).
+
+        Examples with a ``submit`` method (TFRecord records,
+        ``towers.data.tfrecord.records``) are read by their worker processes
+        meanwhile; arrays in memory are gathered here and now.
+        """
         idx = self.next_indices()
-        return self.x[idx], self.y[idx]
+        submit = getattr(self.x, "submit", None)
+        return _Batch(self.x[idx] if submit is None else submit(idx), self.y[idx])
+
+
+class _Batch:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def result(self):
+        x = self.x.result() if hasattr(self.x, "result") else self.x
+        return x, self.y
 
 
 class Prefetcher:
-    """Runs ``BatchSource.next_batch`` on a background thread, ``depth`` batches ahead."""
+    """Starts ``BatchSource.submit_batch`` on a background thread, ``depth`` batches ahead.
 
-    _DONE = object()
+    With examples read by worker processes, up to ``depth`` (at least twice
+    the workers) batches are in flight at once, and ``get`` waits for the
+    oldest: batches come in order, and memory is bounded by ``depth`` batches.
+    """
 
     def __init__(self, source: BatchSource, steps: int, depth: int = 4):
+        depth = max(depth, 2 * getattr(getattr(source, "x", None), "workers", 0))
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(source, steps), daemon=True, name="towers-input")
@@ -77,7 +100,7 @@ class Prefetcher:
     def _run(self, source, steps):
         try:
             for _ in range(steps):
-                item = source.next_batch()
+                item = source.submit_batch()
                 while not self._stop.is_set():
                     try:
                         self._q.put(item, timeout=0.1)
@@ -93,7 +116,7 @@ class Prefetcher:
         item = self._q.get()
         if isinstance(item, BaseException):
             raise item
-        return item
+        return item.result()
 
     def close(self) -> None:
         self._stop.set()

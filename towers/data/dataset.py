@@ -170,7 +170,7 @@ class _Npz:
 
     def __init__(self, path: str, what: str, setting: str):
         self.path, self.what = path, what
-        fix = f"set `{setting}` to an .npz file"
+        fix = f"set `{setting}` to an .npz or TFRecord file"
         if os.path.isdir(path):
             raise UserError(f"{what} file {path} is a directory: {fix}")
         if not os.path.exists(path):
@@ -289,10 +289,16 @@ def _pair(x, y, where: str, xk: str, yk: str):
     return x, y
 
 
-def load_dataset(path: str, x_key: str = "x", y_key: str = "y", test_path: str | None = None) -> Dataset:
+def npz_has(path: str, *keys: str) -> bool:
+    """Whether the npz file ``path`` has every one of ``keys`` (reads only its directory)."""
+    with _Npz(path, "data", "data") as npz:
+        return npz.has(*keys)
+
+
+def load_npz(path: str, x_key: str = "x", y_key: str = "y", test_path: str | None = None) -> Dataset:
     """Load and validate training (and test) data from .npz files; every problem is a UserError.
 
-    Members are read (or mapped) and verified at load, so a damaged file
+    npz members are read (or mapped) and verified at load, so a damaged file
     stops here, before anything is allocated or written.  A ``test_path``
     file's own ``x_test``/``y_test`` come first, then its training keys.
     """

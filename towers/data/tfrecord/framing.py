@@ -36,6 +36,11 @@ _MASK_DELTA = 0xA282EAD8
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "zlib": zlib.MAX_WBITS}
 _HEADER_STRUCT = struct.Struct("<QI")
 _CRC_STRUCT = struct.Struct("<I")
+# What is wrong, as the reports say it (the streaming reader and read_record share them).
+LENGTH_CRC = ("length CRC mismatch: the record header is corrupted and the records after it cannot be located; "
+              "re-copy the file")
+PAYLOAD_CRC = ("payload CRC mismatch: the record is corrupted; re-copy the file, or pass --on-error skip to drop "
+               "such records")
 
 
 class TFRecordError(Exception):
@@ -45,6 +50,10 @@ class TFRecordError(Exception):
         where = "byte offset" + (" (decompressed)" if compressed else "")
         super().__init__(f"{path}: record {index} at {where} {offset}: {what}")
         self.path, self.index, self.offset = path, index, offset
+        self._args = (path, index, offset, what, compressed)
+
+    def __reduce__(self):  # rebuilt from its own arguments when it crosses from a worker process
+        return type(self), self._args
 
 
 def masked_crc(data):
@@ -240,9 +249,7 @@ class TFRecordReader:
                 if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != length_crc:
                     if index == 0:
                         raise self._error(index, base + pos, self._bad_first_header())
-                    raise self._error(index, base + pos,
-                                      "length CRC mismatch: the record header is corrupted and the records "
-                                      "after it cannot be located; re-copy the file")
+                    raise self._error(index, base + pos, LENGTH_CRC)
                 stop = pos + HEADER + length
                 if stop + FOOTER > end:
                     if not eof:  # read at least the rest of this record next time
@@ -255,9 +262,7 @@ class TFRecordReader:
                 crc = crc32c(payload)
                 if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != unpack_crc(buf, stop)[0]:
                     if not skip:
-                        raise self._error(index, base + pos,
-                                          "payload CRC mismatch: the record is corrupted; re-copy the file, "
-                                          "or pass --on-error skip to drop such records")
+                        raise self._error(index, base + pos, PAYLOAD_CRC)
                     self.skipped += 1
                 else:
                     payloads.append(payload)
@@ -277,6 +282,30 @@ class TFRecordReader:
                 what = (f"the file ends {end - pos} bytes into a {HEADER}-byte record header: "
                         "the file is truncated; re-copy it")
             raise self._error(index, base + pos, what)
+
+
+def read_record(fd, offset, length):
+    """Random access: the payload of the record at ``offset`` whose payload is ``length`` bytes.
+
+    For an uncompressed file open as ``fd`` (``os.pread``: no shared file
+    position, so threads and processes may read one descriptor at once).  The
+    header must give ``length`` and both CRCs must hold; otherwise the return
+    value is a str saying what is wrong (the caller knows the record's index
+    and builds the :class:`TFRecordError`).
+    """
+    raw = os.pread(fd, HEADER + length + FOOTER, offset)
+    if len(raw) < HEADER + length + FOOTER:
+        return (f"the file ends inside the record ({length} byte payload needs {HEADER + length + FOOTER} bytes, "
+                f"{len(raw)} left): the file is truncated; re-copy it")
+    header_length, header_crc = _HEADER_STRUCT.unpack_from(raw)
+    crc = google_crc32c.value(raw[:8])  # masked_crc inlined: this runs once per record read
+    if header_length != length or (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != header_crc:
+        return LENGTH_CRC
+    payload = raw[HEADER:HEADER + length]
+    crc = google_crc32c.value(payload)
+    if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != _CRC_STRUCT.unpack_from(raw, HEADER + length)[0]:
+        return PAYLOAD_CRC
+    return payload
 
 
 class TFRecordWriter:

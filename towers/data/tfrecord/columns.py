@@ -1,7 +1,7 @@
 """Turn parsed records into columns, spilled to disk batch by batch.
 
 Every record is parsed as a ``tf.train.SequenceExample`` (an Example is one
-with no feature lists, see :mod:`tools.tfrecord_proto`).  For each feature a
+with no feature lists, see :mod:`towers.data.tfrecord.proto`).  For each feature a
 column keeps, for the current batch only, the batch positions of the records
 that have it, the value count of each, and the values as a flat Python list.
 At the end of a batch the column becomes NumPy arrays (``present``,
@@ -30,8 +30,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from towers.output.files import ArraySource
-from tools.tfrecord import TFRecordError
-from tools.tfrecord_proto import KIND_BYTES, KIND_FLOAT, KIND_NAMES, KIND_OF_FIELD, SequenceExample
+from towers.data.tfrecord.framing import TFRecordError
+from towers.data.tfrecord.proto import KIND_BYTES, KIND_FLOAT, KIND_INT64, KIND_NAMES, KIND_OF_FIELD, SequenceExample
 
 _VALUE_DTYPES = {KIND_BYTES: np.dtype(np.uint8), KIND_FLOAT: np.dtype(np.float32)}
 _ZERO_BLOCK = 1 << 20
@@ -40,15 +40,18 @@ _ZERO_BLOCK = 1 << 20
 class _Spill:
     """One array, appended to a raw file batch by batch (or only counted)."""
 
-    def __init__(self, directory, name, dtype):
+    def __init__(self, directory, name, dtype, memory=False):
         self.path = None if directory is None else os.path.join(directory, name)
         self.dtype = np.dtype(dtype)
         self.size = 0
+        self.parts = [] if memory else None  # kept in memory instead (label candidates)
         if self.path is not None:
             open(self.path, "wb").close()
 
     def append(self, array):
         self.size += array.size
+        if self.parts is not None:
+            self.parts.append(np.array(array, self.dtype))
         if self.path is not None and array.size:
             with open(self.path, "ab") as f:
                 # f.write, not ndarray.tofile: a full disk must raise OSError with its errno (ENOSPC)
@@ -63,8 +66,62 @@ class _Spill:
     def source(self, dtype=None, shape=None):
         return ArraySource(dtype or self.dtype, shape or (self.size,), self.path)
 
+    def array(self):
+        """The values kept in memory (None when they were not kept)."""
+        return None if self.parts is None else np.concatenate(self.parts or [np.zeros(0, self.dtype)])
 
-class _Column:
+
+class ColumnStats:
+    """What is known of one feature without its values: kind and per-record counts and sizes.
+
+    ``count`` is values per record (steps per record for a feature list),
+    ``bytes`` the length of each bytes value; min/max are None until seen.
+    The converter's columns carry these; the training index stores them
+    (:meth:`as_dict` / :meth:`from_dict`) so that a cached index needs no
+    pass over the data.
+    """
+
+    FIELDS = ("key", "is_list", "kind", "present_count", "min_count", "max_count", "min_bytes", "max_bytes")
+
+    def as_dict(self):
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+    @classmethod
+    def from_dict(cls, fields):
+        stats = cls.__new__(cls)
+        for name in cls.FIELDS:
+            setattr(stats, name, fields[name])
+        return stats
+
+    @property
+    def kind_name(self):
+        return KIND_NAMES.get(self.kind, "unknown")
+
+    def fixed_bytes(self, n):
+        """The byte length if every one of ``n`` records has one bytes value of one length, else None."""
+        if (self.kind == KIND_BYTES and not self.is_list and self.present_count == n and n > 0
+                and self.min_count == self.max_count == 1 and self.min_bytes == self.max_bytes):
+            return self.min_bytes
+        return None
+
+    def dense_shape(self, n):
+        """Shape of the dense form (None if there is none), per the npz convention."""
+        if self.is_list or self.kind is None or self.present_count != n or n == 0 or self.min_count != self.max_count:
+            return None
+        if self.kind == KIND_BYTES:
+            width = self.fixed_bytes(n)
+            return None if width is None else (n, width)
+        return (n,) if self.min_count == 1 else (n, self.min_count)
+
+    def describe(self, n):
+        """``kind, a..b values in p/n records[, a..b bytes each]`` for messages."""
+        text = f"{self.kind_name}, {self.min_count}..{self.max_count} values in {self.present_count}/{n} records"
+        if self.kind == KIND_BYTES:
+            text += f", {self.min_bytes}..{self.max_bytes} bytes each"
+        return text
+
+
+class _Column(ColumnStats):
     """Values of one feature: its kind, the batch buffers and the running statistics.
 
     ``rows``/``counts`` are per record for a context feature; a feature list
@@ -74,6 +131,7 @@ class _Column:
     def __init__(self, store, key, done_rows, is_list):
         self.key, self.is_list, self.field, self.kind = key, is_list, None, None
         self._dir, self._stem = store.spill_dir, f"c{len(store.columns):05d}"
+        self._keep = store.keep_scalars
         self.rows, self.counts, self.step_lengths, self.vals = [], [], [], []
         self.present_count, self.min_count, self.max_count = 0, None, None
         self.min_bytes = self.max_bytes = None
@@ -88,7 +146,8 @@ class _Column:
         """Fix the kind on first sight of a typed Feature; return False on a conflict."""
         if self.field is None:
             self.field, self.kind = field, KIND_OF_FIELD[field]
-            self.values = _Spill(self._dir, self._stem + ".values", _VALUE_DTYPES.get(self.kind, np.int64))
+            self.values = _Spill(self._dir, self._stem + ".values", _VALUE_DTYPES.get(self.kind, np.int64),
+                                 memory=self._keep and self.kind == KIND_INT64 and not self.is_list)
             if self.kind == KIND_BYTES:
                 self.value_lengths = _Spill(self._dir, self._stem + ".valuelens", np.int64)
             return True
@@ -133,6 +192,8 @@ class _Column:
             self.values.append(np.frombuffer(b"".join(vals), np.uint8))
         elif self.kind is not None:
             self.values.append(np.array(vals, self.values.dtype))
+            if self.values.parts is not None and (self.max_count or 0) > 1:
+                self.values.parts = None  # not one value per record: no label, and memory stays bounded
         self.rows, self.counts, self.step_lengths, self.vals = [], [], [], []
 
     def _widen(self, what, array):
@@ -141,21 +202,6 @@ class _Column:
             old_low, old_high = getattr(self, "min_" + what), getattr(self, "max_" + what)
             setattr(self, "min_" + what, low if old_low is None else min(low, old_low))
             setattr(self, "max_" + what, high if old_high is None else max(high, old_high))
-
-    @property
-    def kind_name(self):
-        return KIND_NAMES.get(self.kind, "unknown")
-
-    def dense_shape(self, n):
-        """Shape of the dense form (None if there is none), per the npz convention."""
-        if self.is_list or self.kind is None or self.present_count != n or n == 0 or self.min_count != self.max_count:
-            return None
-        length = self.min_count
-        if self.kind == KIND_BYTES:
-            if length != 1 or self.min_bytes != self.max_bytes:
-                return None
-            return (n, self.min_bytes)
-        return (n,) if length == 1 else (n, length)
 
     def entries(self, n, prefix):
         """The npz keys of this column as (key, ArraySource)."""
@@ -177,10 +223,15 @@ class _Column:
 
 
 class ColumnStore:
-    """Accumulates parsed records into spilled columns (``spill_dir=None``: statistics only)."""
+    """Accumulates parsed records into spilled columns (``spill_dir=None``: statistics only).
 
-    def __init__(self, spill_dir=None):
-        self.spill_dir = spill_dir
+    ``keep_scalars``: also keep in memory the values of int64 features that
+    have at most one value in every record so far (the label candidates of
+    :mod:`towers.data.tfrecord.records`); ``_Column.values.array()`` returns them.
+    """
+
+    def __init__(self, spill_dir=None, keep_scalars=False):
+        self.spill_dir, self.keep_scalars = spill_dir, keep_scalars
         self.columns = []
         self.context, self.lists = {}, {}
         self.rows = 0
@@ -192,7 +243,7 @@ class ColumnStore:
         return column
 
     def add(self, batch, path):
-        """Parse and add one :class:`~tools.tfrecord.RecordBatch` read from ``path``."""
+        """Parse and add one :class:`~towers.data.tfrecord.framing.RecordBatch` read from ``path``."""
         parse, context = SequenceExample.FromString, self.context
         j = -1
         try:

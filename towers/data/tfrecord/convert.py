@@ -1,0 +1,207 @@
+"""Convert TFRecord files of tf.train.Example / SequenceExample records to one .npz.
+
+Usage::
+
+    python -m tools.tfrecord_to_npz INPUT [INPUT ...] -o OUT.npz [options]
+    python -m tools.tfrecord_to_npz output.tfrecords -o mnist.npz \\
+        --decode image_raw:uint8:28,28 --x image_raw --y label
+
+Each INPUT is a path or a glob; a glob's matches are read in sorted order and
+all inputs are concatenated in the order given.  The pipeline per file is
+:class:`towers.data.tfrecord.framing.TFRecordReader` (framing, both CRCs, decompression)
+-> :class:`towers.data.tfrecord.columns.ColumnStore` (protobuf parse, columns
+spilled to an owned temporary folder beside OUT, see :mod:`towers.output.files`) ->
+:func:`towers.output.files.write_npz` into a temporary file that is renamed to OUT
+only when everything succeeded.  An OUT that is one of the inputs is refused
+before anything is read.
+
+Exit status: 0 on success, 1 for damaged or unreadable input (one line naming
+file, record index and byte offset) or a full disk, 2 for a usage mistake
+(including OUT being an input), 130 on Ctrl-C, 143 on SIGTERM.  No OUT and no
+temporary files are left behind unless the status is 0; what a SIGKILL leaves
+is removed by the next run writing to the same folder.  See tools/README.md.
+"""
+
+import argparse
+import glob
+import os
+import sys
+import time
+
+from towers.output.files import OutputError, Terminated, atomic_path, output_folder, refuse_overwriting_inputs, \
+    sigterm_raises
+from towers.output.files import write_npz
+from towers.data.tfrecord.framing import COMPRESSIONS, TFRecordError, TFRecordReader
+from towers.data.tfrecord.columns import ColumnStore
+from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode
+
+PROG = "tfrecord_to_npz"
+
+
+def _parser(prog):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="TFRecord file or glob (matches read sorted)")
+    p.add_argument("-o", "--output", metavar="OUT.npz", help="output file (required unless --schema)")
+    p.add_argument("--compression", choices=COMPRESSIONS, default="auto",
+                   help="input compression; auto detects gzip/zlib per file (default: auto)")
+    p.add_argument("--decode", action="append", default=[], metavar="NAME:DTYPE[:SHAPE]",
+                   help="turn a fixed-length bytes feature into a dense array, e.g. image_raw:uint8:28,28")
+    p.add_argument("--x", metavar="NAME", help="also write this feature's dense array as 'x'")
+    p.add_argument("--y", metavar="NAME", help="also write this feature's dense array as 'y'")
+    p.add_argument("--schema", action="store_true", help="print the inferred schema and write nothing")
+    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
+                   help="skip: drop records whose payload CRC fails (framing intact) and count them")
+    p.add_argument("--compress", action="store_true", help="deflate the npz members (smaller, slower)")
+    p.add_argument("--chunk-size", type=int, default=8 << 20, metavar="BYTES",
+                   help="bytes read and converted per batch (default 8 MiB)")
+    return p
+
+
+def expand_inputs(patterns):
+    """Paths for the INPUT arguments: globs expanded and sorted, argument order kept."""
+    paths = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = sorted(glob.glob(pattern))
+            if not matches:
+                raise UsageError(f"no file matches {pattern!r}; check the pattern (quote it for the shell)")
+            paths += matches
+        elif os.path.isfile(pattern):
+            paths.append(pattern)
+        else:
+            raise UsageError(f"{pattern}: no such file; give a TFRecord file or a glob")
+    return paths
+
+
+def _decoded(store, name, dtype, shape, spec):
+    """ArraySource of a bytes feature read as ``dtype`` with shape (N, *shape)."""
+    column = store.find(name)
+    if column is None or column.is_list:
+        raise UsageError(f"--decode {spec}: no feature {name!r}; see --schema for the names")
+    shape = decoded_shape(column, store.rows, dtype, shape, spec)
+    return column.values.source(dtype=dtype, shape=(store.rows, *shape))
+
+
+def _entries(store, args):
+    """The npz members: the convention's keys, decoded arrays, and x/y."""
+    entries = dict(store.entries())
+    dense_key = {name: store.prefixes()[0] + name for name in store.context}
+    decoded = {}
+    for spec in args.decode:
+        name, dtype, shape = parse_decode(spec)
+        source = _decoded(store, name, dtype, shape, spec)
+        key = dense_key[store.find(name).key]
+        entries[key] = decoded[key] = source
+    for flag, name in (("x", args.x), ("y", args.y)):
+        if name is None:
+            continue
+        column = store.find(name)
+        if column is None or column.is_list:
+            raise UsageError(f"--{flag} {name}: no feature {name!r}; see --schema for the names")
+        key = dense_key[column.key]
+        if key not in entries:
+            raise UsageError(f"--{flag} {name}: the feature has no dense form ({column.describe(store.rows)}); "
+                             "use --decode for fixed-length bytes")
+        if flag in entries and flag != key:
+            raise UsageError(f"--{flag} {name}: a feature is already called {flag!r}; rename it first")
+        entries[flag] = entries[key]
+    return list(entries.items())
+
+
+def _progress(total):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True,
+                disable=not sys.stderr.isatty(), file=sys.stderr, desc="converting")
+
+
+def read_all(paths, store, args, say):
+    """Feed every record of every file to ``store``; return the count of skipped records."""
+    skipped, last_choice = 0, None
+    with _progress(sum(os.path.getsize(p) for p in paths)) as bar:
+        for path in paths:
+            reader = TFRecordReader(path, args.compression, args.on_error, args.chunk_size)
+            if args.compression == "auto" and reader.compression != last_choice:
+                say(f"{path}: compression auto -> {reader.compression}")
+                last_choice = reader.compression
+            if reader.size == 0:
+                say(f"warning: {path} is empty (0 bytes): it adds no records")
+            done = 0
+            for batch in reader:
+                store.add(batch, path)
+                bar.update(reader.consumed - done)
+                done = reader.consumed
+                bar.set_postfix_str(f"{store.rows} records", refresh=False)
+            bar.update(reader.consumed - done)
+            skipped += reader.skipped
+    if skipped:
+        say(f"warning: dropped {skipped} record(s) whose payload CRC failed (--on-error skip)")
+    return skipped
+
+
+def convert(args, say):
+    paths = expand_inputs(args.inputs)
+    for spec in args.decode:
+        parse_decode(spec)  # flag mistakes surface before a long read
+    start = time.perf_counter()
+    if args.schema:
+        store = ColumnStore(None)
+        read_all(paths, store, args, say)
+        kind = "tf.train.SequenceExample" if store.sequence else "tf.train.Example"
+        print(f"{store.rows} records ({kind}) in {len(paths)} file(s)")
+        for line in store.schema_lines():
+            print(line)
+        return
+    if not args.output:
+        raise UsageError("give the output file with -o OUT.npz (or use --schema)")
+    refuse_overwriting_inputs(args.output, paths)
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"{args.output}: the folder {out_dir} does not exist; create it first")
+    stale = []
+    with output_folder(args.output, stale) as folder:
+        for path in stale:
+            say(f"removed {path}: temporary files of a conversion that was killed")
+        store = ColumnStore(folder)
+        read_all(paths, store, args, say)
+        entries = _entries(store, args)
+        with atomic_path(args.output, folder) as tmp:
+            write_npz(tmp, entries, compress=args.compress)
+    seconds = time.perf_counter() - start
+    kind = "SequenceExample" if store.sequence else "Example"
+    say(f"wrote {args.output}: {store.rows} {kind} records, {len(store.columns)} features, {len(entries)} arrays "
+        f"in {seconds:.1f} s ({store.rows / max(seconds, 1e-9):,.0f} records/s)")
+
+
+def main(argv=None, prog="towers-tfrecord-to-npz"):
+    """The command line (``towers-tfrecord-to-npz``, ``python -m tools.tfrecord_to_npz``); the exit status."""
+    args = _parser(prog).parse_args(argv)
+
+    def say(message):
+        print(f"{PROG}: {message}", file=sys.stderr)
+
+    try:
+        with sigterm_raises():
+            convert(args, say)
+    except OutputError as exc:
+        say(f"error: {exc}")
+        return exc.status
+    except TFRecordError as exc:
+        say(f"error: {exc}")
+        return 1
+    except UsageError as exc:
+        say(f"error: {exc}")
+        return 2
+    except OSError as exc:
+        say(f"error: {exc.filename or ''}: {exc.strerror or exc}; check the path, permissions and free space")
+        return 1
+    except KeyboardInterrupt:
+        say("interrupted: no output written")
+        return 130
+    except Terminated:
+        say("terminated (SIGTERM): no output written")
+        return 143
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
