@@ -20,6 +20,7 @@ function             NumPy passes                                CUDA launches
 ``maxpool``          copy + k*k-1 maxima (+ pad)                 1
 ``maxpool_backward`` 4 passes per window tap                     1
 ``gather_batch``     (device-resident data) fancy index + scale  1
+``mean2``            ``a += b; a *= s; b[...] = a``              1
 ===================  ==========================================  ==============
 
 Exactness: where the NumPy passes round once per operation, the kernel rounds
@@ -164,6 +165,11 @@ __global__ void towers_maxpool_backward(const float* x, const float* y, const fl
     }
 }
 
+// The mean of two towers' buffers on one device, written to both: a = b = (a + b) * s.
+__global__ void towers_mean2(float* a, float* b, float s, int n) {
+    LOOP(i, n) { float v = (a[i] + b[i]) * s; a[i] = v; b[i] = v; }
+}
+
 // One batch from a device-resident data set: rows idx of xd (scaled to float32) and of yd.
 __global__ void towers_gather_u8(const unsigned char* xd, const int* yd, const long long* idx, float* xo, int* yo,
                                  int total, int feat, float scale) {
@@ -189,7 +195,7 @@ __global__ void towers_gather_f32(const float* xd, const int* yd, const long lon
 """
 
 _NAMES = ("bias_add", "relu", "relu_backward", "add_scaled", "softmax_xent", "im2col", "col2im", "maxpool",
-          "maxpool_backward", "gather_u8", "gather_f32")
+          "maxpool_backward", "gather_u8", "gather_f32", "mean2")
 _KERNELS: dict = {}
 
 
@@ -484,6 +490,18 @@ def maxpool_backward(x, y, dy, k: int, ws):
     return dx
 
 
+def mean2(a, b, scale) -> None:
+    """In place: ``a`` and ``b`` both become ``(a + b) * scale`` (two towers sharing a device)."""
+    scale = a.dtype.type(scale)
+    if on_host(a) or not _fits(a) or a.dtype != numpy.float32:
+        a += b
+        a *= scale
+        b[...] = a
+        return
+    _check(a, b)
+    _launch("mean2", a.size, a, b, scale, _i(a.size))
+
+
 # -- device-resident data ------------------------------------------------------------------
 
 
@@ -505,3 +523,26 @@ def gather_batch(xd, yd, idx, xo, yo, scale) -> None:
     name = "gather_u8" if xd.dtype == numpy.uint8 else "gather_f32"
     _launch(name, xo.size, xd, yd, idx, xo, yo, _i(xo.size), _i(feat),
             numpy.float32(scale if scale is not None else 1.0))
+
+
+# -- matmul precision --------------------------------------------------------------------------
+
+
+def set_tf32(on: bool):
+    """Float32 matmuls of CuPy on TF32 tensor cores (``on``) or in plain float32.
+
+    Returns the previous setting, for ``restore_compute_type``.  The setting is
+    CuPy's, process-wide (every device and thread); TF32 keeps float32 range
+    with a 10-bit mantissa in the products (about 3e-4 relative error per GEMM).
+    """
+    from cupy._core import _routines_linalg as linalg
+
+    previous = linalg.get_compute_type(numpy.float32)
+    linalg.set_compute_type(numpy.float32, linalg.COMPUTE_TYPE_TF32 if on else linalg.COMPUTE_TYPE_DEFAULT)
+    return previous
+
+
+def restore_compute_type(previous) -> None:
+    from cupy._core import _routines_linalg as linalg
+
+    linalg.set_compute_type(numpy.float32, previous)

@@ -6,7 +6,6 @@ underflow.  The gradient with respect to the logits is ``(softmax - onehot) / n`
 """
 from __future__ import annotations
 
-
 from towers.nn import kernels
 from towers.nn.layers import Workspace
 
