@@ -107,11 +107,18 @@ class Trainer:
         cfg, n = self.cfg, len(self.devices)
         init = self.model.init_params(cfg.seed)  # one draw: every replica starts identical
         self.streams, self.replicas, self.stagers = [], [], []
+        by_device = {}
         for dev in self.devices:
             with dev.scope():
                 # Non-blocking streams are not ordered with the legacy default
-                # stream, so all of a tower's work stays inside its stream.
-                stream = dev.xp.cuda.Stream(non_blocking=True) if dev.is_gpu else None
+                # stream, so all of a tower's work stays inside its stream.  Towers
+                # sharing a GPU share its stream: CuPy drives cuBLAS through one
+                # handle per device, whose default workspace is not safe for
+                # GEMMs running concurrently on two streams.
+                stream = None
+                if dev.is_gpu:
+                    stream = by_device.get(dev.index) or dev.xp.cuda.Stream(non_blocking=True)
+                    by_device[dev.index] = stream
                 replica = Replica(self.model, dev.xp)
                 replica.set_params(init)
             self.streams.append(stream)

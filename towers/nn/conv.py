@@ -99,7 +99,7 @@ class Conv2D(Layer):
         cols = ws.saved["cols"]
         dy2 = dy.reshape(-1, f)  # dy is a contiguous NHWC buffer: a view
         xp.matmul(cols.T, dy2, out=g["weights"].reshape(-1, f))
-        xp.sum(dy2, axis=0, out=g["biases"])
+        kernels.bias_grad(dy2, g["biases"], ws)
         if not need_dx:
             return None
         n = dy.shape[0]

@@ -298,6 +298,25 @@ def _xp(a):
     return cupy
 
 
+def bias_grad(dy, out, ws) -> None:
+    """``out (cols,) = dy (rows, cols).sum(axis=0)``: the bias gradient.
+
+    NumPy: ``sum``.  CuPy: ``ones(rows) @ dy`` through cuBLAS, because CuPy's
+    reduction over the long axis of a tall, narrow array runs one block per
+    column (1.2 ms for LeNet-5's first convolution at batch 100, against a few
+    microseconds for the product).
+    """
+    xp = ws.xp
+    if on_host(dy):
+        xp.sum(dy, axis=0, out=out)
+        return
+    ones = ws.array("ones", (dy.shape[0],), dy.dtype)
+    if ws.saved.get("ones") is not ones:
+        ones.fill(1)
+        ws.saved["ones"] = ones
+    xp.matmul(ones.reshape(1, -1), dy, out=out.reshape(1, -1))  # out is contiguous: a view
+
+
 # -- the loss --------------------------------------------------------------------------
 
 

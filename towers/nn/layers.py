@@ -115,7 +115,7 @@ class Dense(Layer):
         xp = ws.xp
         x = ws.saved["x"]
         xp.matmul(x.T, dy, out=g["weights"])
-        xp.sum(dy, axis=0, out=g["biases"])
+        kernels.bias_grad(dy, g["biases"], ws)
         if not need_dx:
             return None
         dx = ws.array("dx", x.shape, x.dtype)
