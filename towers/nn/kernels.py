@@ -27,8 +27,10 @@ Exactness: where the NumPy passes round once per operation, the kernel rounds
 at the same places (``__fmul_rn`` keeps NVRTC from contracting ``a + b * c``
 into an FMA; sums add the same terms in the same order), so ``relu``,
 ``relu_backward``, ``add_scaled``, ``bias_add``, ``im2col``, ``col2im``,
-``maxpool``, ``maxpool_backward`` and ``gather_batch`` give the CPU's bits on
-the same inputs; ``softmax_xent`` differs by the last bits of ``expf``/``logf``
+``maxpool``, ``maxpool_backward`` and ``gather_batch`` give the CPU's values on
+the same inputs (NaN where NumPy has NaN; the sign of a zero may differ: seen on
+an H200, NVRTC turned ReLU's select into a max instruction, which gives +0.0
+for -0.0); ``softmax_xent`` differs by the last bits of ``expf``/``logf``
 and of the row sum's order.  ``tests/test_gpu.py`` checks each kernel against
 its NumPy version.  No kernel uses atomics: results are deterministic, so
 replicas stay bit-identical.
