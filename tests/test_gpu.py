@@ -27,7 +27,7 @@ def train(n, devices, steps=20, momentum=0.9):
     tr.synchronize()
     params = [to_host(r.params) for r in tr.replicas]
     ema = to_host(tr.ema.shadow)
-    acc = tr.evaluate(use_ema=True)[1]
+    acc = tr.evaluate(ema=True)["accuracy"]
     tr.close()
     return params, ema, losses, acc
 
@@ -109,3 +109,211 @@ def test_resume_on_gpu_continues_the_same_run(tmp_path):
             np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6)
     ev = run_cli("--logdir", str(tmp_path / "b"), module="towers.eval")
     assert ev.returncode == 0 and "accuracy = " in ev.stdout, ev.stderr
+
+
+# -- the fused kernels (towers.nn.kernels) against their NumPy versions -----------------
+
+
+def _ws(xp):
+    from towers.nn.layers import Workspace
+
+    return Workspace(xp)
+
+
+def _both(fn, *host_arrays):
+    """Run ``fn(xp, *arrays)`` on NumPy and on CuPy copies; return both results as host arrays."""
+    import cupy
+
+    outs = []
+    for xp in (np, cupy):
+        arrs = [xp.asarray(a.copy()) for a in host_arrays]
+        res = fn(xp, *arrs)
+        outs.append([to_host(r) for r in (res if isinstance(res, (list, tuple)) else [res])])
+    return outs
+
+
+def _assert_same_values(cpu, gpu):
+    for c, g in zip(cpu, gpu):
+        assert c.shape == g.shape and c.dtype == g.dtype
+        nan = np.isnan(c)
+        np.testing.assert_array_equal(nan, np.isnan(g))  # NaN where NumPy has NaN (its payload may differ)
+        # Equal values; a zero's sign may differ (NVRTC turns selects into max instructions).
+        np.testing.assert_array_equal(np.where(nan, 0, c), np.where(nan, 0, g))
+
+
+def _floats(rng, shape, special=True):
+    a = rng.standard_normal(shape).astype(np.float32)
+    if special:  # ties, zeros of both signs and a NaN: the kernels must treat them as NumPy does
+        flat = a.reshape(-1)
+        flat[::7] = 0.0
+        flat[3::11] = -0.0
+        flat[5::13] = flat[4::13][: len(flat[5::13])]
+        flat[17] = np.nan
+    return a
+
+
+def test_elementwise_kernels_give_numpys_bits():
+    from towers.nn import kernels
+
+    rng = np.random.default_rng(1)
+    x, b = _floats(rng, (37, 53)), _floats(rng, (53,), special=False)
+    dy, w = _floats(rng, (37, 53)), _floats(rng, (37, 53))
+
+    def bias(xp, y, b):
+        kernels.bias_add(y, b)
+        return y
+
+    def relu(xp, x):
+        y = xp.full_like(x, 7.0)  # poisoned: every element must be written
+        kernels.relu(x, y)
+        return y
+
+    def relu_bwd(xp, y, dy):
+        kernels.relu_backward(y, dy)
+        return dy
+
+    def l2(xp, g, w):
+        kernels.add_scaled(g, w, 1e-4)
+        return g
+
+    def mean2(xp, a, b):
+        kernels.mean2(a, b, 0.5)
+        return a, b
+
+    for fn, args in ((bias, (x, b)), (relu, (x,)), (relu_bwd, (x, dy)), (l2, (dy, w)), (mean2, (x, dy))):
+        cpu, gpu = _both(fn, *args)
+        _assert_same_values(cpu, gpu)
+
+
+@pytest.mark.parametrize("padding,shape", [("SAME", (3, 9, 11, 4)), ("VALID", (2, 8, 7, 3)), ("SAME", (2, 6, 6, 1))])
+def test_im2col_and_col2im_kernels_give_numpys_bits(padding, shape):
+    from towers.nn import kernels
+    from towers.nn.conv import Conv2D
+
+    conv = Conv2D("c", 5, 3 if padding == "VALID" else 5, padding)
+    conv.build(shape[1:])
+    k, (ho, wo) = conv.k, conv.out_hw
+    n, h, w, c = shape
+    rng = np.random.default_rng(2)
+    x = _floats(rng, shape, special=False)
+    dcols = _floats(rng, (n, ho, wo, k, k, c), special=False)
+
+    def fwd(xp, x):
+        cols = xp.full((n, ho, wo, k, k, c), 7.0, dtype=np.float32)
+        kernels.im2col(x, cols, conv.pad, _ws(xp))
+        return cols
+
+    def bwd(xp, dcols):
+        return kernels.col2im(dcols, (h, w), conv.pad, _ws(xp)).copy()
+
+    for fn, a in ((fwd, x), (bwd, dcols)):
+        cpu, gpu = _both(fn, a)
+        _assert_same_values(cpu, gpu)
+
+
+@pytest.mark.parametrize("shape", [(3, 8, 10, 4), (2, 7, 9, 3)])  # even, and odd (TF SAME padding)
+def test_maxpool_kernels_give_numpys_bits(shape):
+    from towers.nn import kernels
+
+    n, h, w, c = shape
+    ho, wo = -(-h // 2), -(-w // 2)
+    rng = np.random.default_rng(3)
+    x = np.maximum(_floats(rng, shape), 0)  # after a ReLU: many tied zeros
+    x.reshape(-1)[17] = np.nan
+    dy = _floats(rng, (n, ho, wo, c), special=False)
+
+    def pool(xp, x, dy):
+        y = xp.full((n, ho, wo, c), 7.0, dtype=np.float32)
+        ws = _ws(xp)
+        kernels.maxpool(x, y, 2, ws)
+        return y, kernels.maxpool_backward(x, y, dy, 2, ws).copy()
+
+    cpu, gpu = _both(pool, x, dy)
+    _assert_same_values(cpu, gpu)
+
+
+def test_softmax_xent_kernel_matches_numpy():
+    from towers.nn import kernels
+
+    rng = np.random.default_rng(4)
+    logits = (rng.standard_normal((64, 10)) * 30).astype(np.float32)  # large: the shift matters
+    labels = rng.integers(0, 10, 64)
+
+    def xent(xp, logits, labels):
+        loss, d = kernels.softmax_xent(logits, labels, _ws(xp), True)
+        return xp.asarray(loss).reshape(1), d
+
+    (c_loss, c_d), (g_loss, g_d) = _both(xent, logits, labels)
+    np.testing.assert_allclose(g_loss, c_loss, rtol=1e-5)
+    np.testing.assert_allclose(g_d, c_d, rtol=1e-4, atol=1e-7)
+    assert np.isfinite(g_d).all()
+
+
+def test_gather_kernel_gives_the_staged_batch():
+    import cupy
+    from towers.nn import kernels
+
+    rng = np.random.default_rng(5)
+    xd = rng.integers(0, 256, (50, 6, 7), dtype=np.uint8)
+    yd = rng.integers(0, 10, 50).astype(np.int32)
+    idx = rng.permutation(50)[:17].astype(np.int64)
+    scale = np.float32(1 / 255)
+    xo, yo = cupy.full((17, 6, 7), 7.0, dtype=cupy.float32), cupy.full(17, -1, dtype=cupy.int32)
+    kernels.gather_batch(cupy.asarray(xd), cupy.asarray(yd), cupy.asarray(idx), xo, yo, scale)
+    expect = np.empty((17, 6, 7), np.float32)
+    np.multiply(xd[idx], scale, out=expect, casting="unsafe")  # what the CPU Stager computes
+    _assert_same_values([expect, yd[idx]], [xo.get(), yo.get()])
+
+
+def test_device_resident_data_gives_the_host_pipelines_run():
+    """train_step_at (batches gathered on the GPU) and train_step (host batches staged) agree bit for bit."""
+    out = []
+    for on_device in (True, False):
+        cfg = Config(n_gpu=2, devices="0", hidden=64, batch_size=60, momentum=0.9)
+        ds = load_dataset(str(DIGITS))
+        with Trainer(cfg, dataset=ds) as tr:
+            assert tr.device_data is not None  # the digits fit
+            src = BatchSource(ds, 120, cfg.seed)
+            for _ in range(15):
+                idx = src.next_indices()
+                if on_device:
+                    tr.train_step_at(idx)
+                else:
+                    tr.train_step(ds.x[idx], ds.y[idx])
+            out.append(tr.get_weights())
+    for name in out[0]:
+        np.testing.assert_array_equal(out[0][name], out[1][name])
+
+
+def test_lenet5_on_gpu_matches_cpu():
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 256, (240, 28, 28), dtype=np.uint8)
+    y = rng.integers(0, 10, 240)
+    from towers import Dataset
+
+    res = {}
+    for devices in ("0", "cpu"):
+        cfg = Config(n_gpu=2, devices=devices, model="lenet5", batch_size=20, optimizer="sgd", lr=0.01,
+                     momentum=0.9)
+        with Trainer(cfg, dataset=Dataset.from_arrays(x, y)) as tr:
+            src = BatchSource(tr.dataset, 40, cfg.seed)
+            for _ in range(5):
+                tr.train_step_at(src.next_indices())
+            res[devices] = np.concatenate([v.ravel() for v in tr.get_weights().values()])
+    rel = np.linalg.norm(res["0"] - res["cpu"]) / np.linalg.norm(res["cpu"])
+    assert rel < 1e-4, rel
+
+
+def test_tf32_is_opt_in_and_restored():
+    from cupy._core import _routines_linalg as linalg
+
+    before = linalg.get_compute_type(np.float32)
+    cfg = Config(n_gpu=1, devices="0", hidden=64, batch_size=60, tf32=True)
+    ds = load_dataset(str(DIGITS))
+    with Trainer(cfg, dataset=ds) as tr:
+        assert linalg.get_compute_type(np.float32) == linalg.COMPUTE_TYPE_TF32
+        src = BatchSource(ds, 60, cfg.seed)
+        for _ in range(5):
+            loss = tr.train_step_at(src.next_indices(), want_loss=True)
+        assert np.isfinite(float(loss[0]))
+    assert linalg.get_compute_type(np.float32) == before

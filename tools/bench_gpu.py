@@ -35,9 +35,12 @@ What one run measures (MNIST-shaped synthetic uint8 data, 28x28, 10 classes):
 
 Every row runs in its own subprocess (``--worker``), so CuPy's and PyTorch's
 memory pools, handles and caches never meet, and start-up is a real cold start.
-The timed steps reuse a ring of global batches drawn before the clock starts,
-so the numbers are the trainer's step (staging included), not the input
-thread.  Nothing here is asserted: the figures are printed, with the targets.
+The timed steps reuse a ring of global batches (their row indices) drawn
+before the clock starts and run ``Trainer.train_step_at`` as ``fit`` does: on
+a GPU the data set lives on the device and each tower gathers its slice there
+(one index copy and one kernel), on the CPU the rows are taken and staged from
+host memory.  So the numbers are the trainer's step (staging included), not
+the input thread.  PyTorch's rows copy each batch from pinned host memory.  Nothing here is asserted: the figures are printed, with the targets.
 """
 from __future__ import annotations
 
@@ -152,6 +155,9 @@ def count_launches(step, sync, steps: int, k0: int, per: int) -> dict:
     kernels = [e for e in events if e.get("cat") == "kernel"]
     copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
     names = Counter(e.get("name", "?") for e in kernels)
+    busy = Counter()
+    for e in kernels:
+        busy[e.get("name", "?")] += float(e.get("dur", 0))
     n = steps * per
     return {
         "kernels": len(kernels), "profiled_steps": steps, "towers": per,
@@ -159,7 +165,7 @@ def count_launches(step, sync, steps: int, k0: int, per: int) -> dict:
         "copies_per_step": len(copies) / steps,
         "kernel_us_per_step": sum(float(e.get("dur", 0)) for e in kernels) / steps,
         "whole": len(kernels) % steps == 0,
-        "names_per_step": [(name, c / steps) for name, c in names.most_common()],
+        "names_per_step": [(name, c / steps, busy[name] / steps) for name, c in names.most_common()],
     }
 
 
@@ -216,16 +222,18 @@ def _towers_worker(spec) -> dict:
     marks["trainer built"] = _since(t_launch)
     try:
         source = BatchSource(ds, trainer.global_batch, cfg.seed)
-        ring = [source.next_batch() for _ in range(RING)]
+        # Index batches, as fit() feeds them: gathered on the device when the data
+        # set lives there (towers.data.device_data), else taken on the host and staged.
+        ring = [source.next_indices() for _ in range(RING)]
 
         def step(k):
-            trainer.train_step(*ring[k % RING])
+            trainer.train_step_at(ring[k % RING])
 
         step(0)
         trainer.synchronize()
         marks["first step done"] = _since(t_launch)
         t = time_steps(step, trainer.synchronize, spec["steps"], spec["warmup"], spec["rounds"])
-        losses = trainer.train_step(*ring[0], want_loss=True)
+        losses = trainer.train_step_at(ring[0], want_loss=True)
         loss = sum(float(v) for v in losses) / len(losses)
         k = t.pop("next_k") + 1
         if spec["devices"] == "cpu":
@@ -236,7 +244,8 @@ def _towers_worker(spec) -> dict:
             launches = count_launches(step, trainer.synchronize, spec["profile_steps"], k, spec["towers"])
     finally:
         trainer.close()
-    return dict(t, global_batch=trainer.global_batch, loss=loss, startup=marks, launches=launches)
+    return dict(t, global_batch=trainer.global_batch, loss=loss, startup=marks, launches=launches,
+                data_on_device=trainer.device_data is not None)
 
 
 def _torch_net(torch, model: str):
@@ -462,7 +471,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-steps", type=int, default=None, help="steps under torch.profiler (default 10)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, on the CPU when there is no GPU")
     ap.add_argument("--no-main-job", action="store_true", help="skip the default main job comparison")
-    ap.add_argument("--verbose", action="store_true", help="print the kernel names counted for each row")
+    ap.add_argument("--verbose", action="store_true", help="print the kernel names counted for each row, with their time per step")
     ap.add_argument("--json", help="also write every figure to this file")
     ap.add_argument("--timeout", type=float, default=300, help="seconds allowed to each subprocess")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
@@ -561,8 +570,8 @@ def _bench(a, tmp, steps, lenet_steps, warmup, rounds, profile_steps) -> int:
             if "names_per_step" in ln:
                 print(f"\nkernels per step of {r['name']} ({ln['kernels']} kernels in {ln['profiled_steps']} steps"
                       f"{'' if ln['whole'] else ', NOT a whole number per step'}):")
-                for name, c in ln["names_per_step"]:
-                    print(f"  {c:6.2f}  {name[:110]}")
+                for name, c, us in ln["names_per_step"]:
+                    print(f"  {c:6.2f}  {us:8.1f} us  {name[:100]}")
             elif ln.get("na"):
                 print(f"kernels of {r['name']}: n/a ({ln['na']})")
     if main_job:

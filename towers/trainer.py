@@ -43,6 +43,7 @@ import numpy
 from towers.config import Config
 from towers.data.batches import BatchSource, Prefetcher
 from towers.data.dataset import Dataset
+from towers.data.device_data import DeviceData, fits_on
 from towers.data.loading import load_dataset
 from towers.data.staging import Stager
 from towers.data.tfrecord.records import close_dataset
@@ -50,6 +51,7 @@ from towers.devices.cpu_threads import TowerThreads, chunks, cpu_count, set_blas
 from towers.devices.placement import Placement, on_stream, resolve
 from towers.errors import UserError
 from towers.extensions import Run
+from towers.nn import kernels
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
 from towers.optim.ema import EMA
@@ -84,7 +86,7 @@ class Trainer:
         self._closed = True  # until device memory exists
         self.cross_host, self._nccl_world = cross_host, nccl_world
         self._owned_data = None
-        self._pool = self._blas = self.allreduce = None
+        self._pool = self._blas = self.allreduce = self._tf32 = None
         self.streams, self._nccl = [], nccl
         self.cfg = cfg = (cfg if cfg is not None else Config()).resolved(model)
         # -- placement: decided (and validated) before any device memory or NCCL.
@@ -118,17 +120,36 @@ class Trainer:
         cfg, n = self.cfg, len(self.devices)
         init = self.model.init_params(cfg.seed)  # one draw: every replica starts identical
         self.streams, self.replicas, self.stagers = [], [], []
+        by_device = {}
         for dev in self.devices:
             with dev.scope():
                 # Non-blocking streams are not ordered with the legacy default
-                # stream, so all of a tower's work stays inside its stream.
-                stream = dev.xp.cuda.Stream(non_blocking=True) if dev.is_gpu else None
+                # stream, so all of a tower's work stays inside its stream.  Towers
+                # sharing a GPU share its stream: CuPy drives cuBLAS through one
+                # handle per device, whose default workspace is not safe for
+                # GEMMs running concurrently on two streams.
+                stream = None
+                if dev.is_gpu:
+                    stream = by_device.get(dev.index) or dev.xp.cuda.Stream(non_blocking=True)
+                    by_device[dev.index] = stream
                 replica = Replica(self.model, dev.xp)
                 replica.set_params(init)
             self.streams.append(stream)
             self.replicas.append(replica)
             self.stagers.append(Stager(dev, stream, cfg.batch_size, self.dataset.example_shape,
                                        self.dataset.x.dtype))
+        # GPU towers: a training set that fits stays on the devices (fit() then
+        # gathers each batch there); kernels are compiled or loaded now, not in
+        # the first step; --tf32 switches float32 matmuls to TF32 tensor cores.
+        self.device_data = None
+        if any(d.is_gpu for d in self.devices):
+            if fits_on(self.devices, self.dataset):
+                self.device_data = DeviceData(self.devices, self.streams, self.dataset, cfg.batch_size)
+            for index in sorted({d.index for d in self.devices if d.is_gpu}):
+                with self.devices[0].xp.cuda.Device(index):
+                    kernels.warm_up()
+            if cfg.tf32:
+                self._tf32 = kernels.set_tf32(True)
         with self.devices[0].scope():
             self.ema = EMA(self.replicas[0].params, cfg.ema_decay)
         # In grads mode the EMA is fused into the first tower's update; in
@@ -213,8 +234,25 @@ class Trainer:
             elif want_loss:
                 self._pool.wait()  # no barrier in weights mode: wait for every tower's loss
             return self._step_done(list(self._losses) if want_loss else None)
-        # GPU towers (or serial CPU towers): each stage queued tower by tower.
-        losses = self._gradients(x, y, want_loss, average=not self.weights_mode)
+        return self._gpu_step(x, y, None, want_loss)
+
+    def train_step_at(self, indices, want_loss: bool = False):
+        """One step on the training-set rows ``indices`` (one global batch, host ints).
+
+        With the data set on the devices (``device_data``) each tower gathers its
+        slice there; otherwise the rows are taken on the host and ``train_step``
+        runs on them.  Either way the same float32 batch reaches each tower.
+        """
+        if self.device_data is None:
+            return self.train_step(self.dataset.x[indices], self.dataset.y[indices], want_loss)
+        if len(indices) != self.global_batch:
+            raise UserError(f"train_step_at takes one global batch of {self.global_batch} indices, got {len(indices)}")
+        return self._gpu_step(None, None, indices, want_loss)
+
+    def _gpu_step(self, x, y, indices, want_loss: bool):
+        """GPU towers (or serial CPU towers): each stage queued tower by tower."""
+        losses = self._gradients(x, y, want_loss, average=not self.weights_mode, indices=indices)
+        lr, step = self.lr(), self.step
         for i in range(self.n_towers):
             self._update(i, i, lr, step)
         return self._step_done(losses if want_loss else None)
@@ -244,19 +282,27 @@ class Trainer:
             self._update(i, i, lr, step)
         self._step_done(None)
 
-    def _gradients(self, x, y, want_loss: bool, average: bool):
-        losses = [self._stage_and_compute(i, x, y, want_loss) for i in range(self.n_towers)]
+    def _gradients(self, x, y, want_loss: bool, average: bool, indices=None):
+        """Stages 1-3: every tower's gradients, averaged when ``average``."""
+        losses = [self._stage_and_compute(i, x, y, want_loss, indices) for i in range(self.n_towers)]
         if average:
             with self.timer("all-reduce"):
                 self._average([r.grads for r in self.replicas])
         return losses
 
-    def _stage_and_compute(self, i: int, x, y, want_loss: bool):
-        """Stages 1-2 of tower ``i``: its slice onto its device, forward and backward."""
+    def _stage_and_compute(self, i: int, x, y, want_loss: bool, indices=None):
+        """Stages 1-2 of tower ``i``: its slice onto its device, forward and backward.
+
+        The slice comes from the host batch ``x``, ``y``, or from the device-resident
+        data set as rows ``indices``.
+        """
         b, t = self.cfg.batch_size, self.timer
         with self.devices[i].scope(), on_stream(self.streams[i]):
             with t("stage", i):
-                xs, ys = self.stagers[i].stage(x[i * b: (i + 1) * b], y[i * b: (i + 1) * b])
+                if indices is not None:
+                    xs, ys = self.device_data.stage(i, indices[i * b: (i + 1) * b])
+                else:
+                    xs, ys = self.stagers[i].stage(x[i * b: (i + 1) * b], y[i * b: (i + 1) * b])
             return self.replicas[i].loss_and_grads(xs, ys, self.cfg.l2, want_loss, self._tower_timers[i])
 
     def _update(self, i: int, on: int, lr: float, step: int, part: slice | None = None) -> None:
@@ -432,22 +478,34 @@ class Trainer:
         """
         cfg = self.cfg
         run = Run.open(self, cfg.logdir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")), extensions)
-        prefetch = Prefetcher(self.source, max(cfg.steps - self.step, 0))
+        # Data on the devices: the indices are drawn here (cheap); else the
+        # background thread assembles host batches ahead.
+        prefetch = None if self.device_data else Prefetcher(self.source, max(cfg.steps - self.step, 0))
         try:
             run.start()
             self._loop(run, prefetch)
             self.check_replicas()  # always at the end: the saved weights are every replica's
             return run.finish()
         finally:
-            prefetch.close()
+            if prefetch is not None:
+                prefetch.close()
             run.close()
 
-    def _loop(self, run: Run, prefetch: Prefetcher) -> None:
-        """Steps up to ``cfg.steps``, the extensions after each."""
+    def _loop(self, run: Run, prefetch: Prefetcher | None) -> None:
+        """Steps up to ``cfg.steps``, the extensions after each.
+
+        Without ``prefetch`` the data set is on the devices: the step's indices
+        are drawn here (cheap) and each tower gathers its rows there.
+        """
         while self.step < self.cfg.steps:
-            with self.timer("input wait"):
-                x, y = prefetch.get()
-            losses = self.train_step(x, y, want_loss=run.wants_loss(self.step + 1))
+            want = run.wants_loss(self.step + 1)
+            x = None
+            if prefetch is None:
+                losses = self.train_step_at(self.source.next_indices(), want_loss=want)
+            else:
+                with self.timer("input wait"):
+                    x, y = prefetch.get()
+                losses = self.train_step(x, y, want_loss=want)
             if self.step == self.cfg.steps:
                 self.finish()  # weights mode: a last average before the final checkpoint
             run.after_step(losses, x)
@@ -483,6 +541,8 @@ class Trainer:
                 self._blas.restore_original_limits()
             if self.allreduce is not None:
                 self.allreduce.close()
+            if self._tf32 is not None:
+                kernels.restore_compute_type(self._tf32)
 
     def __enter__(self) -> "Trainer":
         return self

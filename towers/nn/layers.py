@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy
 
 from towers.errors import UserError
+from towers.nn import kernels
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Dense(Layer):
         xp = ws.xp
         y = ws.array("y", (x.shape[0], self.units), x.dtype)
         xp.matmul(x, p["weights"], out=y)
-        y += p["biases"]
+        kernels.bias_add(y, p["biases"])
         ws.saved["x"] = x
         return y
 
@@ -114,7 +115,7 @@ class Dense(Layer):
         xp = ws.xp
         x = ws.saved["x"]
         xp.matmul(x.T, dy, out=g["weights"])
-        xp.sum(dy, axis=0, out=g["biases"])
+        kernels.bias_grad(dy, g["biases"], ws)
         if not need_dx:
             return None
         dx = ws.array("dx", x.shape, x.dtype)
@@ -126,20 +127,17 @@ class ReLU(Layer):
     """max(x, 0); the gradient passes where the output is positive."""
 
     def forward(self, p, x, ws):
-        xp = ws.xp
         y = ws.array("y", x.shape, x.dtype)
-        xp.maximum(x, 0, out=y)
+        kernels.relu(x, y)
         ws.saved["y"] = y
         return y
 
     def backward(self, p, g, dy, ws, need_dx):
         if not need_dx:
             return None
-        xp = ws.xp
         y = ws.saved["y"]
-        mask = ws.array("mask", y.shape, y.dtype)
-        xp.greater(y, 0, out=mask)  # 1.0 / 0.0 in the float dtype: no bool temp
-        xp.multiply(dy, mask, out=dy)  # dy is the next layer's scratch: safe in place
+        mask = ws.array("mask", y.shape, y.dtype) if kernels.on_host(y) else None
+        kernels.relu_backward(y, dy, mask)  # dy is the next layer's scratch: safe in place
         return dy
 
 

@@ -12,6 +12,7 @@ import contextlib
 
 import numpy
 
+from towers.nn import kernels
 from towers.nn.layers import Sequential, Workspace
 from towers.nn.loss import accuracy_count, softmax_cross_entropy
 
@@ -80,11 +81,10 @@ class Replica:
                 dy = layers[i].backward(p, g, dy, ws, need_dx=i > self._first_param_layer)
             if self._nreg and l2:
                 w = self.params[: self._nreg]
-                # grads += l2 * w without a temporary: one fused pass would need a
-                # kernel, two in-place passes over a scratch buffer are the next best.
-                tmp = self._loss_ws.array("l2", w.shape, w.dtype)
-                self.xp.multiply(w, self.dtype.type(l2), out=tmp)
-                self.grads[: self._nreg] += tmp
+                # grads += l2 * w: one fused kernel on a GPU; on the CPU two
+                # in-place passes over a scratch buffer (no temporary per step).
+                tmp = self._loss_ws.array("l2", w.shape, w.dtype) if kernels.on_host(w) else None
+                kernels.add_scaled(self.grads[: self._nreg], w, l2, tmp)
                 if want_loss:
                     loss = loss + self.dtype.type(l2 / 2) * self.xp.dot(w, w)
         return loss

@@ -44,6 +44,7 @@ import numpy
 
 from towers.errors import UserError
 from towers.devices.placement import Device, on_stream
+from towers.nn import kernels
 
 
 def nccl_module():
@@ -177,6 +178,15 @@ class TowerAllReduce:
         if self.n == 1 and self.nccl is None:
             return
         leaders = [g[0] for g in self.groups]
+        # Two GPU towers sharing the only device: sum, scale and hand-back are one
+        # kernel (the same arithmetic as steps 1 and 3, which it replaces).
+        if self.nccl is None and len(self.groups) == 1 and self.n == 2 and self.devices[0].is_gpu:
+            a, b = self.streams
+            with self.devices[0].scope(), on_stream(a):
+                _after(a, b)
+                kernels.mean2(buffers[0], buffers[1], self._scale)
+                _after(b, a)
+            return
         # 1. Sum each group into its leader, on the leader's device and stream.
         for g in self.groups:
             if len(g) == 1 and self._scale == 1.0:

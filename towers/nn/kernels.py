@@ -1,0 +1,569 @@
+"""Fused kernels of a training step: one CUDA launch where NumPy takes several passes.
+
+Each function here takes arrays of one module (NumPy or CuPy) and writes into
+the output it is given.  On NumPy it runs the array operations the layers have
+always run (the CPU's arithmetic is unchanged); on CuPy it launches ONE raw CUDA
+kernel that does the same arithmetic in the same order, so a GPU step makes
+far fewer launches (a small model's step is bound by the host's launch cost):
+
+===================  ==========================================  ==============
+function             NumPy passes                                CUDA launches
+===================  ==========================================  ==============
+``bias_add``         ``y += b`` (broadcast)                      1
+``relu``             ``maximum(x, 0)``                           1
+``relu_backward``    ``greater`` + ``multiply``                  1
+``add_scaled``       ``multiply`` + ``add`` (the L2 gradient)    1
+``softmax_xent``     max, subtract, exp, sum, divide, fancy      1 (+2 for the
+                     indexing (take/scatter), multiply           loss, if asked)
+``im2col``           pad copy + one 6-D strided copy             1
+``col2im``           fill + k*k strided adds + crop              1
+``maxpool``          copy + k*k-1 maxima (+ pad)                 1
+``maxpool_backward`` 4 passes per window tap                     1
+``gather_batch``     (device-resident data) fancy index + scale  1
+``mean2``            ``a += b; a *= s; b[...] = a``              1
+===================  ==========================================  ==============
+
+Exactness: where the NumPy passes round once per operation, the kernel rounds
+at the same places (``__fmul_rn`` keeps NVRTC from contracting ``a + b * c``
+into an FMA; sums add the same terms in the same order), so ``relu``,
+``relu_backward``, ``add_scaled``, ``bias_add``, ``im2col``, ``col2im``,
+``maxpool``, ``maxpool_backward`` and ``gather_batch`` give the CPU's values on
+the same inputs (NaN where NumPy has NaN; the sign of a zero may differ: seen on
+an H200, NVRTC turned ReLU's select into a max instruction, which gives +0.0
+for -0.0); ``softmax_xent`` differs by the last bits of ``expf``/``logf``
+and of the row sum's order.  ``tests/test_gpu.py`` checks each kernel against
+its NumPy version.  No kernel uses atomics: results are deterministic, so
+replicas stay bit-identical.
+
+Limits: float32 activations, C-contiguous arrays, fewer than 2**31 elements per
+array (index arithmetic is 32-bit for speed; larger arrays take the NumPy-style
+array operations on the device instead, which CuPy runs as well).  All kernels
+live in one CUDA source, compiled once by NVRTC and kept in CuPy's on-disk
+kernel cache (``CUPY_CACHE_DIR``), so later runs load it without compiling;
+``warm_up`` loads them before the first step.  Launches go on the current
+stream; nothing here synchronizes.
+"""
+from __future__ import annotations
+
+import numpy
+
+_INT_MAX = 2**31 - 1
+_BLOCK = 256
+
+_SOURCE = r"""
+#define LOOP(i, n) for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += blockDim.x * gridDim.x)
+// numpy.maximum(a, b): a unless b is larger or b is NaN (NaN propagates)
+__device__ __forceinline__ float np_max(float a, float b) { return (a >= b || a != a) ? a : b; }
+
+extern "C" {
+
+__global__ void towers_bias_add(float* y, const float* b, int n, int cols) {
+    LOOP(i, n) y[i] = y[i] + b[i % cols];
+}
+
+__global__ void towers_relu(const float* x, float* y, int n) {
+    LOOP(i, n) y[i] = np_max(x[i], 0.f);
+}
+
+__global__ void towers_relu_backward(const float* y, float* dy, int n) {
+    LOOP(i, n) dy[i] = dy[i] * (y[i] > 0.f ? 1.f : 0.f);
+}
+
+__global__ void towers_add_scaled(float* g, const float* w, float s, int n) {
+    LOOP(i, n) g[i] = g[i] + __fmul_rn(w[i], s);
+}
+
+// One thread per row: log-sum-exp shifted cross-entropy and (softmax - onehot) / n.
+__global__ void towers_softmax_xent(const float* logits, const int* labels, float* d, float* row_loss,
+                                    int n, int c, float inv_n) {
+    LOOP(r, n) {
+        const float* l = logits + (long long)r * c;
+        float* dr = d + (long long)r * c;
+        float m = l[0];
+        for (int j = 1; j < c; ++j) m = np_max(m, l[j]);
+        float s = 0.f;
+        for (int j = 0; j < c; ++j) { float e = expf(l[j] - m); dr[j] = e; s += e; }
+        int y = labels[r];
+        row_loss[r] = logf(s) - (l[y] - m);
+        for (int j = 0; j < c; ++j) {
+            float p = dr[j] / s;
+            if (j == y) p = p - 1.f;
+            dr[j] = p * inv_n;
+        }
+    }
+}
+
+// cols (n, ho, wo, k, k, c) from x (n, h, w, c); taps outside the image are 0.
+__global__ void towers_im2col(const float* x, float* cols, int total, int h, int w, int c,
+                              int ho, int wo, int k, int pt, int pl) {
+    LOOP(i, total) {
+        int ch = i % c, t = i / c;
+        int kj = t % k; t /= k;
+        int ki = t % k; t /= k;
+        int ow = t % wo; t /= wo;
+        int oh = t % ho, b = t / ho;
+        int ih = oh + ki - pt, iw = ow + kj - pl;
+        cols[i] = (ih >= 0 && ih < h && iw >= 0 && iw < w) ? x[((b * h + ih) * w + iw) * c + ch] : 0.f;
+    }
+}
+
+// dx (n, h, w, c) = sum of the taps of dcols (n, ho, wo, k, k, c) that read it, in (ki, kj) order.
+__global__ void towers_col2im(const float* dcols, float* dx, int total, int h, int w, int c,
+                              int ho, int wo, int k, int pt, int pl) {
+    LOOP(i, total) {
+        int ch = i % c, t = i / c;
+        int iw = t % w; t /= w;
+        int ih = t % h, b = t / h;
+        float acc = 0.f;
+        for (int ki = 0; ki < k; ++ki) {
+            int oh = ih + pt - ki;
+            if (oh < 0 || oh >= ho) continue;
+            for (int kj = 0; kj < k; ++kj) {
+                int ow = iw + pl - kj;
+                if (ow < 0 || ow >= wo) continue;
+                acc += dcols[((((b * ho + oh) * wo + ow) * k + ki) * k + kj) * c + ch];
+            }
+        }
+        dx[i] = acc;
+    }
+}
+
+// y (n, ho, wo, c): max of each k x k window of x (n, h, w, c), row-major, past-the-edge taps skipped.
+__global__ void towers_maxpool(const float* x, float* y, int total, int h, int w, int c, int ho, int wo, int k) {
+    LOOP(i, total) {
+        int ch = i % c, t = i / c;
+        int ow = t % wo; t /= wo;
+        int oh = t % ho, b = t / ho;
+        const float* base = x + ((b * h + oh * k) * w + ow * k) * c + ch;
+        float m = base[0];
+        for (int a = 0; a < k && oh * k + a < h; ++a)
+            for (int e = 0; e < k && ow * k + e < w; ++e)
+                if (a || e) m = np_max(m, base[(a * w + e) * c]);
+        y[i] = m;
+    }
+}
+
+// dx (n, h, w, c): dy of the window at its FIRST element (row-major) equal to the window's max, else 0.
+__global__ void towers_maxpool_backward(const float* x, const float* y, const float* dy, float* dx, int total,
+                                        int h, int w, int c, int ho, int wo, int k) {
+    LOOP(i, total) {
+        int ch = i % c, t = i / c;
+        int iw = t % w; t /= w;
+        int ih = t % h, b = t / h;
+        int oh = ih / k, ow = iw / k, a0 = ih - oh * k, e0 = iw - ow * k;
+        int o = ((b * ho + oh) * wo + ow) * c + ch;
+        float m = y[o], g = 0.f;
+        if (x[i] == m) {
+            const float* base = x + ((b * h + oh * k) * w + ow * k) * c + ch;
+            bool earlier = false;
+            for (int a = 0; a <= a0 && !earlier; ++a)
+                for (int e = 0; e < k && ow * k + e < w; ++e) {
+                    if (a == a0 && e == e0) break;
+                    if (base[(a * w + e) * c] == m) { earlier = true; break; }
+                }
+            g = earlier ? 0.f : 1.f;
+        }
+        dx[i] = dy[o] * g;
+    }
+}
+
+// The mean of two towers' buffers on one device, written to both: a = b = (a + b) * s.
+__global__ void towers_mean2(float* a, float* b, float s, int n) {
+    LOOP(i, n) { float v = (a[i] + b[i]) * s; a[i] = v; b[i] = v; }
+}
+
+// One batch from a device-resident data set: rows idx of xd (scaled to float32) and of yd.
+__global__ void towers_gather_u8(const unsigned char* xd, const int* yd, const long long* idx, float* xo, int* yo,
+                                 int total, int feat, float scale) {
+    LOOP(i, total) {
+        int r = i / feat, f = i - r * feat;
+        long long src = idx[r];
+        xo[i] = (float)xd[src * feat + f] * scale;
+        if (f == 0) yo[r] = yd[src];
+    }
+}
+
+__global__ void towers_gather_f32(const float* xd, const int* yd, const long long* idx, float* xo, int* yo,
+                                  int total, int feat, float scale) {
+    LOOP(i, total) {
+        int r = i / feat, f = i - r * feat;
+        long long src = idx[r];
+        xo[i] = xd[src * feat + f];
+        if (f == 0) yo[r] = yd[src];
+    }
+}
+
+}  // extern "C"
+"""
+
+_NAMES = ("bias_add", "relu", "relu_backward", "add_scaled", "softmax_xent", "im2col", "col2im", "maxpool",
+          "maxpool_backward", "gather_u8", "gather_f32", "mean2")
+_KERNELS: dict = {}
+
+
+def _kernel(name: str):
+    """The raw kernel ``towers_<name>`` (CuPy compiles per device, and caches on disk)."""
+    k = _KERNELS.get(name)
+    if k is None:
+        import cupy
+
+        k = _KERNELS[name] = cupy.RawKernel(_SOURCE, "towers_" + name)
+    return k
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) every kernel on the current device now."""
+    for name in _NAMES:
+        _ = _kernel(name).attributes  # forces compilation and loading on this device
+
+
+def on_host(a) -> bool:
+    return isinstance(a, numpy.ndarray)
+
+
+def _fits(*arrays) -> bool:
+    return all(a.size <= _INT_MAX for a in arrays)
+
+
+def _launch(name: str, n: int, *args) -> None:
+    grid = min(max(-(-n // _BLOCK), 1), 65535 * 8)
+    _kernel(name)((grid,), (_BLOCK,), args)
+
+
+def _i(v) -> numpy.int32:
+    return numpy.int32(v)
+
+
+def _check(*arrays) -> None:
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            raise ValueError(f"towers kernels take C-contiguous arrays, got strides {a.strides}")
+
+
+# -- elementwise ------------------------------------------------------------------------
+
+
+def bias_add(y, b) -> None:
+    """In place: ``y (rows, cols) += b (cols,)``."""
+    if on_host(y) or not _fits(y):
+        y += b
+        return
+    _check(y, b)
+    _launch("bias_add", y.size, y, b, _i(y.size), _i(b.size))
+
+
+def relu(x, y) -> None:
+    """``y = maximum(x, 0)`` (NaN passes through, as NumPy's maximum)."""
+    if on_host(x) or not _fits(x):
+        _xp(x).maximum(x, 0, out=y)
+        return
+    _check(x, y)
+    _launch("relu", x.size, x, y, _i(x.size))
+
+
+def relu_backward(y, dy, mask=None) -> None:
+    """In place: ``dy *= (y > 0)`` (as 1.0 / 0.0, so signs and NaN follow the multiply).
+
+    ``mask`` is the NumPy path's scratch, shaped like ``y``.
+    """
+    if on_host(y) or not _fits(y):
+        xp = _xp(y)
+        mask = mask if mask is not None else xp.empty_like(y)
+        xp.greater(y, 0, out=mask)  # 1.0 / 0.0 in the float dtype: no bool temp
+        xp.multiply(dy, mask, out=dy)
+        return
+    _check(y, dy)
+    _launch("relu_backward", y.size, y, dy, _i(y.size))
+
+
+def add_scaled(g, w, s, tmp=None) -> None:
+    """In place: ``g += s * w`` with ``s * w`` rounded first (the L2 gradient).
+
+    ``tmp`` is the NumPy path's scratch, shaped like ``w``.
+    """
+    s = g.dtype.type(s)
+    if on_host(g) or not _fits(g):
+        xp = _xp(g)
+        tmp = tmp if tmp is not None else xp.empty_like(w)
+        xp.multiply(w, s, out=tmp)
+        g += tmp
+        return
+    _check(g, w)
+    _launch("add_scaled", g.size, g, w, s, _i(g.size))
+
+
+def _xp(a):
+    if on_host(a):
+        return numpy
+    import cupy
+
+    return cupy
+
+
+def bias_grad(dy, out, ws) -> None:
+    """``out (cols,) = dy (rows, cols).sum(axis=0)``: the bias gradient.
+
+    NumPy: ``sum``.  CuPy: ``ones(rows) @ dy`` through cuBLAS, because CuPy's
+    reduction over the long axis of a tall, narrow array runs one block per
+    column (1.2 ms for LeNet-5's first convolution at batch 100, against a few
+    microseconds for the product).
+    """
+    xp = ws.xp
+    if on_host(dy):
+        xp.sum(dy, axis=0, out=out)
+        return
+    ones = ws.array("ones", (dy.shape[0],), dy.dtype)
+    if ws.saved.get("ones") is not ones:
+        ones.fill(1)
+        ws.saved["ones"] = ones
+    xp.matmul(ones.reshape(1, -1), dy, out=out.reshape(1, -1))  # out is contiguous: a view
+
+
+# -- the loss --------------------------------------------------------------------------
+
+
+def softmax_xent(logits, labels, ws, want_loss: bool):
+    """Mean sparse softmax cross-entropy from logits and its gradient ``(softmax - onehot) / n``.
+
+    Log-sum-exp shifted, never the log of a softmax.  Returns (loss or None,
+    dlogits); dlogits lives in the workspace ``ws``.  The loss is a 0-d device
+    array (no host sync).
+    """
+    xp = ws.xp
+    n, c = logits.shape
+    prob = ws.array("prob", (n, c), logits.dtype)
+    if on_host(logits) or not _fits(logits):
+        return _softmax_xent_arrays(xp, logits, labels, ws, prob, want_loss)
+    _check(logits)
+    if labels.dtype != numpy.int32 or not labels.flags.c_contiguous:
+        lab = ws.array("labels", (n,), numpy.int32)
+        lab[...] = labels
+        labels = lab
+    row_loss = ws.array("row_loss", (n,), logits.dtype)
+    _launch("softmax_xent", n, logits, labels, prob, row_loss, _i(n), _i(c), logits.dtype.type(1.0 / n))
+    return (row_loss.sum() / logits.dtype.type(n) if want_loss else None), prob
+
+
+def _softmax_xent_arrays(xp, logits, labels, ws, prob, want_loss):
+    """The array-operation version (NumPy on the CPU; CuPy for arrays too big for the kernel)."""
+    n, c = logits.shape
+    m = ws.array("max", (n, 1), logits.dtype)
+    xp.max(logits, axis=1, keepdims=True, out=m)
+    z = ws.array("z", (n, c), logits.dtype)
+    xp.subtract(logits, m, out=z)
+    xp.exp(z, out=prob)
+    s = ws.array("sum", (n, 1), logits.dtype)
+    xp.sum(prob, axis=1, keepdims=True, out=s)
+    rows = ws.array("rows", (n,), numpy.int64)
+    if ws.saved.get("rows_n") != n:
+        rows[...] = xp.arange(n)
+        ws.saved["rows_n"] = n
+    loss = None
+    if want_loss:
+        loss = (xp.sum(xp.log(s)) - xp.sum(z[rows, labels])) / logits.dtype.type(n)
+    xp.divide(prob, s, out=prob)
+    prob[rows, labels] -= 1
+    prob *= logits.dtype.type(1.0 / n)
+    return loss, prob
+
+
+# -- convolution: im2col / col2im --------------------------------------------------------
+
+
+def im2col(x, cols, pad: tuple, ws) -> None:
+    """``cols (n, ho, wo, k, k, c)`` from ``x (n, h, w, c)`` with (top, left) zero padding ``pad``.
+
+    NumPy: the input is copied into a zero-bordered workspace buffer (zeroed
+    once; only its interior is rewritten), then ONE strided copy of its window
+    view (each (j, c) run of a tap row is contiguous in the buffer).
+    """
+    n, ho, wo, k, _, c = cols.shape
+    h, w = x.shape[1:3]
+    if on_host(x) or not _fits(x, cols):
+        xp = ws.xp
+        hp, wp = ho + k - 1, wo + k - 1
+        if (hp, wp) == (h, w):  # VALID: read the input in place
+            src = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
+        else:
+            src = _zeroed(ws, "xpad", (n, hp, wp, c), x.dtype)
+            t, l = pad
+            src[:, t: t + h, l: l + w, :] = x
+        s = src.strides
+        win = xp.lib.stride_tricks.as_strided(src, shape=(n, ho, wo, k, k, c),
+                                              strides=(s[0], s[1], s[2], s[1], s[2], s[3]))
+        cols[...] = win
+        return
+    _check(x, cols)
+    _launch("im2col", cols.size, x, cols, _i(cols.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k),
+            _i(pad[0]), _i(pad[1]))
+
+
+def col2im(dcols, in_hw: tuple, pad: tuple, ws):
+    """Return ``dx (n, h, w, c)``: each tap of ``dcols (n, ho, wo, k, k, c)`` added back where it was read.
+
+    NumPy: k*k strided adds into a zeroed padded buffer, in (i, j) order, then
+    the interior is cropped into ``dx``.  CUDA: one thread per ``dx`` element
+    sums its taps in the same order (a gather: no atomics, deterministic).
+    ``dx`` lives in ``ws`` (NumPy, VALID padding: the padded buffer itself).
+    """
+    n, ho, wo, k, _, c = dcols.shape
+    h, w = in_hw
+    if on_host(dcols) or not _fits(dcols):
+        dpad = ws.array("dpad", (n, ho + k - 1, wo + k - 1, c), dcols.dtype)
+        dpad.fill(0)
+        for i in range(k):
+            for j in range(k):
+                dpad[:, i: i + ho, j: j + wo, :] += dcols[:, :, :, i, j, :]
+        if dpad.shape[1:3] == (h, w):
+            return dpad
+        dx = ws.array("dx", (n, h, w, c), dcols.dtype)
+        t, l = pad
+        dx[...] = dpad[:, t: t + h, l: l + w, :]
+        return dx
+    dx = ws.array("dx", (n, h, w, c), dcols.dtype)
+    _check(dcols)
+    _launch("col2im", dx.size, dcols, dx, _i(dx.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k),
+            _i(pad[0]), _i(pad[1]))
+    return dx
+
+
+def _zeroed(ws, key: str, shape: tuple, dtype):
+    """A workspace buffer zero-filled when (and only when) it was first made.
+
+    Callers write only its interior, so the zero border survives across steps.
+    """
+    a = ws.array(key, shape, dtype)
+    tag = ("zeroed", key, tuple(shape), numpy.dtype(dtype).str)
+    if ws.saved.get(tag) is not a:
+        a.fill(0)
+        ws.saved[tag] = a
+    return a
+
+
+# -- max-pooling ---------------------------------------------------------------------------
+
+
+def _windows(x, k: int, out_hw: tuple, ws):
+    """(n, ho, k, wo, k, c) view of ``x (n, h, w, c)``, padded with -inf at the end when needed."""
+    n, h, w, c = x.shape
+    ho, wo = out_hw
+    if (ho * k, wo * k) != (h, w):
+        # SAME: TF pads the bottom/right only (total pad < k).  -inf never wins
+        # a window, since every window holds at least one real element.
+        xpad = ws.array("xpad", (n, ho * k, wo * k, c), x.dtype)
+        xpad.fill(-numpy.inf)
+        xpad[:, :h, :w, :] = x
+        x = xpad
+    return x.reshape(n, ho, k, wo, k, c)
+
+
+def maxpool(x, y, k: int, ws) -> None:
+    """``y (n, ho, wo, c)``: the max of each k x k window of ``x (n, h, w, c)`` (stride k, SAME).
+
+    NumPy: k*k elementwise maxima over strided window views (several times
+    faster than a reduction over the two non-adjacent window axes).
+    """
+    n, ho, wo, c = y.shape
+    h, w = x.shape[1:3]
+    if on_host(x) or not _fits(x):
+        xp = ws.xp
+        win = _windows(x, k, (ho, wo), ws)
+        y[...] = win[:, :, 0, :, 0, :]
+        for a in range(k):
+            for b in range(k):
+                if a or b:
+                    xp.maximum(y, win[:, :, a, :, b, :], out=y)
+        return
+    _check(x, y)
+    _launch("maxpool", y.size, x, y, _i(y.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k))
+
+
+def maxpool_backward(x, y, dy, k: int, ws):
+    """Return ``dx`` (in ``ws``, shaped like ``x``): ``dy`` of each window at its FIRST maximal element (row-major), 0 elsewhere.
+
+    A window of tied values (frequent after a ReLU: all zeros) passes its
+    gradient to exactly one input, as TensorFlow's CPU kernel does.
+    """
+    n, ho, wo, c = y.shape
+    h, w = x.shape[1:3]
+    if on_host(x) or not _fits(x):
+        xp = ws.xp
+        win = _windows(x, k, (ho, wo), ws)
+        dwin = ws.array("dwin", win.shape, dy.dtype)
+        left = ws.array("left", y.shape, dy.dtype)  # 1 until the window's max is claimed
+        left.fill(1)
+        eq = ws.array("eq", y.shape, dy.dtype)
+        for a in range(k):
+            for b in range(k):
+                xp.equal(win[:, :, a, :, b, :], y, out=eq)  # 1.0 / 0.0: no bool temporary
+                eq *= left  # only the first maximum of each window
+                left -= eq
+                xp.multiply(dy, eq, out=dwin[:, :, a, :, b, :])
+        dx = dwin.reshape(n, ho * k, wo * k, c)
+        if (ho * k, wo * k) != (h, w):
+            out = ws.array("dx", (n, h, w, c), dy.dtype)
+            out[...] = dx[:, :h, :w, :]
+            dx = out
+        return dx
+    dx = ws.array("dx", x.shape, dy.dtype)
+    _check(x, y, dy)
+    _launch("maxpool_backward", dx.size, x, y, dy, dx, _i(dx.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k))
+    return dx
+
+
+def mean2(a, b, scale) -> None:
+    """In place: ``a`` and ``b`` both become ``(a + b) * scale`` (two towers sharing a device)."""
+    scale = a.dtype.type(scale)
+    if on_host(a) or not _fits(a) or a.dtype != numpy.float32:
+        a += b
+        a *= scale
+        b[...] = a
+        return
+    _check(a, b)
+    _launch("mean2", a.size, a, b, scale, _i(a.size))
+
+
+# -- device-resident data ------------------------------------------------------------------
+
+
+def gather_batch(xd, yd, idx, xo, yo, scale) -> None:
+    """``xo = xd[idx] * scale`` (float32; ``scale`` None: a plain copy) and ``yo = yd[idx]``.
+
+    ``xd`` is (N, ...) uint8 or float32, ``yd`` (N,) int32, ``idx`` int64 rows.
+    """
+    if on_host(xd) or not _fits(xo) or xd.dtype not in (numpy.uint8, numpy.float32):
+        rows = xd[idx]
+        if scale is not None:
+            _xp(xd).multiply(rows, numpy.float32(scale), out=xo, casting="unsafe")
+        else:
+            xo[...] = rows
+        yo[...] = yd[idx]
+        return
+    _check(xd, yd, idx, xo, yo)
+    feat = xo.size // max(len(idx), 1)
+    name = "gather_u8" if xd.dtype == numpy.uint8 else "gather_f32"
+    _launch(name, xo.size, xd, yd, idx, xo, yo, _i(xo.size), _i(feat),
+            numpy.float32(scale if scale is not None else 1.0))
+
+
+# -- matmul precision --------------------------------------------------------------------------
+
+
+def set_tf32(on: bool):
+    """Float32 matmuls of CuPy on TF32 tensor cores (``on``) or in plain float32.
+
+    Returns the previous setting, for ``restore_compute_type``.  The setting is
+    CuPy's, process-wide (every device and thread); TF32 keeps float32 range
+    with a 10-bit mantissa in the products (about 3e-4 relative error per GEMM).
+    """
+    from cupy._core import _routines_linalg as linalg
+
+    previous = linalg.get_compute_type(numpy.float32)
+    linalg.set_compute_type(numpy.float32, linalg.COMPUTE_TYPE_TF32 if on else linalg.COMPUTE_TYPE_DEFAULT)
+    return previous
+
+
+def restore_compute_type(previous) -> None:
+    from cupy._core import _routines_linalg as linalg
+
+    linalg.set_compute_type(numpy.float32, previous)
