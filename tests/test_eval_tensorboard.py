@@ -110,3 +110,19 @@ def test_eval_watch_evaluates_each_new_checkpoint(tmp_path):
         watch.kill()
     assert watch.returncode == 0, err
     assert "(step 8)" in out
+
+
+def test_summaries_do_not_import_torch(tmp_path):
+    """tensorboardX imports torch when installed (seconds of start-up); the writer keeps it out."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    marker = tmp_path / "torch-was-imported"
+    (fake / "torch.py").write_text(f"open({str(marker)!r}, 'w').close()\nTensor = object\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from towers.train import main; "
+            "sys.exit(main(['--devices', 'cpu', '--steps', '3', '--summary-every', '1', '--quiet', "
+            "'--hidden', '8', '--logdir', sys.argv[2]]))")
+    res = subprocess.run([sys.executable, "-c", code, str(fake), str(tmp_path / "run")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert list((tmp_path / "run").glob("events.out.tfevents.*"))
+    assert not marker.exists()

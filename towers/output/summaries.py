@@ -10,6 +10,7 @@ training thread at the step that wrote it.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -134,8 +135,9 @@ class TensorBoard:
         self.every, self.path = every, None
         self._writer = None
         if every > 0:  # 0: no summaries, no event file
-            from tensorboardX.proto.event_pb2 import Event, SessionLog
-            from tensorboardX.record_writer import RecordWriter
+            with _without_torch():
+                from tensorboardX.proto.event_pb2 import Event, SessionLog
+                from tensorboardX.record_writer import RecordWriter
 
             self._event = Event
             seq = len(glob.glob(os.path.join(glob.escape(logdir), "events.out.tfevents.*")))
@@ -208,3 +210,23 @@ def _finite(a: numpy.ndarray) -> numpy.ndarray:
     a = numpy.asarray(a).reshape(-1)
     ok = numpy.isfinite(a)
     return a if ok.all() else a[ok]
+
+
+@contextlib.contextmanager
+def _without_torch():
+    """Import tensorboardX without it importing PyTorch.
+
+    tensorboardX's package imports ``torch`` when it is installed, only to
+    recognise torch tensors; towers hands it NumPy arrays, and importing torch
+    costs seconds (measured on the GPU machine).  While tensorboardX is first
+    imported, ``import torch`` fails as if torch were absent.  If the process
+    already uses torch, nothing changes.
+    """
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # makes ``import torch`` raise ImportError
+    try:
+        yield
+    finally:
+        if blocked and sys.modules.get("torch", 1) is None:
+            del sys.modules["torch"]
