@@ -155,3 +155,11 @@ def test_a_loss_that_does_not_move_is_said_on_the_log_line(tmp_path):
     assert "has not moved" not in lines["step 300"]  # not before STUCK_STEPS
     res = run_cli(*common, "--logdir", str(tmp_path / "moving"))
     assert res.returncode == 0 and "has not moved" not in res.stdout
+
+
+def test_help_says_what_no_soft_placement_does():
+    res = run_cli("--help")
+    assert res.returncode == 0
+    text = " ".join(res.stdout.split())  # argparse wraps lines
+    i = text.index("--no-soft-placement")
+    assert "fail instead of bending an impossible placement" in text[i: i + 200]
