@@ -155,3 +155,12 @@ def test_a_loss_that_does_not_move_is_said_on_the_log_line(tmp_path):
     assert "has not moved" not in lines["step 300"]  # not before STUCK_STEPS
     res = run_cli(*common, "--logdir", str(tmp_path / "moving"))
     assert res.returncode == 0 and "has not moved" not in res.stdout
+
+
+def test_a_run_without_test_data_says_which_flags_give_it(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.random((60, 4), dtype=np.float32), y=rng.integers(0, 3, 60))
+    res = run_cli("--data", str(tmp_path / "d.npz"), "--devices", "cpu", "--batch-size", "10", "--steps", "2",
+                  "--quiet", "--logdir", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    assert "no test data (x_test/y_test in --data, or --test-data): test accuracy skipped" in res.stdout

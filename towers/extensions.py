@@ -262,7 +262,7 @@ class Run:
             self.reporter.say(f"test accuracy: {test['test_accuracy']:.4f} (raw weights), "
                               f"{test['test_accuracy_ema']:.4f} (EMA weights)")
         else:
-            self.reporter.say("no test data (x_test/y_test in `data`, or `test_data`): test accuracy skipped")
+            self.reporter.say(render("no test data (x_test/y_test in `data`, or `test_data`): test accuracy skipped"))
         weights = {f"params/{k}": v for k, v in t.get_weights().items()}
         weights.update({f"ema/{k}": v for k, v in t.get_weights(ema=True).items()})
         weights["step"] = numpy.int64(t.step)
