@@ -160,7 +160,7 @@ class Run:
         self.lr = trainer.lr()
         self.reporter = self.tensorboard = None
         self._lock: int | None = None
-        self.checkpointer = checkpoint.Checkpointer(logdir, cfg.checkpoint_every, cfg.keep_checkpoints)
+        self.checkpointer = checkpoint.Checkpointer(logdir, cfg.keep_checkpoints)
 
     @classmethod
     def open(cls, trainer, logdir: str, extensions=()) -> "Run":
