@@ -83,6 +83,23 @@ def test_async_converges_and_reports_staleness(local_ray, tmp_path, capsys):
     assert last.startswith("done: 300 steps") and "gradient staleness mean" in last
 
 
+def test_two_hosts_read_tfrecords_with_the_runs_decode(local_ray, tmp_path):
+    """`decode`, `on_error` and `input_workers` reach the driver's loader as they reach one host's."""
+    from towers.data.tfrecord import from_npz
+
+    rng = numpy.random.default_rng(0)
+    x, y = rng.integers(0, 255, (120, 4, 4), dtype=numpy.uint8), rng.integers(0, 3, 120)
+    from_npz.write_examples(tmp_path / "d.tfrecords", x, y, "none")
+    data = dict(data=str(tmp_path / "d.tfrecords"), x_key="image_raw", y_key="label", decode="image_raw:uint8:4,4",
+                input_workers=0, batch_size=10)
+    want = one_host(2, **data)
+    with cluster(hosts=2, n_gpu=1, **data) as t:
+        assert t.dataset.example_shape == (4, 4) and t.dataset.x.workers == 0
+        got = run_steps(t, 2)
+    for a, b in zip(got, want):
+        assert_close(a, b)
+
+
 def test_killed_host_stops_run_and_resume_continues(local_ray, tmp_path):
     logdir = str(tmp_path / "run")
     t = cluster(hosts=2, n_gpu=1, steps=10**6, checkpoint_every=20, keep_checkpoints=50, logdir=logdir)

@@ -1,4 +1,6 @@
 """Input pipeline: loading and validation, the global batch, prefetching, staging."""
+import time
+
 import numpy as np
 import pytest
 
@@ -101,6 +103,29 @@ def test_prefetcher_delivers_in_order_and_surfaces_errors():
     with pytest.raises(OSError, match="disk gone"):
         pf.get()
     pf.close()
+
+
+def test_prefetcher_closes_when_its_queue_is_full_and_the_input_then_fails():
+    """The loop stopped reading (an error of its own) while the input thread hit one: close() ends the thread."""
+    ds = Dataset(**small(10), num_classes=3)
+    good = BatchSource(ds, 5, seed=1)
+
+    class FailsLater:
+        def __init__(self):
+            self.calls = 0
+
+        def submit_batch(self):
+            self.calls += 1
+            if self.calls > 2:
+                raise OSError("disk gone")
+            return good.submit_batch()
+
+    source = FailsLater()
+    pf = Prefetcher(source, steps=10, depth=2)
+    while source.calls < 3:
+        time.sleep(0.01)  # two batches fill the queue; the third call's error waits for room
+    pf.close()
+    assert not pf._thread.is_alive()
 
 
 def test_stager_scales_uint8_on_the_device():

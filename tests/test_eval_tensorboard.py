@@ -94,6 +94,7 @@ def test_eval_errors_are_one_line(run_dir, tmp_path):
                 x_test=numpy.zeros((20, 5), numpy.uint8), y_test=numpy.arange(20) % 10)
     assert "shape" in error("--logdir", run_dir, "--data", other)
     assert "--watch needs --logdir" in error("--checkpoint", run_dir / "ckpt-00000010.npz", "--watch")
+    assert "set --test-data to" in error("--logdir", run_dir, "--test-data", tmp_path / "missing.npz")
 
 
 def test_eval_watch_evaluates_each_new_checkpoint(tmp_path):

@@ -94,6 +94,25 @@ def test_tower_threads_reraise_and_recover():
         pool.close()
 
 
+def test_tower_zero_error_is_raised_not_the_barrier_it_broke():
+    """Tower 0 runs on the caller's thread (Ctrl-C lands there): its own error must come
+    out of run(), not the BrokenBarrierError it causes in the threads waiting for it."""
+    pool = TowerThreads(3)
+    try:
+        def bad(i):
+            if i == 0:
+                raise KeyboardInterrupt
+            pool.barrier.wait()
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(bad)
+        seen = []
+        pool.run(lambda i: (pool.barrier.wait(), seen.append(i)))  # the barrier works again
+        pool.wait()
+        assert sorted(seen) == [0, 1, 2]
+    finally:
+        pool.close()
+
+
 def test_chunks_cover_exactly():
     parts = chunks(10, 3)
     assert [(p.start, p.stop) for p in parts] == [(0, 3), (3, 6), (6, 10)]

@@ -168,3 +168,20 @@ def test_eval_reads_the_runs_tfrecord_test_data_with_its_decode(tmp_path, capsys
     assert eval_main(["--logdir", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "on 1438 test examples" in out, out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc")
+def test_closing_records_read_in_process_closes_their_file(records):
+    """``input_workers`` 0 reads in this process: close() must release the file it opened."""
+    from towers.data.tfrecord.records import load_split
+
+    def open_on_records():
+        return [fd for fd in os.listdir("/proc/self/fd")
+                if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(records)]
+
+    x, _ = load_split(str(records), "image_raw", "label", decode="image_raw:uint8:8,8", workers=0)
+    assert x[:3].shape == (3, 8, 8) and len(open_on_records()) == 1
+    x.close()
+    assert open_on_records() == []
+    assert x[3:5].shape == (2, 8, 8)  # a later read opens it again
+    x.close()

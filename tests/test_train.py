@@ -162,3 +162,12 @@ def test_help_says_what_no_soft_placement_does():
     assert res.returncode == 0
     text = " ".join(res.stdout.split())  # argparse wraps lines
     assert "--no-soft-placement fail instead of bending an impossible placement" in text
+
+
+def test_a_run_without_test_data_says_which_flags_give_it(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.random((60, 4), dtype=np.float32), y=rng.integers(0, 3, 60))
+    res = run_cli("--data", str(tmp_path / "d.npz"), "--devices", "cpu", "--batch-size", "10", "--steps", "2",
+                  "--quiet", "--logdir", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    assert "no test data (x_test/y_test in --data, or --test-data): test accuracy skipped" in res.stdout

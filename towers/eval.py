@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from towers.errors import UserError
+from towers.errors import TrainingError, UserError, flags_in_messages
 from towers.output.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_weights, named_to_flat
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.records import is_tfrecord
@@ -29,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--logdir", help="evaluate the latest valid checkpoint of this run")
     src.add_argument("--checkpoint", metavar="PATH", help="evaluate this ckpt-*.npz")
     ap.add_argument("--no-ema", dest="ema", action="store_false", help="use the raw weights, not the EMA")
-    ap.add_argument("--data", help="data (.npz with x_test/y_test); default: the checkpoint's --data")
-    ap.add_argument("--test-data", help="separate test data (.npz); default: the checkpoint's --test-data")
+    ap.add_argument("--data", help="data (.npz with x_test/y_test, or TFRecord); default: the checkpoint's --data")
+    ap.add_argument("--test-data", help="separate test data (.npz or TFRecord); default: the checkpoint's --test-data")
     ap.add_argument("--x-key", help="npz key of the examples (default: the checkpoint's)")
     ap.add_argument("--y-key", help="npz key of the labels (default: the checkpoint's)")
     ap.add_argument("--watch", action="store_true", help="evaluate each new checkpoint in --logdir until interrupted")
@@ -124,14 +124,19 @@ def run(args) -> None:
 
 
 def main(argv=None) -> int:
+    with flags_in_messages():  # the loader's messages name flags (--test-data), as in towers.train
+        return _main(argv)
+
+
+def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.interval <= 0:
             raise UserError(f"--interval must be > 0 seconds, got {args.interval:g}")
         run(args)
-    except UserError as e:
+    except (UserError, TrainingError) as e:  # a mistake (2), or damaged TFRecord test data met mid-read (1)
         print(f"towers.eval: error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, UserError) else 1
     except KeyboardInterrupt:  # the way --watch ends
         print("towers.eval: stopped", file=sys.stderr)
         return 0 if args.watch else 130

@@ -160,7 +160,7 @@ class Run:
         self.lr = trainer.lr()
         self.reporter = self.tensorboard = None
         self._lock: int | None = None
-        self.checkpointer = checkpoint.Checkpointer(logdir, cfg.checkpoint_every, cfg.keep_checkpoints)
+        self.checkpointer = checkpoint.Checkpointer(logdir, cfg.keep_checkpoints)
 
     @classmethod
     def open(cls, trainer, logdir: str, extensions=()) -> "Run":
@@ -262,7 +262,7 @@ class Run:
             self.reporter.say(f"test accuracy: {test['test_accuracy']:.4f} (raw weights), "
                               f"{test['test_accuracy_ema']:.4f} (EMA weights)")
         else:
-            self.reporter.say("no test data (x_test/y_test in `data`, or `test_data`): test accuracy skipped")
+            self.reporter.say(render("no test data (x_test/y_test in `data`, or `test_data`): test accuracy skipped"))
         weights = {f"params/{k}": v for k, v in t.get_weights().items()}
         weights.update({f"ema/{k}": v for k, v in t.get_weights(ema=True).items()})
         weights["step"] = numpy.int64(t.step)

@@ -29,6 +29,7 @@ stops the run with one line naming the host (``TrainingError``, exit 1).
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy
 
@@ -38,9 +39,9 @@ from towers.cluster.ps import ParameterServer
 from towers.cluster.reduce import Exchange
 from towers.config import Config
 from towers.data.loading import load_dataset
+from towers.data.tfrecord.records import close_dataset
 from towers.devices.placement import CPU, Placement
 from towers.errors import TrainingError, UserError
-from towers.output.checkpoint import FORMAT  # noqa: F401  (same checkpoint format as one host)
 from towers.parallel.allreduce import world_layout
 from towers.trainer import Trainer
 
@@ -59,16 +60,21 @@ class ClusterTrainer(Trainer):
         cfg = (cfg if cfg is not None else Config()).resolved(model)
         if cfg.hosts < 2:
             raise UserError("ClusterTrainer is for `hosts` 2 or more; use towers.Trainer for one host")
+        owned = None
         if dataset is None:  # every error a file can cause, before Ray starts
-            dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data)
-        self._ray, self._owned = session.connect(cfg.ray_address, cfg.ray_logs, cfg.hosts)
+            dataset = owned = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode,
+                                           on_error=cfg.on_error, workers=cfg.input_workers)
         try:
+            self._ray, self._owned = session.connect(cfg.ray_address, cfg.ray_logs, cfg.hosts)
             self._start(cfg, model, dataset, getattr(nccl, "__name__", nccl))
             super().__init__(cfg, model=model, dataset=dataset, placement=Placement(towers=[CPU]),
                              quiet_placement=True)
         except BaseException:
             self._shutdown()
+            if owned is not None:
+                close_dataset(owned)
             raise
+        self._owned_data = owned  # its TFRecord workers (the driver's batches) end with close()
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -92,7 +98,7 @@ class ClusterTrainer(Trainer):
         if gpus == 0 and int(ray.cluster_resources().get("GPU", 0)) and cfg.devices != "cpu":
             notice = f"{n} hosts x {towers} GPUs asked for, the Ray cluster has fewer GPUs: hosts run on the CPU"
         if notice:
-            print(notice, flush=True, file=__import__("sys").stderr)
+            print(notice, flush=True, file=sys.stderr)
         self._towers = [i["towers"] for i in self.host_info]
         data = ray.put(dataset)
         world, exchange = [None] * n, None

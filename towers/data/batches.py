@@ -100,17 +100,20 @@ class Prefetcher:
     def _run(self, source, steps):
         try:
             for _ in range(steps):
-                item = source.submit_batch()
-                while not self._stop.is_set():
-                    try:
-                        self._q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(source.submit_batch()):
                     return
         except BaseException as e:  # surfaced in the main thread by get()
-            self._q.put(e)
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        """Queue ``item`` unless ``close`` comes first (a full queue must not outlive the reader)."""
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def get(self):
         item = self._q.get()

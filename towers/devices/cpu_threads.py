@@ -69,7 +69,12 @@ class TowerThreads:
         try:
             self._call(fn, 0)
         except BaseException:
-            self.wait()  # a tower thread's own error, if any, is the cause: raise that one
+            try:
+                self.wait()  # a tower thread's own error, if any, is the cause: raise that one
+            except threading.BrokenBarrierError:
+                pass  # only the echo of tower 0's own abort: tower 0's error is the one to raise
+            finally:
+                self.barrier.reset()
             raise
 
     def wait(self) -> None:

@@ -3,20 +3,23 @@
 A checkpoint ``ckpt-<step, 8 digits>.npz`` in the run's logdir holds, under
 plain names that do not depend on the number of towers:
 
-* ``params/<name>``, ``ema/<name>`` and (with ``--momentum``) ``momentum/<name>``,
+* ``params/<name>``, ``ema/<name>`` and the optimizer's state (``momentum/<name>``
+  for SGD with momentum, ``adam_m/<name>`` and ``adam_v/<name>`` for Adam),
   float32, stored once (every replica holds the same values);
 * ``step`` and the input pipeline's position ``data/epoch``, ``data/index``.  The
   shuffle of epoch ``e`` is ``default_rng([seed, e])``, so the seed (in the
   config) and the position are the pipeline's whole RNG state;
 * ``config``: the run's settings as a JSON string, ``data/shape`` and
   ``data/num_classes`` (to refuse another dataset), ``n_towers`` and
-  ``global_batch`` (to note a change), and ``format``.
+  ``global_batch`` (to note a change), ``sync/n_averages`` (the EMA's count in
+  weights mode), and ``format``.
 
 The learning rate and the EMA decay are functions of ``step``, and everything
 else is scratch, so this is all a bit-identical resume needs.
 
-Every file is written atomically: a temporary file in the same directory is
-flushed and fsynced, renamed over the target, and the directory is fsynced.  A
+Every file is written atomically (``towers.output.files``): a temporary file in
+an owned folder beside the target is fsynced, renamed over the target, and the
+directory is fsynced.  A
 crash (even SIGKILL) at any moment leaves the old file or the complete new one,
 never a torn one.  The text file ``checkpoint`` names the latest, as
 TensorFlow's does, and is written the same way.  npz members get a fixed
@@ -53,7 +56,6 @@ def named_to_flat(model, named: dict) -> numpy.ndarray:
     for name, shape, off, size in model.layout():
         flat[off : off + size] = numpy.asarray(named[name], dtype=numpy.float32).reshape(-1)
     return flat
-
 
 
 # -- finding and reading checkpoints --------------------------------------------------
@@ -253,26 +255,16 @@ def load_state_dict(trainer, state: dict, where: str) -> None:
 
 
 class Checkpointer:
-    """Writes ``ckpt-*.npz`` every ``every`` steps (0: only at the end), keeps the newest ``keep``."""
+    """Writes ``ckpt-*.npz`` files and the index, keeps the newest ``keep``.
 
-    def __init__(self, logdir: str, every: int, keep: int):
-        self.logdir, self.every, self.keep = logdir, every, keep
+    When is the ``towers.extensions.Checkpoints`` extension's business; it also
+    refuses non-finite state before ``write``, so every checkpoint on disk, and
+    ``last_path``, holds finite weights.
+    """
+
+    def __init__(self, logdir: str, keep: int):
+        self.logdir, self.keep = logdir, keep
         self.last_path: str | None = None  # the newest checkpoint on disk, once known
-
-    def due(self, step: int, last_step: int) -> bool:
-        return step == last_step or (self.every > 0 and step % self.every == 0)
-
-    def save(self, trainer) -> str:
-        """Write the trainer's state (a host sync on GPU), then the index, then prune.
-
-        Non-finite weights are refused (a ``TrainingError``), so every checkpoint
-        on disk, and ``last_path``, holds finite weights.
-        """
-        arrays = trainer.state_dict()
-        key = non_finite(arrays)
-        if key is not None:
-            raise diverged(trainer.step, f"{key} holds non-finite values", self.last_path)
-        return self.write(trainer.step, arrays)
 
     def write(self, step: int, arrays: dict) -> str:
         """Write a state dict already checked to be finite as the checkpoint of ``step``.

@@ -1,7 +1,8 @@
 """Files written whole or not at all, never over the user's data: the one writer of towers and tools/.
 
 Atomic outputs
---------------Writing an output without ever hurting the user's data: temporaries, atomic rename, refusals.
+--------------
+Writing an output without ever hurting the user's data: temporaries, atomic rename, refusals.
 
 A run keeps every temporary file in one *owned folder* beside the output
 (:func:`output_folder`): the column spill files and the output being
@@ -246,8 +247,6 @@ def _fsync(path, flags):
 
 
 # -- npz files ----------------------------------------------------------------------
-
-
 
 _BLOCK = 8 << 20
 

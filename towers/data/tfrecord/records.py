@@ -278,6 +278,12 @@ class _Reader:
             fd = self._fds[f] = os.open(self.paths[f], os.O_RDONLY)
         return fd
 
+    def close(self) -> None:
+        """Close the files opened so far (a later read opens them again)."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
     def read(self, files, offsets, lengths, numbers):
         parse, name, values = SequenceExample.FromString, self.feature, []
         take = values.append if self.kind == KIND_BYTES else values.extend
@@ -390,7 +396,8 @@ class RecordArray:
         return self._pool
 
     def close(self) -> None:
-        """Stop the worker processes (a later read starts them again)."""
+        """Stop the worker processes and close the files read in this process (a later read reopens)."""
+        self._reader.close()
         if self._pool is not None:
             self._finalizer.detach()
             self._pool.shutdown(wait=True, cancel_futures=True)
