@@ -185,3 +185,23 @@ def test_closing_records_read_in_process_closes_their_file(records):
     assert open_on_records() == []
     assert x[3:5].shape == (2, 8, 8)  # a later read opens it again
     x.close()
+
+
+def test_a_record_array_pickles_without_its_workers_and_reads_the_same(tmp_path):
+    import pickle
+
+    from towers.data.loading import load_dataset
+
+    with np.load(DIGITS) as z:
+        x, y = z["x"][:50], z["y"][:50]
+    path = write_examples(tmp_path / "d.tfrecords", x, y)
+    ds = load_dataset(str(path), "image_raw", "label", decode="image_raw:uint8:8,8", workers=1)
+    try:
+        first = ds.x[np.arange(10)]  # starts the worker pool and opens the file
+        copy = pickle.loads(pickle.dumps(ds.x))
+        assert copy._pool is None
+        np.testing.assert_array_equal(copy[np.arange(10)], first)
+        np.testing.assert_array_equal(first.reshape(10, -1), x[:10].reshape(10, -1))
+        copy.close()
+    finally:
+        ds.x.close()

@@ -111,10 +111,6 @@ class Config:
         _check_optimization(cfg)
         return cfg
 
-    def changed(self) -> dict:
-        """The settings that differ from the defaults (for the 'settings in effect' line)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != f.default}
 
 
 def _check(cfg: Config) -> None:

@@ -16,7 +16,7 @@ import time
 from towers.errors import TrainingError, UserError, flags_in_messages
 from towers.output.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_weights, named_to_flat
 from towers.data.loading import load_dataset
-from towers.data.tfrecord.records import is_tfrecord
+from towers.data.tfrecord.records import close_dataset, is_tfrecord
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
 from towers.devices.placement import resolve
@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-ema", dest="ema", action="store_false", help="use the raw weights, not the EMA")
     ap.add_argument("--data", help="data (.npz with x_test/y_test, or TFRecord); default: the checkpoint's --data")
     ap.add_argument("--test-data", help="separate test data (.npz or TFRecord); default: the checkpoint's --test-data")
-    ap.add_argument("--x-key", help="npz key of the examples (default: the checkpoint's)")
-    ap.add_argument("--y-key", help="npz key of the labels (default: the checkpoint's)")
+    ap.add_argument("--x-key", help="npz key or TFRecord feature of the examples (default: the checkpoint's)")
+    ap.add_argument("--y-key", help="npz key or TFRecord feature of the labels (default: the checkpoint's)")
     ap.add_argument("--watch", action="store_true", help="evaluate each new checkpoint in --logdir until interrupted")
     ap.add_argument("--interval", type=float, default=10.0, metavar="SEC", help="seconds between polls with --watch")
     ap.add_argument("--max-evals", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N
@@ -62,6 +62,11 @@ class Evaluator:
             self._data[key] = ds
         return self._data[key]
 
+    def close(self) -> None:
+        """Stop the worker processes of TFRecord test sets."""
+        for ds in self._data.values():
+            close_dataset(ds)
+
     def evaluate(self, path: str, arrays: dict) -> str:
         ck, step = arrays["config"], int(arrays["step"])
         shape, classes = tuple(int(v) for v in arrays["data/shape"][1:]), int(arrays["data/num_classes"])
@@ -88,6 +93,13 @@ def _warn(line: str) -> None:
 
 def run(args) -> None:
     ev = Evaluator(args)
+    try:
+        _run(args, ev)
+    finally:
+        ev.close()
+
+
+def _run(args, ev: "Evaluator") -> None:
     if args.checkpoint:
         if args.watch:
             raise UserError("--watch needs --logdir (it waits for new checkpoints there), not --checkpoint")

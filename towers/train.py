@@ -125,6 +125,10 @@ def _main(argv) -> int:
     except KeyboardInterrupt:
         print("towers.train: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # a file the run touched outside the writers that name it
+        print(f"towers.train: error: {e.filename or ''}: {e.strerror or e}; check the path, its permissions "
+              "and free space", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -34,11 +34,10 @@ def trim_metrics(logdir: str, step: int) -> None:
     a crashed run logged after it would appear twice.
     """
     path = os.path.join(logdir, METRICS)
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines(keepends=True)
-    except FileNotFoundError:
+    if not os.path.exists(path):
         return
+    with writing(path, "read"), open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines(keepends=True)
     keep = [line for line in lines if _record_step(line) is not None and _record_step(line) <= step]
     if keep != lines:
         with writing(path):

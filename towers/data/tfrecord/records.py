@@ -365,6 +365,17 @@ class RecordArray:
     def __len__(self):
         return self.shape[0]
 
+    def __getstate__(self):
+        # Pickled to other processes (Ray hosts): the positions and the spec
+        # travel; this process's worker pool and open descriptors do not.
+        state = dict(self.__dict__, _pool=None, _finalizer=None)
+        state["_reader"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._reader = _Reader(*self._spec)
+
     def __repr__(self):
         return f"RecordArray({self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
