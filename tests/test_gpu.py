@@ -249,6 +249,38 @@ def test_softmax_xent_kernel_matches_numpy():
     assert np.isfinite(g_d).all()
 
 
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True), (True, True)])
+def test_gemm_through_cublas_matches_numpy(trans_a, trans_b):
+    import cupy
+    from towers.nn import kernels
+
+    rng = np.random.default_rng(4)
+    m, k, n = 37, 53, 29
+    a = _floats(rng, (k, m) if trans_a else (m, k), special=False)
+    b = _floats(rng, (n, k) if trans_b else (k, n), special=False)
+    expect = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b).astype(np.float64)
+    out = cupy.full((m, n), 7.0, dtype=cupy.float32)  # poisoned: every element must be written
+    kernels.gemm(cupy.asarray(a), cupy.asarray(b), out, trans_a, trans_b)
+    np.testing.assert_allclose(out.get(), expect, rtol=1e-5, atol=1e-5)
+    # A strided operand is not what cuBLAS is given a pointer to: cupy.matmul takes it, same values.
+    wide = cupy.asarray(np.concatenate([a, a], axis=1))[:, : a.shape[1]]
+    out2 = cupy.full((m, n), 7.0, dtype=cupy.float32)
+    kernels.gemm(wide, cupy.asarray(b), out2, trans_a, trans_b)
+    np.testing.assert_allclose(out2.get(), expect, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="gemm"):
+        kernels.gemm(cupy.asarray(a), cupy.asarray(b), cupy.empty((m + 1, n), cupy.float32), trans_a, trans_b)
+
+
+def test_bias_grad_on_gpu_is_the_column_sum():
+    import cupy
+    from towers.nn import kernels
+
+    dy = _floats(np.random.default_rng(8), (300, 41), special=False)
+    out = cupy.full(41, 7.0, dtype=cupy.float32)
+    kernels.bias_grad(cupy.asarray(dy), out, _ws(cupy))
+    np.testing.assert_allclose(out.get(), dy.astype(np.float64).sum(axis=0), rtol=1e-5, atol=1e-5)
+
+
 def test_gather_kernel_gives_the_staged_batch():
     import cupy
     from towers.nn import kernels

@@ -114,3 +114,16 @@ def test_user_model_by_module_path_and_errors():
 
 def wrong_classes(input_shape, num_classes):
     return [Dense("a", num_classes + 1)]
+
+
+def test_gemm_on_the_host_is_numpys_matmul_of_the_views():
+    from towers.nn import kernels
+
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((7, 5)).astype(np.float32), rng.standard_normal((7, 4)).astype(np.float32)
+    out = np.full((5, 4), 7.0, np.float32)
+    kernels.gemm(a, b, out, trans_a=True)
+    np.testing.assert_array_equal(out, np.matmul(a.T, b))
+    out = np.full((7, 7), 7.0, np.float32)
+    kernels.gemm(a, a, out, trans_b=True)
+    np.testing.assert_array_equal(out, np.matmul(a, a.T))

@@ -284,6 +284,9 @@ class Trainer:
 
     def _gradients(self, x, y, want_loss: bool, average: bool, indices=None):
         """Stages 1-3: every tower's gradients, averaged when ``average``."""
+        if indices is not None:
+            with self.timer("stage"):
+                self.device_data.upload(indices)  # the step's indices: one copy per GPU
         losses = [self._stage_and_compute(i, x, y, want_loss, indices) for i in range(self.n_towers)]
         if average:
             with self.timer("all-reduce"):
@@ -294,13 +297,13 @@ class Trainer:
         """Stages 1-2 of tower ``i``: its slice onto its device, forward and backward.
 
         The slice comes from the host batch ``x``, ``y``, or from the device-resident
-        data set as rows ``indices``.
+        data set as rows ``indices`` (uploaded by ``_gradients``).
         """
         b, t = self.cfg.batch_size, self.timer
         with self.devices[i].scope(), on_stream(self.streams[i]):
             with t("stage", i):
                 if indices is not None:
-                    xs, ys = self.device_data.stage(i, indices[i * b: (i + 1) * b])
+                    xs, ys = self.device_data.stage(i)
                 else:
                     xs, ys = self.stagers[i].stage(x[i * b: (i + 1) * b], y[i * b: (i + 1) * b])
             return self.replicas[i].loss_and_grads(xs, ys, self.cfg.l2, want_loss, self._tower_timers[i])

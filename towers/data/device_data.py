@@ -3,9 +3,10 @@
 When every tower is on a GPU and the training examples and labels take at most
 ``FRACTION`` of a device's free memory, ``DeviceData`` copies them once to each
 GPU (pixels stay uint8, labels become int32).  A step then sends only its
-global batch's row indices (``batch`` int64 per tower, through two pinned host
-buffers, as ``towers.data.staging`` does for whole batches) and ONE kernel per
-tower gathers the rows and scales uint8 by 1/255 (``towers.nn.kernels.gather_batch``),
+global batch's row indices (``batch`` int64 per tower; per GPU one pinned fill,
+one copy and one event for all its towers, through two pinned host buffers, as
+``towers.data.staging`` does for whole batches) and ONE kernel per tower
+gathers the rows and scales uint8 by 1/255 (``towers.nn.kernels.gather_batch``),
 which gives the same float32 values as staging the rows from the host.  The
 batches are the ones ``BatchSource.next_indices`` draws, so the examples seen,
 their order and the resume position are those of the host pipeline, and no
@@ -42,47 +43,79 @@ def fits_on(devices, dataset) -> bool:
 
 
 class DeviceData:
-    """The training set on each tower's GPU, and per tower the gather of its slice."""
+    """The training set on each GPU of the towers; per step one index upload per GPU, one gather per tower.
+
+    ``upload(indices)`` sends a step's global batch of row indices: per GPU ONE
+    fill of a pinned buffer with its towers' slices, ONE host-to-device copy
+    and ONE event, on the GPU's stream (towers sharing a GPU share its stream,
+    as the trainer makes them).  ``stage(i)`` then gathers tower ``i``'s rows.
+    """
 
     def __init__(self, devices, streams, dataset, batch: int):
         self.devices, self.streams, self.batch = list(devices), list(streams), int(batch)
         self.scale = numpy.float32(1.0 / 255.0) if dataset.x.dtype == numpy.uint8 else None
         shape = (self.batch,) + tuple(dataset.example_shape)
         y32 = numpy.ascontiguousarray(dataset.y, dtype=numpy.int32)
-        x_host = dataset.x if dataset.x.dtype == numpy.uint8 else dataset.x.astype(numpy.float32, copy=False)
-        per_device = {}
-        self.towers = []
-        for dev, stream in zip(self.devices, self.streams):
+        x_host = numpy.ascontiguousarray(
+            dataset.x if dataset.x.dtype == numpy.uint8 else dataset.x.astype(numpy.float32, copy=False))
+        import cupy
+        import cupyx
+
+        members: dict[int, list[int]] = {}  # GPU -> its towers, in tower order
+        for i, dev in enumerate(self.devices):
+            members.setdefault(dev.index, []).append(i)
+        self.groups, self._slot, self.towers = [], {}, [None] * len(self.devices)
+        for index, towers in members.items():
+            stream = self.streams[towers[0]]
+            if any(self.streams[i] is not stream for i in towers):
+                raise ValueError(f"towers {towers} share gpu:{index} but not its stream: "
+                                 "DeviceData copies their indices once, on one stream")
+            n, b = len(towers), self.batch
+            rows = (slice(towers[0], towers[-1] + 1) if towers == list(range(towers[0], towers[-1] + 1))
+                    else numpy.array(towers))
+            with self.devices[towers[0]].scope():
+                pinned = [cupyx.empty_pinned((n, b), dtype=numpy.int64) for _ in range(2)]
+                idx = [cupy.empty((n, b), dtype=numpy.int64) for _ in range(2)]
+                group = {
+                    "device": self.devices[towers[0]], "stream": stream, "rows": rows, "pinned": pinned, "idx": idx,
+                    "ptrs": [p.ctypes.data for p in pinned], "nbytes": pinned[0].nbytes,
+                    "slices": [[a[j] for j in range(n)] for a in idx],  # each tower's row of each buffer
+                    "events": [cupy.cuda.Event(disable_timing=True) for _ in range(2)],
+                    "k": 0, "current": None,
+                    "data": (cupy.asarray(x_host), cupy.asarray(y32)),  # one copy per GPU
+                }
+                for j, i in enumerate(towers):
+                    self._slot[i] = (group, j)
+            self.groups.append(group)
+        for i, dev in enumerate(self.devices):
             with dev.scope():
-                xp = dev.xp
-                if dev.index not in per_device:  # one copy per GPU, shared by its towers
-                    per_device[dev.index] = (xp.asarray(numpy.ascontiguousarray(x_host)), xp.asarray(y32))
-                import cupyx
+                self.towers[i] = (cupy.empty(shape, dtype=numpy.float32), cupy.empty((self.batch,), dtype=numpy.int32))
 
-                self.towers.append({
-                    "data": per_device[dev.index],
-                    "x": xp.empty(shape, dtype=numpy.float32),
-                    "y": xp.empty((self.batch,), dtype=numpy.int32),
-                    "pinned": [cupyx.empty_pinned((self.batch,), dtype=numpy.int64) for _ in range(2)],
-                    "idx": [xp.empty((self.batch,), dtype=numpy.int64) for _ in range(2)],
-                    "events": [None, None],
-                    "k": 0,
-                })
+    def upload(self, indices) -> None:
+        """Send the global batch's row indices (host ints, ``batch`` per tower in tower order) to every GPU.
 
-    def stage(self, i: int, indices):
-        """(x float32, y int32) of tower ``i`` on its device: rows ``indices`` (host, ``batch`` of them).
+        Sync point: before refilling a pinned buffer the host waits for the
+        copy out of it issued two steps earlier (an event), never for compute.
+        """
+        rows = numpy.asarray(indices).reshape(len(self.devices), self.batch)
+        for g in self.groups:
+            k = g["k"]
+            g["k"] ^= 1
+            event = g["events"][k]
+            event.synchronize()  # the copy out of this pinned buffer (two steps ago) is done
+            g["pinned"][k][...] = rows[g["rows"]]
+            with g["device"].scope():
+                g["idx"][k].data.copy_from_host_async(g["ptrs"][k], g["nbytes"], g["stream"])
+                event.record(g["stream"])
+            g["current"] = k
+
+    def stage(self, i: int):
+        """(x float32, y int32) of tower ``i`` on its device: its rows of the last ``upload``.
 
         Call with tower ``i``'s device current and its stream entered.
         """
-        t, stream = self.towers[i], self.streams[i]
-        k = t["k"]
-        t["k"] ^= 1
-        if t["events"][k] is not None:
-            t["events"][k].synchronize()  # the copy out of this pinned buffer (two steps ago) is done
-        pinned, idx = t["pinned"][k], t["idx"][k]
-        pinned[...] = indices
-        idx.set(pinned, stream=stream)
-        t["events"][k] = stream.record()
-        xd, yd = t["data"]
-        kernels.gather_batch(xd, yd, idx, t["x"], t["y"], self.scale)
-        return t["x"], t["y"]
+        group, j = self._slot[i]
+        xd, yd = group["data"]
+        x, y = self.towers[i]
+        kernels.gather_batch(xd, yd, group["slices"][group["current"]][j], x, y, self.scale)
+        return x, y

@@ -83,22 +83,21 @@ class Conv2D(Layer):
         return cols.reshape(n * ho * wo, k * k * c)
 
     def forward(self, p, x, ws):
-        xp = ws.xp
         n = x.shape[0]
         cols = self._cols(x, ws)
         ho, wo = self.out_hw
         y = ws.array("y", (n, ho, wo, self.filters), x.dtype)
         y2 = y.reshape(-1, self.filters)
-        xp.matmul(cols, p["weights"].reshape(-1, self.filters), out=y2)
+        kernels.gemm(cols, p["weights"].reshape(-1, self.filters), y2)
         kernels.bias_add(y2, p["biases"])
         ws.saved["cols"], ws.saved["x_shape"] = cols, x.shape
         return y
 
     def backward(self, p, g, dy, ws, need_dx):
-        xp, k, f = ws.xp, self.k, self.filters
+        k, f = self.k, self.filters
         cols = ws.saved["cols"]
         dy2 = dy.reshape(-1, f)  # dy is a contiguous NHWC buffer: a view
-        xp.matmul(cols.T, dy2, out=g["weights"].reshape(-1, f))
+        kernels.gemm(cols, dy2, g["weights"].reshape(-1, f), trans_a=True)
         kernels.bias_grad(dy2, g["biases"], ws)
         if not need_dx:
             return None
@@ -106,7 +105,7 @@ class Conv2D(Layer):
         h, w, c = self.in_hwc
         ho, wo = self.out_hw
         dcols = ws.array("dcols", (n, ho, wo, k, k, c), dy.dtype)
-        xp.matmul(dy2, p["weights"].reshape(-1, f).T, out=dcols.reshape(n * ho * wo, k * k * c))
+        kernels.gemm(dy2, p["weights"].reshape(-1, f), dcols.reshape(n * ho * wo, k * k * c), trans_b=True)
         # col2im: each tap (i, j) adds its slice back where it was read from.
         dx = kernels.col2im(dcols, (h, w), self.pad, ws)
         return dx.reshape(ws.saved["x_shape"])

@@ -221,17 +221,40 @@ def on_host(a) -> bool:
     return isinstance(a, numpy.ndarray)
 
 
-def _fits(*arrays) -> bool:
-    return all(a.size <= _INT_MAX for a in arrays)
+_FUNCS: dict = {}  # (RawKernel, device id) -> its loaded CUDA function
+_BLOCK_DIMS = (_BLOCK,)
+_MAX_GRID = 65535 * 8
+_i = numpy.int32  # a kernel's int argument
+
+
+def launch(kernel, n: int, *args) -> None:
+    """The ``cupy.RawKernel`` ``kernel`` over ``n`` elements (a grid-stride loop) on the current device and stream.
+
+    The loaded function is cached per device and called directly (the
+    RawKernel's per-call lookup of it is skipped: at a few microseconds per
+    launch, host time is what bounds a small model's step).  Arrays must be
+    C-contiguous: the callers here check those that come from other layers;
+    workspace buffers, parameter views and flat buffers are contiguous by
+    construction.
+    """
+    key = (kernel, _device_id())
+    fn = _FUNCS.get(key)
+    if fn is None:
+        fn = _FUNCS[key] = kernel.kernel  # compiled or loaded for this device once
+    fn((min(-(-n // _BLOCK), _MAX_GRID) or 1,), _BLOCK_DIMS, args)
 
 
 def _launch(name: str, n: int, *args) -> None:
-    grid = min(max(-(-n // _BLOCK), 1), 65535 * 8)
-    _kernel(name)((grid,), (_BLOCK,), args)
+    launch(_KERNELS.get(name) or _kernel(name), n, *args)
 
 
-def _i(v) -> numpy.int32:
-    return numpy.int32(v)
+def _device_id() -> int:
+    """The current CUDA device (this stub rebinds itself to CuPy's ``getDevice`` on first use)."""
+    global _device_id
+    from cupy_backends.cuda.api.runtime import getDevice
+
+    _device_id = getDevice
+    return getDevice()
 
 
 def _check(*arrays) -> None:
@@ -245,19 +268,18 @@ def _check(*arrays) -> None:
 
 def bias_add(y, b) -> None:
     """In place: ``y (rows, cols) += b (cols,)``."""
-    if on_host(y) or not _fits(y):
+    if on_host(y) or y.size > _INT_MAX:
         y += b
         return
-    _check(y, b)
     _launch("bias_add", y.size, y, b, _i(y.size), _i(b.size))
 
 
 def relu(x, y) -> None:
     """``y = maximum(x, 0)`` (NaN passes through, as NumPy's maximum)."""
-    if on_host(x) or not _fits(x):
+    if on_host(x) or x.size > _INT_MAX:
         _xp(x).maximum(x, 0, out=y)
         return
-    _check(x, y)
+    _check(x)
     _launch("relu", x.size, x, y, _i(x.size))
 
 
@@ -266,13 +288,13 @@ def relu_backward(y, dy, mask=None) -> None:
 
     ``mask`` is the NumPy path's scratch, shaped like ``y``.
     """
-    if on_host(y) or not _fits(y):
+    if on_host(y) or y.size > _INT_MAX:
         xp = _xp(y)
         mask = mask if mask is not None else xp.empty_like(y)
         xp.greater(y, 0, out=mask)  # 1.0 / 0.0 in the float dtype: no bool temp
         xp.multiply(dy, mask, out=dy)
         return
-    _check(y, dy)
+    _check(dy)
     _launch("relu_backward", y.size, y, dy, _i(y.size))
 
 
@@ -282,13 +304,12 @@ def add_scaled(g, w, s, tmp=None) -> None:
     ``tmp`` is the NumPy path's scratch, shaped like ``w``.
     """
     s = g.dtype.type(s)
-    if on_host(g) or not _fits(g):
+    if on_host(g) or g.size > _INT_MAX:
         xp = _xp(g)
         tmp = tmp if tmp is not None else xp.empty_like(w)
         xp.multiply(w, s, out=tmp)
         g += tmp
         return
-    _check(g, w)
     _launch("add_scaled", g.size, g, w, s, _i(g.size))
 
 
@@ -308,15 +329,91 @@ def bias_grad(dy, out, ws) -> None:
     column (1.2 ms for LeNet-5's first convolution at batch 100, against a few
     microseconds for the product).
     """
-    xp = ws.xp
     if on_host(dy):
-        xp.sum(dy, axis=0, out=out)
+        numpy.sum(dy, axis=0, out=out)
         return
-    ones = ws.array("ones", (dy.shape[0],), dy.dtype)
+    rows, cols = dy.shape
+    ones = ws.array("ones", (rows,), dy.dtype)
     if ws.saved.get("ones") is not ones:
         ones.fill(1)
         ws.saved["ones"] = ones
-    xp.matmul(ones.reshape(1, -1), dy, out=out.reshape(1, -1))  # out is contiguous: a view
+    # (1, rows) @ (rows, cols): the 1-D vectors are the 1-row matrices, no reshape.
+    if not _sgemm(ones, dy, out, False, False, 1, cols, rows):
+        ws.xp.matmul(ones.reshape(1, -1), dy, out=out.reshape(1, -1))
+
+
+# -- matrix products -----------------------------------------------------------------------
+
+_CUBLAS: dict = {}  # what a device GEMM needs, found on the first one (CuPy imported lazily)
+_ONE = numpy.ones(1, dtype=numpy.float32)  # alpha and beta, read by cuBLAS from host memory
+_ZERO = numpy.zeros(1, dtype=numpy.float32)  # (CuPy's handles keep the host pointer mode)
+
+
+def gemm(a, b, out, trans_a: bool = False, trans_b: bool = False) -> None:
+    """``out = op(a) @ op(b)``, ``op`` the transpose where asked; 2-D arrays, ``out`` (m, n).
+
+    NumPy: ``numpy.matmul`` on the (transposed) views, as the layers always did.
+    CuPy, float32 C-contiguous operands: ONE ``cublasGemmEx`` call on the
+    current stream, with the arguments ``cupy.matmul`` ends in (its compute
+    type, so ``--tf32`` applies, and its algorithm), without its Python-level
+    dispatch (about 20 us a call on the host, several times the GEMM itself at
+    these sizes).  Other dtypes, layouts or empty operands take ``cupy.matmul``.
+    """
+    if on_host(a):
+        numpy.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
+        return
+    m, k = a.shape[::-1] if trans_a else a.shape
+    kb, n = b.shape[::-1] if trans_b else b.shape
+    if k != kb or out.shape != (m, n):
+        raise ValueError(f"gemm: op(a) {(m, k)} @ op(b) {(kb, n)} into {out.shape}")
+    if not _sgemm(a, b, out, trans_a, trans_b, m, n, k):
+        _xp(a).matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
+
+
+def _sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> bool:
+    """``out = op(a) (m, k) @ op(b) (k, n)`` by cuBLAS; False (nothing done) when it can't.
+
+    cuBLAS is column-major: a row-major (r, c) array is the column-major
+    (c, r) matrix with leading dimension c, so the row-major ``out = A B`` is
+    computed as the column-major ``out^T = B^T A^T``: operands swapped, each
+    transposed exactly when asked.  A 1-D operand is a one-row matrix.
+    """
+    if not (a.dtype == b.dtype == out.dtype == numpy.float32 and m and n and k
+            and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous
+            and max(a.size, b.size, out.size) <= _INT_MAX):
+        return False
+    c = _CUBLAS or _cublas()
+    handle = c["handle"]()  # per device and thread; gemmEx sets its stream to the current one
+    algo = c["algos"].get(handle)
+    if algo is None:
+        algo = c["algos"][handle] = c["algo"]()
+    r32, ops = c["r32"], c["ops"]
+    c["gemmEx"](handle, ops[trans_b], ops[trans_a], n, m, k, c["one"],
+                b.data.ptr, r32, b.shape[-1], a.data.ptr, r32, a.shape[-1],
+                c["zero"], out.data.ptr, r32, n, c["compute"][c["compute_type"](numpy.float32)], algo)
+    return True
+
+
+def _cublas() -> dict:
+    """The cuBLAS bindings, constants and CuPy settings ``_sgemm`` uses, as ``cupy.matmul`` picks them."""
+    import cupy
+    from cupy._core import _routines_linalg as linalg
+    from cupy_backends.cuda.api import runtime
+    from cupy_backends.cuda.libs import cublas
+
+    def algo():  # cupy.matmul's choice (tensordot_core_v11)
+        cc = int(cupy.cuda.Device().compute_capability)
+        return cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP if cc >= 80 else cublas.CUBLAS_GEMM_DEFAULT
+
+    _CUBLAS.update(
+        gemmEx=cublas.gemmEx, handle=cupy.cuda.device.get_cublas_handle, algos={}, algo=algo,
+        r32=runtime.CUDA_R_32F, ops={False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T},
+        one=_ONE.ctypes.data, zero=_ZERO.ctypes.data, compute_type=linalg.get_compute_type,
+        compute={linalg.COMPUTE_TYPE_DEFAULT: cublas.CUBLAS_COMPUTE_32F,
+                 linalg.COMPUTE_TYPE_TF32: cublas.CUBLAS_COMPUTE_32F_FAST_TF32,
+                 linalg.COMPUTE_TYPE_PEDANTIC: cublas.CUBLAS_COMPUTE_32F_PEDANTIC},
+    )
+    return _CUBLAS
 
 
 # -- the loss --------------------------------------------------------------------------
@@ -332,7 +429,7 @@ def softmax_xent(logits, labels, ws, want_loss: bool):
     xp = ws.xp
     n, c = logits.shape
     prob = ws.array("prob", (n, c), logits.dtype)
-    if on_host(logits) or not _fits(logits):
+    if on_host(logits) or logits.size > _INT_MAX:
         return _softmax_xent_arrays(xp, logits, labels, ws, prob, want_loss)
     _check(logits)
     if labels.dtype != numpy.int32 or not labels.flags.c_contiguous:
@@ -379,7 +476,7 @@ def im2col(x, cols, pad: tuple, ws) -> None:
     """
     n, ho, wo, k, _, c = cols.shape
     h, w = x.shape[1:3]
-    if on_host(x) or not _fits(x, cols):
+    if on_host(x) or max(x.size, cols.size) > _INT_MAX:
         xp = ws.xp
         hp, wp = ho + k - 1, wo + k - 1
         if (hp, wp) == (h, w):  # VALID: read the input in place
@@ -393,7 +490,6 @@ def im2col(x, cols, pad: tuple, ws) -> None:
                                               strides=(s[0], s[1], s[2], s[1], s[2], s[3]))
         cols[...] = win
         return
-    _check(x, cols)
     _launch("im2col", cols.size, x, cols, _i(cols.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k),
             _i(pad[0]), _i(pad[1]))
 
@@ -408,7 +504,7 @@ def col2im(dcols, in_hw: tuple, pad: tuple, ws):
     """
     n, ho, wo, k, _, c = dcols.shape
     h, w = in_hw
-    if on_host(dcols) or not _fits(dcols):
+    if on_host(dcols) or dcols.size > _INT_MAX:
         dpad = ws.array("dpad", (n, ho + k - 1, wo + k - 1, c), dcols.dtype)
         dpad.fill(0)
         for i in range(k):
@@ -421,7 +517,6 @@ def col2im(dcols, in_hw: tuple, pad: tuple, ws):
         dx[...] = dpad[:, t: t + h, l: l + w, :]
         return dx
     dx = ws.array("dx", (n, h, w, c), dcols.dtype)
-    _check(dcols)
     _launch("col2im", dx.size, dcols, dx, _i(dx.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k),
             _i(pad[0]), _i(pad[1]))
     return dx
@@ -465,7 +560,7 @@ def maxpool(x, y, k: int, ws) -> None:
     """
     n, ho, wo, c = y.shape
     h, w = x.shape[1:3]
-    if on_host(x) or not _fits(x):
+    if on_host(x) or x.size > _INT_MAX:
         xp = ws.xp
         win = _windows(x, k, (ho, wo), ws)
         y[...] = win[:, :, 0, :, 0, :]
@@ -474,7 +569,7 @@ def maxpool(x, y, k: int, ws) -> None:
                 if a or b:
                     xp.maximum(y, win[:, :, a, :, b, :], out=y)
         return
-    _check(x, y)
+    _check(x)
     _launch("maxpool", y.size, x, y, _i(y.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k))
 
 
@@ -486,7 +581,7 @@ def maxpool_backward(x, y, dy, k: int, ws):
     """
     n, ho, wo, c = y.shape
     h, w = x.shape[1:3]
-    if on_host(x) or not _fits(x):
+    if on_host(x) or x.size > _INT_MAX:
         xp = ws.xp
         win = _windows(x, k, (ho, wo), ws)
         dwin = ws.array("dwin", win.shape, dy.dtype)
@@ -506,7 +601,7 @@ def maxpool_backward(x, y, dy, k: int, ws):
             dx = out
         return dx
     dx = ws.array("dx", x.shape, dy.dtype)
-    _check(x, y, dy)
+    _check(dy)
     _launch("maxpool_backward", dx.size, x, y, dy, dx, _i(dx.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k))
     return dx
 
@@ -514,12 +609,11 @@ def maxpool_backward(x, y, dy, k: int, ws):
 def mean2(a, b, scale) -> None:
     """In place: ``a`` and ``b`` both become ``(a + b) * scale`` (two towers sharing a device)."""
     scale = a.dtype.type(scale)
-    if on_host(a) or not _fits(a) or a.dtype != numpy.float32:
+    if on_host(a) or a.size > _INT_MAX or a.dtype != numpy.float32:
         a += b
         a *= scale
         b[...] = a
         return
-    _check(a, b)
     _launch("mean2", a.size, a, b, scale, _i(a.size))
 
 
@@ -531,7 +625,7 @@ def gather_batch(xd, yd, idx, xo, yo, scale) -> None:
 
     ``xd`` is (N, ...) uint8 or float32, ``yd`` (N,) int32, ``idx`` int64 rows.
     """
-    if on_host(xd) or not _fits(xo) or xd.dtype not in (numpy.uint8, numpy.float32):
+    if on_host(xd) or xo.size > _INT_MAX or xd.dtype not in (numpy.uint8, numpy.float32):
         rows = xd[idx]
         if scale is not None:
             _xp(xd).multiply(rows, numpy.float32(scale), out=xo, casting="unsafe")
@@ -539,7 +633,6 @@ def gather_batch(xd, yd, idx, xo, yo, scale) -> None:
             xo[...] = rows
         yo[...] = yd[idx]
         return
-    _check(xd, yd, idx, xo, yo)
     feat = xo.size // max(len(idx), 1)
     name = "gather_u8" if xd.dtype == numpy.uint8 else "gather_f32"
     _launch(name, xo.size, xd, yd, idx, xo, yo, _i(xo.size), _i(feat),

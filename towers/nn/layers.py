@@ -16,7 +16,7 @@ array module (NumPy or CuPy, whichever holds the input):
     allocates once per shape and then hands back the same array, so steady-state
     steps allocate nothing.
 ``backward(p, g, dy, ws, need_dx) -> dx``
-    Write parameter gradients INTO the views in ``g`` (``xp.matmul(..., out=g[k])``
+    Write parameter gradients INTO the views in ``g`` (``kernels.gemm(..., g[k])``
     or ``g[k][...] = ...``); rebinding a name would leave the flat gradient buffer
     untouched and the all-reduce would average stale values.  Return ``dx``, or
     None when ``need_dx`` is False (the first layer).
@@ -104,22 +104,20 @@ class Dense(Layer):
         ], (self.units,)
 
     def forward(self, p, x, ws):
-        xp = ws.xp
         y = ws.array("y", (x.shape[0], self.units), x.dtype)
-        xp.matmul(x, p["weights"], out=y)
+        kernels.gemm(x, p["weights"], y)
         kernels.bias_add(y, p["biases"])
         ws.saved["x"] = x
         return y
 
     def backward(self, p, g, dy, ws, need_dx):
-        xp = ws.xp
         x = ws.saved["x"]
-        xp.matmul(x.T, dy, out=g["weights"])
+        kernels.gemm(x, dy, g["weights"], trans_a=True)
         kernels.bias_grad(dy, g["biases"], ws)
         if not need_dx:
             return None
         dx = ws.array("dx", x.shape, x.dtype)
-        xp.matmul(dy, p["weights"].T, out=dx)
+        kernels.gemm(dy, p["weights"], dx, trans_b=True)
         return dx
 
 

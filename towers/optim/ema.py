@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy
 
-from towers.optim.kernels import elementwise_kernel
+from towers.optim.kernels import flat_kernel
 
 
 def ema_decay(decay: float, step: int) -> float:
@@ -48,7 +48,7 @@ class EMA:
                 self._tmp = numpy.empty_like(self.shadow)
             self.apply(params, one_minus_d, self._tmp)
         else:
-            elementwise_kernel("T p, T one_minus_d", "T e", self.GPU_BODY.format(p="p"), "towers_ema")(
+            flat_kernel(("p",), ("one_minus_d",), ("e",), self.GPU_BODY.format(p="p"), "towers_ema")(
                 params, one_minus_d, self.shadow)
 
     def apply(self, params, one_minus_d, tmp, part: slice = slice(None)) -> None:

@@ -33,7 +33,7 @@ import numpy
 
 from towers.errors import UserError
 from towers.optim.ema import ema_decay
-from towers.optim.kernels import array_module, elementwise_kernel
+from towers.optim.kernels import array_module, flat_kernel
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -50,6 +50,7 @@ class Optimizer:
         self.ema = ema  # an EMA whose shadow lives on this replica's device, or None
         self.state = {name: self.xp.zeros_like(params) for name in self.slots}
         self._tmp = numpy.empty_like(params) if self.xp is numpy else None
+        self._kernel = None  # the fused GPU update, built on the first GPU step
 
     def step(self, grads, lr: float, step: int, part: slice | None = None) -> None:
         """Apply one update with learning rate ``lr``; ``step`` counts earlier updates.
@@ -69,16 +70,17 @@ class Optimizer:
             return
         if part is not None:
             raise ValueError("Optimizer.step(part=...) is for CPU buffers only")
-        self._gpu_kernel()(grads, *scalars, one_minus_d, self.params, *self.state.values(),
-                           *([self.ema.shadow] if self.ema is not None else []))
+        if self._kernel is None:
+            self._kernel = self._gpu_kernel()
+        self._kernel(grads, *scalars, one_minus_d, self.params, *self.state.values(),
+                     *([self.ema.shadow] if self.ema is not None else []))
 
     def _gpu_kernel(self):
         names = list(self.state)
-        ins = ", ".join(["T g"] + [f"T {s}" for s in self._scalar_names()] + ["T one_minus_d"])
-        outs = ", ".join(["T p"] + [f"T {n}" for n in names] + (["T e"] if self.ema is not None else []))
+        outs = ("p", *names, *(("e",) if self.ema is not None else ()))
         body = self.GPU_BODY + "p = p_new;\n" + (self.ema.GPU_BODY.format(p="p_new") if self.ema is not None else "")
-        return elementwise_kernel(ins, outs, body, f"towers_{type(self).__name__.lower()}_{len(names)}"
-                                  f"_e{int(self.ema is not None)}")
+        return flat_kernel(("g",), (*self._scalar_names(), "one_minus_d"), outs, body,
+                           f"towers_{type(self).__name__.lower()}_{len(names)}_e{int(self.ema is not None)}")
 
     # -- subclasses
     GPU_BODY = ""  # CUDA source that sets ``T p_new`` (and updates the slots)
