@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy
 
+from towers.devices.placement import empty_pinned
 from towers.nn import kernels
 
 FRACTION = 0.25  # of a device's free memory the training set may take
@@ -59,7 +60,6 @@ class DeviceData:
         x_host = numpy.ascontiguousarray(
             dataset.x if dataset.x.dtype == numpy.uint8 else dataset.x.astype(numpy.float32, copy=False))
         import cupy
-        import cupyx
 
         members: dict[int, list[int]] = {}  # GPU -> its towers, in tower order
         for i, dev in enumerate(self.devices):
@@ -74,7 +74,7 @@ class DeviceData:
             rows = (slice(towers[0], towers[-1] + 1) if towers == list(range(towers[0], towers[-1] + 1))
                     else numpy.array(towers))
             with self.devices[towers[0]].scope():
-                pinned = [cupyx.empty_pinned((n, b), dtype=numpy.int64) for _ in range(2)]
+                pinned = [empty_pinned((n, b), numpy.int64) for _ in range(2)]
                 idx = [cupy.empty((n, b), dtype=numpy.int64) for _ in range(2)]
                 group = {
                     "device": self.devices[towers[0]], "stream": stream, "rows": rows, "pinned": pinned, "idx": idx,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy
 
+from towers.devices.placement import empty_pinned
+
 
 class Stager:
     """Copies one tower's slice to its device and converts it to float32 there."""
@@ -23,11 +25,10 @@ class Stager:
             self.x = self.xp.empty(shape, dtype=numpy.float32)
             if device.is_gpu:
                 import cupy
-                import cupyx
 
                 # Two pinned buffers per tower: refill one while the other's copy runs.
                 self._pinned = [
-                    (cupyx.empty_pinned(shape, dtype=x_dtype), cupyx.empty_pinned((batch,), dtype=numpy.int32))
+                    (empty_pinned(shape, x_dtype), empty_pinned((batch,), numpy.int32))
                     for _ in range(2)
                 ]
                 self._raw = [
