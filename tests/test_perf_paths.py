@@ -134,3 +134,14 @@ def test_scaling_efficiency_is_opt_in(tmp_path, capsys):
 def test_bad_cpu_towers_flag():
     with pytest.raises(UserError, match="cpu_towers"):
         run(Config(cpu_towers="fibers"))
+
+
+def test_input_workers_default_to_spare_cores(monkeypatch):
+    from towers.devices import cpu_threads
+
+    monkeypatch.setattr(cpu_threads, "cpu_count", lambda: 2)
+    assert cpu_threads.input_workers(None, cpu_towers=2) == 0  # both cores run towers
+    assert cpu_threads.input_workers(3, cpu_towers=2) == 3  # a setting wins
+    monkeypatch.setattr(cpu_threads, "cpu_count", lambda: 16)
+    assert cpu_threads.input_workers(None, cpu_towers=0) == 4  # GPU towers: spare cores, at most 4
+    assert cpu_threads.input_workers(None, cpu_towers=13) == 2

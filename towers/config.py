@@ -52,7 +52,7 @@ class Config:
     y_key: str = "y"
     decode: str | None = None  # TFRecord: NAME:DTYPE[:SHAPE] of the examples' bytes feature
     on_error: str = "stop"  # TFRecord: "skip" leaves out records whose payload CRC fails
-    input_workers: int = 2  # TFRecord: parse worker processes (0: in the input thread)
+    input_workers: int | None = None  # TFRecord: parse worker processes (0: the input thread; None: spare cores)
     # model
     model: str = "mlp"
     hidden: int = 500
@@ -139,7 +139,8 @@ def _check(cfg: Config) -> None:
         _choice(cfg, "optimizer", OPTIMIZERS)
     _choice(cfg, "cpu_towers", ("threads", "serial"))
     _choice(cfg, "on_error", ("stop", "skip"))
-    _integer(cfg, "input_workers", minimum=0)
+    if cfg.input_workers is not None:
+        _integer(cfg, "input_workers", minimum=0)
     if cfg.decode is not None:
         from towers.data.tfrecord.schema import parse_decode
 

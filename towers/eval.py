@@ -19,6 +19,7 @@ from towers.data.loading import load_dataset
 from towers.data.tfrecord.records import close_dataset, is_tfrecord
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
+from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import resolve
 from towers.train import Parser
 
@@ -56,7 +57,7 @@ class Evaluator:
         if key not in self._data:
             tfrecord = is_tfrecord(key[0]) or is_tfrecord(key[3])  # the run's --decode reads its records
             ds = load_dataset(*key, decode=ck.get("decode") if tfrecord else None,
-                              on_error=ck.get("on_error", "stop"), workers=ck.get("input_workers", 2))
+                              on_error=ck.get("on_error", "stop"), workers=input_workers(ck.get("input_workers"), 0))
             if ds.x_test is None:
                 raise UserError(f"{key[0]} has no x_test/y_test: pass --data or --test-data with test examples")
             self._data[key] = ds

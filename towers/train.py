@@ -27,7 +27,7 @@ x_key             npz key or TFRecord feature of the examples
 y_key             npz key or TFRecord feature of the labels
 decode            TFRecord: NAME:DTYPE[:SHAPE] reads the examples' bytes feature, e.g. image_raw:uint8:28,28
 on_error          TFRecord: stop at a damaged record, or 'skip' records whose payload CRC fails (counted)
-input_workers     TFRecord: processes that read and parse records ahead of the towers (0: the input thread)
+input_workers     TFRecord: processes that read and parse records ahead of the towers (0: the input thread; default: one per spare core, at most 4)
 model             mlp, lenet5, or package.module:function returning a towers.Sequential (or a list of layers)
 hidden            hidden units of the mlp
 batch_size        examples per tower per step

@@ -47,7 +47,7 @@ from towers.data.device_data import DeviceData, fits_on
 from towers.data.loading import load_dataset
 from towers.data.staging import Stager
 from towers.data.tfrecord.records import close_dataset
-from towers.devices.cpu_threads import TowerThreads, chunks, cpu_count, set_blas_threads
+from towers.devices.cpu_threads import TowerThreads, chunks, cpu_count, input_workers, set_blas_threads
 from towers.devices.placement import Placement, on_stream, resolve
 from towers.errors import UserError
 from towers.extensions import Run
@@ -97,8 +97,9 @@ class Trainer:
             print(self.placement.table(), flush=True)
         # -- data (host): validated like a file, whatever its origin.
         if dataset is None:
-            dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode,
-                                   on_error=cfg.on_error, workers=cfg.input_workers)
+            cpu_towers = sum(not d.is_gpu for d in self.placement.towers)
+            dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode, on_error=cfg.on_error,
+                                   workers=input_workers(cfg.input_workers, cpu_towers))
             self._owned_data = dataset  # its TFRecord workers end with this trainer
         elif not isinstance(dataset, Dataset):
             raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "

@@ -40,6 +40,7 @@ from towers.cluster.reduce import Exchange
 from towers.config import Config
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.records import close_dataset
+from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import CPU, Placement
 from towers.errors import TrainingError, UserError
 from towers.parallel.allreduce import world_layout
@@ -63,7 +64,7 @@ class ClusterTrainer(Trainer):
         owned = None
         if dataset is None:  # every error a file can cause, before Ray starts
             dataset = owned = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode,
-                                           on_error=cfg.on_error, workers=cfg.input_workers)
+                                           on_error=cfg.on_error, workers=input_workers(cfg.input_workers, 0))
         try:
             self._ray, self._owned = session.connect(cfg.ray_address, cfg.ray_logs, cfg.hosts)
             self._start(cfg, model, dataset, getattr(nccl, "__name__", nccl))
