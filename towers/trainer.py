@@ -15,7 +15,7 @@ A training step (``Trainer.train_step``) on one global batch of
                (``towers.optim``).
 
 Replicas start from the same seeded values and apply identical updates, so they
-stay bit-identical.  GPU towers queue their stages on their own streams, tower
+stay bit-identical.  GPU towers queue their stages on their GPU's stream, tower
 after tower; CPU towers run them concurrently on tower threads
 (``towers.devices.cpu_threads``), where tower thread i also does slice i of the
 all-reduce and of every replica's update.  Both paths call the same stage
@@ -26,7 +26,8 @@ Sync points: none inside a step on a GPU.  The loss reaches the host only when
 asked for (``want_loss``), weights only through ``synchronize`` (called by
 ``get_weights``, checkpoints, summaries and evaluation).
 
-``fit`` is the loop: the background batch thread feeds ``train_step``, and the
+``fit`` is the loop: the background batch thread feeds ``train_step`` (or, with
+the training set on the GPUs, ``train_step_at`` gathers each batch there), and the
 loop's side concerns (log line, non-finite stop, summaries, checkpoints, test
 accuracy, replica check) are small objects called when due
 (``towers.extensions``); a Python user can pass more.
