@@ -1,6 +1,5 @@
 """pyproject.toml installs every subpackage and the embedded data (checked without building)."""
 import tomllib
-from pathlib import Path
 
 from conftest import REPO
 

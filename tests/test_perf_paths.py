@@ -9,7 +9,6 @@ import pytest
 from towers.errors import UserError
 from towers.devices.cpu_threads import TowerThreads, chunks
 from towers.data.dataset import Dataset
-from towers.devices.placement import resolve
 from towers import Config, Trainer
 from towers.train import main, run
 

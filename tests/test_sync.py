@@ -6,7 +6,6 @@ from conftest import DIGITS, run_cli
 from towers.errors import TrainingError
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset
-from towers.devices.placement import resolve
 from towers import Config, Trainer
 from towers.train import run
 

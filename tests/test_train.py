@@ -7,7 +7,6 @@ import pytest
 from conftest import DIGITS, cuda_count, run_cli
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset
-from towers.devices.placement import resolve
 from towers import Config, Trainer
 from towers.train import run
 

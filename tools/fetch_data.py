@@ -39,8 +39,8 @@ import zlib
 
 import numpy as np
 
-from towers.output.files import atomic_path
-from towers.output.files import ArraySource, write_npz
+from towers.cli import run_main
+from towers.output.files import ArraySource, atomic_path, write_npz
 
 PROG = "fetch_data"
 USER_AGENT = "towers-fetch_data/1 (+python urllib)"
@@ -353,19 +353,10 @@ def main(argv=None):
         parser.error(f"--mirror {args.mirror}: give an http://, https:// or file:// URL")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         parser.error(f"-o {args.out_dir}: this is a file, not a folder; give a folder for the output")
-    try:
-        fetch(args.dataset, args.out_dir, base_url=args.mirror)
-    except FetchError as exc:
-        _say(f"error: {exc}")
-        return 1
-    except OSError as exc:
-        _say(f"error: {exc.filename or ''}: {exc.strerror or exc}; check the path, permissions and free space")
-        return 1
-    except KeyboardInterrupt:
-        _say(f"interrupted: no output written; a partial download is kept in {os.path.join(args.out_dir, 'raw')} "
-             f"and resumes when you run the same command again")
-        return 130
-    return 0
+    return run_main(PROG, lambda: fetch(args.dataset, args.out_dir, base_url=args.mirror) and 0,
+                    more={FetchError: 1},
+                    interrupted=f"interrupted: no output written; a partial download is kept in "
+                                f"{os.path.join(args.out_dir, 'raw')} and resumes when you run the same command again")
 
 
 if __name__ == "__main__":

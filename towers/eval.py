@@ -13,7 +13,8 @@ import os
 import sys
 import time
 
-from towers.errors import TrainingError, UserError, flags_in_messages
+from towers.cli import run_main
+from towers.errors import UserError, flags_in_messages
 from towers.output.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_weights, named_to_flat
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.records import close_dataset, is_tfrecord
@@ -143,17 +144,18 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def body():
         if args.interval <= 0:
             raise UserError(f"--interval must be > 0 seconds, got {args.interval:g}")
-        run(args)
-    except (UserError, TrainingError) as e:  # a mistake (2), or damaged TFRecord test data met mid-read (1)
-        print(f"towers.eval: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, UserError) else 1
-    except KeyboardInterrupt:  # the way --watch ends
-        print("towers.eval: stopped", file=sys.stderr)
-        return 0 if args.watch else 130
-    return 0
+        try:
+            run(args)
+        except KeyboardInterrupt:  # the way --watch ends
+            if not args.watch:
+                raise
+            print("towers.eval: stopped", file=sys.stderr)
+
+    return run_main("towers.eval", body)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ import argparse
 import sys
 from dataclasses import fields
 
+from towers.cli import run_main
 from towers.config import Config
-from towers.errors import TrainingError, UserError, flag, flags_in_messages
+from towers.errors import flag, flags_in_messages
 from towers.trainer import Trainer
 
 # --help text, one flag a line: the Config field, then its help.
@@ -117,19 +118,7 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     cfg = parse_config(argv)
-    try:
-        run(cfg)
-    except (UserError, TrainingError) as e:  # a user mistake (2) or a run that cannot go on (1)
-        print(f"towers.train: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, UserError) else 1
-    except KeyboardInterrupt:
-        print("towers.train: interrupted", file=sys.stderr)
-        return 130
-    except OSError as e:  # a file the run touched outside the writers that name it
-        print(f"towers.train: error: {e.filename or ''}: {e.strerror or e}; check the path, its permissions "
-              "and free space", file=sys.stderr)
-        return 1
-    return 0
+    return run_main("towers.train", lambda: run(cfg) and 0)
 
 
 if __name__ == "__main__":

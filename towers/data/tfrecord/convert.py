@@ -28,9 +28,8 @@ import os
 import sys
 import time
 
-from towers.output.files import OutputError, Terminated, atomic_path, output_folder, refuse_overwriting_inputs, \
-    sigterm_raises
-from towers.output.files import write_npz
+from towers.cli import run_main
+from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs, sigterm_raises, write_npz
 from towers.data.tfrecord.framing import COMPRESSIONS, TFRecordError, TFRecordReader
 from towers.data.tfrecord.columns import ColumnStore
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode
@@ -179,28 +178,12 @@ def main(argv=None, prog="towers-tfrecord-to-npz"):
     def say(message):
         print(f"{PROG}: {message}", file=sys.stderr)
 
-    try:
+    def body():
         with sigterm_raises():
             convert(args, say)
-    except OutputError as exc:
-        say(f"error: {exc}")
-        return exc.status
-    except TFRecordError as exc:
-        say(f"error: {exc}")
-        return 1
-    except UsageError as exc:
-        say(f"error: {exc}")
-        return 2
-    except OSError as exc:
-        say(f"error: {exc.filename or ''}: {exc.strerror or exc}; check the path, permissions and free space")
-        return 1
-    except KeyboardInterrupt:
-        say("interrupted: no output written")
-        return 130
-    except Terminated:
-        say("terminated (SIGTERM): no output written")
-        return 143
-    return 0
+
+    return run_main(PROG, body, more={TFRecordError: 1, UsageError: 2}, interrupted="interrupted: no output written",
+                    terminated="terminated (SIGTERM): no output written")
 
 
 if __name__ == "__main__":

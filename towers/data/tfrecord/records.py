@@ -46,7 +46,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import sys
 import weakref
 
 import numpy as np
@@ -55,9 +54,9 @@ from google.protobuf.message import DecodeError
 from towers.data.tfrecord.columns import ColumnStats, ColumnStore
 from towers.data.tfrecord.convert import expand_inputs
 from towers.data.tfrecord.framing import TFRecordError, TFRecordReader, read_record
-from towers.data.tfrecord.proto import KIND_BYTES, KIND_FLOAT, KIND_INT64, SequenceExample
+from towers.data.tfrecord.proto import KIND_BYTES, KIND_FLOAT, SequenceExample
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode
-from towers.errors import TrainingError, UserError, render
+from towers.errors import TrainingError, UserError
 from towers.output.files import atomic_save_npz
 
 INDEX_FORMAT = 1

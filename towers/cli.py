@@ -1,0 +1,58 @@
+"""What the command lines share: turning an exception into one line and an exit status.
+
+Every entry point (``towers.train``, ``towers.eval``, the converters, the
+fetcher) ends the same way: a mistake in the input is one line and status 2,
+a run or a write that cannot go on is one line and status 1, Ctrl-C is 130,
+SIGTERM 143, and anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import sys
+
+from towers.errors import TrainingError, UserError
+from towers.output.files import OutputError, Terminated
+
+
+def exit_status(exc: BaseException, more: dict | None = None) -> tuple[int, str] | None:
+    """(status, message) for an exception a user can cause, or None (a bug: let it raise).
+
+    ``more`` maps a tool's own exception types to their status.
+    """
+    for kind, status in (more or {}).items():
+        if isinstance(exc, kind):
+            return status, f"error: {exc}"
+    if isinstance(exc, UserError):
+        return 2, f"error: {exc}"
+    if isinstance(exc, (TrainingError,)):
+        return 1, f"error: {exc}"
+    if isinstance(exc, OutputError):
+        return exc.status, f"error: {exc}"
+    if isinstance(exc, OSError):  # a file touched outside the writers that name it
+        return 1, f"error: {exc.filename or ''}: {exc.strerror or exc}; check the path, its permissions and free space"
+    if isinstance(exc, KeyboardInterrupt):
+        return 130, "interrupted"
+    if isinstance(exc, Terminated):
+        return 143, "terminated (SIGTERM)"
+    return None
+
+
+def run_main(prog: str, body, more: dict | None = None, interrupted: str | None = None,
+             terminated: str | None = None) -> int:
+    """Call ``body()``; print a user-caused exception as ``prog: message`` on stderr; return the status.
+
+    ``interrupted``/``terminated`` replace the Ctrl-C / SIGTERM lines (say what
+    was kept, for instance).
+    """
+    try:
+        return body() or 0
+    except BaseException as exc:
+        found = exit_status(exc, more)
+        if found is None:
+            raise
+        status, line = found
+        if status == 130 and interrupted is not None:
+            line = interrupted
+        elif status == 143 and terminated is not None:
+            line = terminated
+        print(f"{prog}: {line}", file=sys.stderr, flush=True)
+        return status
