@@ -7,10 +7,18 @@ SIGTERM 143, and anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 from towers.errors import TrainingError, UserError
 from towers.output.files import OutputError, Terminated
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (not usage + line), shared by the entry points."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def exit_status(exc: BaseException, more: dict | None = None) -> tuple[int, str] | None:

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from towers.cli import run_main
+from towers.cli import Parser, run_main
 from towers.errors import UserError, flags_in_messages
 from towers.output.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_weights, named_to_flat
 from towers.data.loading import load_dataset
@@ -22,7 +22,6 @@ from towers.nn.models import build_model
 from towers.nn.replica import Replica
 from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import resolve
-from towers.train import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:

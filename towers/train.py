@@ -11,7 +11,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from towers.cli import run_main
+from towers.cli import Parser, run_main
 from towers.config import Config
 from towers.errors import flag, flags_in_messages
 from towers.trainer import Trainer
@@ -63,13 +63,6 @@ profile           print a per-phase, per-tower time breakdown at the end (syncs 
 measure_scaling   after the run, time 1 tower alone and print the scaling efficiency
 tf32              GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 relative error (off: plain float32)
 """.strip().splitlines())
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (not usage + line), shared by the entry points."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _number(kind):
