@@ -189,3 +189,46 @@ def test_leaving_the_with_block_releases_threads_and_blas_limits_even_after_an_e
             raise RuntimeError("boom")
     assert not _towers_threads()
     assert [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"] == blas_before
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(seed=-1), "seed must be an integer >= 0"),
+    (dict(logdir=""), "logdir must be a non-empty string"),
+    (dict(devices=[0, 1]), "devices must be a non-empty string"),
+    (dict(resume="no"), "resume must be True or False"),
+])
+def test_more_settings_are_checked(kw, needle):
+    with pytest.raises(UserError, match=needle):
+        Trainer(Config(**{**SMALL, **kw}))
+
+
+def test_numpy_scalars_are_accepted_and_the_users_config_is_left_alone():
+    cfg = Config(**SMALL, steps=np.int64(5), lr=np.float32(0.5))
+    with Trainer(cfg) as tr:
+        assert (tr.cfg.steps, type(tr.cfg.steps)) == (5, int) and type(tr.cfg.lr) is float
+    assert type(cfg.steps) is np.int64  # resolved() checks a copy
+    with pytest.raises(UserError, match="must be a towers.Config"):
+        Trainer(dict(SMALL))
+
+
+def test_train_step_and_set_weights_refuse_what_would_train_wrong():
+    with Trainer(Config(**SMALL)) as tr:
+        x, y = tr.source.next_batch()
+        for bad_y, needle in ((y - y - 1, "labels must be integers 0..9"), (y + 99, "from 99"),
+                              (y.astype(np.float32), "labels must be integers")):
+            with pytest.raises(UserError, match=needle):
+                tr.train_step(x, bad_y)
+        with pytest.raises(UserError, match="examples are"):
+            tr.train_step(x.reshape(len(x), -1)[:, :10], y)
+        with pytest.raises(UserError, match="100 examples and 100 labels.*got 100 and 50"):
+            tr.train_step(x, y[:50])
+        w = tr.get_weights()
+        with pytest.raises(UserError, match="give a dict"):
+            tr.set_weights(list(w.values()))
+        with pytest.raises(UserError, match="holds NaN or inf"):
+            tr.set_weights({**w, "layer1/biases": np.full(16, np.nan, np.float32)})
+        with pytest.raises(UserError, match="give real numbers"):
+            tr.set_weights({**w, "layer1/biases": np.zeros(16, np.complex64)})
+        assert all(np.array_equal(tr.get_weights()[k], w[k]) for k in w)  # nothing changed
+    with pytest.raises(UserError, match="closed"):
+        tr.train_step(x, y)

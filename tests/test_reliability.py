@@ -20,7 +20,7 @@ import numpy
 import pytest
 
 from conftest import DIGITS, REPO, cuda_count
-from towers import Config, Dataset, Trainer, TrainingError
+from towers import Config, Dataset, Trainer, TrainingError, UserError
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset
 from towers.output.checkpoint import list_checkpoints, load_checkpoint
@@ -277,3 +277,62 @@ def test_a_model_function_returning_no_layers_is_one_line(tmp_path):
     err = only_line(p, 2)
     assert "--model user_models:as_dict" in err and "gave dict" in err and "Sequential" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# -- found by probing the command line as a user ----------------------------------------------
+
+
+def test_sigterm_stops_training_with_one_line_and_status_143(tmp_path):
+    p = subprocess.Popen([sys.executable, "-m", "towers.train", "--logdir", str(tmp_path), *SMALL,
+                          "--steps", "100000", "--checkpoint-every", "20", "--log-every", "20"],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list_checkpoints(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 143, err
+    assert err.strip().splitlines() == ["towers.train: terminated (SIGTERM); the last checkpoint is kept"]
+    assert load_checkpoint(list_checkpoints(str(tmp_path))[0][1])["step"] >= 20
+
+
+def test_resume_past_steps_is_refused(tmp_path):
+    assert train(tmp_path, "--steps", 10).returncode == 0
+    err = only_line(train(tmp_path, "--steps", 5, "--resume"), 2)
+    assert "is at step 10, past --steps 5" in err
+
+
+def test_a_logdir_inside_a_file_and_a_module_that_is_no_function_are_user_mistakes(tmp_path):
+    (tmp_path / "f").write_text("x")
+    assert "is inside a file" in only_line(train(tmp_path / "f" / "sub", "--steps", 2), 2)
+    assert "is a module, not a function" in only_line(train(tmp_path / "r", "--steps", 2, "--model", "os:path"), 2)
+
+
+def test_a_model_too_big_for_memory_is_one_line():
+    with pytest.raises(UserError, match="not enough memory for 1 replicas"):
+        Trainer(Config(devices="cpu", hidden=10 ** 9, quiet=True))
+
+
+def test_nan_loss_from_tfrecord_float_features_stops_and_names_the_example(tmp_path):
+    """The NaN scan reads TFRecord data in chunks (it once looped forever on such data)."""
+    from towers.data.tfrecord.framing import TFRecordWriter
+    from towers.data.tfrecord.proto import SequenceExample
+
+    with numpy.load(DIGITS) as z:
+        x, y = z["x"][:300].reshape(300, -1).astype(numpy.float32), z["y"][:300]
+    x[123, 5] = numpy.nan
+    with open(tmp_path / "d.tfrecords", "wb") as f, TFRecordWriter(f) as w:  # x: a float feature of 64 values
+        for xi, yi in zip(x, y):
+            ex = SequenceExample()
+            ex.context.feature["x"].float_list.value.extend(xi.tolist())
+            ex.context.feature["y"].int64_list.value.append(int(yi))
+            w.write(ex.SerializeToString())
+    p = train(tmp_path / "run", "--data", tmp_path / "d.tfrecords", "--x-key", "x", "--y-key", "y",
+              "--steps", "20", "--log-every", "20", "--summary-every", "0", "--input-workers", "0", timeout=120)
+    assert p.returncode == 1, p.stderr
+    err = p.stderr.strip().splitlines()[-1]  # (after the "indexing" note)
+    assert "NaN/inf" in err and ("example 123" in err or "input batch" in err), err
+    assert "Traceback" not in p.stderr

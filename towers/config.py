@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,14 +101,17 @@ class Config:
         ``model`` is the model object handed to the ``Trainer`` (it then gets
         the generic defaults, not those of ``self.model``).
         """
-        _check(self)
-        spec = self.model if model is None else None
-        optimizer, defaults = model_defaults(spec, self.optimizer)
-        filled = {k: defaults[k] for k in MODEL_DEFAULTED if getattr(self, k) is None}
-        if self.checkpoint_every is None:  # a checkpoint holds weights right after an average
-            k = self.average_every if self.sync == "weights" else 1
+        if not isinstance(self, Config):
+            raise UserError(f"settings must be a towers.Config, got {type(self).__name__}")
+        cfg = dataclasses.replace(self)  # the checks turn NumPy scalars into Python numbers in the copy
+        _check(cfg)
+        spec = cfg.model if model is None else None
+        optimizer, defaults = model_defaults(spec, cfg.optimizer)
+        filled = {k: defaults[k] for k in MODEL_DEFAULTED if getattr(cfg, k) is None}
+        if cfg.checkpoint_every is None:  # a checkpoint holds weights right after an average
+            k = cfg.average_every if cfg.sync == "weights" else 1
             filled["checkpoint_every"] = -(-1000 // k) * k
-        cfg = dataclasses.replace(self, optimizer=optimizer, **filled)
+        cfg = dataclasses.replace(cfg, optimizer=optimizer, **filled)
         _check_optimization(cfg)
         return cfg
 
@@ -120,7 +124,7 @@ def _check(cfg: Config) -> None:
         raise UserError(f"Config lacks {unknown[0]}")
     for name in ("batch_size", "steps", "log_every", "hidden", "keep_checkpoints"):
         _integer(cfg, name, minimum=1)
-    for name in ("check_replicas", "summary_every", "blas_threads"):
+    for name in ("check_replicas", "summary_every", "blas_threads", "seed"):
         _integer(cfg, name, minimum=0)
     if cfg.n_gpu is not None:
         _integer(cfg, "n_gpu", minimum=1)
@@ -145,6 +149,16 @@ def _check(cfg: Config) -> None:
         from towers.data.tfrecord.schema import parse_decode
 
         parse_decode(cfg.decode)
+    for name in ("soft_placement", "log_placement", "staircase", "quiet", "resume", "profile", "measure_scaling",
+                 "ray_logs", "tf32"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise UserError(f"`{name}` must be True or False, got {getattr(cfg, name)!r}")
+    for name in ("devices", "logdir", "test_data", "decode", "ray_address"):
+        v = getattr(cfg, name)
+        if v is not None and (not isinstance(v, str) or not v):
+            raise UserError(f"`{name}` must be a non-empty string or None, got {v!r}")
+    if not isinstance(cfg.data, str) or not cfg.data:
+        raise UserError(f"`data` must name a file, got {cfg.data!r}")
     if cfg.resume and not cfg.logdir:
         raise UserError("`resume` needs `logdir`: the directory of the run to continue")
     if not isinstance(cfg.model, str):
@@ -173,6 +187,9 @@ def _check_optimization(cfg: Config) -> None:
 
 def _integer(cfg, name: str, minimum: int) -> None:
     v = getattr(cfg, name)
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        v = int(v)  # a NumPy integer is an integer too
+        setattr(cfg, name, v)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise UserError(f"`{name}` must be an integer >= {minimum}, got {v!r}")
 
@@ -185,6 +202,9 @@ def _choice(cfg, name: str, choices) -> None:
 
 def _number(cfg, name: str, low=None, high=None, low_open=False, high_open=False) -> None:
     v = getattr(cfg, name)
+    if isinstance(v, numbers.Real) and not isinstance(v, bool):
+        v = float(v)  # a NumPy float is a number too
+        setattr(cfg, name, v)
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if ok and low is not None:
         ok = v > low if low_open else v >= low

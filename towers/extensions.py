@@ -229,14 +229,14 @@ class Run:
         data, is scanned for NaN/inf: non-finite input poisons the weights at
         the step it is met, which may be before the step the loss is looked at.
         """
-        step, x = self.trainer.step, self.trainer.dataset.x
-        cause = None
-        if self.batch is not None and _has_non_finite(self.batch):
+        step, cause = self.trainer.step, None
+        if self.batch is not None and len(_non_finite_examples(self.batch)):
             cause = f"the input batch at step {step} holds NaN/inf"
-        elif _has_non_finite(x):
-            bad = numpy.flatnonzero(~numpy.isfinite(x.reshape(len(x), -1)).all(axis=1))
-            cause = (f"`data` holds NaN/inf (example {bad[0]}"
-                     + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "), met before this step")
+        else:
+            bad = _non_finite_examples(self.trainer.dataset.x)
+            if len(bad):
+                cause = (f"`data` holds NaN/inf (example {bad[0]}"
+                         + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "), met before this step")
         return checkpoint.diverged(step, what, self.checkpointer.last_path, cause)
 
     def finish(self) -> dict:
@@ -308,8 +308,17 @@ def settings_line(cfg) -> str:
     return "settings: " + ", ".join(parts)
 
 
-def _has_non_finite(x) -> bool:
-    return numpy.issubdtype(x.dtype, numpy.floating) and not numpy.isfinite(x).all()
+def _non_finite_examples(x, chunk: int = 4096) -> numpy.ndarray:
+    """Indices of the examples of ``x`` holding NaN/inf, read in chunks (any array-like with slices).
+
+    Only on the failure path: it reads the whole data set once (TFRecord data
+    from disk), in bounded memory.
+    """
+    if not numpy.issubdtype(x.dtype, numpy.floating):
+        return numpy.zeros(0, numpy.int64)
+    bad = [start + numpy.flatnonzero(~numpy.isfinite(numpy.asarray(x[start:start + chunk]).reshape(
+        min(chunk, len(x) - start), -1)).all(axis=1)) for start in range(0, len(x), chunk)]
+    return numpy.concatenate(bad) if bad else numpy.zeros(0, numpy.int64)
 
 
 def _make_logdir(logdir: str) -> None:
@@ -317,6 +326,8 @@ def _make_logdir(logdir: str) -> None:
         os.makedirs(logdir, exist_ok=True)
     except FileExistsError:
         raise UserError(f"`logdir` {logdir} exists and is not a directory: pick another path") from None
+    except NotADirectoryError:
+        raise UserError(f"`logdir` {logdir} is inside a file, not a directory: pick another path") from None
     except OSError as e:  # read-only, full, no permission: as any other failed write
         raise DiskError(logdir, e, "create") from None
 
@@ -336,6 +347,9 @@ def _resume_point(trainer, logdir: str) -> str | None:
             return None
         checkpoint.model_weights(trainer.model, found.arrays, "params", found.path,
                                  "resume with the checkpoint's settings, or use another `logdir`")
+        if found.step > cfg.steps:
+            raise UserError(f"{found.path} is at step {found.step}, past `steps` {cfg.steps} (the total, not more "
+                            f"steps): set `steps` above {found.step} to train on, or evaluate it with towers.eval")
         trainer.load_state_dict(found.arrays, where=found.path)
         return found.path
     existing = checkpoint.list_checkpoints(logdir) if os.path.isdir(logdir) else []

@@ -14,6 +14,7 @@ from dataclasses import fields
 from towers.cli import Parser, run_main
 from towers.config import Config
 from towers.errors import flag, flags_in_messages
+from towers.output.files import sigterm_raises
 from towers.trainer import Trainer
 
 # --help text, one flag a line: the Config field, then its help.
@@ -111,7 +112,11 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     cfg = parse_config(argv)
-    return run_main("towers.train", lambda: run(cfg) and 0)
+    def body():
+        with sigterm_raises():  # SIGTERM ends the run like Ctrl-C: writers clean up, one line, status 143
+            run(cfg)
+
+    return run_main("towers.train", body, terminated="terminated (SIGTERM); the last checkpoint is kept")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,9 @@ from towers.parallel.sync import check_replicas
 from towers.profiling import PhaseTimer, scaling_efficiency
 
 
+_QUIET = dict(over="ignore", invalid="ignore", divide="ignore")
+
+
 class Trainer:
     """Replicas, their streams, the all-reduce, the optimizers, the EMA and the loop.
 
@@ -89,7 +92,7 @@ class Trainer:
         self._owned_data = None
         self._pool = self._blas = self.allreduce = self._tf32 = None
         self.streams, self._nccl = [], nccl
-        self.cfg = cfg = (cfg if cfg is not None else Config()).resolved(model)
+        self.cfg = cfg = Config.resolved(cfg if cfg is not None else Config(), model)
         # -- placement: decided (and validated) before any device memory or NCCL.
         self.placement = placement or resolve(cfg.n_gpu, cfg.devices, cfg.soft_placement)
         if self.placement.notice and not quiet_placement:
@@ -114,6 +117,12 @@ class Trainer:
         self._closed = False
         try:
             self._build()
+        except MemoryError:  # NumPy's and CuPy's out-of-memory errors both derive from it
+            self.close()
+            mib = self.model.size * 4 / 2**20
+            raise UserError(f"not enough memory for {self.n_towers} replicas of a model of {self.model.size:,} "
+                            f"parameters ({mib:,.0f} MiB each, plus gradients, optimizer state and "
+                            "activations): lower `hidden` or `batch_size`, or use fewer towers") from None
         except BaseException:
             self.close()
             raise
@@ -222,9 +231,7 @@ class Trainer:
         tower threads finish their share of the update; ``synchronize`` (and
         the next step) waits for it.
         """
-        if len(x) != self.global_batch or len(y) != self.global_batch:
-            raise UserError(f"train_step takes one global batch of {self.global_batch} examples "
-                            f"({self.n_towers} towers x `batch_size` {self.cfg.batch_size}), got {len(x)}")
+        self._check_batch(x, y)
         lr, step = self.lr(), self.step
         if self._pool is not None:
             # The arguments are bound to this step's call, not stored on self:
@@ -237,6 +244,22 @@ class Trainer:
                 self._pool.wait()  # no barrier in weights mode: wait for every tower's loss
             return self._step_done(list(self._losses) if want_loss else None)
         return self._gpu_step(x, y, None, want_loss)
+
+    def _check_batch(self, x, y) -> None:
+        """A host global batch as ``train_step`` needs it, or a UserError saying what is off (cheap)."""
+        if self._closed:
+            raise UserError("this Trainer is closed: make a new one")
+        n, ds = self.global_batch, self.dataset
+        if len(x) != n or len(y) != n:
+            raise UserError(f"train_step takes one global batch of {n} examples and {n} labels "
+                            f"({self.n_towers} towers x `batch_size` {self.cfg.batch_size}), got {len(x)} and {len(y)}")
+        if tuple(x.shape[1:]) != ds.example_shape or x.dtype != ds.x.dtype:
+            raise UserError(f"train_step: examples are {x.dtype} {tuple(x.shape[1:])}, the data set's are "
+                            f"{ds.x.dtype} {ds.example_shape}")
+        if not numpy.issubdtype(y.dtype, numpy.integer) or y.ndim != 1 or (
+                len(y) and (int(y.min()) < 0 or int(y.max()) >= ds.num_classes)):
+            raise UserError(f"train_step: labels must be integers 0..{ds.num_classes - 1}, "
+                            f"got {y.dtype} {tuple(y.shape)}" + (f" from {y.min()} to {y.max()}" if y.size else ""))
 
     def train_step_at(self, indices, want_loss: bool = False):
         """One step on the training-set rows ``indices`` (one global batch, host ints).
@@ -302,7 +325,9 @@ class Trainer:
         data set as rows ``indices`` (uploaded by ``_gradients``).
         """
         b, t = self.cfg.batch_size, self.timer
-        with self.devices[i].scope(), on_stream(self.streams[i]):
+        # A diverging run overflows to inf/NaN: NonFiniteStop reports it as one
+        # line at the next loss check, so NumPy's RuntimeWarnings are noise.
+        with self.devices[i].scope(), on_stream(self.streams[i]), numpy.errstate(**_QUIET):
             with t("stage", i):
                 if indices is not None:
                     xs, ys = self.device_data.stage(i)
@@ -313,7 +338,8 @@ class Trainer:
     def _update(self, i: int, on: int, lr: float, step: int, part: slice | None = None) -> None:
         """Stage 4: replica ``i``'s update, issued by tower ``on`` (``part``: a slice of it)."""
         grads = self.replicas[i].grads if part is None else self._parts[on][1][i]
-        with self.devices[i].scope(), on_stream(self.streams[i]), self.timer("update+EMA", on):
+        with self.devices[i].scope(), on_stream(self.streams[i]), self.timer("update+EMA", on), \
+                numpy.errstate(**_QUIET):
             self.optimizers[i].step(grads, lr, step, part)
 
     def _tower_thread_step(self, i: int, x, y, want_loss: bool, lr: float, step: int) -> None:
@@ -386,15 +412,20 @@ class Trainer:
 
     def get_weights(self, ema: bool = False) -> dict[str, numpy.ndarray]:
         """{name: float32 host copy}: the first replica's weights, or the EMA's."""
+        if self._closed:
+            raise UserError("this Trainer is closed: make a new one")
         self.synchronize()
         return checkpoint.flat_to_named(self.model, self.ema.shadow if ema else self.replicas[0].params)
 
     def set_weights(self, weights: dict, ema: bool = False) -> None:
         """Set every replica's weights (``ema=True``: the EMA's) from {name: array}.
 
-        Every name of the model must be there with its shape, and no other:
-        otherwise a ``UserError`` names the first bad one and nothing changes.
+        Every name of the model must be there with its shape, and no other, as
+        finite real numbers: otherwise a ``UserError`` names the first bad one
+        and nothing changes.
         """
+        if self._closed:
+            raise UserError("this Trainer is closed: make a new one")
         flat = checkpoint.named_to_flat(self.model, checkpoint.check_names(self.model, weights, "set_weights"))
         self.synchronize()
         targets = [self.ema.shadow] if ema else [r.params for r in self.replicas]

@@ -116,6 +116,9 @@ def build_model(spec, input_shape: tuple, num_classes: int, hidden: int = 500) -
             fn = getattr(importlib.import_module(mod_name), fn_name)
         except (ImportError, AttributeError) as e:
             raise UserError(f"{where}: cannot load it ({e}); give package.module:function") from None
+        if not callable(fn):
+            raise UserError(f"{where}: {fn_name} in {mod_name} is a {type(fn).__name__}, not a function; "
+                            "give package.module:function")
         model = as_sequential(fn(tuple(input_shape), num_classes), f"{where}: the function")
     else:
         raise UserError(

@@ -176,7 +176,9 @@ _SLOTS = ("momentum", "adam_m", "adam_v")  # optimizer state buffers any optimiz
 
 
 def check_names(model, named: dict, where: str) -> dict:
-    """``named`` if it has exactly the model's names with their shapes; else a UserError naming one."""
+    """``named`` if it has exactly the model's names with their shapes, finite real values; else a UserError naming one."""
+    if not isinstance(named, dict):
+        raise UserError(f"{where}: give a dict of name -> array, got {type(named).__name__}")
     want = {name: shape for name, shape, _, _ in model.layout()}
     for name in want:
         if name not in named:
@@ -186,6 +188,11 @@ def check_names(model, named: dict, where: str) -> dict:
             raise UserError(f"{where}: {name!r} is not a weight of this model (it has {', '.join(want)})")
         if tuple(numpy.shape(a)) != want[name]:
             raise UserError(f"{where}: {name!r} has shape {tuple(numpy.shape(a))}, the model's is {want[name]}")
+        a = numpy.asarray(a)
+        if not (numpy.issubdtype(a.dtype, numpy.floating) or numpy.issubdtype(a.dtype, numpy.integer)):
+            raise UserError(f"{where}: {name!r} is {a.dtype}; give real numbers (float32)")
+        if not numpy.isfinite(a).all():
+            raise UserError(f"{where}: {name!r} holds NaN or inf")
     return named
 
 
@@ -303,10 +310,8 @@ def diverged(step: int, what: str, last_path: str | None, cause: str | None = No
                "and start over")
         return TrainingError(f"step {step}: {what}: {cause}; training stopped ({keep}). "
                              f"Replace the NaN/inf values in `data` {fix}")
-    return TrainingError(
-        f"step {step}: {what}; training stopped ({keep}). "
-        "Lower `lr`, then `resume` (it continues from that checkpoint) or start over"
-    )
+    then = "then `resume` (it continues from that checkpoint) or start over" if last_path else "and start over"
+    return TrainingError(f"step {step}: {what}; training stopped ({keep}). Lower `lr`, {then}")
 
 
 def config_json(cfg) -> str:

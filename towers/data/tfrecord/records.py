@@ -46,6 +46,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import weakref
 
 import numpy as np
@@ -313,6 +314,10 @@ _READER = None  # the worker process's reader
 
 def _start_worker(*args):
     global _READER
+    # Ctrl-C reaches the whole process group: the main process stops the run
+    # and then these workers; a worker raising KeyboardInterrupt itself would
+    # print its own traceback and could leave the pool hanging.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _READER = _Reader(*args)
 
 
@@ -382,6 +387,8 @@ class RecordArray:
         if isinstance(key, slice):
             return self.submit(np.arange(len(self))[key]).result()
         if np.ndim(key) == 0:
+            if not -len(self) <= key < len(self):
+                raise IndexError(f"index {key} is out of range for {len(self)} records")
             return self.submit(np.array([key]) % len(self)).result()[0]
         return self.submit(np.asarray(key)).result()
 
