@@ -109,9 +109,10 @@ def newest_readable(logdir: str, warn) -> tuple[str, dict] | None:
         found = latest_checkpoint(logdir, warn=skipped.append)
     except UserError:
         names = list_checkpoints(logdir)  # a training run's rotation may have removed them since
-        newest = names[0][1] if names else "gone"
-        raise UserError(f"none of the {len(skipped)} checkpoints in {logdir} can be read (newest: {newest}): "
-                        f"nothing to evaluate; --checkpoint {newest} shows why it fails") from None
+        newest, why = ((f" (newest: {names[0][1]})", f"; --checkpoint {names[0][1]} shows why it fails")
+                       if names else ("", ""))
+        raise UserError(f"none of the {len(skipped)} checkpoints in {logdir} can be read{newest}: "
+                        f"nothing to evaluate{why}") from None
     for line in skipped:
         warn(line)
     return found
