@@ -97,6 +97,23 @@ def test_eval_errors_are_one_line(run_dir, tmp_path):
     assert "set --test-data to" in error("--logdir", run_dir, "--test-data", tmp_path / "missing.npz")
 
 
+@pytest.mark.parametrize("interval", ["nan", "inf", "1e300", "0", "-1"])
+def test_eval_interval_must_be_finite_and_positive(interval, tmp_path):
+    p = cli("towers.eval", "--logdir", tmp_path, "--watch", "--interval", interval, ok=False)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert "--interval must be a finite number of seconds > 0" in p.stderr and p.stdout == ""
+
+
+def test_eval_on_a_logdir_of_corrupt_checkpoints_says_nothing_to_evaluate(tmp_path):
+    for step in (10, 20):
+        (tmp_path / f"ckpt-{step:08d}.npz").write_bytes(b"not a zip")
+    p = cli("towers.eval", "--logdir", tmp_path, ok=False)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert f"none of the 2 checkpoints in {tmp_path} can be read" in p.stderr
+    assert str(tmp_path / "ckpt-00000020.npz") in p.stderr and "nothing to evaluate" in p.stderr
+    assert "start fresh" not in p.stderr  # that is advice for training, not for eval
+
+
 def test_eval_watch_evaluates_each_new_checkpoint(tmp_path):
     cli("towers.train", "--logdir", tmp_path, *SMALL, "--steps", 4, "--summary-every", 0)
     watch = subprocess.Popen([sys.executable, "-m", "towers.eval", "--logdir", str(tmp_path), "--watch",

@@ -305,6 +305,13 @@ def test_cli_flag_mistakes_exit_2(tmp_path, args):
     result = cli(*args)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "error" in result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr  # one line, as towers.train gives, not usage + line
+
+
+def test_cli_empty_out_dir_exits_2_before_the_network(tmp_path):
+    result = cli("mnist", "-o", "", "--mirror", f"http://127.0.0.1:{closed_port()}")
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "-o must name a folder" in result.stderr, result.stderr
 
 
 def test_cli_out_dir_that_is_a_file_exits_2(tmp_path):

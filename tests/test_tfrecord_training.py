@@ -7,6 +7,9 @@ epochs (1,438 records, 100 a step).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -205,3 +208,14 @@ def test_a_record_array_pickles_without_its_workers_and_reads_the_same(tmp_path)
         copy.close()
     finally:
         ds.x.close()
+
+
+def test_a_npy_file_is_not_taken_for_tfrecord(tmp_path):
+    data = tmp_path / "x.npy"
+    np.save(data, np.zeros((4, 3), np.float32))
+    p = subprocess.run([sys.executable, "-m", "towers.train", "--data", str(data), "--devices", "cpu", "--quiet",
+                        "--logdir", str(tmp_path / "run")], cwd=Path(__file__).resolve().parents[1],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert "is a .npy file (one array), not an npz" in p.stderr
+    assert "TFRecord" not in p.stderr and not list(tmp_path.glob(".x.npy*"))  # no index cache written

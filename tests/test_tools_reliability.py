@@ -267,3 +267,85 @@ def test_outputs_are_fsynced_with_their_folder(tmp_path, capsys, monkeypatch):
     assert (tmp_path.stat().st_ino, True) in synced
     with np.load(tmp_path / "a.npz") as npz, np.load(sample("mixed_features", ".npz")) as want:
         assert sorted(npz.files) == sorted(want.files)
+
+
+# --- 5. bad command lines: one line, the right status, nothing written ----------------------------
+
+def cli(module, capsys, *argv):
+    """Run a tool's main() in process, flag errors included; return (exit status, stderr lines)."""
+    try:
+        status = module.main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's exit on a flag mistake
+        status = exc.code
+    return status, capsys.readouterr().err.splitlines()
+
+
+def assert_one_line(result, status, *texts):
+    got, err = result
+    assert got == status and len(err) == 1 and all(t in err[0] for t in texts), (got, err)
+
+
+@pytest.mark.parametrize("size", ["0", "-5"])
+def test_chunk_size_must_be_positive(size, tmp_path, capsys):
+    result = cli(tfrecord_to_npz, capsys, sample("mnist_t10k_head1000"), "-o", tmp_path / "o.npz", "--chunk-size", size)
+    assert_one_line(result, 2, "--chunk-size must be > 0")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("module, argv", [
+    (tfrecord_to_npz, ["--bogus"]),
+    (tfrecord_to_npz, ["in.tfrecords", "--compression", "lzma"]),
+    (npz_to_tfrecord, ["in.npz"]),
+    (npz_to_tfrecord, ["in.npz", "-o", "o.tfrecords", "--compression", "auto"]),
+])
+def test_flag_mistakes_are_one_line(module, argv, tmp_path, capsys):
+    assert_one_line(cli(module, capsys, *argv), 2, "error:", "(see --help)")
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 cut short", "head"])
+def test_damaged_npz_is_one_line_and_writes_nothing(content, tmp_path, capsys):
+    src = tmp_path / "in.npz"
+    src.write_bytes(sample("mixed_features", ".npz").read_bytes()[:300] if content == "head" else content)
+    result = cli(npz_to_tfrecord, capsys, src, "-o", tmp_path / "o.tfrecords")
+    assert_one_line(result, 1, str(src), "damaged or not an npz")
+    assert sorted(os.listdir(tmp_path)) == ["in.npz"]
+
+
+def test_npy_given_to_npz_to_tfrecord_is_named(tmp_path, capsys):
+    src = tmp_path / "in.npz"
+    with open(src, "wb") as f:
+        np.save(f, np.zeros(3, np.float32))
+    result = cli(npz_to_tfrecord, capsys, src, "-o", tmp_path / "o.tfrecords")
+    assert_one_line(result, 2, str(src), "is a .npy file")
+    assert sorted(os.listdir(tmp_path)) == ["in.npz"]
+
+
+@pytest.mark.parametrize("module, source", [(tfrecord_to_npz, ("mnist_t10k_head1000", ".tfrecords")),
+                                            (npz_to_tfrecord, ("mixed_features", ".npz"))])
+def test_output_that_is_a_folder_is_refused(module, source, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert_one_line(cli(module, capsys, sample(*source), "-o", out), 2, f"-o {out} is a directory: give a file path")
+    assert os.listdir(out) == [] and hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("module, source", [(tfrecord_to_npz, ("mnist_t10k_head1000", ".tfrecords")),
+                                            (npz_to_tfrecord, ("mixed_features", ".npz"))])
+def test_output_inside_a_file_names_the_file(module, source, tmp_path, capsys):
+    blocker = tmp_path / "F"
+    blocker.write_bytes(b"keep me")
+    result = cli(module, capsys, sample(*source), "-o", blocker / "x.out")
+    assert_one_line(result, 2, str(blocker), "is a file")
+    assert blocker.read_bytes() == b"keep me" and hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("module, argv, text", [
+    (tfrecord_to_npz, ["DIR", "-o", "x.npz"], "is a folder"),
+    (npz_to_tfrecord, ["DIR", "-o", "x.tfrecords"], "is a folder"),
+    (npz_to_tfrecord, ["missing.npz", "-o", "x.tfrecords"], "no such file"),
+])
+def test_input_that_is_a_folder_or_missing(module, argv, text, tmp_path, capsys):
+    (tmp_path / "DIR").mkdir()
+    result = cli(module, capsys, *[str(tmp_path / a) if a != "-o" else a for a in argv])
+    assert_one_line(result, 2, text)
+    assert sorted(os.listdir(tmp_path)) == ["DIR"]

@@ -25,7 +25,6 @@ or wrong files, not a deliberate forgery.  Tests inject their own file table and
 :func:`fetch`; the CLI is a thin layer over it.
 """
 
-import argparse
 import gzip
 import hashlib
 import http.client
@@ -39,7 +38,7 @@ import zlib
 
 import numpy as np
 
-from towers.cli import run_main
+from towers.cli import Parser, run_main
 from towers.output.files import ArraySource, atomic_path, write_npz
 
 PROG = "fetch_data"
@@ -337,7 +336,7 @@ def fetch(name, out_dir, base_url=None, files=None, say=_say, **download_options
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog=f"python -m tools.{PROG}", description=__doc__.split("\n\n")[0])
+    p = Parser(prog=f"python -m tools.{PROG}", description=__doc__.split("\n\n")[0])
     p.add_argument("dataset", choices=sorted(DATASETS), help="which dataset to download")
     p.add_argument("-o", "--out-dir", required=True, metavar="DIR",
                    help="writes DIR/<dataset>.npz; keeps the downloaded files in DIR/raw/")
@@ -351,6 +350,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.mirror is not None and urllib.parse.urlsplit(args.mirror).scheme not in ("http", "https", "file"):
         parser.error(f"--mirror {args.mirror}: give an http://, https:// or file:// URL")
+    if not args.out_dir:  # '' would write raw/ and the npz into the current folder
+        parser.error("-o must name a folder (it is empty); for example -o data")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         parser.error(f"-o {args.out_dir}: this is a file, not a folder; give a folder for the output")
     return run_main(PROG, lambda: fetch(args.dataset, args.out_dir, base_url=args.mirror) and 0,

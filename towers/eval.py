@@ -15,13 +15,17 @@ import time
 
 from towers.cli import Parser, run_main
 from towers.errors import UserError, flags_in_messages
-from towers.output.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, model_weights, named_to_flat
+from towers.output.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, \
+    model_weights, named_to_flat
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.records import close_dataset, is_tfrecord
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
 from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import resolve
+
+
+MAX_INTERVAL = 86400  # seconds between --watch polls; a longer wait is a typo, not a schedule
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--x-key", help="npz key or TFRecord feature of the examples (default: the checkpoint's)")
     ap.add_argument("--y-key", help="npz key or TFRecord feature of the labels (default: the checkpoint's)")
     ap.add_argument("--watch", action="store_true", help="evaluate each new checkpoint in --logdir until interrupted")
-    ap.add_argument("--interval", type=float, default=10.0, metavar="SEC", help="seconds between polls with --watch")
+    ap.add_argument("--interval", type=float, default=10.0, metavar="SEC",
+                    help=f"seconds between polls with --watch (0 < SEC <= {MAX_INTERVAL})")
     ap.add_argument("--max-evals", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N
     return ap
 
@@ -92,6 +97,27 @@ def _warn(line: str) -> None:
     print(f"towers.eval: {line}", file=sys.stderr, flush=True)
 
 
+def newest_readable(logdir: str, warn) -> tuple[str, dict] | None:
+    """``latest_checkpoint`` for evaluation: the newest checkpoint that loads, or None when there is none.
+
+    The files skipped on the way are reported through ``warn`` only when one
+    loads; when none does, the error says so in eval's terms (the checkpoint
+    module's message advises a training run to start fresh).
+    """
+    skipped = []
+    try:
+        found = latest_checkpoint(logdir, warn=skipped.append)
+    except UserError:
+        names = list_checkpoints(logdir)  # a training run's rotation may have removed them since
+        newest, why = ((f" (newest: {names[0][1]})", f"; --checkpoint {names[0][1]} shows why it fails")
+                       if names else ("", ""))
+        raise UserError(f"none of the {len(skipped)} checkpoints in {logdir} can be read{newest}: "
+                        f"nothing to evaluate{why}") from None
+    for line in skipped:
+        warn(line)
+    return found
+
+
 def run(args) -> None:
     ev = Evaluator(args)
     try:
@@ -113,7 +139,7 @@ def _run(args, ev: "Evaluator") -> None:
     if not os.path.isdir(args.logdir):
         raise UserError(f"--logdir {args.logdir} is not a directory: give the --logdir of a training run")
     if not args.watch:
-        found = latest_checkpoint(args.logdir, warn=_warn)
+        found = newest_readable(args.logdir, _warn)
         if found is None:
             raise UserError(f"no checkpoint in {args.logdir}: train with --logdir {args.logdir} first")
         print(ev.evaluate(*found), flush=True)
@@ -127,7 +153,7 @@ def _run(args, ev: "Evaluator") -> None:
 
     print(f"watching {args.logdir} for new checkpoints every {args.interval:g} s (Ctrl-C stops)", flush=True)
     while True:
-        found = latest_checkpoint(args.logdir, warn=warn_once)
+        found = newest_readable(args.logdir, warn_once)
         if found is not None and int(found[1]["step"]) != last_step:
             print(ev.evaluate(*found), flush=True)
             last_step, evals = int(found[1]["step"]), evals + 1
@@ -145,8 +171,9 @@ def _main(argv) -> int:
     args = build_parser().parse_args(argv)
 
     def body():
-        if args.interval <= 0:
-            raise UserError(f"--interval must be > 0 seconds, got {args.interval:g}")
+        if not 0 < args.interval <= MAX_INTERVAL:  # also false for nan; time.sleep raises past int64 ns
+            raise UserError(f"--interval must be a finite number of seconds > 0 (at most {MAX_INTERVAL}, a day), "
+                            f"got {args.interval:g}")
         try:
             run(args)
         except KeyboardInterrupt:  # the way --watch ends

@@ -22,13 +22,12 @@ temporary files are left behind unless the status is 0; what a SIGKILL leaves
 is removed by the next run writing to the same folder.  See tools/README.md.
 """
 
-import argparse
 import glob
 import os
 import sys
 import time
 
-from towers.cli import run_main
+from towers.cli import Parser, run_main
 from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs, sigterm_raises, write_npz
 from towers.data.tfrecord.framing import COMPRESSIONS, TFRecordError, TFRecordReader
 from towers.data.tfrecord.columns import ColumnStore
@@ -38,7 +37,7 @@ PROG = "tfrecord_to_npz"
 
 
 def _parser(prog):
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="TFRecord file or glob (matches read sorted)")
     p.add_argument("-o", "--output", metavar="OUT.npz", help="output file (required unless --schema)")
     p.add_argument("--compression", choices=COMPRESSIONS, default="auto",
@@ -52,8 +51,29 @@ def _parser(prog):
                    help="skip: drop records whose payload CRC fails (framing intact) and count them")
     p.add_argument("--compress", action="store_true", help="deflate the npz members (smaller, slower)")
     p.add_argument("--chunk-size", type=int, default=8 << 20, metavar="BYTES",
-                   help="bytes read and converted per batch (default 8 MiB)")
+                   help="bytes read and converted per batch, > 0 (default 8 MiB)")
     return p
+
+
+def check_output_file(output, example="out.npz", flag="-o"):
+    """Raise :class:`UsageError` unless ``output`` can become a file: not a folder, in a folder that exists.
+
+    Call it before reading anything; the atomic writer would otherwise fail at
+    the end, naming its hidden temporary file.
+    """
+    if not output:
+        raise UsageError(f"{flag} is empty: give the output file's path")
+    if os.path.isdir(output):
+        raise UsageError(f"{flag} {output} is a directory: give a file path, for example {os.path.join(output, example)}")
+    folder = os.path.dirname(os.path.abspath(output))
+    if os.path.isdir(folder):
+        return
+    blocker = folder
+    while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
+        blocker = os.path.dirname(blocker)  # the nearest part of the path that exists
+    if os.path.isdir(blocker):
+        raise UsageError(f"{flag} {output}: the folder {folder} does not exist; create it first")
+    raise UsageError(f"{flag} {output}: {blocker} is a file, not a folder; give a path in a folder")
 
 
 def expand_inputs(patterns):
@@ -67,6 +87,9 @@ def expand_inputs(patterns):
             paths += matches
         elif os.path.isfile(pattern):
             paths.append(pattern)
+        elif os.path.isdir(pattern):
+            raise UsageError(f"{pattern} is a folder, not a TFRecord file; give its files, "
+                             f"e.g. {os.path.join(pattern, '*.tfrecords')!r}")
         else:
             raise UsageError(f"{pattern}: no such file; give a TFRecord file or a glob")
     return paths
@@ -150,12 +173,10 @@ def convert(args, say):
         for line in store.schema_lines():
             print(line)
         return
-    if not args.output:
+    if args.output is None:
         raise UsageError("give the output file with -o OUT.npz (or use --schema)")
+    check_output_file(args.output)
     refuse_overwriting_inputs(args.output, paths)
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir):
-        raise UsageError(f"{args.output}: the folder {out_dir} does not exist; create it first")
     stale = []
     with output_folder(args.output, stale) as folder:
         for path in stale:
@@ -173,7 +194,10 @@ def convert(args, say):
 
 def main(argv=None, prog="towers-tfrecord-to-npz"):
     """The command line (``towers-tfrecord-to-npz``, ``python -m tools.tfrecord_to_npz``); the exit status."""
-    args = _parser(prog).parse_args(argv)
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    if args.chunk_size <= 0:  # 0 would read nothing and write an empty npz
+        parser.error(f"--chunk-size must be > 0 (bytes read per batch), got {args.chunk_size}")
 
     def say(message):
         print(f"{PROG}: {message}", file=sys.stderr)

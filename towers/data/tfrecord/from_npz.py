@@ -17,28 +17,41 @@ integer is int64.
 The output is written as :mod:`towers.output.files` describes (never over the input,
 no partial output or temporaries on failure, Ctrl-C or SIGTERM; exit status 0,
 1 for unreadable input or a full disk, 2 for a layout or usage mistake, 130 on
-Ctrl-C, 143 on SIGTERM).
+Ctrl-C, 143 on SIGTERM).  An input that is damaged or is no zip at all is
+status 1, as a damaged TFRecord is for ``tools.tfrecord_to_npz``: a file cut
+short and a file of another kind look the same from its bytes.  A missing
+input, a folder, a ``.npy`` (one array) and an output path that cannot be a
+file are usage mistakes (2), found before anything is read.
 
 A present feature with no values is written as an empty list of its kind (as
 TensorFlow writes it); an absent one is left out of the record.  Limits: the
 npz arrays are loaded into memory (the records are written one at a time).
 """
 
-import argparse
+import os
 import sys
+import zipfile
+import zlib
 
 import numpy as np
+from numpy.lib import format as npy
 
-from towers.output.files import OutputError, Terminated, atomic_path, output_folder, refuse_overwriting_inputs, \
-    sigterm_raises
+from towers.cli import Parser, run_main
+from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs, sigterm_raises
+from towers.data.tfrecord.convert import check_output_file
 from towers.data.tfrecord.framing import TFRecordWriter
 from towers.data.tfrecord.proto import SequenceExample
+from towers.data.tfrecord.schema import UsageError
 
 PROG = "npz_to_tfrecord"
 
 
 class LayoutError(Exception):
-    """The npz does not follow the converter's layout."""
+    """The npz does not follow the converter's layout (exit status 2)."""
+
+
+class NpzError(Exception):
+    """The input cannot be read as an npz: damaged, cut short or another kind of file (exit status 1)."""
 
 
 def _offsets(lengths):
@@ -101,6 +114,29 @@ def load_features(npz):
     return context, lists, counts.pop()
 
 
+def read_features(path):
+    """:func:`load_features` of the npz at ``path``; every way it can fail is one error naming ``path``."""
+    if os.path.isdir(path):
+        raise UsageError(f"{path} is a folder, not an npz; give the npz file")
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such file; give an npz written by tools.tfrecord_to_npz")
+    fix = "give an npz written by tools.tfrecord_to_npz"
+    with open(path, "rb") as f:
+        head = f.read(len(npy.MAGIC_PREFIX))
+    if head.startswith(npy.MAGIC_PREFIX):
+        raise UsageError(f"{path} is a .npy file (one array), not an npz; {fix}")
+    fix += ", or write it again if it was cut short"
+    if not head.startswith(b"PK\x03\x04"):
+        raise NpzError(f"{path}: damaged or not an npz ({'empty' if not head else 'no zip header'}); {fix}")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return load_features(npz)
+    except LayoutError as exc:
+        raise LayoutError(f"{path}: {exc}") from None
+    except (zipfile.BadZipFile, EOFError, ValueError, zlib.error) as exc:  # the zip or a member's .npy is damaged
+        raise NpzError(f"{path}: damaged or not an npz ({exc}); {fix}") from None
+
+
 def records(context, lists, n):
     """Serialized records, one per row (Example wire format when there are no lists)."""
     for i in range(n):
@@ -135,10 +171,11 @@ def write(npz_path, out_path, compression="none", removed=None):
     """Write the records of ``npz_path`` to ``out_path`` atomically; return the record count.
 
     Paths of dead runs' temporary folders removed on the way are appended to ``removed``.
+    The output path is checked before the input is read.
     """
+    check_output_file(out_path, "out.tfrecords")
     refuse_overwriting_inputs(out_path, [npz_path])
-    with np.load(npz_path) as npz:
-        context, lists, n = load_features(npz)
+    context, lists, n = read_features(npz_path)
     with output_folder(out_path, removed) as folder, atomic_path(out_path, folder) as tmp:
         with open(tmp, "wb") as f, TFRecordWriter(f, compression) as writer:
             for payload in records(context, lists, n):
@@ -148,34 +185,25 @@ def write(npz_path, out_path, compression="none", removed=None):
 
 def main(argv=None, prog="python -m tools.npz_to_tfrecord"):
     """The command line; returns the exit status."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("input", metavar="IN.npz")
     p.add_argument("-o", "--output", required=True, metavar="OUT.tfrecords")
     p.add_argument("--compression", choices=("none", "gzip", "zlib"), default="none")
     args = p.parse_args(argv)
-    stale = []
-    try:
+
+    def say(message):
+        print(f"{PROG}: {message}", file=sys.stderr)
+
+    def body():
+        stale = []
         with sigterm_raises():
             n = write(args.input, args.output, args.compression, stale)
-    except OutputError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return exc.status
-    except LayoutError as exc:
-        print(f"{PROG}: error: {args.input}: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as exc:
-        print(f"{PROG}: error: {getattr(exc, 'filename', None) or args.input}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted: no output written", file=sys.stderr)
-        return 130
-    except Terminated:
-        print(f"{PROG}: terminated (SIGTERM): no output written", file=sys.stderr)
-        return 143
-    for path in stale:
-        print(f"{PROG}: removed {path}: temporary files of a conversion that was killed", file=sys.stderr)
-    print(f"{PROG}: wrote {args.output}: {n} records ({args.compression})", file=sys.stderr)
-    return 0
+        for path in stale:
+            say(f"removed {path}: temporary files of a conversion that was killed")
+        say(f"wrote {args.output}: {n} records ({args.compression})")
+
+    return run_main(PROG, body, more={LayoutError: 2, NpzError: 1}, interrupted="interrupted: no output written",
+                    terminated="terminated (SIGTERM): no output written")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import signal
 import weakref
 
 import numpy as np
+from numpy.lib import format as npy
 from google.protobuf.message import DecodeError
 
 from towers.data.tfrecord.columns import ColumnStats, ColumnStore
@@ -64,8 +65,16 @@ INDEX_FORMAT = 1
 ON_ERROR = ("stop", "skip")
 
 
+# Files that start with these are numpy's, never TFRecord: a zip (an npz) or a single .npy array.
+_NUMPY_MAGIC = (b"PK\x03\x04", npy.MAGIC_PREFIX)
+
+
 def is_tfrecord(path) -> bool:
-    """Whether ``path`` names TFRecord data (a glob, or a file that is not a zip/npz)."""
+    """Whether ``path`` names TFRecord data (a glob, or a file that is neither an npz nor a .npy).
+
+    Anything numpy wrote goes to the npz loader, which names what it is (".npy
+    file (one array), not an npz") instead of a TFRecord framing error.
+    """
     if path is None or str(path).endswith(".npz"):
         return False
     path = str(path)
@@ -73,7 +82,7 @@ def is_tfrecord(path) -> bool:
         return True
     try:
         with open(path, "rb") as f:
-            return f.read(4) != b"PK\x03\x04"
+            return not f.read(len(npy.MAGIC_PREFIX)).startswith(_NUMPY_MAGIC)
     except OSError:
         return False  # missing, a directory, unreadable: the npz loader names what it is
 
