@@ -39,16 +39,22 @@ def hand_run(p0, grads, lrs, momentum, decay):
     return np.array(p), np.array(e)
 
 
-def check(momentum):
-    rng = np.random.default_rng(7)
-    p0 = rng.normal(size=6).astype(np.float32)
-    grads = rng.normal(size=(25, 6)).astype(np.float32)
-    lrs = [0.5 * 0.9 ** (s / 5) for s in range(25)]
+def run_steps(seed, size, steps, lr0, make):
+    """Random float32 weights and gradients; ``make(params, ema)`` builds the optimizer; run it."""
+    rng = np.random.default_rng(seed)
+    p0 = rng.normal(size=size).astype(np.float32)
+    grads = rng.normal(size=(steps, size)).astype(np.float32)
+    lrs = [lr0 * 0.9 ** (s / 5) for s in range(steps)]
     params = p0.copy()
     ema = EMA(params, 0.99)
-    opt = SGD(params, momentum=momentum, ema=ema)
+    opt = make(params, ema)
     for step, (g, lr) in enumerate(zip(grads, lrs)):
         opt.step(g, lr, step)
+    return p0, grads, lrs, params, ema, opt
+
+
+def check(momentum):
+    p0, grads, lrs, params, ema, _ = run_steps(7, 6, 25, 0.5, lambda p, e: SGD(p, momentum=momentum, ema=e))
     want_p, want_e = hand_run(p0, grads, lrs, momentum, 0.99)
     np.testing.assert_allclose(params, want_p, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ema.shadow, want_e, rtol=1e-5, atol=1e-6)
@@ -91,15 +97,8 @@ def hand_adam(p0, grads, lrs, b1, b2, eps, decay):
 
 
 def test_adam_and_ema_match_hand_computation():
-    rng = np.random.default_rng(3)
-    p0 = rng.normal(size=7).astype(np.float32)
-    grads = rng.normal(size=(30, 7)).astype(np.float32)
-    lrs = [0.01 * 0.95 ** (s / 10) for s in range(30)]
-    params = p0.copy()
-    ema = EMA(params, 0.99)
-    opt = Adam(params, beta1=0.8, beta2=0.99, epsilon=1e-6, ema=ema)
-    for step, (g, lr) in enumerate(zip(grads, lrs)):
-        opt.step(g, lr, step)
+    p0, grads, lrs, params, ema, opt = run_steps(
+        3, 7, 30, 0.01, lambda p, e: Adam(p, beta1=0.8, beta2=0.99, epsilon=1e-6, ema=e))
     want_p, want_e, want_m, want_v = hand_adam(p0, grads, lrs, 0.8, 0.99, 1e-6, 0.99)
     np.testing.assert_allclose(params, want_p, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ema.shadow, want_e, rtol=1e-5, atol=1e-6)
