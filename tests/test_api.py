@@ -232,3 +232,16 @@ def test_train_step_and_set_weights_refuse_what_would_train_wrong():
         assert all(np.array_equal(tr.get_weights()[k], w[k]) for k in w)  # nothing changed
     with pytest.raises(UserError, match="closed"):
         tr.train_step(x, y)
+
+
+def test_train_step_takes_lists_as_it_did_before_its_checks():
+    weights = []
+    for as_list in (False, True):
+        with Trainer(Config(**SMALL)) as tr:
+            x, y = tr.source.next_batch()
+            tr.train_step(list(x) if as_list else x, y.tolist() if as_list else y)
+            weights.append(tr.get_weights())
+    assert all(np.array_equal(weights[0][k], weights[1][k]) for k in weights[0])
+    with Trainer(Config(**SMALL)) as tr:
+        start = tr.get_weights()
+    assert any(not np.array_equal(weights[0][k], start[k]) for k in start)  # the step did train

@@ -231,7 +231,7 @@ class Trainer:
         tower threads finish their share of the update; ``synchronize`` (and
         the next step) waits for it.
         """
-        self._check_batch(x, y)
+        x, y = self._check_batch(x, y)
         lr, step = self.lr(), self.step
         if self._pool is not None:
             # The arguments are bound to this step's call, not stored on self:
@@ -245,10 +245,13 @@ class Trainer:
             return self._step_done(list(self._losses) if want_loss else None)
         return self._gpu_step(x, y, None, want_loss)
 
-    def _check_batch(self, x, y) -> None:
-        """A host global batch as ``train_step`` needs it, or a UserError saying what is off (cheap)."""
+    def _check_batch(self, x, y):
+        """(x, y) as arrays if they are a host global batch as ``train_step`` needs it, else a UserError (cheap)."""
         if self._closed:
             raise UserError("this Trainer is closed: make a new one")
+        # Lists (of examples, of labels) were taken before these checks: keep taking them.
+        x = x if hasattr(x, "dtype") else numpy.asarray(x)
+        y = y if hasattr(y, "dtype") else numpy.asarray(y)
         n, ds = self.global_batch, self.dataset
         if len(x) != n or len(y) != n:
             raise UserError(f"train_step takes one global batch of {n} examples and {n} labels "
@@ -260,6 +263,7 @@ class Trainer:
                 len(y) and (int(y.min()) < 0 or int(y.max()) >= ds.num_classes)):
             raise UserError(f"train_step: labels must be integers 0..{ds.num_classes - 1}, "
                             f"got {y.dtype} {tuple(y.shape)}" + (f" from {y.min()} to {y.max()}" if y.size else ""))
+        return x, y
 
     def train_step_at(self, indices, want_loss: bool = False):
         """One step on the training-set rows ``indices`` (one global batch, host ints).
