@@ -349,3 +349,13 @@ def test_input_that_is_a_folder_or_missing(module, argv, text, tmp_path, capsys)
     result = cli(module, capsys, *[str(tmp_path / a) if a != "-o" else a for a in argv])
     assert_one_line(result, 2, text)
     assert sorted(os.listdir(tmp_path)) == ["DIR"]
+
+
+@pytest.mark.parametrize("lengths, text", [([1, 1], "has 2 entries, x.present 3"), ([3, -1, 0], "negative length")])
+def test_npz_whose_lengths_disagree_is_a_layout_error(lengths, text, tmp_path, capsys):
+    """Lengths that do not fit the rows failed mid-write (IndexError) or sliced the values wrongly."""
+    src = tmp_path / "in.npz"
+    np.savez(src, **{"x.present": np.ones(3, np.uint8), "x.values": np.arange(2, dtype=np.int64),
+                     "x.row_lengths": np.array(lengths, np.int64)})
+    assert_one_line(cli(npz_to_tfrecord, capsys, src, "-o", tmp_path / "o.tfrecords"), 2, str(src), text)
+    assert sorted(os.listdir(tmp_path)) == ["in.npz"]

@@ -91,6 +91,13 @@ class _Feature:
         if is_list and self.steps[-1] != len(self.value_ends) - 1:
             raise LayoutError(f"{key}.step_counts add up to {self.steps[-1]}, but {key}.row_lengths has "
                               f"{len(self.value_ends) - 1} steps")
+        # A damaged npz would otherwise fail mid-write (an IndexError) or slice values wrongly.
+        rows, counts = (self.steps, ".step_counts") if is_list else (self.value_ends, ".row_lengths")
+        if len(rows) - 1 != len(self.present):
+            raise LayoutError(f"{key}{counts} has {len(rows) - 1} entries, {key}.present {len(self.present)}")
+        for suffix, ends in {".row_lengths": self.value_ends, counts: rows}.items():
+            if (np.diff(ends) < 0).any():
+                raise LayoutError(f"{key}{suffix} holds a negative length")
 
     def fill(self, feature, i):
         """Set ``feature`` (a Feature message) to the values of row ``i`` of the flat arrays."""
