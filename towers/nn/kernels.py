@@ -490,6 +490,7 @@ def im2col(x, cols, pad: tuple, ws) -> None:
                                               strides=(s[0], s[1], s[2], s[1], s[2], s[3]))
         cols[...] = win
         return
+    _check(x)  # the layer input: a user's layer may hand in a strided view, which the kernel would misread
     _launch("im2col", cols.size, x, cols, _i(cols.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k),
             _i(pad[0]), _i(pad[1]))
 
