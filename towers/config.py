@@ -119,9 +119,6 @@ class Config:
 
 def _check(cfg: Config) -> None:
     """Settings that need no data: fail before anything is allocated."""
-    unknown = [f.name for f in dataclasses.fields(cfg) if f.name not in cfg.__dict__]
-    if unknown:
-        raise UserError(f"Config lacks {unknown[0]}")
     for name in ("batch_size", "steps", "log_every", "hidden", "keep_checkpoints"):
         _integer(cfg, name, minimum=1)
     for name in ("check_replicas", "summary_every", "blas_threads", "seed"):

@@ -122,7 +122,7 @@ class Trainer:
             mib = self.model.size * 4 / 2**20
             raise UserError(f"not enough memory for {self.n_towers} replicas of a model of {self.model.size:,} "
                             f"parameters ({mib:,.0f} MiB each, plus gradients, optimizer state and "
-                            "activations): lower `hidden` or `batch_size`, or use fewer towers") from None
+                            "activations): use a smaller model (`hidden` for the mlp), a smaller `batch_size`, or fewer towers") from None
         except BaseException:
             self.close()
             raise
@@ -274,8 +274,14 @@ class Trainer:
         """
         if self.device_data is None:
             return self.train_step(self.dataset.x[indices], self.dataset.y[indices], want_loss)
-        if len(indices) != self.global_batch:
-            raise UserError(f"train_step_at takes one global batch of {self.global_batch} indices, got {len(indices)}")
+        if self._closed:
+            raise UserError("this Trainer is closed: make a new one")
+        indices = numpy.asarray(indices)
+        n = len(self.dataset.x)
+        if len(indices) != self.global_batch or not numpy.issubdtype(indices.dtype, numpy.integer) or (
+                int(indices.min()) < 0 or int(indices.max()) >= n):  # the gather kernel does not check
+            raise UserError(f"train_step_at takes one global batch of {self.global_batch} row numbers in "
+                            f"0..{n - 1}, got {len(indices)} {indices.dtype} values")
         return self._gpu_step(None, None, indices, want_loss)
 
     def _gpu_step(self, x, y, indices, want_loss: bool):

@@ -383,6 +383,9 @@ def _sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> b
             and max(a.size, b.size, out.size) <= _INT_MAX):
         return False
     c = _CUBLAS or _cublas()
+    compute = c["compute"].get(c["compute_type"](numpy.float32))
+    if compute is None:  # a compute type set elsewhere (FP16, BF16...): cupy.matmul knows them all
+        return False
     handle = c["handle"]()  # per device and thread; gemmEx sets its stream to the current one
     algo = c["algos"].get(handle)
     if algo is None:
@@ -390,7 +393,7 @@ def _sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> b
     r32, ops = c["r32"], c["ops"]
     c["gemmEx"](handle, ops[trans_b], ops[trans_a], n, m, k, c["one"],
                 b.data.ptr, r32, b.shape[-1], a.data.ptr, r32, a.shape[-1],
-                c["zero"], out.data.ptr, r32, n, c["compute"][c["compute_type"](numpy.float32)], algo)
+                c["zero"], out.data.ptr, r32, n, compute, algo)
     return True
 
 
