@@ -65,6 +65,15 @@ def on_stream(stream):
     return stream if stream is not None else contextlib.nullcontext()
 
 
+def array_module(a):
+    """The array module an array lives on: NumPy for host arrays, CuPy for device arrays."""
+    if isinstance(a, numpy.ndarray):
+        return numpy
+    import cupy
+
+    return cupy
+
+
 def to_host(a, copy: bool = False) -> numpy.ndarray:
     """A device array as a NumPy array (a sync point on GPU); ``copy`` also copies host arrays."""
     if hasattr(a, "get"):

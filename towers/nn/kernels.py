@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import numpy
 
+from towers.devices.placement import array_module
+
 _INT_MAX = 2**31 - 1
 _BLOCK = 256
 
@@ -277,7 +279,7 @@ def bias_add(y, b) -> None:
 def relu(x, y) -> None:
     """``y = maximum(x, 0)`` (NaN passes through, as NumPy's maximum)."""
     if on_host(x) or x.size > _INT_MAX:
-        _xp(x).maximum(x, 0, out=y)
+        array_module(x).maximum(x, 0, out=y)
         return
     _check(x)
     _launch("relu", x.size, x, y, _i(x.size))
@@ -289,7 +291,7 @@ def relu_backward(y, dy, mask=None) -> None:
     ``mask`` is the NumPy path's scratch, shaped like ``y``.
     """
     if on_host(y) or y.size > _INT_MAX:
-        xp = _xp(y)
+        xp = array_module(y)
         mask = mask if mask is not None else xp.empty_like(y)
         xp.greater(y, 0, out=mask)  # 1.0 / 0.0 in the float dtype: no bool temp
         xp.multiply(dy, mask, out=dy)
@@ -305,20 +307,12 @@ def add_scaled(g, w, s, tmp=None) -> None:
     """
     s = g.dtype.type(s)
     if on_host(g) or g.size > _INT_MAX:
-        xp = _xp(g)
+        xp = array_module(g)
         tmp = tmp if tmp is not None else xp.empty_like(w)
         xp.multiply(w, s, out=tmp)
         g += tmp
         return
     _launch("add_scaled", g.size, g, w, s, _i(g.size))
-
-
-def _xp(a):
-    if on_host(a):
-        return numpy
-    import cupy
-
-    return cupy
 
 
 def bias_grad(dy, out, ws) -> None:
@@ -367,7 +361,7 @@ def gemm(a, b, out, trans_a: bool = False, trans_b: bool = False) -> None:
     if k != kb or out.shape != (m, n):
         raise ValueError(f"gemm: op(a) {(m, k)} @ op(b) {(kb, n)} into {out.shape}")
     if not _sgemm(a, b, out, trans_a, trans_b, m, n, k):
-        _xp(a).matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
+        array_module(a).matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
 
 
 def _sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> bool:
@@ -632,7 +626,7 @@ def gather_batch(xd, yd, idx, xo, yo, scale) -> None:
     if on_host(xd) or xo.size > _INT_MAX or xd.dtype not in (numpy.uint8, numpy.float32):
         rows = xd[idx]
         if scale is not None:
-            _xp(xd).multiply(rows, numpy.float32(scale), out=xo, casting="unsafe")
+            array_module(xd).multiply(rows, numpy.float32(scale), out=xo, casting="unsafe")
         else:
             xo[...] = rows
         yo[...] = yd[idx]

@@ -53,8 +53,3 @@ def flat_kernel(arrays_in: tuple, scalars: tuple, arrays_out: tuple, body: str, 
     if kernel is None:
         kernel = _CACHE[key] = FlatKernel(*key)
     return kernel
-
-
-def array_module(a):
-    """NumPy for host arrays, CuPy for device arrays."""
-    return numpy if isinstance(a, numpy.ndarray) else __import__("cupy")

@@ -33,7 +33,8 @@ import numpy
 
 from towers.errors import UserError
 from towers.optim.ema import ema_decay
-from towers.optim.kernels import array_module, flat_kernel
+from towers.devices.placement import array_module
+from towers.optim.kernels import flat_kernel
 
 OPTIMIZERS = ("sgd", "adam")
 

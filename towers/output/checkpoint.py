@@ -148,19 +148,14 @@ def read_model(arrays: dict, prefix: str) -> dict[str, numpy.ndarray]:
 
 
 def model_weights(model, arrays: dict, prefix: str, path: str, fix: str) -> dict[str, numpy.ndarray]:
-    """The checkpoint's ``prefix`` weights, checked against ``model``'s names and shapes."""
-    named = read_model(arrays, prefix)
-    want = {name: shape for name, shape, _, _ in model.layout()}
-    have = {name: tuple(a.shape) for name, a in named.items()}
-    if want != have:
-        n = (sorted(set(want) ^ set(have)) or [n for n in want if want[n] != have[n]])[0]
+    """The checkpoint's ``prefix`` weights, checked by ``check_names``; a mismatch names the
+    settings the checkpoint was trained with."""
+    try:
+        return check_names(model, read_model(arrays, prefix), f"{path} does not fit this model")
+    except UserError as e:
         ck = arrays["config"]
-        raise UserError(
-            f"{path} does not fit this model: {n} is {have.get(n, 'absent')} there but "
-            f"{want.get(n, 'absent')} here (the checkpoint was trained with `model` {ck.get('model')} "
-            f"`hidden` {ck.get('hidden')}); {fix}"
-        )
-    return named
+        raise UserError(f"{e} (the checkpoint was trained with `model` {ck.get('model')} "
+                        f"`hidden` {ck.get('hidden')}); {fix}") from None
 
 
 def advance(position: tuple[int, int], examples: int, n: int) -> tuple[int, int]:
