@@ -22,14 +22,16 @@ training from the file's ``tools.tfrecord_to_npz`` conversion.
    feature), the labels ``y_key`` (int64, one per record); a missing or
    ambiguous choice is a one-line error listing the features.
 3. **Reading** (:class:`RecordArray`): an array-like (``shape``, ``dtype``,
-   ``len``, ``x[index array]``, ``x[a:b]``) whose ``submit(indices)`` hands one
-   global batch to a pool of worker processes (protobuf parsing holds the GIL,
-   so threads would not run in parallel).  A worker reads each record with
-   ``os.pread`` (:func:`~towers.data.tfrecord.framing.read_record`: both CRCs
-   again), parses it and copies the feature into the batch; the main process
-   only waits for the result (``result()``, a sync point).  Memory is bounded by
-   the batches in flight (``towers.data.batches.Prefetcher``), whatever the file
-   size: no file is mapped or read whole.
+   ``len``, ``x[index array]``, ``x[a:b]``) whose ``submit(indices)`` reads one
+   global batch, in the calling thread (``workers=0``, the input thread) or in
+   a pool of worker processes.  Either way a
+   :class:`~towers.data.tfrecord.gather.Gatherer` turns the positions into the
+   examples array: one gather from the mapped files, every CRC checked, and
+   the protobuf parse skipped for records whose layout it has already seen
+   parse.  The caller only waits for the result (``result()``, a sync point).
+   Memory is bounded by the batches in flight
+   (``towers.data.batches.Prefetcher``) and by the Gatherer's window of mapped
+   pages, whatever the file size.
 
 Limits: gzip/zlib files cannot be read at random and are refused with a
 one-line error that says how to convert them.  Only context features are read
@@ -51,12 +53,12 @@ import weakref
 
 import numpy as np
 from numpy.lib import format as npy
-from google.protobuf.message import DecodeError
 
 from towers.data.tfrecord.columns import ColumnStats, ColumnStore
 from towers.data.tfrecord.convert import expand_inputs
-from towers.data.tfrecord.framing import TFRecordError, TFRecordReader, read_record
-from towers.data.tfrecord.proto import KIND_BYTES, KIND_FLOAT, SequenceExample
+from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
+from towers.data.tfrecord.gather import Gatherer
+from towers.data.tfrecord.proto import KIND_FLOAT
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode
 from towers.errors import TrainingError, UserError
 from towers.output.files import atomic_save_npz
@@ -271,53 +273,6 @@ def load_split(path, x_key="x", y_key="y", decode=None, on_error="stop", workers
 # -- reading batches in worker processes ---------------------------------------------------------------------
 
 
-class _Reader:
-    """Turns record positions into one examples array; one per worker process (or in-process)."""
-
-    def __init__(self, paths, feature, kind, dtype, shape):
-        self.paths, self.feature, self.kind = paths, feature, kind
-        self.dtype, self.shape = np.dtype(dtype), tuple(shape)
-        self.out_dtype = np.dtype(np.uint8) if self.dtype == np.uint8 else np.dtype(np.float32)
-        self.width = int(np.prod(self.shape)) * (self.dtype.itemsize if kind == KIND_BYTES else 1)
-        self._fds = {}
-
-    def _fd(self, f):
-        fd = self._fds.get(f)
-        if fd is None:
-            fd = self._fds[f] = os.open(self.paths[f], os.O_RDONLY)
-        return fd
-
-    def close(self) -> None:
-        """Close the files opened so far (a later read opens them again)."""
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
-
-    def read(self, files, offsets, lengths, numbers):
-        parse, name, values = SequenceExample.FromString, self.feature, []
-        take = values.append if self.kind == KIND_BYTES else values.extend
-        field = "bytes_list" if self.kind == KIND_BYTES else "float_list"
-        for f, offset, length, number in zip(files.tolist(), offsets.tolist(), lengths.tolist(), numbers.tolist()):
-            payload = read_record(self._fd(f), offset, length)
-            if isinstance(payload, str):
-                raise TFRecordError(self.paths[f], number, offset, payload)
-            try:
-                typed = getattr(parse(payload).context.feature[name], field).value
-                if len(typed) != (1 if self.kind == KIND_BYTES else self.width) or (
-                        self.kind == KIND_BYTES and len(typed[0]) != self.width):
-                    raise ValueError
-            except (DecodeError, ValueError):
-                raise TFRecordError(self.paths[f], number, offset,
-                                    f"feature {name!r} is not what the index says: the file changed since it was "
-                                    "indexed; re-copy it") from None
-            take(typed[0] if self.kind == KIND_BYTES else typed)
-        if self.kind == KIND_BYTES:
-            array = np.frombuffer(b"".join(values), self.dtype)
-        else:
-            array = np.array(values, np.float32)
-        return array.reshape((len(numbers),) + self.shape).astype(self.out_dtype, copy=False)
-
-
 _READER = None  # the worker process's reader
 
 
@@ -327,7 +282,7 @@ def _start_worker(*args):
     # and then these workers; a worker raising KeyboardInterrupt itself would
     # print its own traceback and could leave the pool hanging.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _READER = _Reader(*args)
+    _READER = Gatherer(*args)
 
 
 def _read_in_worker(*args):
@@ -368,7 +323,7 @@ class RecordArray:
         self._lengths = np.concatenate([i.lengths for i in indexes])
         self._numbers = np.concatenate([i.numbers for i in indexes])
         self._spec = (self._paths, feature, kind, np.dtype(dtype).str, tuple(shape))
-        self._reader = _Reader(*self._spec)
+        self._reader = Gatherer(*self._spec)
         self.dtype = self._reader.out_dtype
         self.shape = (len(self._offsets),) + tuple(shape)
         self.ndim = len(self.shape)
@@ -387,7 +342,7 @@ class RecordArray:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._reader = _Reader(*self._spec)
+        self._reader = Gatherer(*self._spec)
 
     def __repr__(self):
         return f"RecordArray({self.name!r}, shape={self.shape}, dtype={self.dtype})"

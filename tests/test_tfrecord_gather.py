@@ -1,0 +1,242 @@
+"""Reading batches of TFRecord records (towers/data/tfrecord/gather.py): the unparsed copy must equal a full parse.
+
+Records are built here with a controlled byte layout (the order of features
+on the wire), so that the cases where copying a value without a parse would
+be wrong exist in the files: the value's bytes present twice, records of
+several lengths, files whose records do not start at multiples of one
+length, damage after the layout was learned, a file that shrank while mapped.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from towers.data.tfrecord import gather as gather_module
+from towers.data.tfrecord.framing import TFRecordError, TFRecordWriter, frame, framed_intact, read_record
+from towers.data.tfrecord.gather import Gatherer, Layouts
+from towers.data.tfrecord.proto import KIND_BYTES, KIND_FLOAT, BytesList, Feature, Features, FloatList, Int64List
+from towers.data.tfrecord.records import file_index
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def example(*features):
+    """An Example's bytes with its features on the wire in the order given: (name, Feature) pairs."""
+    body = b"".join(Features(feature={name: value}).SerializeToString() for name, value in features)
+    return b"\x0a" + _varint(len(body)) + body  # Example.features is field 1, length-delimited
+
+
+def image(v):
+    return Feature(bytes_list=BytesList(value=[bytes(v)]))
+
+
+def label(k):
+    return Feature(int64_list=Int64List(value=[int(k)]))
+
+
+def write(path, payloads):
+    with open(path, "wb") as f, TFRecordWriter(f) as w:
+        for p in payloads:
+            w.write(p)
+    return str(path)
+
+
+def gatherer(paths, kind=KIND_BYTES, dtype="u1", shape=(16,)):
+    return Gatherer([str(p) for p in paths], "image_raw", kind, dtype, shape)
+
+
+def positions(paths, records):
+    """(files, offsets, lengths, numbers) of global record numbers ``records`` over the files' indexes."""
+    indexes = [file_index(str(p)) for p in paths]
+    files = np.concatenate([np.full(len(i.offsets), k) for k, i in enumerate(indexes)])
+    cols = [np.concatenate([getattr(i, a) for i in indexes]) for a in ("offsets", "lengths", "numbers")]
+    r = np.asarray(records)
+    return files[r], cols[0][r], cols[1][r], cols[2][r]
+
+
+class CountingParses(Gatherer):
+    """A Gatherer that counts the records it parsed in full (the slow path), to see the copy taken."""
+
+    parses = 0
+
+    def _parse(self, *args):
+        self.parses += 1
+        return super()._parse(*args)
+
+
+def test_copies_equal_a_full_parse_across_lengths_layouts_and_shards(tmp_path):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (300, 16), np.uint8)
+    labels = rng.integers(0, 300, 300)  # 1- and 2-byte varints: two payload lengths, misaligned offsets
+    payloads = []
+    for k, (v, y) in enumerate(zip(images, labels)):
+        if k % 7 == 0:  # another layout: an extra feature first
+            payloads.append(example(("extra", label(k % 100)), ("image_raw", image(v)), ("label", label(y))))
+        else:
+            payloads.append(example(("label", label(y)), ("image_raw", image(v))))
+    paths = [write(tmp_path / "a.tfrecords", payloads[:120]), write(tmp_path / "b.tfrecords", payloads[120:])]
+    g = CountingParses(paths, "image_raw", KIND_BYTES, "u1", (4, 4))
+    for batch in rng.permutation(300).reshape(6, 50):
+        np.testing.assert_array_equal(g.read(*positions(paths, batch)), images[batch].reshape(-1, 4, 4))
+    first = g.parses
+    for batch in rng.permutation(300).reshape(6, 50):
+        np.testing.assert_array_equal(g.read(*positions(paths, batch)), images[batch].reshape(-1, 4, 4))
+    assert 0 < first <= 300 and g.parses == first, (first, g.parses)  # the second epoch is copied, not parsed
+    g.close()
+
+
+def test_float_examples_are_copied_as_stored(tmp_path):
+    values = np.random.default_rng(1).standard_normal((40, 6)).astype(np.float32)
+    payloads = [example(("image_raw", Feature(float_list=FloatList(value=v))), ("label", label(k % 3)))
+                for k, v in enumerate(values)]
+    path = write(tmp_path / "f.tfrecords", payloads)
+    g = CountingParses([path], "image_raw", KIND_FLOAT, "<f4", (6,))
+    for _ in range(2):
+        got = g.read(*positions([path], np.arange(40)[::-1]))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, values[::-1])
+    assert g.parses == 40  # the first pass only
+
+
+def test_a_value_present_twice_is_never_copied_from_the_wrong_place(tmp_path):
+    """T holds its image twice (in a decoy feature first); S differs from T only in the decoy.
+
+    Taking the first copy of T's image as the field would make S's frame look
+    known and hand out S's decoy bytes as its image.
+    """
+    v, u = bytes(range(16)), bytes(range(100, 116))
+    t = example(("a_decoy", image(v)), ("image_raw", image(v)), ("label", label(1)))
+    s = example(("a_decoy", image(u)), ("image_raw", image(v)), ("label", label(1)))
+    assert len(t) == len(s) and t.find(v) < t.rfind(v)
+    path = write(tmp_path / "d.tfrecords", [t, s, s, t])
+    g = gatherer([path])
+    for _ in range(3):
+        np.testing.assert_array_equal(g.read(*positions([path], [0, 1, 2, 3])), np.frombuffer(v * 4, np.uint8)
+                                      .reshape(4, 16))
+
+
+def _flip_byte(path, at):
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # in place: the mapping sees it, as bit rot would be seen
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("where, message", [(12 + 30, "payload CRC mismatch"), (3, "length CRC mismatch")])
+def test_damage_after_the_layout_is_known_is_still_reported(tmp_path, where, message):
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 256, (20, 16), np.uint8)
+    path = write(tmp_path / "r.tfrecords", [example(("image_raw", image(v)), ("label", label(0))) for v in images])
+    g = gatherer([path])
+    pos = positions([path], np.arange(20))
+    g.read(*pos), g.read(*pos)  # learned: every record's frame is known
+    _flip_byte(path, int(pos[1][9]) + where)  # record 9: inside its image bytes, or in its header
+    with pytest.raises(TFRecordError, match=f"record 9 at byte offset {int(pos[1][9])}: {message}"):
+        g.read(*pos)
+
+
+_SHRINK = """
+import os, sys
+import numpy as np
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+from test_tfrecord_gather import gatherer, positions
+from towers.data.tfrecord.framing import TFRecordError
+path = sys.argv[1]
+images = np.load(path + ".npy")
+g = gatherer([path])
+pos = positions([path], np.arange(400))
+g.read(*pos)  # maps the whole file
+os.truncate(path, int(pos[1][200]) + 5)  # the pages past the new end raise SIGBUS if touched
+np.testing.assert_array_equal(g.read(*(a[:200] for a in pos)), images[:200])
+try:
+    g.read(*(a[[5, 300]] for a in pos))
+except TFRecordError as e:
+    print(e)
+"""
+
+
+def test_a_file_that_shrank_while_mapped_is_an_error_not_a_crash(tmp_path):
+    """In a child process: touching the mapping past the file's end would kill it with SIGBUS."""
+    images = np.random.default_rng(3).integers(0, 256, (400, 16), np.uint8)
+    path = write(tmp_path / "t.tfrecords", [example(("image_raw", image(v)), ("label", label(0))) for v in images])
+    np.save(path + ".npy", images)
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.run([sys.executable, "-c", _SHRINK, path, here, os.path.dirname(here)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    assert "record 300 " in p.stdout and "the file ends inside the record" in p.stdout, p.stdout
+
+
+def test_a_frame_is_learned_only_where_the_length_puts_the_value():
+    """Two layouts of one length, the value at two places: frames are cut at the first place only."""
+    a = example(("label", label(1)), ("image_raw", image(range(16))))
+    b = example(("image_raw", image(range(16, 32))), ("label", label(1)))
+    assert len(a) == len(b) and a.find(bytes(range(16))) != b.find(bytes(range(16, 32)))
+    layouts = Layouts(16)
+    layouts.learn(a, bytes(range(16)))
+    layouts.learn(b, bytes(range(16, 32)))
+    rows = np.frombuffer(a + b, np.uint8).reshape(2, -1)
+    known, start = layouts.known(rows)
+    assert known.tolist() == [True, False] and start == a.find(bytes(range(16)))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads a mapping's resident size from /proc")
+def test_mapped_pages_stay_within_the_window(tmp_path, monkeypatch):
+    monkeypatch.setattr(gather_module, "WINDOW", 1 << 20)
+    images = np.random.default_rng(4).integers(0, 256, (6000, 784), np.uint8)  # 5 MB of records
+    path = write(tmp_path / "w.tfrecords", [example(("image_raw", image(v)), ("label", label(0))) for v in images])
+    g = Gatherer([path], "image_raw", KIND_BYTES, "u1", (784,))
+
+    def resident_kib():
+        lines = open("/proc/self/smaps").read().split("\n")
+        at = [k for k, line in enumerate(lines) if line.endswith(os.path.realpath(path))]
+        assert at, "the file is not mapped"
+        return sum(int(next(x for x in lines[k + 1:] if x.startswith("Rss:")).split()[1]) for k in at)
+
+    most = 0
+    for batch in np.random.default_rng(5).permutation(6000).reshape(30, 200):
+        np.testing.assert_array_equal(g.read(*positions([path], batch)), images[batch])
+        most = max(most, resident_kib())
+    assert most <= 2048, most  # without the drops the whole file (5 MB) ends up resident
+    g.close()
+
+
+def test_framed_intact_agrees_with_read_record_on_every_damaged_byte(tmp_path):
+    payloads = [bytes([k]) * 24 for k in range(8)]
+    clean = b"".join(frame(p) for p in payloads)
+    n = len(clean) // 8
+    for at in range(0, n, 3):  # every third byte of record 5, header to footer
+        raw = bytearray(clean)
+        raw[5 * n + at] ^= 0x01
+        path = tmp_path / "x.tfrecords"
+        path.write_bytes(bytes(raw))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            want = [not isinstance(read_record(fd, k * n, 24), str) for k in range(8)]
+        finally:
+            os.close(fd)
+        got = framed_intact(np.frombuffer(bytes(raw), np.uint8).reshape(8, n), 24).tolist()
+        assert got == want and want[5] is False, at
+
+
+def test_parse_check_rejects_records_unlike_the_index(tmp_path):
+    """A record whose feature is not one string of the width asked: the index's one-line error, not garbage."""
+    path = write(tmp_path / "m.tfrecords", [example(("image_raw", image(range(16)))),
+                                            example(("image_raw", image(range(8))), ("pad", image(range(8))))])
+    g = gatherer([path])
+    with pytest.raises(TFRecordError, match="record 1 .*feature 'image_raw' is not what the index says"):
+        g.read(*positions([path], [0, 1]))
