@@ -4,14 +4,14 @@ Training from TFRecord files (``towers.data.tfrecord.records.RecordArray``)
 asks for a global batch of records at random positions; a :class:`Gatherer`
 (one per input thread or worker process) turns them into the examples array:
 
-1. **Gather** (:class:`MappedFile`): each file is mapped read-only, and the
-   records of one length are copied out by one NumPy gather (a file whose
+1. **Gather** (:class:`RecordFile`): the records of one length are copied
+   out at once.  Files are mapped read-only while the mapped files fit in
+   ``WINDOW`` bytes: a record is then a row of a NumPy gather (a file whose
    records of that length start at multiples of it is viewed as a 2-D array;
-   otherwise one slice each).  Mapped pages count in the resident size, so they
-   are dropped (``MADV_DONTNEED``; the page cache keeps them) whenever the
-   pages the reads since the last drop may have mapped (``FAULT_AROUND`` a
-   record) reach ``WINDOW`` bytes: the resident size does not grow with the
-   file.
+   otherwise one slice each).  Mapped pages stay resident once read, so files
+   beyond the window are read with one ``os.pread`` a record instead, and the
+   resident size does not grow with the data (random reads over a mapping
+   larger than memory would also fault a page in for nearly every record).
 2. **Check** (:func:`~towers.data.tfrecord.framing.framed_intact`): every
    header and payload CRC, as ``read_record`` checks them, for the whole batch.
 3. **Extract without a parse** (:class:`Layouts`): the example is the content
@@ -46,24 +46,30 @@ from google.protobuf.message import DecodeError
 from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, framed_intact, read_record
 from towers.data.tfrecord.proto import KIND_BYTES, KIND_LIST_FIELDS, SequenceExample
 
-WINDOW = 64 << 20  # bytes of mapped pages one Gatherer may keep resident
-FAULT_AROUND = 64 << 10  # what one page fault may map around a record (Linux's fault_around_bytes)
+WINDOW = 64 << 20  # bytes of files one Gatherer maps (their pages stay resident once read)
 FRAMES = 4096  # frames remembered per payload length
 LENGTHS = 64  # payload lengths with a known value start
 
 
-class MappedFile:
-    """One file open and mapped read-only: ``rows`` copies records out, ``drop_pages`` unmaps what was read."""
+class RecordFile:
+    """One file open for reading records at random: mapped read-only if ``mapped``, else read with ``os.pread``."""
 
-    def __init__(self, path):
+    def __init__(self, path, mapped):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
-        self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if self.size else None
-        self._bytes = np.frombuffer(self._map, np.uint8) if self.size else np.empty(0, np.uint8)
+        self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if mapped and self.size else None
+        self._bytes = np.frombuffer(self._map, np.uint8) if self._map is not None else None
+
+    @property
+    def mapped(self) -> bool:
+        return self._map is not None
 
     def rows(self, offsets, n):
         """A (k, n) uint8 copy of the ``n`` bytes at each of ``offsets``; None if the file is now shorter."""
+        if self._map is None:
+            raw = b"".join([os.pread(self.fd, n, o) for o in offsets.tolist()])
+            return np.frombuffer(raw, np.uint8).reshape(-1, n) if len(raw) == len(offsets) * n else None
         end = int(offsets.max()) + n
         if end > self.size or end > os.fstat(self.fd).st_size:
             return None  # pages past the end of a file that shrank would raise SIGBUS
@@ -71,10 +77,6 @@ class MappedFile:
             return self._bytes[: self.size // n * n].reshape(-1, n)[offsets // n]
         m = self._map
         return np.frombuffer(b"".join([m[o:o + n] for o in offsets.tolist()]), np.uint8).reshape(-1, n)
-
-    def drop_pages(self) -> None:
-        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
-            self._map.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         self._bytes = None
@@ -125,15 +127,17 @@ class Gatherer:
         self.stored = self.dtype if kind == KIND_BYTES else np.dtype("<f4")  # an example's bytes in the file
         self.width = math.prod(self.shape) * self.stored.itemsize
         self._field = KIND_LIST_FIELDS[kind]
-        self._files: dict[int, MappedFile] = {}
+        self._files: dict[int, RecordFile] = {}
         self._layouts = Layouts(self.width)
-        self._mapped = self._since_drop = 0
+        self._mapped = 0  # bytes of the files mapped
 
-    def _file(self, f) -> MappedFile:
+    def _file(self, f) -> RecordFile:
         file = self._files.get(f)
         if file is None:
-            file = self._files[f] = MappedFile(self.paths[f])
-            self._mapped += file.size
+            # Map while the mapped files fit the window: their pages stay resident once read.
+            size = os.path.getsize(self.paths[f])
+            file = self._files[f] = RecordFile(self.paths[f], self._mapped + size <= WINDOW)
+            self._mapped += size if file.mapped else 0
         return file
 
     def close(self) -> None:
@@ -150,7 +154,6 @@ class Gatherer:
             for rows in [slice(None)] if same else [np.flatnonzero(lengths == n) for n in
                                                                  np.unique(lengths)]:
                 self._read_length(out, rows, files[rows], offsets[rows], numbers[rows], int(lengths[rows][0]))
-            self._window(len(numbers))
         return out.view(self.stored).reshape((len(numbers),) + self.shape).astype(self.out_dtype, copy=False)
 
     def _read_length(self, out, rows, files, offsets, numbers, length) -> None:
@@ -201,11 +204,3 @@ class Gatherer:
                                 "was indexed; re-copy it") from None
         self._layouts.learn(payload, value)
         return value
-
-    def _window(self, records) -> None:
-        """Drop the mapped pages once the reads since the last drop may have made ``WINDOW`` bytes resident."""
-        self._since_drop += records
-        if min(self._mapped, self._since_drop * FAULT_AROUND) > WINDOW:
-            for file in self._files.values():
-                file.drop_pages()
-            self._since_drop = 0
