@@ -235,3 +235,29 @@ def test_parse_check_rejects_records_unlike_the_index(tmp_path):
     g = gatherer([path])
     with pytest.raises(TFRecordError, match="record 1 .*feature 'image_raw' is not what the index says"):
         g.read(*positions([path], [0, 1]))
+
+
+def _length_delimited(tag, body):
+    return tag + _varint(len(body)) + body
+
+
+def test_a_float_list_sent_in_pieces_is_not_copied_from_a_feature_that_happens_to_hold_its_bytes(tmp_path):
+    """A float list may come in several runs (packed or not) that the parser joins: its bytes then lie nowhere in
+    one piece, and another feature holding them once (here the bytes feature ``z``) is not the list's place.
+
+    R's ``image_raw`` is [1, 2] in two packed runs, and ``z`` holds the bytes of [1, 2]; S is R with ``z`` holding
+    [3, 4].  Taking ``z``'s place for the value's would make S's frame look known and hand out [3, 4].
+    """
+    def record(z):
+        runs = b"".join(_length_delimited(b"\x0a", np.float32(v).tobytes()) for v in (1.0, 2.0))  # FloatList.value
+        entries = [("image_raw", _length_delimited(b"\x12", runs)),  # Feature.float_list
+                   ("z", _length_delimited(b"\x0a", _length_delimited(b"\x0a", np.asarray(z, "<f4").tobytes())))]
+        body = b"".join(_length_delimited(b"\x0a", _length_delimited(b"\x0a", name.encode())
+                                          + _length_delimited(b"\x12", feature)) for name, feature in entries)
+        return _length_delimited(b"\x0a", body)  # Example.features
+
+    r, s = record([1.0, 2.0]), record([3.0, 4.0])
+    path = write(tmp_path / "p.tfrecords", [r, s])
+    g = gatherer([path], KIND_FLOAT, "<f4", (2,))
+    for batch in ([0], [1], [0, 1], [1, 0]):  # R first: its parse is the one a frame would be learned from
+        np.testing.assert_array_equal(g.read(*positions([path], batch)), np.ones((len(batch), 1)) * [1.0, 2.0])
