@@ -66,33 +66,34 @@ def positions(paths, records):
 
 
 class CountingParses(Gatherer):
-    """A Gatherer that counts the records it parsed in full (the slow path), to see the copy taken."""
+    """A Gatherer that counts its full protobuf parses, to see the copy taken."""
 
     parses = 0
 
-    def _parse(self, *args):
+    def _value_of(self, payload):
         self.parses += 1
-        return super()._parse(*args)
+        return super()._value_of(payload)
 
 
 def test_copies_equal_a_full_parse_across_lengths_layouts_and_shards(tmp_path):
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (300, 16), np.uint8)
-    labels = rng.integers(0, 300, 300)  # 1- and 2-byte varints: two payload lengths, misaligned offsets
+    labels = np.array([0, 1, 2, 3, 4, 200, 201, 202, 203, 204])[rng.integers(0, 10, 300)]  # 1- and 2-byte
+    # varints: two payload lengths, so offsets that are no multiple of one, and two frames (layouts) a label
     payloads = []
     for k, (v, y) in enumerate(zip(images, labels)):
         if k % 7 == 0:  # another layout: an extra feature first
-            payloads.append(example(("extra", label(k % 100)), ("image_raw", image(v)), ("label", label(y))))
+            payloads.append(example(("extra", label(5)), ("image_raw", image(v)), ("label", label(y))))
         else:
             payloads.append(example(("label", label(y)), ("image_raw", image(v))))
     paths = [write(tmp_path / "a.tfrecords", payloads[:120]), write(tmp_path / "b.tfrecords", payloads[120:])]
     g = CountingParses(paths, "image_raw", KIND_BYTES, "u1", (4, 4))
-    for batch in rng.permutation(300).reshape(6, 50):
+    for batch in rng.permutation(300).reshape(3, 100):  # ~50 records a length: gathered once frames are known
         np.testing.assert_array_equal(g.read(*positions(paths, batch)), images[batch].reshape(-1, 4, 4))
     first = g.parses
-    for batch in rng.permutation(300).reshape(6, 50):
+    for batch in rng.permutation(300).reshape(3, 100):
         np.testing.assert_array_equal(g.read(*positions(paths, batch)), images[batch].reshape(-1, 4, 4))
-    assert 0 < first <= 300 and g.parses == first, (first, g.parses)  # the second epoch is copied, not parsed
+    assert 0 < first < 300 and g.parses == first, (first, g.parses)  # the second epoch is copied, not parsed
     g.close()
 
 
@@ -102,11 +103,13 @@ def test_float_examples_are_copied_as_stored(tmp_path):
                 for k, v in enumerate(values)]
     path = write(tmp_path / "f.tfrecords", payloads)
     g = CountingParses([path], "image_raw", KIND_FLOAT, "<f4", (6,))
+    counts = []
     for _ in range(2):
         got = g.read(*positions([path], np.arange(40)[::-1]))
         assert got.dtype == np.float32
         np.testing.assert_array_equal(got, values[::-1])
-    assert g.parses == 40  # the first pass only
+        counts.append(g.parses)
+    assert 0 < counts[0] < 40 and counts[1] == counts[0]  # one parse (and its check) a frame, then copies
 
 
 def test_a_value_present_twice_is_never_copied_from_the_wrong_place(tmp_path):
@@ -139,11 +142,14 @@ def _flip_byte(path, at):
 @pytest.mark.parametrize("where, message", [(12 + 30, "payload CRC mismatch"), (3, "length CRC mismatch")])
 def test_damage_after_the_layout_is_known_is_still_reported(tmp_path, where, message):
     rng = np.random.default_rng(2)
-    images = rng.integers(0, 256, (20, 16), np.uint8)
+    images = rng.integers(0, 256, (40, 16), np.uint8)  # one frame, and enough records for a gather
     path = write(tmp_path / "r.tfrecords", [example(("image_raw", image(v)), ("label", label(0))) for v in images])
-    g = gatherer([path])
-    pos = positions([path], np.arange(20))
-    g.read(*pos), g.read(*pos)  # learned: every record's frame is known
+    g = CountingParses([path], "image_raw", KIND_BYTES, "u1", (16,))
+    pos = positions([path], np.arange(40))
+    g.read(*pos)  # learned: every record's frame is known
+    parses = g.parses
+    g.read(*pos)
+    assert g.parses == parses  # copied
     _flip_byte(path, int(pos[1][9]) + where)  # record 9: inside its image bytes, or in its header
     with pytest.raises(TFRecordError, match=f"record 9 at byte offset {int(pos[1][9])}: {message}"):
         g.read(*pos)
@@ -152,33 +158,38 @@ def test_damage_after_the_layout_is_known_is_still_reported(tmp_path, where, mes
 _SHRINK = """
 import os, sys
 import numpy as np
-sys.path[:0] = [sys.argv[2], sys.argv[3]]
+sys.path[:0] = [sys.argv[3], sys.argv[4]]
 from test_tfrecord_gather import gatherer, positions
 from towers.data.tfrecord.framing import TFRecordError
-path = sys.argv[1]
-images = np.load(path + ".npy")
-g = gatherer([path])
-pos = positions([path], np.arange(400))
-g.read(*pos)  # maps the whole file
-os.truncate(path, int(pos[1][200]) + 5)  # the pages past the new end raise SIGBUS if touched
-np.testing.assert_array_equal(g.read(*(a[:200] for a in pos)), images[:200])
-try:
-    g.read(*(a[[5, 300]] for a in pos))
-except TFRecordError as e:
-    print(e)
+paths = sys.argv[1:3]
+images = np.load(paths[0] + ".npy")
+g = gatherer(paths)
+pos = positions(paths, np.arange(400))
+g.read(*pos)  # maps both files whole and learns the frame
+os.truncate(paths[1], int(pos[1][300]) + 5)  # the second file's pages past its new end raise SIGBUS if touched
+keep = np.r_[0:200, 200:300]
+np.testing.assert_array_equal(g.read(*(a[keep] for a in pos)), images[keep])
+for batch in (np.r_[0:40, 350], [5, 350]):  # gathered from both files, and read one by one
+    try:
+        g.read(*(a[batch] for a in pos))
+    except TFRecordError as e:
+        print(e)
 """
 
 
 def test_a_file_that_shrank_while_mapped_is_an_error_not_a_crash(tmp_path):
     """In a child process: touching the mapping past the file's end would kill it with SIGBUS."""
     images = np.random.default_rng(3).integers(0, 256, (400, 16), np.uint8)
-    path = write(tmp_path / "t.tfrecords", [example(("image_raw", image(v)), ("label", label(0))) for v in images])
-    np.save(path + ".npy", images)
+    payloads = [example(("image_raw", image(v)), ("label", label(0))) for v in images]
+    paths = [write(tmp_path / "t0.tfrecords", payloads[:200]), write(tmp_path / "t1.tfrecords", payloads[200:])]
+    np.save(paths[0] + ".npy", images)
     here = os.path.dirname(os.path.abspath(__file__))
-    p = subprocess.run([sys.executable, "-c", _SHRINK, path, here, os.path.dirname(here)], capture_output=True,
+    p = subprocess.run([sys.executable, "-c", _SHRINK, *paths, here, os.path.dirname(here)], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
-    assert "record 300 " in p.stdout and "the file ends inside the record" in p.stdout, p.stdout
+    lines = p.stdout.splitlines()
+    assert len(lines) == 2 and all(f"{paths[1]}: record 150 " in line and "the file ends inside the record" in line
+                                   for line in lines), p.stdout
 
 
 def test_a_frame_is_learned_only_where_the_length_puts_the_value():
@@ -186,12 +197,15 @@ def test_a_frame_is_learned_only_where_the_length_puts_the_value():
     a = example(("label", label(1)), ("image_raw", image(range(16))))
     b = example(("image_raw", image(range(16, 32))), ("label", label(1)))
     assert len(a) == len(b) and a.find(bytes(range(16))) != b.find(bytes(range(16, 32)))
-    layouts = Layouts(16)
-    layouts.learn(a, bytes(range(16)))
-    layouts.learn(b, bytes(range(16, 32)))
+    layouts = Layouts(16, gatherer([])._value_of)
+    for record in (1, 1, 2):  # a frame is proved when a second record has it
+        layouts.learn(a, bytes(range(16)), record)
+    assert layouts.start(len(a)) == a.find(bytes(range(16)))
+    for record in (3, 4):
+        layouts.learn(b, bytes(range(16, 32)), record)
     rows = np.frombuffer(a + b, np.uint8).reshape(2, -1)
-    known, start = layouts.known(rows)
-    assert known.tolist() == [True, False] and start == a.find(bytes(range(16)))
+    assert layouts.known(len(a), rows).tolist() == [True, False]
+    assert layouts.start(len(a)) == a.find(bytes(range(16)))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="lists the process's mappings through /proc")
@@ -257,7 +271,58 @@ def test_a_float_list_sent_in_pieces_is_not_copied_from_a_feature_that_happens_t
         return _length_delimited(b"\x0a", body)  # Example.features
 
     r, s = record([1.0, 2.0]), record([3.0, 4.0])
-    path = write(tmp_path / "p.tfrecords", [r, s])
+    path = write(tmp_path / "p.tfrecords", [r, r, s])  # two records with R's frame: it would be proved
     g = gatherer([path], KIND_FLOAT, "<f4", (2,))
-    for batch in ([0], [1], [0, 1], [1, 0]):  # R first: its parse is the one a frame would be learned from
+    for batch in ([0], [1], [2], [0, 1, 2], [2, 1, 0]):
         np.testing.assert_array_equal(g.read(*positions([path], batch)), np.ones((len(batch), 1)) * [1.0, 2.0])
+
+
+def test_a_feature_with_two_values_is_rejected_even_when_the_first_fits(tmp_path):
+    two = Feature(bytes_list=BytesList(value=[bytes(16), bytes(range(16))]))
+    path = write(tmp_path / "v.tfrecords", [example(("image_raw", image(range(16)))), example(("image_raw", two))])
+    with pytest.raises(TFRecordError, match="record 1 .*feature 'image_raw' is not what the index says"):
+        gatherer([path]).read(*positions([path], [0, 1]))
+
+
+def test_many_lengths_and_unique_frames_read_the_same_with_a_small_frame_budget(tmp_path, monkeypatch):
+    """Records of many lengths (a variable-length feature) and all-different frames (an id), past the budget."""
+    monkeypatch.setattr(gather_module, "FRAME_BYTES", 20_000)
+    rng = np.random.default_rng(6)
+    images = rng.integers(0, 256, (600, 16), np.uint8)
+    payloads = [example(("id", label(k)), ("image_raw", image(v)), ("name", image(bytes(k % 90))))
+                for k, v in enumerate(images)]
+    path = write(tmp_path / "u.tfrecords", payloads)
+    g = gatherer([path])
+    for _ in range(2):
+        for batch in rng.permutation(600).reshape(3, 200):
+            np.testing.assert_array_equal(g.read(*positions([path], batch)), images[batch])
+    assert 0 < g._layouts.bytes <= 20_000
+
+
+def test_gathers_stop_for_a_length_whose_frames_do_not_repeat_once_the_budget_is_full(tmp_path, monkeypatch):
+    monkeypatch.setattr(gather_module, "FRAME_BYTES", 5_000)
+    images = np.random.default_rng(7).integers(0, 256, (500, 16), np.uint8)
+    ids = [1000] * 100 + list(range(1100, 1500))  # one frame for 100 records, then none repeats
+    payloads = [example(("id", label(k)), ("image_raw", image(v))) for k, v in zip(ids, images)]
+    assert len(set(map(len, payloads))) == 1
+    path = write(tmp_path / "i.tfrecords", payloads)
+    g = gatherer([path])
+    for batch in np.arange(500).reshape(5, 100):
+        np.testing.assert_array_equal(g.read(*positions([path], batch)), images[batch])
+        if batch[0] == 0:
+            assert g._layouts.start(len(payloads[0])) is not None  # the shared frame is proved
+    assert g._layouts.start(len(payloads[0])) is None  # read one by one from now on
+    np.testing.assert_array_equal(g.read(*positions([path], np.arange(500))), images)
+
+
+def test_a_record_read_again_is_no_repeat_of_its_frame(tmp_path):
+    """Unique frames (an id a record) are never proved, so a later epoch costs one parse a record, no more."""
+    images = np.random.default_rng(8).integers(0, 256, (100, 16), np.uint8)
+    path = write(tmp_path / "n.tfrecords", [example(("id", label(1000 + k)), ("image_raw", image(v)))
+                                            for k, v in enumerate(images)])
+    g = CountingParses([path], "image_raw", KIND_BYTES, "u1", (16,))
+    counts = []
+    for _ in range(3):
+        np.testing.assert_array_equal(g.read(*positions([path], np.arange(100))), images)
+        counts.append(g.parses)
+    assert counts == [100, 200, 300]

@@ -183,7 +183,7 @@ def test_closing_records_read_in_process_closes_their_file(records):
                 if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(records)]
 
     x, _ = load_split(str(records), "image_raw", "label", decode="image_raw:uint8:8,8", workers=0)
-    assert x[:3].shape == (3, 8, 8) and open_on_records()  # the file, and the mapping's own descriptor
+    assert x[:3].shape == (3, 8, 8) and len(open_on_records()) == 1  # the mapping's own descriptor
     x.close()
     assert open_on_records() == []
     assert x[3:5].shape == (2, 8, 8)  # a later read opens it again

@@ -38,7 +38,7 @@ _MASK_DELTA = 0xA282EAD8
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "zlib": zlib.MAX_WBITS}
 _HEADER_STRUCT = struct.Struct("<QI")
 _CRC_STRUCT = struct.Struct("<I")
-# What is wrong, as the reports say it (the streaming reader and read_record share them).
+# What is wrong, as the reports say it (the streaming reader and check_record share them).
 LENGTH_CRC = ("length CRC mismatch: the record header is corrupted and the records after it cannot be located; "
               "re-copy the file")
 PAYLOAD_CRC = ("payload CRC mismatch: the record is corrupted; re-copy the file, or pass --on-error skip to drop "
@@ -290,12 +290,19 @@ def read_record(fd, offset, length):
     """Random access: the payload of the record at ``offset`` whose payload is ``length`` bytes.
 
     For an uncompressed file open as ``fd`` (``os.pread``: no shared file
-    position, so threads and processes may read one descriptor at once).  The
-    header must give ``length`` and both CRCs must hold; otherwise the return
-    value is a str saying what is wrong (the caller knows the record's index
-    and builds the :class:`TFRecordError`).
+    position, so threads and processes may read one descriptor at once); the
+    checks are :func:`check_record`'s.
     """
-    raw = os.pread(fd, HEADER + length + FOOTER, offset)
+    return check_record(os.pread(fd, HEADER + length + FOOTER, offset), length)
+
+
+def check_record(raw, length):
+    """The payload of ``raw``, the bytes read where a record whose payload is ``length`` bytes should be.
+
+    The header must give ``length`` and both CRCs must hold; otherwise the
+    return value is a str saying what is wrong (the caller knows the record's
+    index and offset and builds the :class:`TFRecordError`).
+    """
     if len(raw) < HEADER + length + FOOTER:
         return (f"the file ends inside the record ({length} byte payload needs {HEADER + length + FOOTER} bytes, "
                 f"{len(raw)} left): the file is truncated; re-copy it")
@@ -318,14 +325,14 @@ def _payload_slices(length, k):
 
 
 def framed_intact(rows, length):
-    """Which records of ``rows`` are intact: ``read_record``'s checks for many records of one length at once.
+    """Which records of ``rows`` are intact: :func:`check_record`'s checks for many records of one length at once.
 
     ``rows`` is a (k, HEADER + length + FOOTER) uint8 array of whole records
     as they lie in the file.  The header must be the one every record of
     ``length`` has (the length and its masked CRC: 12 equal bytes, compared at
     once) and the payload's CRC32C must match its footer (one C call each).
-    Returns a bool array; the caller reads the failures again with
-    ``read_record`` to say what is wrong.
+    Returns a bool array; :func:`check_record` says what is wrong with a
+    failure.
     """
     length_bytes = struct.pack("<Q", length)
     header = np.frombuffer(length_bytes + _CRC_STRUCT.pack(masked_crc(length_bytes)), np.uint8)

@@ -2,77 +2,117 @@
 
 Training from TFRecord files (``towers.data.tfrecord.records.RecordArray``)
 asks for a global batch of records at random positions; a :class:`Gatherer`
-(one per input thread or worker process) turns them into the examples array:
+(one per input thread or worker process) turns them into the examples array.
+The example is the content of one bytes field (or one packed float list),
+which the protobuf parser does not look into; the rest of a record's payload
+is its *frame*.  Two records of the same length and the same frame parse the
+same way, their values at the same place.  MNIST has one frame per label, so
+after the first few records no record needs the parser:
 
-1. **Gather** (:class:`RecordFile`): the records of one length are copied
-   out at once.  Files are mapped read-only while the mapped files fit in
-   ``WINDOW`` bytes: a record is then a row of a NumPy gather (a file whose
-   records of that length start at multiples of it is viewed as a 2-D array;
-   otherwise one slice each).  Mapped pages stay resident once read, so files
-   beyond the window are read with one ``os.pread`` a record instead, and the
-   resident size does not grow with the data (random reads over a mapping
-   larger than memory would also fault a page in for nearly every record).
+1. **Gather** (:class:`RecordFile`), for the records of a length with a known
+   value start, at least ``BATCH_MIN`` of them: copied out at once, in chunks
+   of at most ``CHUNK_BYTES``.  Files are mapped read-only while the mapped
+   files fit in ``WINDOW`` bytes: a record is then a row of a NumPy gather (a
+   file whose records of that length start at multiples of it is viewed as a
+   2-D array; otherwise one slice each).  Mapped pages stay resident once
+   read, so files beyond the window are read with one ``os.pread`` a record,
+   and the resident size does not grow with the data.
 2. **Check** (:func:`~towers.data.tfrecord.framing.framed_intact`): every
-   header and payload CRC, as ``read_record`` checks them, for the whole batch.
-3. **Extract without a parse** (:class:`Layouts`): the example is the content
-   of one bytes field (or of one packed float list), which the protobuf parser
-   does not look into.  Once a record was parsed in full and its value found
-   exactly once in its payload, at byte ``start``, a record of the same length
-   whose other bytes (its *frame*) are the same parses the same way with its
-   value at the same place, so that value is copied out unparsed.  Up to
-   ``FRAMES`` frames are kept per payload length (MNIST has one per label).
-4. **Parse** the rest record by record (a frame not seen yet, damage, a file
-   that shrank): ``read_record`` and the protobuf parser, which also name what
-   is wrong (:class:`~towers.data.tfrecord.framing.TFRecordError`).
+   header and payload CRC, as ``check_record`` checks them, for the whole batch.
+3. **Copy** the value of every record whose frame is known (:class:`Layouts`).
+4. **One by one**, every other record (small groups, a frame not known,
+   damage, a file that shrank): ``check_record``, then its frame looked up,
+   else the protobuf parser, which also names what is wrong
+   (:class:`~towers.data.tfrecord.framing.TFRecordError`).  A parsed record's
+   frame is learned (see :class:`Layouts`: a frame counts once a second
+   record has it, and a second parse proves where its value lies).
 
-Steps 1-3 cost about 0.5 us a MNIST record against 3 us for step 4 alone; on
-2 cores that is what lets the input thread share the cores with two CPU
-towers (``python -m tools.bench_input``).
+Steps 1-3 cost about 0.55 us a MNIST record against 3 us for a parse; on 2
+cores that is what lets the input thread share the cores with two CPU towers
+(``python -m tools.bench_input``).  Records whose frames never repeat (an id
+or a name in every record) cost a parse each, as before, plus a little
+bookkeeping until ``TRIES`` frames have failed to repeat.
 
-Sync points: none; a Gatherer is used by one thread at a time.  Limits: a file
-truncated by another program between the per-batch size check and the gather
-would end the process with SIGBUS; a float example copied unparsed keeps its
-stored bits, so a signalling NaN stays signalling where the parse quiets it.
+Memory: the batch being read (whole records, a few copies), the frames and
+candidates (``FRAME_BYTES``), and the mapped files (``WINDOW``).
+
+Sync points: ``read`` and ``close`` hold a lock (the input thread and the
+main thread may read one array).  Limits: a file truncated by another program
+between the per-batch size check and the gather, or a read error on a mapped
+page (a failing disk, a network file system), ends the process with SIGBUS
+rather than an error; a float example copied unparsed keeps its stored bits,
+so a signalling NaN stays signalling where the parse quiets it.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import os
+import threading
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, framed_intact, read_record
+from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, check_record, framed_intact
 from towers.data.tfrecord.proto import KIND_BYTES, KIND_LIST_FIELDS, SequenceExample
 
 WINDOW = 64 << 20  # bytes of files one Gatherer maps (their pages stay resident once read)
-FRAMES = 4096  # frames remembered per payload length
+FRAME_BYTES = 16 << 20  # bytes of frames one Gatherer keeps (Python's overhead included)
 LENGTHS = 64  # payload lengths with a known value start
+TRIES = 1024  # candidates of lengths with no start (less PROOF_WORTH a proof) before frames are taken not to repeat
+PROOF_WORTH = 16  # candidates a proved frame pays for: learning goes on while 1 in 16 candidates repeats
+BATCH_MIN = 32  # fewer records of one length than this are read one by one (a gather costs ~50 us)
+CHUNK_BYTES = 8 << 20  # whole records copied at once by one gather
+_FRAME_OVERHEAD = 64  # a bytes object and its set entry, besides the bytes
 
 
 class RecordFile:
-    """One file open for reading records at random: mapped read-only if ``mapped``, else read with ``os.pread``."""
+    """One file open for reading records at random: mapped read-only if ``mapped``, else read with ``os.pread``.
+
+    A mapped file keeps one descriptor, the mapping's own.
+    """
 
     def __init__(self, path, mapped):
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self.fd).st_size
-        self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if mapped and self.size else None
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if mapped and self.size else None
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._map is not None:
+            os.close(fd)
+            fd = None
+        self._fd = fd
+        self._batch, self._good = None, 0
         self._bytes = np.frombuffer(self._map, np.uint8) if self._map is not None else None
 
     @property
     def mapped(self) -> bool:
         return self._map is not None
 
+    def _in_file(self) -> int:
+        """How many mapped bytes are still in the file (past its end they raise SIGBUS): one fstat."""
+        return min(self.size, self._map.size())  # mmap.size(): the file's size now
+
+    def read(self, offset, n, batch) -> bytes:
+        """The ``n`` bytes at ``offset``, fewer where the file ends first; the file's size is looked up once
+        per ``batch`` (a number that changes from one batch to the next)."""
+        if self._map is None:
+            return os.pread(self._fd, n, offset)
+        if self._batch != batch:
+            self._batch, self._good = batch, self._in_file()
+        return self._map[offset:min(offset + n, self._good)]
+
     def rows(self, offsets, n):
         """A (k, n) uint8 copy of the ``n`` bytes at each of ``offsets``; None if the file is now shorter."""
         if self._map is None:
-            raw = b"".join([os.pread(self.fd, n, o) for o in offsets.tolist()])
+            raw = b"".join([os.pread(self._fd, n, o) for o in offsets.tolist()])
             return np.frombuffer(raw, np.uint8).reshape(-1, n) if len(raw) == len(offsets) * n else None
-        end = int(offsets.max()) + n
-        if end > self.size or end > os.fstat(self.fd).st_size:
-            return None  # pages past the end of a file that shrank would raise SIGBUS
+        if int(offsets.max()) + n > self._in_file():
+            return None
         if not (offsets % n).any():
             return self._bytes[: self.size // n * n].reshape(-1, n)[offsets // n]
         m = self._map
@@ -80,45 +120,101 @@ class RecordFile:
 
     def close(self) -> None:
         self._bytes = None
-        if self._map is not None:
-            self._map.close()  # its own duplicate of the descriptor too
-        os.close(self.fd)
+        try:
+            if self._map is not None:
+                self._map.close()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
 
 
 class Layouts:
-    """Per payload length, where the value starts, and the frames seen to parse with it there."""
+    """Per payload length, where the value starts and the frames known to parse with it there.
 
-    def __init__(self, width):
-        self.width = width
-        self._start: dict[int, int] = {}
-        self._frames: dict[int, set] = {}
+    ``value_of(payload)`` is the full parse (the value's stored bytes, or None).
+    A frame is learned in two sightings: the first keeps it as a candidate
+    (cheap: frames that never repeat, such as those of records with an id or
+    a name, cost no more), the second proves the value's place with a second
+    parse: the payload with every fourth byte of the value changed must parse
+    to the changed bytes.  That rules out a value that is not one piece on the
+    wire (a float list in several runs, or unpacked, which the parser joins)
+    and happens to be found once elsewhere, in another feature.  (Changing the
+    low byte of each float keeps finite floats finite.)  Frames and candidates
+    together stay within ``FRAME_BYTES``.
+    """
 
-    def known(self, payloads):
-        """(bool mask of the rows of ``payloads`` whose frame is known, the value's start or None)."""
-        start = self._start.get(payloads.shape[1])
-        if start is None:
-            return np.zeros(len(payloads), bool), None
+    def __init__(self, width, value_of):
+        self.width, self._value_of = width, value_of
+        self._start: dict[int, int] = {}  # payload length -> where its value starts (proved)
+        self._frames: dict[int, set] = {}  # payload length -> frames proved
+        self._seen: dict = {}  # (start, frame) -> the record it was seen in, for frames seen in one record
+        self._off: set[int] = set()
+        self._tries = 0  # candidates kept of lengths with no start, less PROOF_WORTH a frame proved
+        self.bytes = 0
+
+    def start(self, length):
+        """Where the value starts in payloads of ``length`` bytes; None if unknown or not worth a gather."""
+        return None if length in self._off else self._start.get(length)
+
+    def known(self, length, payloads):
+        """Bool mask of the rows of ``payloads`` (all ``length`` bytes) whose frame is known."""
+        start = self._start[length]
         frames = np.concatenate((payloads[:, :start], payloads[:, start + self.width:]), axis=1)
         keys = frames.view(np.dtype((np.void, frames.shape[1]))).ravel().tolist()  # one bytes object a row
-        seen = self._frames[payloads.shape[1]]
-        return np.fromiter(map(seen.__contains__, keys), bool, len(keys)), start
+        return np.fromiter(map(self._frames[length].__contains__, keys), bool, len(keys))
 
-    def learn(self, payload, value) -> None:
-        """``payload`` parsed in full to ``value``: keep its frame if the value sits there once, where expected."""
+    def value(self, payload):
+        """The value of ``payload`` if its frame is known, else None."""
         start = self._start.get(len(payload))
-        if start is None and len(self._start) >= LENGTHS:
+        if start is None or payload[:start] + payload[start + self.width:] not in self._frames[len(payload)]:
+            return None
+        return payload[start:start + self.width]
+
+    def outcome(self, length, hits, total) -> None:
+        """A gather of ``length`` found ``hits`` of ``total`` frames known: with no room to learn, mostly misses
+        stop the gathers for that length (its records are then read one by one, their frames still looked up)."""
+        if 2 * hits < total and self.bytes + length + _FRAME_OVERHEAD > FRAME_BYTES:
+            self._off.add(length)
+
+    def learn(self, payload, value, record) -> None:
+        """``payload`` (of ``record``, any hashable name) parsed in full to ``value``: keep its frame as a
+        candidate, or prove it when a second record has it."""
+        length, w = len(payload), self.width
+        if self.bytes + length + _FRAME_OVERHEAD > FRAME_BYTES:
             return
-        first = payload.find(value)
-        if first < 0 or (start is not None and first != start) or payload.find(value, first + 1) >= 0:
-            return  # not there, elsewhere, or twice (then which copy is the field's is unknown)
-        self._start[len(payload)] = first
-        frames = self._frames.setdefault(len(payload), set())
-        if len(frames) < FRAMES:
-            frames.add(payload[:first] + payload[first + len(value):])
+        start = self._start.get(length)
+        if start is None:
+            if len(self._start) >= LENGTHS or self._tries >= TRIES:
+                return
+            first = payload.find(value)
+        else:
+            first = start if payload[start:start + w] == value else -1
+        if first < 0:
+            return  # not in one piece, or not where this length has it
+        key = (first, payload[:first] + payload[first + w:])
+        seen = self._seen.get(key)
+        if seen is None:
+            self._seen[key] = record
+            self.bytes += len(key[1]) + _FRAME_OVERHEAD
+            self._tries += start is None
+            return
+        if seen == record:
+            return  # the same record read again (a later epoch) is no repeat
+        if payload.find(value) != first or payload.find(value, first + 1) >= 0:
+            return  # twice: which copy is the field's is unknown
+        changed = np.frombuffer(payload, np.uint8).copy()
+        changed[first:first + w:4] ^= 1
+        changed = changed.tobytes()
+        if self._value_of(changed) != changed[first:first + w]:
+            return
+        del self._seen[key]
+        self._tries = max(0, self._tries - PROOF_WORTH)
+        self._frames.setdefault(length, set()).add(key[1])
+        self._start[length] = first  # after the frames exist: known() reads both
 
 
 class Gatherer:
-    """Turns record positions into one examples array (``read``); one per thread or worker process."""
+    """Turns record positions into one examples array (``read``); one per process, reads one at a time (a lock)."""
 
     def __init__(self, paths, feature, kind, dtype, shape):
         self.paths, self.feature, self.kind = paths, feature, kind
@@ -128,8 +224,12 @@ class Gatherer:
         self.width = math.prod(self.shape) * self.stored.itemsize
         self._field = KIND_LIST_FIELDS[kind]
         self._files: dict[int, RecordFile] = {}
-        self._layouts = Layouts(self.width)
+        self._layouts = Layouts(self.width, self._value_of)
         self._mapped = 0  # bytes of the files mapped
+        self._batches = 0  # calls of _records, for the files' size checks
+        # The input thread reads batches while the main thread may read others
+        # (the divergence check's scan); files, frames and mappings are shared.
+        self._lock = threading.Lock()
 
     def _file(self, f) -> RecordFile:
         file = self._files.get(f)
@@ -142,36 +242,72 @@ class Gatherer:
 
     def close(self) -> None:
         """Close the files opened so far (a later read opens them again)."""
-        files, self._files, self._mapped = self._files, {}, 0
-        for file in files.values():
-            file.close()
+        with self._lock:
+            files, self._files, self._mapped = list(self._files.values()), {}, 0
+            errors = []
+            for file in files:
+                try:
+                    file.close()
+                except Exception as e:  # close the others all the same
+                    errors.append(e)
+            if errors:
+                raise errors[0]
 
     def read(self, files, offsets, lengths, numbers):
         """The examples of the records at ``offsets`` (of ``files``, payload ``lengths``, record ``numbers``)."""
         out = np.empty((len(numbers), self.width), np.uint8)
-        if len(numbers):
-            same = lengths.min() == lengths.max()
-            for rows in [slice(None)] if same else [np.flatnonzero(lengths == n) for n in
-                                                                 np.unique(lengths)]:
-                self._read_length(out, rows, files[rows], offsets[rows], numbers[rows], int(lengths[rows][0]))
+        with self._lock:
+            if len(numbers) and lengths.min() == lengths.max():  # the usual batch: no index arrays to build
+                self._read_length(out, slice(None), files, offsets, numbers, int(lengths[0]))
+            elif len(numbers):
+                self._read_lengths(out, files, offsets, lengths, numbers)
         return out.view(self.stored).reshape((len(numbers),) + self.shape).astype(self.out_dtype, copy=False)
 
+    def _read_lengths(self, out, files, offsets, lengths, numbers) -> None:
+        """Records of several lengths: gathers for the lengths with many records and a known start, the rest one
+        by one (a batch of varying lengths has many small groups, and a group costs a few NumPy calls)."""
+        values, group, counts = np.unique(lengths, return_inverse=True, return_counts=True)
+        big = [k for k, (n, c) in enumerate(zip(values.tolist(), counts.tolist()))
+               if c >= BATCH_MIN and self._layouts.start(n) is not None]
+        for k in big:
+            rows = np.flatnonzero(group == k)
+            self._read_length(out, rows, files[rows], offsets[rows], numbers[rows], int(values[k]))
+        rest = np.flatnonzero(~np.isin(group, big)) if big else np.arange(len(out))
+        self._records(out, rest, files[rest], offsets[rest], lengths[rest].tolist(), numbers[rest])
+
     def _read_length(self, out, rows, files, offsets, numbers, length) -> None:
-        """Fill ``out[rows]`` with the examples of records whose payloads are all ``length`` bytes."""
+        """Fill ``out[rows]`` (a slice or row numbers) with the examples of records whose payloads are all
+        ``length`` bytes."""
+        n = HEADER + length + FOOTER
+        start, chunk = self._layouts.start(length), CHUNK_BYTES // n
+        if start is not None and BATCH_MIN <= len(offsets) <= chunk:
+            self._gathered(out, rows, files, offsets, numbers, length, start)
+            return
+        rows = np.arange(len(out))[rows]
+        if start is None or len(rows) < BATCH_MIN or chunk < BATCH_MIN:
+            self._records(out, rows, files, offsets, itertools.repeat(length), numbers)
+            return
+        for c in range(0, len(rows), chunk):
+            part = slice(c, c + chunk)
+            self._gathered(out, rows[part], files[part], offsets[part], numbers[part], length, start)
+
+    def _gathered(self, out, rows, files, offsets, numbers, length, start) -> None:
+        """Steps 1-3 for records of one length and a known start; the others record by record."""
         framed = self._gather(files, offsets, HEADER + length + FOOTER)
-        fast, start = np.zeros(len(offsets), bool), None
-        if framed is not None:
+        if framed is None:  # a file shrank: record by record, which says where
+            fast, rows = np.zeros(len(offsets), bool), np.arange(len(out))[rows]
+        else:
             payloads = framed[:, HEADER:HEADER + length]
-            fast, start = self._layouts.known(payloads)
-            fast &= framed_intact(framed, length)
+            fast = self._layouts.known(length, payloads) & framed_intact(framed, length)
+            self._layouts.outcome(length, int(fast.sum()), len(fast))
             if fast.all():
                 out[rows] = payloads[:, start:start + self.width]
                 return
-        at = np.arange(len(out))[rows]
-        if start is not None:
-            out[at[fast]] = payloads[fast, start:start + self.width]
-        for i in np.flatnonzero(~fast).tolist():
-            out[at[i]] = np.frombuffer(self._parse(int(files[i]), int(offsets[i]), length, int(numbers[i])), np.uint8)
+            rows = np.arange(len(out))[rows]
+            out[rows[fast]] = payloads[fast, start:start + self.width]
+        slow = np.flatnonzero(~fast)
+        raws = None if framed is None else [framed[i].tobytes() for i in slow]  # read already: no second read
+        self._records(out, rows[slow], files[slow], offsets[slow], itertools.repeat(length), numbers[slow], raws)
 
     def _gather(self, files, offsets, n):
         """The whole records (k, n) at ``offsets`` of ``files``; None if a file shrank since it was indexed."""
@@ -186,21 +322,39 @@ class Gatherer:
             framed[at] = part
         return framed
 
-    def _parse(self, f, offset, length, number) -> bytes:
-        """One record read and parsed in full: its example's stored bytes (and its frame learned)."""
-        payload = read_record(self._file(f).fd, offset, length)
+    def _records(self, out, rows, files, offsets, lengths, numbers, raws=None) -> None:
+        """Step 4 for each record: ``out[rows]`` (row numbers) from the records at these positions
+        (``raws``: their bytes, when already read)."""
+        batch = self._batches = self._batches + 1
+        values = [self._record(f, o, n, k, raw, batch) for f, o, n, k, raw in zip(
+            files.tolist(), offsets.tolist(), lengths, numbers.tolist(), raws or itertools.repeat(None))]
+        out[rows] = np.frombuffer(b"".join(values), np.uint8).reshape(len(values), self.width)
+
+    def _record(self, f, offset, length, number, raw, batch) -> bytes:
+        """One record's example, its stored bytes: its frame looked up, else a full parse (and learned)."""
+        if raw is None:
+            raw = self._file(f).read(offset, HEADER + length + FOOTER, batch)
+        payload = check_record(raw, length)
         if isinstance(payload, str):
             raise TFRecordError(self.paths[f], number, offset, payload)
+        value = self._layouts.value(payload)
+        if value is None:
+            value = self._value_of(payload)
+            if value is None:
+                raise TFRecordError(self.paths[f], number, offset,
+                                    f"feature {self.feature!r} is not what the index says: the file changed since "
+                                    "it was indexed; re-copy it")
+            self._layouts.learn(payload, value, (f, number))
+        return value
+
+    def _value_of(self, payload):
+        """The full parse: the example's stored bytes in ``payload``, or None if it has no such example."""
         try:
             typed = getattr(SequenceExample.FromString(payload).context.feature[self.feature], self._field).value
-            if self.kind == KIND_BYTES and len(typed) != 1:
-                raise ValueError
-            value = typed[0] if self.kind == KIND_BYTES else np.array(typed, "<f4").tobytes()
-            if len(value) != self.width:
-                raise ValueError
-        except (DecodeError, ValueError):
-            raise TFRecordError(self.paths[f], number, offset,
-                                f"feature {self.feature!r} is not what the index says: the file changed since it "
-                                "was indexed; re-copy it") from None
-        self._layouts.learn(payload, value)
-        return value
+        except DecodeError:
+            return None
+        if self.kind == KIND_BYTES:
+            value = typed[0] if len(typed) == 1 else None
+        else:
+            value = np.array(typed, "<f4").tobytes()
+        return value if value is not None and len(value) == self.width else None
