@@ -326,3 +326,29 @@ def test_a_record_read_again_is_no_repeat_of_its_frame(tmp_path):
         np.testing.assert_array_equal(g.read(*positions([path], np.arange(100))), images)
         counts.append(g.parses)
     assert counts == [100, 200, 300]
+
+
+def test_a_candidate_already_kept_is_proved_when_the_frame_budget_is_full(tmp_path, monkeypatch):
+    """Proving a candidate moves its frame, it adds no bytes: a full budget must not stop it.
+
+    A's frame is kept as a candidate, then records with all-different frames
+    (an id) fill the budget; A's frame is then seen in a second record.  Held
+    already, it must be proved, and a third record with it copied unparsed.
+    """
+    monkeypatch.setattr(gather_module, "FRAME_BYTES", 3_000)
+    rng = np.random.default_rng(9)
+    a = rng.integers(0, 256, (3, 16), np.uint8)
+    u = rng.integers(0, 256, (100, 16), np.uint8)
+    payloads = ([example(("image_raw", image(v)), ("label", label(7))) for v in a]
+                + [example(("image_raw", image(v)), ("label", label(7)), ("id", label(1000 + k)))
+                   for k, v in enumerate(u)])
+    path = write(tmp_path / "b.tfrecords", payloads)
+    images = np.concatenate((a, u))
+    g = CountingParses([path], "image_raw", KIND_BYTES, "u1", (16,))
+    for batch in ([0], np.arange(3, 103), [1]):  # A's first record, the ids (past the budget), A's second
+        np.testing.assert_array_equal(g.read(*positions([path], batch)), images[batch])
+    assert g._layouts.bytes + len(payloads[0]) + gather_module._FRAME_OVERHEAD > 3_000  # the budget is full
+    parses = g.parses
+    np.testing.assert_array_equal(g.read(*positions([path], [2, 0, 1])), images[[2, 0, 1]])
+    assert g.parses == parses  # A's frame was proved on its second record: copied, not parsed
+
