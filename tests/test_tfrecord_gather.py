@@ -352,3 +352,29 @@ def test_a_candidate_already_kept_is_proved_when_the_frame_budget_is_full(tmp_pa
     np.testing.assert_array_equal(g.read(*positions([path], [2, 0, 1])), images[[2, 0, 1]])
     assert g.parses == parses  # A's frame was proved on its second record: copied, not parsed
 
+
+def test_the_frames_and_candidates_kept_stay_within_the_frame_budget(monkeypatch):
+    """FRAME_BYTES counts Python's overhead too (the docstring, and the README's "frames are kept within
+    16 MiB"): the memory the frames and candidates really take, traced, must stay within it."""
+    import tracemalloc
+
+    budget = 400_000
+    monkeypatch.setattr(gather_module, "FRAME_BYTES", budget)
+    v = bytes(range(16))
+    layouts = Layouts(16, gatherer([])._value_of)
+    same = example(("image_raw", image(v)), ("id", label(10 ** 6)))
+    for record in ((0, 0), (0, 1)):  # the start of this length is proved ...
+        layouts.learn(same, v, record)
+    assert layouts.start(len(same)) is not None
+    ids = range(10 ** 6 + 1, 10 ** 6 + 10 ** 4)  # ... then every record has a frame of its own: candidates
+    payloads = [p for p in (example(("image_raw", image(v)), ("id", label(k))) for k in ids) if len(p) == len(same)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for k, p in enumerate(payloads):
+            layouts.learn(p, v, (0, 10 ** 6 + k))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert layouts.bytes + len(same) + gather_module._FRAME_OVERHEAD > budget  # filled
+    assert grown <= 1.25 * budget, (grown, layouts.bytes)
