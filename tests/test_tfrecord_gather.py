@@ -272,9 +272,12 @@ def test_a_float_list_sent_in_pieces_is_not_copied_from_a_feature_that_happens_t
 
     r, s = record([1.0, 2.0]), record([3.0, 4.0])
     path = write(tmp_path / "p.tfrecords", [r, r, s])  # two records with R's frame: it would be proved
-    g = gatherer([path], KIND_FLOAT, "<f4", (2,))
+    g = CountingParses([path], "image_raw", KIND_FLOAT, "<f4", (2,))
     for batch in ([0], [1], [2], [0, 1, 2], [2, 1, 0]):
         np.testing.assert_array_equal(g.read(*positions([path], batch)), np.ones((len(batch), 1)) * [1.0, 2.0])
+    parses = g.parses
+    g.read(*positions([path], [1]))
+    assert g.parses == parses + 1  # the failed proof is not tried again: one parse, no second one
 
 
 def test_a_feature_with_two_values_is_rejected_even_when_the_first_fits(tmp_path):
@@ -299,8 +302,8 @@ def test_many_lengths_and_unique_frames_read_the_same_with_a_small_frame_budget(
     assert 0 < g._layouts.bytes <= 20_000
 
 
-def test_gathers_stop_for_a_length_whose_frames_do_not_repeat_once_the_budget_is_full(tmp_path, monkeypatch):
-    monkeypatch.setattr(gather_module, "FRAME_BYTES", 5_000)
+def test_gathers_stop_for_a_length_whose_frames_mostly_do_not_repeat(tmp_path, monkeypatch):
+    monkeypatch.setattr(gather_module, "OFF_AFTER", 200)
     images = np.random.default_rng(7).integers(0, 256, (500, 16), np.uint8)
     ids = [1000] * 100 + list(range(1100, 1500))  # one frame for 100 records, then none repeats
     payloads = [example(("id", label(k)), ("image_raw", image(v))) for k, v in zip(ids, images)]
@@ -347,7 +350,7 @@ def test_a_candidate_already_kept_is_proved_when_the_frame_budget_is_full(tmp_pa
     g = CountingParses([path], "image_raw", KIND_BYTES, "u1", (16,))
     for batch in ([0], np.arange(3, 103), [1]):  # A's first record, the ids (past the budget), A's second
         np.testing.assert_array_equal(g.read(*positions([path], batch)), images[batch])
-    assert g._layouts.bytes + len(payloads[0]) + gather_module._FRAME_OVERHEAD > 3_000  # the budget is full
+    assert g._layouts.bytes + len(payloads[0]) + gather_module._CANDIDATE_OVERHEAD > 3_000  # the budget is full
     parses = g.parses
     np.testing.assert_array_equal(g.read(*positions([path], [2, 0, 1])), images[[2, 0, 1]])
     assert g.parses == parses  # A's frame was proved on its second record: copied, not parsed
@@ -360,6 +363,7 @@ def test_the_frames_and_candidates_kept_stay_within_the_frame_budget(monkeypatch
 
     budget = 400_000
     monkeypatch.setattr(gather_module, "FRAME_BYTES", budget)
+    monkeypatch.setattr(gather_module, "TRIES", 10 ** 6)  # the budget, not the tries, must stop the candidates
     v = bytes(range(16))
     layouts = Layouts(16, gatherer([])._value_of)
     same = example(("image_raw", image(v)), ("id", label(10 ** 6)))
@@ -376,5 +380,30 @@ def test_the_frames_and_candidates_kept_stay_within_the_frame_budget(monkeypatch
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert layouts.bytes + len(same) + gather_module._FRAME_OVERHEAD > budget  # filled
+    assert layouts.bytes + len(same) + gather_module._CANDIDATE_OVERHEAD > budget  # filled
     assert grown <= 1.25 * budget, (grown, layouts.bytes)
+
+
+def test_a_large_batch_is_gathered_in_chunks_the_same(tmp_path, monkeypatch):
+    images = np.random.default_rng(10).integers(0, 256, (300, 16), np.uint8)
+    payloads = [example(("image_raw", image(v)), ("label", label(k % 3))) for k, v in enumerate(images)]
+    monkeypatch.setattr(gather_module, "CHUNK_BYTES", 40 * (len(payloads[0]) + 16) + 7)  # 40 records a chunk
+    path = write(tmp_path / "c.tfrecords", payloads)
+    g = CountingParses([path], "image_raw", KIND_BYTES, "u1", (16,))
+    batch = np.random.default_rng(11).permutation(300)[:230]
+    np.testing.assert_array_equal(g.read(*positions([path], batch)), images[batch])
+    parses = g.parses
+    np.testing.assert_array_equal(g.read(*positions([path], batch[::-1])), images[batch[::-1]])
+    assert g.parses == parses  # six gathers of 40 or fewer, all copied
+
+
+def test_learning_stops_and_frees_its_candidates_when_frames_do_not_repeat(tmp_path, monkeypatch):
+    monkeypatch.setattr(gather_module, "TRIES", 50)
+    images = np.random.default_rng(12).integers(0, 256, (120, 16), np.uint8)
+    path = write(tmp_path / "s.tfrecords", [example(("id", label(1000 + k)), ("image_raw", image(v)))
+                                            for k, v in enumerate(images)])
+    g = gatherer([path])
+    np.testing.assert_array_equal(g.read(*positions([path], np.arange(120))), images)
+    assert g._layouts.bytes == 0 and not g._layouts._seen
+    np.testing.assert_array_equal(g.read(*positions([path], np.arange(120))), images)
+    assert g._layouts.bytes == 0

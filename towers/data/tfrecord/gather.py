@@ -2,7 +2,7 @@
 
 Training from TFRecord files (``towers.data.tfrecord.records.RecordArray``)
 asks for a global batch of records at random positions; a :class:`Gatherer`
-(one per input thread or worker process) turns them into the examples array.
+(one per process: the input thread's, or a worker process's) turns them into the examples array.
 The example is the content of one bytes field (or one packed float list),
 which the protobuf parser does not look into; the rest of a record's payload
 is its *frame*.  Two records of the same length and the same frame parse the
@@ -31,17 +31,21 @@ Steps 1-3 cost about 0.55 us a MNIST record against 3 us for a parse; on 2
 cores that is what lets the input thread share the cores with two CPU towers
 (``python -m tools.bench_input``).  Records whose frames never repeat (an id
 or a name in every record) cost a parse each, as before, plus a little
-bookkeeping until ``TRIES`` frames have failed to repeat.
+bookkeeping until ``TRIES`` candidates have failed to repeat; a length whose
+gathered rows are mostly unknown is read one by one (``OFF_AFTER``).
 
-Memory: the batch being read (whole records, a few copies), the frames and
-candidates (``FRAME_BYTES``), and the mapped files (``WINDOW``).
+Memory, per Gatherer (the input thread's, and each worker process's): the
+batch being read (whole records, a few copies, ``CHUNK_BYTES`` at a time),
+the frames and candidates (``FRAME_BYTES``, Python's overhead included), and
+the mapped files (``WINDOW``).
 
 Sync points: ``read`` and ``close`` hold a lock (the input thread and the
 main thread may read one array).  Limits: a file truncated by another program
 between the per-batch size check and the gather, or a read error on a mapped
 page (a failing disk, a network file system), ends the process with SIGBUS
-rather than an error; a float example copied unparsed keeps its stored bits,
-so a signalling NaN stays signalling where the parse quiets it.
+rather than an error; a float example copied unparsed keeps its stored bits
+(so does the parse with protobuf's upb backend, not with its pure-Python one,
+which quiets a signalling NaN).
 """
 from __future__ import annotations
 
@@ -60,11 +64,15 @@ from towers.data.tfrecord.proto import KIND_BYTES, KIND_LIST_FIELDS, SequenceExa
 WINDOW = 64 << 20  # bytes of files one Gatherer maps (their pages stay resident once read)
 FRAME_BYTES = 16 << 20  # bytes of frames one Gatherer keeps (Python's overhead included)
 LENGTHS = 64  # payload lengths with a known value start
-TRIES = 1024  # candidates of lengths with no start (less PROOF_WORTH a proof) before frames are taken not to repeat
+TRIES = 1024  # candidates (less PROOF_WORTH a proof) before frames are taken not to repeat and learning stops
 PROOF_WORTH = 16  # candidates a proved frame pays for: learning goes on while 1 in 16 candidates repeats
+OFF_AFTER = 1024  # rows of one length gathered before a low share of known frames stops its gathers
 BATCH_MIN = 32  # fewer records of one length than this are read one by one (a gather costs ~50 us)
 CHUNK_BYTES = 8 << 20  # whole records copied at once by one gather
-_FRAME_OVERHEAD = 64  # a bytes object and its set entry, besides the bytes
+# What Python takes besides the frame's bytes (measured with tracemalloc, tests/test_tfrecord_gather.py):
+_FRAME_OVERHEAD = 96  # a frame proved: a bytes object and its set slot
+_CANDIDATE_OVERHEAD = 320  # a candidate: the bytes, its key and record tuples, their ints, a dict slot
+_FAILED = object()  # a candidate whose proof failed
 
 
 class RecordFile:
@@ -139,8 +147,11 @@ class Layouts:
     to the changed bytes.  That rules out a value that is not one piece on the
     wire (a float list in several runs, or unpacked, which the parser joins)
     and happens to be found once elsewhere, in another feature.  (Changing the
-    low byte of each float keeps finite floats finite.)  Frames and candidates
-    together stay within ``FRAME_BYTES``.
+    low byte of each float keeps finite floats finite; an infinity becomes a
+    NaN, which can only make a proof fail.)  A failed proof is not tried again.
+    Frames and candidates together stay within ``FRAME_BYTES``; after
+    ``TRIES`` candidates that proofs did not pay back, learning stops and the
+    candidates are freed.
     """
 
     def __init__(self, width, value_of):
@@ -149,7 +160,9 @@ class Layouts:
         self._frames: dict[int, set] = {}  # payload length -> frames proved
         self._seen: dict = {}  # (start, frame) -> the record it was seen in, for frames seen in one record
         self._off: set[int] = set()
-        self._tries = 0  # candidates kept of lengths with no start, less PROOF_WORTH a frame proved
+        self._tries = 0  # candidates kept, less PROOF_WORTH a frame proved
+        self._learning = True
+        self._gathered: dict[int, tuple[int, int]] = {}  # payload length -> (rows known, rows) over its gathers
         self.bytes = 0
 
     def start(self, length):
@@ -171,22 +184,23 @@ class Layouts:
         return payload[start:start + self.width]
 
     def outcome(self, length, hits, total) -> None:
-        """A gather of ``length`` found ``hits`` of ``total`` frames known: with no room to learn, mostly misses
-        stop the gathers for that length (its records are then read one by one, their frames still looked up)."""
-        if 2 * hits < total and self.bytes + length + _FRAME_OVERHEAD > FRAME_BYTES:
+        """A gather of ``length`` found ``hits`` of ``total`` frames known.  Once ``OFF_AFTER`` rows of that
+        length have been gathered, fewer than 1 in 4 known stops its gathers: its records are read one by
+        one, their frames still looked up (a few frames repeat, most do not)."""
+        h, t = self._gathered.get(length, (0, 0))
+        self._gathered[length] = h, t = h + hits, t + total
+        if t >= OFF_AFTER and 4 * h < t:
             self._off.add(length)
 
     def learn(self, payload, value, record) -> None:
         """``payload`` (of ``record``, any hashable name) parsed in full to ``value``: keep its frame as a
         candidate, or prove it when a second record has it."""
-        length, w = len(payload), self.width
-        if self.bytes + length + _FRAME_OVERHEAD > FRAME_BYTES:
+        if not self._learning:
             return
+        length, w = len(payload), self.width
         start = self._start.get(length)
         if start is None:
-            if len(self._start) >= LENGTHS or self._tries >= TRIES:
-                return
-            first = payload.find(value)
+            first = payload.find(value) if len(self._start) < LENGTHS else -1
         else:
             first = start if payload[start:start + w] == value else -1
         if first < 0:
@@ -194,27 +208,44 @@ class Layouts:
         key = (first, payload[:first] + payload[first + w:])
         seen = self._seen.get(key)
         if seen is None:
-            self._seen[key] = record
-            self.bytes += len(key[1]) + _FRAME_OVERHEAD
-            self._tries += start is None
-            return
-        if seen == record:
-            return  # the same record read again (a later epoch) is no repeat
+            self._candidate(key, record)
+        elif seen != record and seen is not _FAILED:  # the same record read again (a later epoch) is no repeat
+            if self._proves(payload, value, first):
+                del self._seen[key]
+                self.bytes -= _CANDIDATE_OVERHEAD - _FRAME_OVERHEAD
+                self._tries = max(0, self._tries - PROOF_WORTH)
+                self._frames.setdefault(length, set()).add(key[1])
+                self._start[length] = first  # after the frames exist: known() reads both
+            else:
+                self._seen[key] = _FAILED  # no second try for this frame
+
+    def _candidate(self, key, record) -> None:
+        """Keep a frame seen once; after ``TRIES`` candidates that did not pay for themselves, stop learning."""
+        cost = len(key[1]) + _CANDIDATE_OVERHEAD
+        if self.bytes + cost > FRAME_BYTES:
+            return  # full: the candidates held can still be proved
+        self._seen[key] = record
+        self.bytes += cost
+        self._tries += 1
+        if self._tries >= TRIES:  # frames do not repeat here: free the candidates, keep the frames proved
+            self.bytes -= sum(len(k[1]) + _CANDIDATE_OVERHEAD for k in self._seen)
+            self._seen.clear()
+            self._learning = False
+
+    def _proves(self, payload, value, first) -> bool:
+        """Whether ``value`` lies at ``first`` in ``payload`` as one piece: found there only, and the payload
+        with every fourth byte of it changed parses to the changed bytes."""
+        w = self.width
         if payload.find(value) != first or payload.find(value, first + 1) >= 0:
-            return  # twice: which copy is the field's is unknown
+            return False  # twice: which copy is the field's is unknown
         changed = np.frombuffer(payload, np.uint8).copy()
         changed[first:first + w:4] ^= 1
         changed = changed.tobytes()
-        if self._value_of(changed) != changed[first:first + w]:
-            return
-        del self._seen[key]
-        self._tries = max(0, self._tries - PROOF_WORTH)
-        self._frames.setdefault(length, set()).add(key[1])
-        self._start[length] = first  # after the frames exist: known() reads both
+        return self._value_of(changed) == changed[first:first + w]
 
 
 class Gatherer:
-    """Turns record positions into one examples array (``read``); one per process, reads one at a time (a lock)."""
+    """Turns record positions into one examples array (``read``); one per process, one read at a time (a lock)."""
 
     def __init__(self, paths, feature, kind, dtype, shape):
         self.paths, self.feature, self.kind = paths, feature, kind

@@ -49,6 +49,7 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import weakref
 
 import numpy as np
@@ -329,6 +330,7 @@ class RecordArray:
         self.ndim = len(self.shape)
         self._pool = None
         self._finalizer = None
+        self._pool_lock = threading.Lock()  # the input thread and the main thread may both start it
 
     def __len__(self):
         return self.shape[0]
@@ -337,12 +339,13 @@ class RecordArray:
         # Pickled to other processes (Ray hosts): the positions and the spec
         # travel; this process's worker pool and open descriptors do not.
         state = dict(self.__dict__, _pool=None, _finalizer=None)
-        state["_reader"] = None
+        state["_reader"] = state["_pool_lock"] = None
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._reader = Gatherer(*self._spec)
+        self._pool_lock = threading.Lock()
 
     def __repr__(self):
         return f"RecordArray({self.name!r}, shape={self.shape}, dtype={self.dtype})"
@@ -369,20 +372,24 @@ class RecordArray:
         return _Result(done)
 
     def _executor(self):
-        if self._pool is None:
-            # spawn, not fork: the trainer's threads (towers, input, BLAS) must not be forked mid-flight.
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                self.workers, multiprocessing.get_context("spawn"), _start_worker, self._spec)
-            self._finalizer = weakref.finalize(self, self._pool.shutdown, False, cancel_futures=True)
-        return self._pool
+        with self._pool_lock:
+            if self._pool is None:
+                # spawn, not fork: the trainer's threads (towers, input, BLAS) must not be forked mid-flight.
+                self._pool = concurrent.futures.ProcessPoolExecutor(
+                    self.workers, multiprocessing.get_context("spawn"), _start_worker, self._spec)
+                self._finalizer = weakref.finalize(self, self._pool.shutdown, False, cancel_futures=True)
+            return self._pool
 
     def close(self) -> None:
         """Stop the worker processes and close the files read in this process (a later read reopens)."""
-        self._reader.close()
-        if self._pool is not None:
-            self._finalizer.detach()
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        try:
+            self._reader.close()
+        finally:
+            with self._pool_lock:
+                pool, self._pool = self._pool, None
+                if pool is not None:
+                    self._finalizer.detach()
+                    pool.shutdown(wait=True, cancel_futures=True)
 
 
 # -- the dataset ---------------------------------------------------------------------------------------------
