@@ -62,7 +62,7 @@ from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, check_re
 from towers.data.tfrecord.proto import KIND_BYTES, KIND_LIST_FIELDS, SequenceExample
 
 WINDOW = 64 << 20  # bytes of files one Gatherer maps (their pages stay resident once read)
-FRAME_BYTES = 16 << 20  # bytes of frames one Gatherer keeps (Python's overhead included)
+FRAME_BYTES = 16 << 20  # bytes of frames and candidates one Gatherer keeps (Python's overhead included)
 LENGTHS = 64  # payload lengths with a known value start
 TRIES = 1024  # candidates (less PROOF_WORTH a proof) before frames are taken not to repeat and learning stops
 PROOF_WORTH = 16  # candidates a proved frame pays for: learning goes on while 1 in 16 candidates repeats
