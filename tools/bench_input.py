@@ -95,6 +95,10 @@ def training_rate(dataset, steps, logdir):
         return steps * 2 * BATCH / (time.perf_counter() - t0)
 
 
+def _pipeline_row(workers):
+    return f"pipeline, {workers} worker{'s' * (workers != 1)}"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.bench_input", description=__doc__.split("\n\n")[0])
     p.add_argument("--records", type=int, default=24000)
@@ -113,8 +117,7 @@ def main(argv=None):
                     for w in sorted({0, 1, 2, 4, auto})}
         try:
             for r in range(args.repeats):
-                measured = {f"pipeline, {w} worker{'s' * (w != 1)}": pipeline_rate(ds, args.batches)
-                            for w, ds in tfrecord.items()}
+                measured = {_pipeline_row(w): pipeline_rate(ds, args.batches) for w, ds in tfrecord.items()}
                 measured["consumption, 2 CPU towers (MLP)"] = consumption_rate(in_memory, args.steps,
                                                                                os.path.join(tmp, f"c{r}"))
                 measured["training from npz"] = training_rate(in_memory, args.steps, os.path.join(tmp, f"n{r}"))
@@ -133,9 +136,8 @@ def main(argv=None):
         print(f"  {name:34s} {rate:12,.0f} records/s")
     consume = rows["consumption, 2 CPU towers (MLP)"]
     for w in sorted({2, auto}):
-        name = f"pipeline, {w} worker{'s' * (w != 1)}"
         print(f"pipeline ({w} workers{', the default here' * (w == auto)}) / consumption: "
-              f"{rows[name] / consume:.2f}  (target >= 3)")
+              f"{rows[_pipeline_row(w)] / consume:.2f}  (target >= 3)")
     tfr = rows[f"training from TFRecord, {auto} workers"]
     print(f"training TFRecord ({auto} workers) / npz: {tfr / rows['training from npz']:.2f}  (target >= 0.9)")
 

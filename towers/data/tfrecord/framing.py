@@ -286,19 +286,10 @@ class TFRecordReader:
             raise self._error(index, base + pos, what)
 
 
-def read_record(fd, offset, length):
-    """Random access: the payload of the record at ``offset`` whose payload is ``length`` bytes.
-
-    For an uncompressed file open as ``fd`` (``os.pread``: no shared file
-    position, so threads and processes may read one descriptor at once); the
-    checks are :func:`check_record`'s.
-    """
-    return check_record(os.pread(fd, HEADER + length + FOOTER, offset), length)
-
-
 def check_record(raw, length):
     """The payload of ``raw``, the bytes read where a record whose payload is ``length`` bytes should be.
 
+    For random access to uncompressed files (``towers.data.tfrecord.gather``).
     The header must give ``length`` and both CRCs must hold; otherwise the
     return value is a str saying what is wrong (the caller knows the record's
     index and offset and builds the :class:`TFRecordError`).

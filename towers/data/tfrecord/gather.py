@@ -162,7 +162,7 @@ class Layouts:
         self._off: set[int] = set()
         self._tries = 0  # candidates kept, less PROOF_WORTH a frame proved
         self._learning = True
-        self._gathered: dict[int, tuple[int, int]] = {}  # payload length -> (rows known, rows) over its gathers
+        self._hits: dict[int, tuple[int, int]] = {}  # payload length -> (rows known, rows) over its gathers
         self.bytes = 0
 
     def start(self, length):
@@ -187,8 +187,8 @@ class Layouts:
         """A gather of ``length`` found ``hits`` of ``total`` frames known.  Once ``OFF_AFTER`` rows of that
         length have been gathered, fewer than 1 in 4 known stops its gathers: its records are read one by
         one, their frames still looked up (a few frames repeat, most do not)."""
-        h, t = self._gathered.get(length, (0, 0))
-        self._gathered[length] = h, t = h + hits, t + total
+        h, t = self._hits.get(length, (0, 0))
+        self._hits[length] = h, t = h + hits, t + total
         if t >= OFF_AFTER and 4 * h < t:
             self._off.add(length)
 
@@ -307,20 +307,16 @@ class Gatherer:
         self._records(out, rest, files[rest], offsets[rest], lengths[rest].tolist(), numbers[rest])
 
     def _read_length(self, out, rows, files, offsets, numbers, length) -> None:
-        """Fill ``out[rows]`` (a slice or row numbers) with the examples of records whose payloads are all
-        ``length`` bytes."""
-        n = HEADER + length + FOOTER
-        start, chunk = self._layouts.start(length), CHUNK_BYTES // n
-        if start is not None and BATCH_MIN <= len(offsets) <= chunk:
-            self._gathered(out, rows, files, offsets, numbers, length, start)
+        """Fill ``out[rows]`` (all rows as ``slice(None)``, or row numbers) with the examples of records whose
+        payloads are all ``length`` bytes."""
+        start, chunk = self._layouts.start(length), CHUNK_BYTES // (HEADER + length + FOOTER)
+        if start is None or len(offsets) < BATCH_MIN or chunk < BATCH_MIN:
+            self._records(out, np.arange(len(out))[rows], files, offsets, itertools.repeat(length), numbers)
             return
-        rows = np.arange(len(out))[rows]
-        if start is None or len(rows) < BATCH_MIN or chunk < BATCH_MIN:
-            self._records(out, rows, files, offsets, itertools.repeat(length), numbers)
-            return
-        for c in range(0, len(rows), chunk):
+        for c in range(0, len(offsets), chunk):
             part = slice(c, c + chunk)
-            self._gathered(out, rows[part], files[part], offsets[part], numbers[part], length, start)
+            self._gathered(out, part if isinstance(rows, slice) else rows[part], files[part], offsets[part],
+                           numbers[part], length, start)
 
     def _gathered(self, out, rows, files, offsets, numbers, length, start) -> None:
         """Steps 1-3 for records of one length and a known start; the others record by record."""
