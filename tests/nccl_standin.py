@@ -203,3 +203,22 @@ class NcclCommunicator:
     def destroy(self) -> None:
         calls.append(("destroy", self._rank))
         self._alive = False
+
+
+def reducer(n_towers: int, groups=None):
+    """A towers reducer whose NCCL is this stand-in: CPU towers play GPUs, one rank per group.
+
+    ``groups``: tower indices per "GPU" (default: each tower its own).  Hand it to
+    ``towers.Trainer(..., reducer=...)``; it runs the production
+    ``Hierarchical(DeviceMean, NcclMean)`` composition over host buffers.
+    """
+    import sys
+
+    from towers.devices.placement import CPU
+    from towers.parallel.reducers import DeviceMean, Hierarchical, NcclMean
+
+    this = sys.modules[__name__]
+    groups = groups or [[i] for i in range(n_towers)]
+    ranks = len(groups)
+    local = DeviceMean(groups, [CPU] * n_towers, [None] * n_towers, ranks / n_towers)
+    return Hierarchical(local, NcclMean(list(range(ranks)), [CPU] * ranks, [None] * ranks, this))

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from towers.parallel.allreduce import NcclAllReduce, TowerAllReduce
+from towers.parallel.allreduce import NcclAllReduce
+from towers.parallel.reducers import DeviceMean, Hierarchical, make_reducer
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
 from towers.devices.placement import resolve
@@ -27,8 +28,8 @@ def test_grouped_nccl_average_in_place_over_host_buffers(standin, n):
     expected = np.mean([r.grads.astype(np.float64) for r in reps], axis=0)
     ptrs = [r.grads.ctypes.data for r in reps]
 
-    ar = TowerAllReduce(resolve(n, "cpu"), nccl=standin)
-    assert ar.uses_nccl
+    ar = standin.reducer(n)
+    assert isinstance(ar, Hierarchical) and not ar.splittable
     ar.average([r.grads for r in reps])
 
     kinds = [c[0] for c in standin.calls]
@@ -55,7 +56,7 @@ def test_uneven_groups_give_the_mean_over_all_towers(standin):
     for r in reps:
         standin.register(r.grads)
     expected = np.mean([r.grads.astype(np.float64) for r in reps], axis=0)
-    ar = TowerAllReduce(resolve(3, "cpu"), nccl=standin, host_groups=[[0, 1], [2]])
+    ar = standin.reducer(3, groups=[[0, 1], [2]])
     ar.average([r.grads for r in reps])
     assert sum(c[0] == "allReduce" for c in standin.calls) == 2
     for r in reps:
@@ -66,8 +67,8 @@ def test_uneven_groups_give_the_mean_over_all_towers(standin):
 def test_cpu_towers_without_nccl_take_the_on_device_mean():
     reps = replicas(4, seed=2)
     expected = np.mean([r.grads.astype(np.float64) for r in reps], axis=0)
-    ar = TowerAllReduce(resolve(4, "cpu"))
-    assert not ar.uses_nccl
+    ar = make_reducer(resolve(4, "cpu"), [None] * 4)
+    assert isinstance(ar, DeviceMean) and ar.splittable and not ar.noop
     ar.average([r.grads for r in reps])
     for r in reps:
         np.testing.assert_allclose(r.grads, expected, rtol=1e-5, atol=1e-6)

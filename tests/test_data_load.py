@@ -202,7 +202,7 @@ def test_stored_members_are_mapped_and_train_like_in_memory(tmp_path, devices):
         cfg = Config(n_gpu=2, devices=devices, hidden=8, batch_size=5, steps=6, lr=0.1, quiet=True,
                      logdir=str(tmp_path / f"run{len(runs)}"), summary_every=0)
         runs.append(cfg.logdir)
-        with Trainer(cfg, dataset=ds, quiet_placement=True) as tr:
+        with Trainer(cfg, dataset=ds) as tr:
             metrics = tr.fit()  # the background input thread gathers batches from the mapping
             return tr.get_weights(), metrics["test_accuracy_ema"]
 

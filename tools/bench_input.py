@@ -75,7 +75,7 @@ def _config(steps, logdir):
 
 
 def consumption_rate(dataset, steps, logdir):
-    with Trainer(_config(steps, logdir), dataset=dataset, quiet_placement=True) as t:
+    with Trainer(_config(steps, logdir), dataset=dataset) as t:
         batches = [t.source.next_batch() for _ in range(16)]
         for x, y in batches[:2]:
             t.train_step(x, y)
@@ -89,7 +89,7 @@ def consumption_rate(dataset, steps, logdir):
 
 def training_rate(dataset, steps, logdir):
     dataset.x[np.arange(2)]
-    with Trainer(_config(steps, logdir), dataset=dataset, quiet_placement=True) as t:
+    with Trainer(_config(steps, logdir), dataset=dataset) as t:
         t0 = time.perf_counter()
         t.fit()
         return steps * 2 * BATCH / (time.perf_counter() - t0)

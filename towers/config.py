@@ -33,6 +33,8 @@ def _default_data() -> str:
 
 
 DEFAULT_DATA = _default_data()
+# `model` of a run whose model was an object handed to the Trainer (checkpoints, the settings line).
+MODEL_OBJECT = "<model object>"
 # Settings filled from the model's defaults when left as None.
 MODEL_DEFAULTED = ("lr", "lr_decay", "momentum")
 
@@ -111,6 +113,8 @@ class Config:
         if cfg.checkpoint_every is None:  # a checkpoint holds weights right after an average
             k = cfg.average_every if cfg.sync == "weights" else 1
             filled["checkpoint_every"] = -(-1000 // k) * k
+        if model is not None:  # record what was trained, not the `model` setting it replaced
+            filled["model"] = MODEL_OBJECT
         cfg = dataclasses.replace(cfg, optimizer=optimizer, **filled)
         _check_optimization(cfg)
         return cfg

@@ -104,9 +104,11 @@ class Checkpoints(Every):
 class LogLine(Every):
     """The original's log line, and a ``metrics.jsonl`` record.
 
-    A loss that has not moved for ``STUCK_STEPS`` steps (still within ``STUCK``
-    of the first logged one, or of chance level, ln(classes): guessing) is said
-    on the line: a run at chance accuracy otherwise looks like any other.
+    A run that has not learned (its loss, ``STUCK_STEPS`` steps or more into
+    this run, still within ``STUCK`` of chance level, ln(classes): guessing) is
+    said on the line: a run at chance accuracy otherwise looks like any other.
+    A converged or resumed run, whose loss has stopped moving far below chance,
+    is not warned about.
     """
 
     needs_loss = True
@@ -115,16 +117,15 @@ class LogLine(Every):
     def __init__(self, every: int):
         super().__init__(every, at_end=True)
         self._t, self._step = time.perf_counter(), None
-        self._first = None  # (step, loss) of the first log line
 
     def __call__(self, run):
         now, step = time.perf_counter(), run.trainer.step
         steps = step - (self._step if self._step is not None else run.start_step)
-        self._first = self._first or (step, run.loss)
         note = None
         chance = math.log(max(run.trainer.dataset.num_classes, 2))
-        if step - self._first[0] >= self.STUCK_STEPS and run.loss >= (1 - self.STUCK) * min(self._first[1], chance):
-            note = (f"the loss has not moved since step {self._first[0]} ({self._first[1]:.4f}): "
+        if step - run.start_step >= self.STUCK_STEPS and run.loss >= (1 - self.STUCK) * chance:
+            note = (f"the loss is still at chance level ({run.loss:.4f}, ln {run.trainer.dataset.num_classes} "
+                    f"classes = {chance:.4f}) after {step - run.start_step} steps: the run has not learned; "
                     "lower `lr`, or try `optimizer` adam")
         run.reporter.log_step(step, run.loss, run.lr, steps * run.trainer.global_batch / (now - self._t),
                               (now - self._t) / steps, render(note) if note else None)
@@ -153,7 +154,8 @@ class Run:
     def __init__(self, trainer, logdir: str, extensions):
         self.trainer, self.logdir = trainer, logdir
         cfg = trainer.cfg
-        self.last_step, self.start_step = cfg.steps, trainer.step
+        self.last_step, self.start_step = cfg.steps, trainer.step  # start_step: set again after a resume
+        self.start_all_reduces = trainer.all_reduces
         self.extensions = list(extensions)
         self.loss: float | None = None
         self.batch = None  # the host examples of the current step
@@ -163,18 +165,25 @@ class Run:
         self.checkpointer = checkpoint.Checkpointer(logdir, cfg.keep_checkpoints)
 
     @classmethod
-    def open(cls, trainer, logdir: str, extensions=()) -> "Run":
+    def open(cls, trainer, logdir: str | None, extensions=()) -> "Run":
         """Create and lock the logdir, resume (or refuse to overwrite), open the writers.
 
         The lock comes before anything else is written in the logdir: a second
-        run on it fails here without touching the first one's files.
+        run on it fails here without touching the first one's files.  ``logdir``
+        None: a new folder ``runs/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when
+        runs start in the same second).
         """
         cfg = trainer.cfg
-        _make_logdir(logdir)
+        if logdir is None:
+            logdir = new_logdir()
+        else:
+            _make_logdir(logdir)
         run = cls(trainer, logdir, ())
         run._lock = lock_logdir(logdir)
         try:
             run.checkpointer.last_path = _resume_point(trainer, logdir)
+            # The figures of this run (steps, examples/sec, all-reduces/step) count from here.
+            run.start_step, run.start_all_reduces = trainer.step, trainer.all_reduces
             if cfg.resume or trainer.step:
                 trim_metrics(logdir, trainer.step)  # the steps after the checkpoint are redone
             run.reporter = Reporter(logdir, cfg.steps, start_step=trainer.step, quiet=cfg.quiet)
@@ -200,7 +209,7 @@ class Run:
             raise e.at(self.trainer.step, self.checkpointer.last_path) from None
 
     def start(self) -> None:
-        self.reporter.say(render(settings_line(self.trainer.cfg)))
+        self.reporter.say(render(settings_line(self.trainer.cfg, self.trainer.model.size)))
         self._t0 = time.perf_counter()
 
     def wants_loss(self, step: int) -> bool:
@@ -239,12 +248,15 @@ class Run:
                          + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "), met before this step")
         return checkpoint.diverged(step, what, self.checkpointer.last_path, cause)
 
-    def finish(self) -> dict:
-        """Evaluate, write ``final.npz`` and the summary line; return the metrics."""
-        with self._stops_on_disk_errors():
-            return self._finish()
+    def finish(self, scaling=None) -> dict:
+        """Evaluate, write ``final.npz`` and the summary line; return the metrics.
 
-    def _finish(self) -> dict:
+        ``scaling(rate)`` gives (efficiency, 1-tower rate), NaN when not measured.
+        """
+        with self._stops_on_disk_errors():
+            return self._finish(scaling or (lambda rate: (math.nan, math.nan)))
+
+    def _finish(self, scaling) -> dict:
         t, cfg = self.trainer, self.trainer.cfg
         t.synchronize()
         elapsed = time.perf_counter() - self._t0
@@ -254,7 +266,7 @@ class Run:
         result = {"step": t.step, "examples_per_sec": rate}
         if cfg.profile:
             self.reporter.say(t.timer.report(t.global_batch))
-        efficiency, rate_1 = t.scaling(rate)
+        efficiency, rate_1 = scaling(rate)
         if not math.isnan(efficiency):
             result["scaling_efficiency"] = efficiency
         if test:
@@ -270,13 +282,14 @@ class Run:
         with writing(final):
             atomic_save_npz(final, weights)
         self.reporter.record(**result)
-        scaling = ("" if math.isnan(efficiency) else
+        scaling_text = ("" if math.isnan(efficiency) else
                    f", scaling efficiency {efficiency:.2f} (1 tower: {rate_1:.1f} examples/sec)")
         self.reporter.say(
             f"done: {t.step - self.start_step} steps (to step {t.step}) in {elapsed:.1f} s, "
             f"{rate:.1f} examples/sec on {t.n_towers} tower{'s' if t.n_towers > 1 else ''} "
             f"({t.towers_text()}), {cfg.sync} sync, "
-            f"{t.all_reduces / max(t.step - self.start_step, 1):.2f} all-reduces/step{scaling}; wrote {final}")
+            f"{(t.all_reduces - self.start_all_reduces) / max(t.step - self.start_step, 1):.2f} all-reduces/step"
+            f"{scaling_text}; wrote {final}")
         self.reporter.close()  # a failed last flush is an error here, on the way out it is not
         self.tensorboard.close()
         return result
@@ -296,9 +309,10 @@ class Run:
             self._lock = None
 
 
-def settings_line(cfg) -> str:
-    """The settings in effect, first line of a run: the model's and the optimizer's."""
-    parts = [f"model {cfg.model}", f"optimizer {cfg.optimizer}", f"lr {cfg.lr:g}", f"lr_decay {cfg.lr_decay:g}"]
+def settings_line(cfg, n_params: int | None = None) -> str:
+    """The settings in effect, first line of a run: the model (and its trainable parameters), the optimizer's."""
+    model = f"model {cfg.model}" + (f" ({n_params:,} trainable parameters)" if n_params is not None else "")
+    parts = [model, f"optimizer {cfg.optimizer}", f"lr {cfg.lr:g}", f"lr_decay {cfg.lr_decay:g}"]
     if cfg.optimizer == "sgd":
         parts.append(f"momentum {cfg.momentum:g}")
     else:
@@ -319,6 +333,26 @@ def _non_finite_examples(x, chunk: int = 4096) -> numpy.ndarray:
     bad = [start + numpy.flatnonzero(~numpy.isfinite(numpy.asarray(x[start:start + chunk]).reshape(
         min(chunk, len(x) - start), -1)).all(axis=1)) for start in range(0, len(x), chunk)]
     return numpy.concatenate(bad) if bad else numpy.zeros(0, numpy.int64)
+
+
+def new_logdir(parent: str = "runs") -> str:
+    """A new folder ``parent/<YYYYmmdd-HHMMSS>``, with ``-2``, ``-3``, ... when that name is taken.
+
+    Made with an exclusive ``mkdir``, so runs started in the same second (a
+    Python loop of quick ``fit()``s, two processes) never share one.
+    """
+    _make_logdir(parent)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for k in range(1, 10_000):
+        path = os.path.join(parent, stamp if k == 1 else f"{stamp}-{k}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise DiskError(path, e, "create") from None
+    raise UserError(f"{parent} holds 10,000 runs started at {stamp}: set `logdir`")
 
 
 def _make_logdir(logdir: str) -> None:

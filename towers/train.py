@@ -8,6 +8,7 @@ Library messages name settings; inside ``flags_in_messages`` they show as flags.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import fields
 
@@ -94,15 +95,28 @@ def parse_config(argv=None) -> Config:
     return Config(**vars(build_parser().parse_args(argv)))
 
 
-def run(cfg: Config, nccl=None) -> dict:
+def run(cfg: Config) -> dict:
     """Train as ``cfg`` says; return the final metrics (the command line's whole job)."""
+    show_notices()
     if cfg.hosts > 1:  # Ray is imported only here: one host never pays for it
         from towers.cluster.driver import ClusterTrainer
 
-        with ClusterTrainer(cfg, nccl=nccl) as trainer:
+        with ClusterTrainer(cfg) as trainer:
             return trainer.fit()
-    with Trainer(cfg, nccl=nccl) as trainer:
+    with Trainer(cfg) as trainer:
+        if trainer.cfg.log_placement:
+            print(trainer.placement.table(), flush=True)
         return trainer.fit()
+
+
+def show_notices() -> None:
+    """The library's notices (the ``towers`` logger: soft placement, ...) as plain lines on stderr."""
+    log = logging.getLogger("towers")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
 
 
 def main(argv=None) -> int:

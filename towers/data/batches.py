@@ -73,6 +73,37 @@ class BatchSource:
         return _Batch(self.x[idx] if submit is None else submit(idx), self.y[idx])
 
 
+class InputPosition:
+    """The input pipeline's position after ``step`` steps of ``global_batch`` examples: its state dict part.
+
+    The batch thread runs ahead of training, so the position a checkpoint needs
+    is counted from the steps taken since ``start`` ((step, (epoch, index)) where
+    this run's source began), not read from the source.
+    """
+
+    def __init__(self, n_examples: int, global_batch: int, start_step: int = 0, start=(0, 0)):
+        self.n, self.global_batch = n_examples, global_batch
+        self.start_step, self.start = start_step, tuple(start)
+
+    def at(self, step: int) -> tuple[int, int]:
+        """(epoch, index in epoch) after ``step`` steps."""
+        return divmod(self.start[0] * self.n + self.start[1] + (step - self.start_step) * self.global_batch, self.n)
+
+    def state_dict(self, step: int) -> dict:
+        epoch, index = self.at(step)
+        return {"data/epoch": numpy.int64(epoch), "data/index": numpy.int64(index)}
+
+    def read_state(self, state: dict, where: str) -> tuple[int, int]:
+        """(epoch, index) of ``state``, checked against this data set's size (a ``UserError`` otherwise)."""
+        from towers.state import count
+
+        epoch = count(state, "data/epoch", where)
+        index = count(state, "data/index", where)
+        if index >= self.n:
+            raise UserError(f"{where}: 'data/index' {index} is beyond the data set's {self.n} examples")
+        return epoch, index
+
+
 class _Batch:
     def __init__(self, x, y):
         self.x, self.y = x, y

@@ -39,6 +39,7 @@ class Param:
     shape: tuple
     init: str = "zeros"  # "zeros", "constant:<value>" or "truncated_normal:<stddev>"
     regularize: bool = False
+    trainable: bool = True  # False: a buffer (non-trainable state, e.g. moving statistics)
 
 
 class Workspace:
@@ -146,11 +147,12 @@ class Sequential:
         self.layers = list(layers)
         self.input_shape: tuple | None = None
         self.output_shape: tuple | None = None
-        self.params: list[tuple[int, str, Param]] = []  # (layer index, global name, Param)
+        self.params: list[tuple[int, str, Param]] = []  # (layer index, global name, Param): trainable
+        self.buffers: list[tuple[int, str, Param]] = []  # the same for buffers (trainable=False)
 
     def build(self, input_shape: tuple) -> "Sequential":
         shape = tuple(int(s) for s in input_shape)
-        self.input_shape, self.params = shape, []
+        self.input_shape, self.params, self.buffers = shape, [], []
         names = set()
         for li, layer in enumerate(self.layers):
             params, shape = layer.build(shape)
@@ -159,21 +161,25 @@ class Sequential:
                 if name in names:
                     raise UserError(f"model declares parameter {name!r} twice: give layers distinct scopes")
                 names.add(name)
-                self.params.append((li, name, prm))
+                (self.params if prm.trainable else self.buffers).append((li, name, prm))
         self.output_shape = shape
         return self
 
     def layout(self) -> list[tuple[str, tuple, int, int]]:
         """(name, shape, offset, size) in flat-buffer order: regularized first."""
-        ordered = [e for e in self.params if e[2].regularize] + [
-            e for e in self.params if not e[2].regularize
-        ]
-        out, off = [], 0
-        for _, name, prm in ordered:
-            size = int(numpy.prod(prm.shape))
-            out.append((name, tuple(prm.shape), off, size))
-            off += size
-        return out
+        return _layout([e for e in self.params if e[2].regularize] + [e for e in self.params if not e[2].regularize])
+
+    def buffer_layout(self) -> list[tuple[str, tuple, int, int]]:
+        """(name, shape, offset, size) of the buffers in their flat buffer, in declaration order."""
+        return _layout(self.buffers)
+
+    @property
+    def buffer_size(self) -> int:
+        return sum(int(numpy.prod(p.shape)) for _, _, p in self.buffers)
+
+    def init_buffers(self) -> numpy.ndarray:
+        """The buffers' initial flat float32 values (host)."""
+        return _initial(self.buffers, self.buffer_layout(), None)
 
     @property
     def n_regularized(self) -> int:
@@ -185,18 +191,31 @@ class Sequential:
 
     def init_params(self, seed: int) -> numpy.ndarray:
         """The initial flat float32 buffer (host), the same for every replica of one seed."""
-        rng = numpy.random.default_rng(seed)
-        flat = numpy.zeros(self.size, dtype=numpy.float32)
-        inits = {name: prm.init for _, name, prm in self.params}
-        for name, shape, off, size in self.layout():  # fixed order: reproducible
-            kind, _, arg = inits[name].partition(":")
-            if kind == "truncated_normal":
-                flat[off : off + size] = truncated_normal(rng, size, float(arg))
-            elif kind == "constant":
-                flat[off : off + size] = float(arg)
-            elif kind != "zeros":
-                raise UserError(f"parameter {name}: unknown initializer {inits[name]!r}")
-        return flat
+        return _initial(self.params, self.layout(), numpy.random.default_rng(seed))
+
+
+def _layout(entries) -> list[tuple[str, tuple, int, int]]:
+    out, off = [], 0
+    for _, name, prm in entries:
+        size = int(numpy.prod(prm.shape))
+        out.append((name, tuple(prm.shape), off, size))
+        off += size
+    return out
+
+
+def _initial(entries, layout, rng) -> numpy.ndarray:
+    """A flat float32 buffer with each entry's initializer, in ``layout`` order (reproducible draws)."""
+    flat = numpy.zeros(sum(size for *_, size in layout), dtype=numpy.float32)
+    inits = {name: prm.init for _, name, prm in entries}
+    for name, shape, off, size in layout:
+        kind, _, arg = inits[name].partition(":")
+        if kind == "truncated_normal":
+            flat[off : off + size] = truncated_normal(rng, size, float(arg))
+        elif kind == "constant":
+            flat[off : off + size] = float(arg)
+        elif kind != "zeros":
+            raise UserError(f"parameter {name}: unknown initializer {inits[name]!r}")
+    return flat
 
 
 def truncated_normal(rng: numpy.random.Generator, size: int, stddev: float) -> numpy.ndarray:

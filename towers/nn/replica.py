@@ -29,23 +29,27 @@ class Replica:
         self.model, self.xp, self.dtype = model, xp, numpy.dtype(dtype)
         self.params = xp.zeros(model.size, dtype=self.dtype)
         self.grads = xp.zeros(model.size, dtype=self.dtype)
-        self.param, self.grad = {}, {}
+        self.buffers = xp.asarray(model.init_buffers())  # non-trainable state (moving statistics)
+        self.param, self.grad, self.buffer = {}, {}, {}
         for name, shape, off, size in model.layout():
             # copy=False raises rather than silently copying: the views must alias.
             self.param[name] = self.params[off : off + size].reshape(shape, copy=False)
             self.grad[name] = self.grads[off : off + size].reshape(shape, copy=False)
+        for name, shape, off, size in model.buffer_layout():
+            self.buffer[name] = self.buffers[off : off + size].reshape(shape, copy=False)
         self._nreg = model.n_regularized
         self._first_param_layer = min((li for li, _, _ in model.params), default=0)
         self._local = []  # per layer: (params dict, grads dict, workspace)
         by_layer: dict[int, list[tuple[str, str]]] = {}
-        for li, name, prm in model.params:
+        for li, name, prm in model.params + model.buffers:
             by_layer.setdefault(li, []).append((prm.name, name))
+        views = {**self.param, **self.buffer}
         for li in range(len(model.layers)):
             names = by_layer.get(li, [])
             self._local.append(
                 (
-                    {k: self.param[n] for k, n in names},
-                    {k: self.grad[n] for k, n in names},
+                    {k: views[n] for k, n in names},
+                    {k: self.grad[n] for k, n in names if n in self.grad},
                     Workspace(xp),
                 )
             )
@@ -54,6 +58,10 @@ class Replica:
     def set_params(self, flat) -> None:
         """Copy a flat host or device array into the parameter buffer."""
         self.params[...] = self.xp.asarray(flat, dtype=self.dtype)
+
+    def set_buffers(self, flat) -> None:
+        """Copy a flat host or device array into the (non-trainable) buffer."""
+        self.buffers[...] = self.xp.asarray(flat, dtype=self.dtype)
 
     def forward(self, x):
         for layer, (p, _, ws) in zip(self.model.layers, self._local):

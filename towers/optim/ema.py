@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy
 
+from towers.devices.placement import array_module
 from towers.optim.kernels import flat_kernel
 
 
@@ -39,6 +40,23 @@ class EMA:
         self.shadow = params.copy()  # TF starts the shadow at the variable's value
         self._tmp = None
 
+    def state_dict(self, layout) -> dict:
+        """{ema/name: host array} (``layout``: ``towers.state.Layout`` of the weights)."""
+        return layout.split(self.shadow, "ema/")
+
+    def read_state(self, state: dict, layout, where: str):
+        """The ``ema/`` weights of ``state`` as a checked host flat buffer (a ``UserError`` names a bad one)."""
+        from towers.errors import UserError
+        from towers.state import under
+
+        named = under(state, "ema")
+        if not named:
+            raise UserError(f"{where}: no ema/ weights")
+        return layout.join(layout.check(named, f"{where} (ema)"))
+
+    def set_state(self, flat) -> None:
+        self.shadow[...] = array_module(self.shadow).asarray(flat)
+
     def update(self, params, num_updates: int) -> None:
         """``shadow -= (1 - d) * (shadow - params)`` with d from ``num_updates``."""
         t = self.shadow.dtype.type
@@ -57,3 +75,4 @@ class EMA:
         numpy.subtract(e, params, out=tmp)
         tmp *= one_minus_d
         e -= tmp
+

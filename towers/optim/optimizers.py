@@ -53,6 +53,34 @@ class Optimizer:
         self._tmp = numpy.empty_like(params) if self.xp is numpy else None
         self._kernel = None  # the fused GPU update, built on the first GPU step
 
+    # -- state: the slots, named like the weights (``momentum/layer1/weights``)
+
+    def state_dict(self, layout) -> dict:
+        """{slot/name: host array} for every slot (``layout``: ``towers.state.Layout`` of the weights)."""
+        return {k: v for slot, buf in self.state.items() for k, v in layout.split(buf, slot + "/").items()}
+
+    def read_state(self, state: dict, layout, where: str) -> dict:
+        """This optimizer's slots in ``state`` as checked host flat buffers (a ``UserError`` names a bad one).
+
+        Slots of another optimizer (``SLOTS``) are checked and left out: after a
+        change of optimizer or momentum the slots this one lacks start at zero.
+        """
+        from towers.state import under
+
+        flats = {}
+        for slot in SLOTS:
+            named = under(state, slot)
+            if named:
+                flat = layout.join(layout.check(named, f"{where} ({slot})"))
+                if slot in self.state:
+                    flats[slot] = flat
+        return flats
+
+    def set_state(self, flats: dict) -> None:
+        """Set the slots from ``read_state``'s output; slots it lacks become zero."""
+        for slot, buf in self.state.items():
+            buf[...] = self.xp.asarray(flats[slot]) if slot in flats else 0
+
     def step(self, grads, lr: float, step: int, part: slice | None = None) -> None:
         """Apply one update with learning rate ``lr``; ``step`` counts earlier updates.
 
@@ -163,6 +191,10 @@ class Adam(Optimizer):
         numpy.divide(m, tmp, out=tmp)
         tmp *= lr_t
         p -= tmp
+
+
+# Every optimizer's slot names: a checkpoint may hold another optimizer's (then they are dropped).
+SLOTS = ("momentum", "adam_m", "adam_v")
 
 
 def make_optimizer(cfg, params, ema=None) -> Optimizer:

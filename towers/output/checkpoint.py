@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 
 import numpy
 
-from towers.devices.placement import to_host
 from towers.errors import TrainingError, UserError
+from towers.state import Layout, under
 from towers.output.files import atomic_save_npz, atomic_write_text, remove_stale, writing
 
 FORMAT = 1
@@ -44,18 +44,9 @@ INDEX = "checkpoint"  # the TensorFlow-style text file naming the latest checkpo
 _CKPT = re.compile(r"^ckpt-(\d{8,})\.npz$")
 
 
-def flat_to_named(model, flat) -> dict[str, numpy.ndarray]:
-    """Split a flat buffer into named host arrays using the model's layout."""
-    host = to_host(flat, copy=True)
-    return {name: host[off : off + size].reshape(shape) for name, shape, off, size in model.layout()}
-
-
 def named_to_flat(model, named: dict) -> numpy.ndarray:
-    """Inverse of ``flat_to_named``: a host float32 flat buffer."""
-    flat = numpy.empty(model.size, dtype=numpy.float32)
-    for name, shape, off, size in model.layout():
-        flat[off : off + size] = numpy.asarray(named[name], dtype=numpy.float32).reshape(-1)
-    return flat
+    """The model's weights from {name: array} (already checked) as one host float32 flat buffer."""
+    return Layout(model.layout()).join(named)
 
 
 # -- finding and reading checkpoints --------------------------------------------------
@@ -135,122 +126,49 @@ def latest_checkpoint(logdir: str, warn=None, finite: bool = False) -> tuple[str
 
 
 def non_finite(arrays: dict) -> str | None:
-    """The first weight or optimizer-state array of a state dict holding NaN or inf, or None."""
+    """The first floating array of a state dict (weights, EMA, optimizer state, buffers) holding NaN or inf."""
     for key, a in arrays.items():
-        if key.split("/", 1)[0] in ("params", "ema") + _SLOTS and not numpy.isfinite(a).all():
+        a = numpy.asarray(a)
+        if numpy.issubdtype(a.dtype, numpy.floating) and not numpy.isfinite(a).all():
             return key
     return None
-
-
-def read_model(arrays: dict, prefix: str) -> dict[str, numpy.ndarray]:
-    """The named arrays under ``prefix/`` (e.g. ``params``), without the prefix."""
-    return {k[len(prefix) + 1 :]: v for k, v in arrays.items() if k.startswith(prefix + "/")}
 
 
 def model_weights(model, arrays: dict, prefix: str, path: str, fix: str) -> dict[str, numpy.ndarray]:
     """The checkpoint's ``prefix`` weights, checked by ``check_names``; a mismatch names the
     settings the checkpoint was trained with."""
     try:
-        return check_names(model, read_model(arrays, prefix), f"{path} does not fit this model")
+        return Layout(model.layout()).check(under(arrays, prefix), f"{path} does not fit this model")
     except UserError as e:
         ck = arrays["config"]
         raise UserError(f"{e} (the checkpoint was trained with `model` {ck.get('model')} "
                         f"`hidden` {ck.get('hidden')}); {fix}") from None
 
 
-def advance(position: tuple[int, int], examples: int, n: int) -> tuple[int, int]:
-    """The pipeline position ``examples`` further on (every epoch holds ``n``)."""
-    return divmod(position[0] * n + position[1] + examples, n)
+# -- the metadata a checkpoint adds to the trainer's state dict ---------------------------
+
+META = ("format", "data/shape", "data/num_classes", "n_towers", "global_batch", "config")
 
 
-# -- the state dict: what a checkpoint holds -------------------------------------------
-
-_META = ("format", "step", "data/epoch", "data/index", "data/shape", "data/num_classes",
-         "n_towers", "global_batch", "sync/n_averages", "config")
-_SLOTS = ("momentum", "adam_m", "adam_v")  # optimizer state buffers any optimizer may have
-
-
-def check_names(model, named: dict, where: str) -> dict:
-    """``named`` if it has exactly the model's names with their shapes, finite real values; else a UserError naming one."""
-    if not isinstance(named, dict):
-        raise UserError(f"{where}: give a dict of name -> array, got {type(named).__name__}")
-    want = {name: shape for name, shape, _, _ in model.layout()}
-    for name in want:
-        if name not in named:
-            raise UserError(f"{where}: {name!r} is missing (the model has {', '.join(want)})")
-    for name, a in named.items():
-        if name not in want:
-            raise UserError(f"{where}: {name!r} is not a weight of this model (it has {', '.join(want)})")
-        if tuple(numpy.shape(a)) != want[name]:
-            raise UserError(f"{where}: {name!r} has shape {tuple(numpy.shape(a))}, the model's is {want[name]}")
-        a = numpy.asarray(a)
-        if not (numpy.issubdtype(a.dtype, numpy.floating) or numpy.issubdtype(a.dtype, numpy.integer)):
-            raise UserError(f"{where}: {name!r} is {a.dtype}; give real numbers (float32)")
-        if not numpy.isfinite(a).all():
-            raise UserError(f"{where}: {name!r} holds NaN or inf")
-    return named
+def metadata(cfg, dataset, n_towers: int, global_batch: int) -> dict:
+    """The checkpoint format's own keys: what a resume checks the data and the run against."""
+    return {
+        "format": numpy.int64(FORMAT),
+        "data/shape": numpy.array(dataset.x.shape, dtype=numpy.int64),
+        "data/num_classes": numpy.int64(dataset.num_classes),
+        "n_towers": numpy.int64(n_towers), "global_batch": numpy.int64(global_batch),
+        "config": numpy.array(config_json(cfg)),
+    }
 
 
-def state_dict(trainer) -> dict:
-    """The trainer's state as {name: host array}: weights, EMA, optimizer state, step, input position."""
-    model = trainer.model
-    named = {"params": flat_to_named(model, trainer.replicas[0].params),
-             "ema": flat_to_named(model, trainer.ema.shadow)}
-    for slot, buf in trainer.optimizers[0].state.items():
-        named[slot] = flat_to_named(model, buf)
-    arrays = {f"{kind}/{name}": a for kind, d in named.items() for name, a in d.items()}
-    epoch, index = trainer.data_position()
-    ds = trainer.dataset
-    arrays.update({
-        "format": numpy.int64(FORMAT), "step": numpy.int64(trainer.step),
-        "data/epoch": numpy.int64(epoch), "data/index": numpy.int64(index),
-        "data/shape": numpy.array(ds.x.shape, dtype=numpy.int64),
-        "data/num_classes": numpy.int64(ds.num_classes),
-        "n_towers": numpy.int64(trainer.n_towers), "global_batch": numpy.int64(trainer.global_batch),
-        "sync/n_averages": numpy.int64(trainer.n_averages),
-        "config": numpy.array(config_json(trainer.cfg)),
-    })
-    return arrays
-
-
-def load_state_dict(trainer, state: dict, where: str) -> None:
-    """Load ``state`` (``state_dict`` output or a checkpoint's arrays) into ``trainer``.
-
-    Strict: an unknown key, a missing one, or a weight of the wrong name or
-    shape is a UserError naming it, and nothing is changed.  Optimizer state
-    of another optimizer (or none, after a change of ``momentum``) is allowed:
-    the buffers this optimizer lacks start at zero.
-    """
-    model, ds = trainer.model, trainer.dataset
-    prefixes = {k.split("/", 1)[0] for k in state if "/" in k and k not in _META}
-    for key in state:
-        if key not in _META and key.split("/", 1)[0] not in ("params", "ema") + _SLOTS:
-            raise UserError(f"{where}: {key!r} is not part of a towers state dict")
-    for key in _META[:5]:
-        if key not in state:
-            raise UserError(f"{where}: {key!r} is missing")
-    shape, classes = tuple(int(v) for v in state["data/shape"]), int(state.get("data/num_classes", -1))
-    if shape[1:] != tuple(ds.example_shape) or classes != ds.num_classes:
+def check_metadata(state: dict, dataset, where: str) -> None:
+    """A state dict's data shape and class count against ``dataset``'s (a ``UserError`` otherwise)."""
+    if "data/shape" not in state:
+        raise UserError(f"{where}: 'data/shape' is missing")
+    shape, classes = tuple(int(v) for v in numpy.ravel(state["data/shape"])), int(state.get("data/num_classes", -1))
+    if shape[1:] != tuple(dataset.example_shape) or classes != dataset.num_classes:
         raise UserError(f"{where}: trained on examples of shape {shape[1:]} with {classes} classes, "
-                        f"but the data has {ds.example_shape} with {ds.num_classes} classes")
-    flats = {kind: named_to_flat(model, check_names(model, read_model(state, kind), f"{where} ({kind})"))
-             for kind in ("params", "ema") + _SLOTS if kind in prefixes}
-    for kind in ("params", "ema"):
-        if kind not in flats:
-            raise UserError(f"{where}: no {kind}/ weights")
-    trainer.synchronize()
-    for i, (dev, r, opt) in enumerate(zip(trainer.devices, trainer.replicas, trainer.optimizers)):
-        with dev.scope():
-            r.set_params(flats["params"])
-            for slot, buf in opt.state.items():
-                buf[...] = dev.xp.asarray(flats[slot]) if slot in flats else 0
-            if i == 0:
-                trainer.ema.shadow[...] = dev.xp.asarray(flats["ema"])
-    trainer.step = int(state["step"])
-    trainer.n_averages = int(state.get("sync/n_averages", 0))
-    # Checkpoints are taken right after an average (weights mode) or hold every
-    # replica's identical weights (grads mode).
-    trainer.last_average = trainer.step
+                        f"but the data has {dataset.example_shape} with {dataset.num_classes} classes")
 
 
 # -- writing during training --------------------------------------------------------

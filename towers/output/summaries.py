@@ -21,7 +21,6 @@ import time
 import numpy
 from tqdm import tqdm
 
-from towers.output.checkpoint import flat_to_named
 from towers.output.files import atomic_write_text, writing
 
 METRICS = "metrics.jsonl"
@@ -176,10 +175,10 @@ class TensorBoard:
         rate = (step - self._step) * trainer.global_batch / max(now - self._t, 1e-9)
         self._t, self._step = now, step
         self.scalars(step, flush=False, loss=loss, learning_rate=lr, examples_per_sec=rate)
-        for name, a in flat_to_named(trainer.model, trainer.replicas[0].params).items():
+        for name, a in trainer.get_weights().items():
             self._summary(histogram(name, _finite(a), bins=64), step)
         # After the all-reduce every replica's gradient buffer holds the average.
-        for name, a in flat_to_named(trainer.model, trainer.replicas[0].grads).items():
+        for name, a in trainer.get_gradients().items():
             self._summary(histogram(name + "/gradients", _finite(a), bins=64), step)
         self.flush()
 

@@ -1,0 +1,135 @@
+"""A tower: one model replica on its device, with everything that works on it.
+
+``Tower`` holds its device and stream, its replica (flat parameter, gradient
+and buffer arrays; ``towers.nn.replica``), its stager (its slice of the batch
+onto the device; ``towers.data.staging``), its optimizer and its phase timer.
+``build_towers`` makes them for a placement: every replica starts from the same
+seeded values, towers sharing a GPU share its stream.
+
+``ModelState`` is the model's part of a state dict: the weights
+(``params/<name>``) and the non-trainable buffers (``buffers/<name>``), read
+from the first tower and written to every tower, because every replica holds
+the same values when a state is taken (right after an average in weights mode).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy
+
+from towers.data.staging import Stager
+from towers.devices.placement import on_stream
+from towers.errors import UserError
+from towers.nn.replica import Replica
+from towers.state import Layout, under
+
+# A diverging run overflows to inf/NaN: the loop reports it as one line at the
+# next loss check, so NumPy's RuntimeWarnings are noise.
+_QUIET = dict(over="ignore", invalid="ignore", divide="ignore")
+
+
+class Tower:
+    """One tower: device, stream, replica, stager, optimizer (set by the trainer), timer."""
+
+    def __init__(self, index: int, device, stream, replica: Replica, stager: Stager, timer):
+        self.index, self.device, self.stream = index, device, stream
+        self.replica, self.stager, self.timer = replica, stager, timer
+        self.optimizer = None
+
+    @contextlib.contextmanager
+    def scope(self):
+        """This tower's device current, its stream current, NumPy's overflow warnings off."""
+        with self.device.scope(), on_stream(self.stream), numpy.errstate(**_QUIET):
+            yield
+
+    def compute(self, x, y, l2: float, want_loss: bool, stage=None):
+        """Stages 1-2: the slice ``x``, ``y`` onto the device (or ``stage()``'s, already there), forward, backward.
+
+        Returns the loss as a device scalar when ``want_loss``, else None.
+        """
+        with self.scope():
+            with self.timer("stage"):
+                xs, ys = stage() if stage is not None else self.stager.stage(x, y)
+            return self.replica.loss_and_grads(xs, ys, l2, want_loss, self.timer)
+
+    def update(self, grads, lr: float, step: int, part: slice | None = None, timer=None) -> None:
+        """Stage 4: this replica's optimizer step (``part``: a slice of the flat buffers, CPU only)."""
+        with self.scope(), (timer or self.timer)("update+EMA"):
+            self.optimizer.step(grads, lr, step, part)
+
+    def __str__(self) -> str:
+        return str(self.device)
+
+
+def build_towers(placement, model, dataset, batch_size: int, seed: int, timer) -> list[Tower]:
+    """One tower per placed device, replicas identical (one seeded draw), streams per GPU."""
+    init = model.init_params(seed)
+    streams: dict[int, object] = {}
+    towers = []
+    for i, dev in enumerate(placement.towers):
+        with dev.scope():
+            # Non-blocking streams are not ordered with the legacy default
+            # stream, so all of a tower's work stays inside its stream.  Towers
+            # sharing a GPU share its stream: CuPy drives cuBLAS through one
+            # handle per device, whose default workspace is not safe for GEMMs
+            # running concurrently on two streams.
+            stream = None
+            if dev.is_gpu:
+                stream = streams.get(dev.index) or dev.xp.cuda.Stream(non_blocking=True)
+                streams[dev.index] = stream
+            replica = Replica(model, dev.xp)
+            replica.set_params(init)
+        stager = Stager(dev, stream, batch_size, dataset.example_shape, dataset.x.dtype)
+        towers.append(Tower(i, dev, stream, replica, stager, timer.for_tower(i)))
+    return towers
+
+
+class ModelState:
+    """The model's state over all towers: ``params/<name>`` and ``buffers/<name>``."""
+
+    def __init__(self, towers: list[Tower], model):
+        self.towers = towers
+        self.weights = Layout(model.layout())
+        self.buffers = Layout(model.buffer_layout())
+
+    def state_dict(self) -> dict:
+        r = self.towers[0].replica
+        return {**self.weights.split(r.params, "params/"), **self.buffers.split(r.buffers, "buffers/")}
+
+    def named(self, params=None) -> dict:
+        """{name: host array}: the weights (``params``: another flat buffer of them, e.g. the EMA's), then the buffers."""
+        r = self.towers[0].replica
+        return {**self.weights.split(r.params if params is None else params), **self.buffers.split(r.buffers)}
+
+    def read_named(self, named: dict, where: str, buffers_optional: bool = False):
+        """(weights flat, buffers flat or None) from {name: array}: exactly the model's names, else a ``UserError``."""
+        if not isinstance(named, dict):
+            raise UserError(f"{where}: give a dict of name -> array, got {type(named).__name__}")
+        bnames = set(self.buffers.names)
+        weights = {k: v for k, v in named.items() if k not in bnames}
+        bufs = {k: v for k, v in named.items() if k in bnames}
+        w = self.weights.join(self.weights.check(weights, where))
+        if not bufs and (buffers_optional or not bnames):
+            return w, None
+        return w, self.buffers.join(self.buffers.check(bufs, where, "buffer"))
+
+    def prepare(self, state: dict, where: str):
+        """Check ``params/`` and ``buffers/`` of ``state``; return the function that sets every tower."""
+        named = under(state, "params")
+        if not named:
+            raise UserError(f"{where}: no params/ weights")
+        w = self.weights.join(self.weights.check(named, f"{where} (params)"))
+        b = None
+        if self.buffers.rows:
+            b = self.buffers.join(self.buffers.check(under(state, "buffers"), f"{where} (buffers)", "buffer"))
+        elif under(state, "buffers"):
+            raise UserError(f"{where}: {next(iter(under(state, 'buffers')))!r} is not a buffer of this model")
+        return lambda: self.set(w, b)
+
+    def set(self, weights, buffers=None) -> None:
+        """Every tower's weights (and buffers, unless None) from host flat arrays."""
+        for t in self.towers:
+            with t.device.scope():
+                t.replica.set_params(weights)
+                if buffers is not None:
+                    t.replica.set_buffers(buffers)
