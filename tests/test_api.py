@@ -245,3 +245,58 @@ def test_train_step_takes_lists_as_it_did_before_its_checks():
     with Trainer(Config(**SMALL)) as tr:
         start = tr.get_weights()
     assert any(not np.array_equal(weights[0][k], start[k]) for k in start)  # the step did train
+
+
+# -- strict inputs and honest figures (reliability, second round) ---------------------------------
+
+
+@pytest.mark.parametrize("x, y, message", [
+    (lambda d: d["x_test"][:5], lambda d: np.array([0, 1, -1, 2, 3]), "labels must be integers 0..9"),
+    (lambda d: d["x_test"][:5], lambda d: np.array([0, 1, 10, 2, 3]), "labels must be integers 0..9"),
+    (lambda d: d["x_test"][:5], lambda d: np.zeros(5, np.float32), "labels must be integers"),
+    (lambda d: d["x_test"][:5].reshape(5, -1)[:, :10], lambda d: d["y_test"][:5], r"examples are .* \(10,\)"),
+    (lambda d: d["x_test"][:5], lambda d: d["y_test"][:4], "as many labels as examples"),
+    (lambda d: d["x_test"][:0], lambda d: d["y_test"][:0], "at least one"),
+])
+def test_evaluate_checks_its_examples_as_train_step_does(x, y, message):
+    d = digits()
+    with Trainer(Config(**SMALL)) as tr:
+        with pytest.raises(UserError, match=message):
+            tr.evaluate(x=x(d), y=y(d))
+        ok = tr.evaluate(x=d["x_test"][:5], y=d["y_test"][:5])
+        assert 0.0 <= ok["accuracy"] <= 1.0
+
+
+def test_fit_refuses_a_plain_callable_as_an_extension_before_writing_anything(tmp_path):
+    with Trainer(Config(**SMALL, steps=3, logdir=str(tmp_path / "run"))) as tr:
+        with pytest.raises(UserError, match="not a towers.extensions.Extension"):
+            tr.fit(extensions=[lambda run: None])
+    assert not (tmp_path / "run").exists()
+
+
+def test_fit_after_close_writes_nothing(tmp_path):
+    tr = Trainer(Config(**SMALL, steps=3, logdir=str(tmp_path / "run")))
+    tr.close()
+    with pytest.raises(UserError, match="closed"):
+        tr.fit()
+    assert not (tmp_path / "run").exists()
+
+
+def test_default_logdirs_are_unique_for_runs_in_the_same_second(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    made = []
+    for _ in range(3):  # quick fit()s: all within a second or two
+        with Trainer(Config(**SMALL, steps=1, checkpoint_every=0)) as tr:
+            tr.fit()
+        made = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(made) == 3 and all((tmp_path / "runs" / m / "final.npz").exists() for m in made)
+
+
+def test_a_resumed_runs_figures_count_its_own_steps(tmp_path):
+    common = ["--n-gpu", "2", "--devices", "cpu", "--hidden", "16", "--batch-size", "50", "--quiet",
+              "--summary-every", "0", "--logdir", str(tmp_path / "a")]
+    assert run_cli(*common, "--steps", "40").returncode == 0
+    res = run_cli(*common, "--steps", "60", "--resume")
+    assert res.returncode == 0, res.stderr
+    done = [ln for ln in res.stdout.splitlines() if ln.startswith("done:")][0]
+    assert done.startswith("done: 20 steps (to step 60)") and "1.00 all-reduces/step" in done, done

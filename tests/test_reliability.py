@@ -336,3 +336,16 @@ def test_nan_loss_from_tfrecord_float_features_stops_and_names_the_example(tmp_p
     err = p.stderr.strip().splitlines()[-1]  # (after the "indexing" note)
     assert "NaN/inf" in err and ("example 123" in err or "input batch" in err), err
     assert "Traceback" not in p.stderr
+
+
+def test_keep_one_checkpoint_on_a_nearly_full_disk_replaces_it(tmp_path):
+    # The disk of the test above takes one checkpoint but not two: with
+    # --keep-checkpoints 1 the second write must make room by pruning the
+    # first (it would be pruned right after anyway), not fail.
+    with tmpfs(tmp_path / "disk", 44) as disk:
+        p = train(disk, "--steps", 30, "--checkpoint-every", 10, "--log-every", 5, "--summary-every", 0,
+                  "--keep-checkpoints", 1)
+        assert p.returncode == 0, p.stderr
+        assert [s for s, _ in list_checkpoints(str(disk))] == [30]
+        assert int(load_checkpoint(str(disk / "ckpt-00000030.npz"))["step"]) == 30
+        no_temporaries(disk)

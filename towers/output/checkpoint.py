@@ -27,6 +27,7 @@ timestamp, so equal arrays give byte-identical files.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -37,7 +38,7 @@ import numpy
 
 from towers.errors import TrainingError, UserError
 from towers.state import Layout, under
-from towers.output.files import atomic_save_npz, atomic_write_text, remove_stale, writing
+from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, remove_stale, writing
 
 FORMAT = 1
 INDEX = "checkpoint"  # the TensorFlow-style text file naming the latest checkpoint
@@ -193,8 +194,23 @@ class Checkpointer:
         file; the atomic writer leaves the previous checkpoints as they were.
         """
         path = os.path.join(self.logdir, checkpoint_name(step))
-        with writing(path):
-            atomic_save_npz(path, arrays)
+        try:
+            with writing(path):
+                atomic_save_npz(path, arrays)
+        except DiskError as e:
+            # A full disk that holds `keep` checkpoints: the oldest of them would
+            # be pruned after this write anyway, so it goes first and the write
+            # is tried once more (with keep 1, a nearly full disk could
+            # otherwise never take a second checkpoint).
+            old = list_checkpoints(self.logdir)[self.keep - 1:]
+            if e.error.errno != errno.ENOSPC or not old:
+                raise
+            for _, p in old:
+                _unlink(p)
+            if self.last_path in [p for _, p in old]:
+                self.last_path = None
+            with writing(path):
+                atomic_save_npz(path, arrays)
         self.last_path = path
         kept = list_checkpoints(self.logdir)
         # Index first, then delete: the index never names a file that is gone.
@@ -204,11 +220,15 @@ class Checkpointer:
             atomic_write_text(index, f'model_checkpoint_path: "{names[-1]}"\n'
                               + "".join(f'all_model_checkpoint_paths: "{n}"\n' for n in names))
         for _, old in kept[self.keep :]:
-            try:
-                os.unlink(old)
-            except FileNotFoundError:
-                pass
+            _unlink(old)
         return path
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def diverged(step: int, what: str, last_path: str | None, cause: str | None = None) -> TrainingError:

@@ -1,0 +1,191 @@
+"""Components that own their state: round trips, strict loading, a layer with a buffer, old checkpoints."""
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import towers
+from towers import Config, Dataset, Trainer, UserError
+from towers.data.batches import InputPosition
+from towers.nn.layers import Dense, Flatten, Layer, Param, ReLU, Sequential
+from towers.optim.ema import EMA
+from towers.optim.optimizers import SGD, Adam
+from towers.state import Layout
+
+REPO = Path(__file__).resolve().parent.parent
+OLD = REPO / "tests" / "data" / "ckpt-format1-step10.npz"  # written by towers 41a9acc (format 1)
+SMALL = dict(devices="cpu", n_gpu=2, hidden=8, batch_size=20, summary_every=0, quiet=True)
+
+
+def layout():
+    return Layout([("a/w", (3, 2), 0, 6), ("a/b", (2,), 6, 2)])
+
+
+@pytest.mark.parametrize("make", [lambda p: SGD(p, 0.9), lambda p: Adam(p)])
+def test_an_optimizers_slots_round_trip_under_their_names(make):
+    rng = np.random.default_rng(0)
+    opt = make(np.zeros(8, np.float32))
+    for buf in opt.state.values():
+        buf[...] = rng.random(8, dtype=np.float32)
+    state = opt.state_dict(layout())
+    assert sorted(state) == sorted(f"{s}/{n}" for s in opt.state for n in ("a/w", "a/b"))
+    other = make(np.zeros(8, np.float32))
+    other.set_state(other.read_state(state, layout(), "here"))
+    for slot in opt.state:
+        assert np.array_equal(opt.state[slot], other.state[slot])
+    bad = {**state, next(iter(state)): np.zeros((9,), np.float32)}
+    with pytest.raises(UserError, match=f"{next(iter(state)).split('/', 1)[1]}.*shape"):
+        other.read_state(bad, layout(), "here")
+
+
+def test_the_ema_and_the_input_position_round_trip():
+    ema = EMA(np.arange(8, dtype=np.float32), 0.9)
+    state = ema.state_dict(layout())
+    assert sorted(state) == ["ema/a/b", "ema/a/w"]
+    other = EMA(np.zeros(8, np.float32), 0.9)
+    other.set_state(other.read_state(state, layout(), "here"))
+    assert np.array_equal(other.shadow, ema.shadow)
+    pos = InputPosition(100, 30, start_step=2, start=(1, 50))
+    assert pos.at(4) == (2, 10) and pos.state_dict(4) == {"data/epoch": 2, "data/index": 10}
+    assert pos.read_state(pos.state_dict(4), "here") == (2, 10)
+
+
+def test_a_trainers_state_dict_is_the_union_of_its_parts_and_round_trips():
+    with Trainer(Config(**SMALL, momentum=0.9, steps=5)) as a:
+        for _ in range(5):
+            a.train_step(*a.source.next_batch())
+        state = a.state_dict()
+        with Trainer(Config(**SMALL, momentum=0.9, steps=5)) as b:
+            b.load_state_dict(state)
+            again = b.state_dict()
+    assert sorted(state) == sorted(again)
+    for k in state:
+        assert np.array_equal(state[k], again[k]), k
+    prefixes = {k.split("/")[0] for k in state}
+    assert {"params", "ema", "momentum", "data", "step", "sync", "format", "config"} <= prefixes
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("data/index", np.int64(10 ** 9), "'data/index' 1000000000 is beyond"),
+    ("data/epoch", np.int64(-1), "'data/epoch' must be an integer >= 0"),
+    ("step", np.int64(-3), "'step' must be an integer >= 0"),
+    ("step", np.float64(2.5), "'step' must be an integer"),
+    ("mystery/x", np.zeros(2, np.float32), "'mystery/x' is not part of a towers state dict"),
+])
+def test_load_state_dict_refuses_bad_counters_and_keys_before_changing_anything(key, value, message):
+    with Trainer(Config(**SMALL)) as t:
+        t.train_step(*t.source.next_batch())
+        state = t.state_dict()
+        before = t.get_weights()
+        with pytest.raises(UserError, match=message):
+            t.load_state_dict({**state, "params/layer1/biases": state["params/layer1/biases"] + 1, key: value})
+        assert all(np.array_equal(before[k], v) for k, v in t.get_weights().items())
+        assert t.step == 1
+
+
+# -- a layer with a buffer ----------------------------------------------------------------------
+
+
+class RunningMean(Layer):
+    """Passes x through; in training keeps a moving mean of its input's features as a buffer."""
+
+    scope = "running"
+
+    def build(self, in_shape):
+        return [Param("mean", tuple(in_shape), trainable=False)], tuple(in_shape)
+
+    def forward(self, p, x, ws):
+        m = p["mean"]
+        m *= np.float32(0.9)
+        m += np.float32(0.1) * x.mean(axis=0)
+        return x
+
+    def backward(self, p, g, dy, ws, need_dx):
+        return dy if need_dx else None
+
+
+def buffered_model(input_shape, num_classes):
+    return [Flatten(), RunningMean(), Dense("layer1", 8), ReLU(), Dense("layer2", num_classes)]
+
+
+def test_a_buffer_is_state_but_not_a_weight_everywhere(tmp_path):
+    cfg = Config(**SMALL, model="test_state:buffered_model", steps=6, sync="weights", average_every=3,
+                 logdir=str(tmp_path / "a"))
+    with Trainer(cfg) as t:
+        assert t.model.size == 64 * 8 + 8 + 8 * 10 + 10  # the buffer is no trainable parameter
+        assert [r.buffers.size for r in t.replicas] == [64, 64]
+        t.train_step(*t.source.next_batch())
+        t.synchronize()
+        # Weights mode: between averages each tower's buffer follows its own slice...
+        assert not np.array_equal(t.replicas[0].buffers, t.replicas[1].buffers)
+        t.train_step(*t.source.next_batch())
+        t.train_step(*t.source.next_batch())  # step 3: an average
+        t.synchronize()
+        # ... and the average makes them equal, as it does the weights.
+        assert np.array_equal(t.replicas[0].buffers, t.replicas[1].buffers)
+        assert t.replicas[0].buffers.any()
+        w = t.get_weights()
+        assert "running/mean" in w and w["running/mean"].shape == (64,)
+        assert "running/mean" in t.get_weights(ema=True)
+        state = t.state_dict()
+        assert "buffers/running/mean" in state and "params/running/mean" not in state
+        assert "ema/running/mean" not in state  # the EMA covers trainable weights only
+        # set_weights takes the buffer with the weights, strictly.
+        t.set_weights({**w, "running/mean": np.full(64, 0.5, np.float32)})
+        assert all((r.buffers == 0.5).all() for r in t.replicas)
+        missing = {k: v for k, v in w.items() if k != "running/mean"}
+        with pytest.raises(UserError, match="'running/mean' is missing"):
+            t.set_weights(missing)
+        t.set_weights(missing, ema=True)  # EMA weights: the buffers are optional
+
+
+def test_a_buffer_survives_checkpoint_and_resume_exactly(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    base = dict(**SMALL, model="test_state:buffered_model", checkpoint_every=4)
+    with Trainer(Config(**base, steps=8, logdir=str(tmp_path / "whole"))) as t:
+        t.fit()
+    with Trainer(Config(**base, steps=4, logdir=str(tmp_path / "split"))) as t:
+        t.fit()
+    with Trainer(Config(**base, steps=8, logdir=str(tmp_path / "split"), resume=True)) as t:
+        t.fit()
+    whole, split = np.load(tmp_path / "whole" / "ckpt-00000008.npz"), np.load(tmp_path / "split" / "ckpt-00000008.npz")
+    assert "buffers/running/mean" in whole.files and whole["buffers/running/mean"].any()
+    for k in whole.files:
+        if k != "config":
+            assert np.array_equal(whole[k], split[k]), k
+
+
+# -- checkpoints written before the redesign ------------------------------------------------------
+
+
+def test_a_checkpoint_written_before_the_redesign_resumes_to_an_uninterrupted_runs_weights(tmp_path):
+    cfg = dict(**SMALL, checkpoint_every=10)
+    logdir = tmp_path / "old"
+    logdir.mkdir()
+    shutil.copy(OLD, logdir / "ckpt-00000010.npz")
+    with Trainer(Config(**cfg, steps=20, logdir=str(logdir), resume=True)) as t:
+        t.fit()
+    with Trainer(Config(**cfg, steps=20, logdir=str(tmp_path / "new"))) as t:
+        t.fit()
+    old, new = np.load(logdir / "final.npz"), np.load(tmp_path / "new" / "final.npz")
+    assert sorted(old.files) == sorted(new.files)
+    for k in new.files:
+        assert np.array_equal(old[k], new[k]), k
+
+
+# -- one host's Trainer, several hosts' ClusterTrainer ---------------------------------------------
+
+
+def test_a_trainer_refuses_several_hosts_and_names_the_cluster_entry_point():
+    with pytest.raises(UserError, match="towers.ClusterTrainer"):
+        Trainer(Config(**{**SMALL, "n_gpu": 1}, hosts=2))
+
+
+def test_a_model_objects_run_records_that_it_was_an_object(tmp_path):
+    model = Sequential([Flatten(), Dense("layer1", 8), ReLU(), Dense("layer2", 10)])
+    with Trainer(Config(**SMALL, steps=2, logdir=str(tmp_path)), model=model) as t:
+        assert t.cfg.model == towers.config.MODEL_OBJECT
+        t.fit()
+    ck = np.load(tmp_path / "ckpt-00000002.npz")
+    assert '"model": "<model object>"' in str(ck["config"])
