@@ -41,7 +41,7 @@ _CRC_STRUCT = struct.Struct("<I")
 # What is wrong, as the reports say it (the streaming reader and check_record share them).
 LENGTH_CRC = ("length CRC mismatch: the record header is corrupted and the records after it cannot be located; "
               "re-copy the file")
-PAYLOAD_CRC = ("payload CRC mismatch: the record is corrupted; re-copy the file, or pass --on-error skip to drop "
+PAYLOAD_CRC = ("payload CRC mismatch: the record is corrupted; re-copy the file, or pass `on_error` skip to drop "
                "such records")
 
 
@@ -167,7 +167,7 @@ class _InflateStream:
             piece = self._inflate.decompress(source, size)
         except zlib.error as exc:
             reason = str(exc).split(": ", 1)[-1]
-            hint = (f"is the file really {self._kind}-compressed? Try --compression auto"
+            hint = (f"is the file really {self._kind}-compressed? Try `compression` auto"
                     if "header" in reason else "the compressed data is damaged; re-copy the file")
             raise _StreamError(f"{self._kind} inflate failed ({reason}): {hint}") from None
         return piece
@@ -221,7 +221,7 @@ class TFRecordReader:
         """Explain a first record whose header fails: usually not a TFRecord at all."""
         guess = detect_compression(self._head)
         if self.compression == "none" and guess != "none":
-            return f"not a TFRecord file: it looks {guess}-compressed; use --compression {guess} or auto"
+            return f"not a TFRecord file: it looks {guess}-compressed; use `compression` {guess} or auto"
         return "not a TFRecord file (the first record header fails its CRC); is this even a TFRecord file?"
 
     def __iter__(self):
