@@ -166,7 +166,7 @@ def advance(position: tuple[int, int], examples: int, n: int) -> tuple[int, int]
 # -- the state dict: what a checkpoint holds -------------------------------------------
 
 _META = ("format", "step", "data/epoch", "data/index", "data/shape", "data/num_classes",
-         "n_towers", "global_batch", "sync/n_averages", "config")
+         "n_towers", "global_batch", "sync/n_averages", "config", "data/classes")
 _SLOTS = ("momentum", "adam_m", "adam_v")  # optimizer state buffers any optimizer may have
 
 
@@ -210,6 +210,8 @@ def state_dict(trainer) -> dict:
         "sync/n_averages": numpy.int64(trainer.n_averages),
         "config": numpy.array(config_json(trainer.cfg)),
     })
+    if getattr(ds, "class_names", None):  # an image folder's classes, by label (shown by towers.eval)
+        arrays["data/classes"] = numpy.array(json.dumps(list(ds.class_names)))
     return arrays
 
 

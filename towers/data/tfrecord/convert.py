@@ -22,7 +22,6 @@ temporary files are left behind unless the status is 0; what a SIGKILL leaves
 is removed by the next run writing to the same folder.  See tools/README.md.
 """
 
-import glob
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ from towers.output.files import atomic_path, output_folder, refuse_overwriting_i
 from towers.data.tfrecord.framing import COMPRESSIONS, TFRecordError, TFRecordReader
 from towers.data.tfrecord.columns import ColumnStore
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode
+from towers.data.inputs import expand_inputs
 
 PROG = "tfrecord_to_npz"
 
@@ -74,25 +74,6 @@ def check_output_file(output, example="out.npz", flag="-o"):
     if os.path.isdir(blocker):
         raise UsageError(f"{flag} {output}: the folder {folder} does not exist; create it first")
     raise UsageError(f"{flag} {output}: {blocker} is a file, not a folder; give a path in a folder")
-
-
-def expand_inputs(patterns):
-    """Paths for the INPUT arguments: globs expanded and sorted, argument order kept."""
-    paths = []
-    for pattern in patterns:
-        if glob.has_magic(pattern):
-            matches = sorted(glob.glob(pattern))
-            if not matches:
-                raise UsageError(f"no file matches {pattern!r}; check the pattern (quote it for the shell)")
-            paths += matches
-        elif os.path.isfile(pattern):
-            paths.append(pattern)
-        elif os.path.isdir(pattern):
-            raise UsageError(f"{pattern} is a folder, not a TFRecord file; give its files, "
-                             f"e.g. {os.path.join(pattern, '*.tfrecords')!r}")
-        else:
-            raise UsageError(f"{pattern}: no such file; give a TFRecord file or a glob")
-    return paths
 
 
 def _decoded(store, name, dtype, shape, spec):
