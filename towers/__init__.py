@@ -25,10 +25,11 @@ command lines ``train`` and ``eval``.
 """
 from towers.config import Config
 from towers.data.dataset import Dataset
+from towers.data.loading import load_dataset
 from towers.errors import TrainingError, UserError
 from towers.nn.conv import Conv2D, MaxPool2D
 from towers.nn.layers import Dense, Flatten, ReLU, Sequential
 from towers.trainer import Trainer
 
-__all__ = ["Config", "Trainer", "Dataset", "Sequential", "Dense", "ReLU", "Flatten", "Conv2D", "MaxPool2D",
+__all__ = ["Config", "Trainer", "Dataset", "load_dataset", "Sequential", "Dense", "ReLU", "Flatten", "Conv2D", "MaxPool2D",
            "UserError", "TrainingError"]

@@ -18,6 +18,7 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
+from towers.data.image.augment import AUGMENTS, parse_image_size, parse_normalize
 from towers.errors import UserError
 from towers.nn.models import model_defaults
 from towers.optim.optimizers import OPTIMIZERS
@@ -56,6 +57,10 @@ class Config:
     decode: str | None = None  # TFRecord: NAME:DTYPE[:SHAPE] of the examples' bytes feature
     on_error: str = "stop"  # TFRecord: "skip" leaves out records whose payload CRC fails
     input_workers: int | None = None  # TFRecord: parse worker processes (0: the input thread; None: spare cores)
+    # images (towers.data.image): image folders, encoded images (`decode` NAME:image:H,W,C), augmentation
+    image_size: str | None = None  # H,W,C of the examples; None: `decode`'s, or the images' own when all alike
+    augment: str = "none"  # none, cifar, tf-cifar10 or imagenet (training only; evaluation takes the center)
+    normalize: str | None = None  # MEAN,STD (or per channel) on the 0..1 scale: examples become float32
     # model
     model: str = "mlp"
     hidden: int = 500
@@ -147,14 +152,20 @@ def _check(cfg: Config) -> None:
     if cfg.input_workers is not None:
         _integer(cfg, "input_workers", minimum=0)
     if cfg.decode is not None:
-        from towers.data.tfrecord.schema import parse_decode
+        from towers.data.tfrecord.schema import parse_decode, parse_image_decode
 
-        parse_decode(cfg.decode)
+        if isinstance(cfg.decode, str) and parse_image_decode(cfg.decode) is None:
+            parse_decode(cfg.decode)
+    _choice(cfg, "augment", AUGMENTS)
+    if cfg.image_size is not None:
+        parse_image_size(cfg.image_size)
+    if cfg.normalize is not None:
+        parse_normalize(cfg.normalize, 3)  # the format; the channel count is checked with the data
     for name in ("soft_placement", "log_placement", "staircase", "quiet", "resume", "profile", "measure_scaling",
                  "ray_logs", "tf32"):
         if not isinstance(getattr(cfg, name), bool):
             raise UserError(f"`{name}` must be True or False, got {getattr(cfg, name)!r}")
-    for name in ("devices", "logdir", "test_data", "decode", "ray_address"):
+    for name in ("devices", "logdir", "test_data", "decode", "ray_address", "image_size", "normalize"):
         v = getattr(cfg, name)
         if v is not None and (not isinstance(v, str) or not v):
             raise UserError(f"`{name}` must be a non-empty string or None, got {v!r}")

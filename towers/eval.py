@@ -9,6 +9,7 @@ checkpoint's configuration unless ``--data``/``--test-data`` say otherwise.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -17,6 +18,7 @@ from towers.cli import Parser, run_main
 from towers.errors import UserError, flags_in_messages
 from towers.output.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, \
     model_weights, named_to_flat
+from towers.data.image.load import describe_classes
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.records import close_dataset, is_tfrecord
 from towers.nn.models import build_model
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--test-data", help="separate test data (.npz or TFRecord); default: the checkpoint's --test-data")
     ap.add_argument("--x-key", help="npz key or TFRecord feature of the examples (default: the checkpoint's)")
     ap.add_argument("--y-key", help="npz key or TFRecord feature of the labels (default: the checkpoint's)")
+    ap.add_argument("--decode", help="TFRecord: NAME:DTYPE[:SHAPE] or NAME:image:H,W,C (default: the checkpoint's)")
     ap.add_argument("--watch", action="store_true", help="evaluate each new checkpoint in --logdir until interrupted")
     ap.add_argument("--interval", type=float, default=10.0, metavar="SEC",
                     help=f"seconds between polls with --watch (0 < SEC <= {MAX_INTERVAL})")
@@ -61,8 +64,10 @@ class Evaluator:
                a.test_data or (None if a.data else ck.get("test_data")))
         if key not in self._data:
             tfrecord = is_tfrecord(key[0]) or is_tfrecord(key[3])  # the run's --decode reads its records
-            ds = load_dataset(*key, decode=ck.get("decode") if tfrecord else None,
-                              on_error=ck.get("on_error", "stop"), workers=input_workers(ck.get("input_workers"), 0))
+            ds = load_dataset(*key, decode=a.decode or (ck.get("decode") if tfrecord else None),
+                              on_error=ck.get("on_error", "stop"), workers=input_workers(ck.get("input_workers"), 0),
+                              augment=ck.get("augment", "none"), normalize=ck.get("normalize"),
+                              image_size=ck.get("image_size"))
             if ds.x_test is None:
                 raise UserError(f"{key[0]} has no x_test/y_test: pass --data or --test-data with test examples")
             self._data[key] = ds
@@ -89,8 +94,10 @@ class Evaluator:
             replica = Replica(model, self.device.xp)
             replica.set_params(flat)
             loss, acc = replica.evaluate(ds.x_test, ds.y_test)
+        classes = f"; classes {describe_classes(json.loads(str(arrays['data/classes'])))}" \
+            if "data/classes" in arrays else ""
         return (f"{os.path.basename(path)} (step {step}): loss = {loss:.4f}, accuracy = {acc:.4f} "
-                f"on {len(ds.y_test)} test examples ({'EMA' if self.args.ema else 'raw'} weights)")
+                f"on {len(ds.y_test)} test examples ({'EMA' if self.args.ema else 'raw'} weights){classes}")
 
 
 def _warn(line: str) -> None:

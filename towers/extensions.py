@@ -39,7 +39,7 @@ import numpy
 
 from towers.errors import UserError, render
 from towers.output import checkpoint
-from towers.output.files import DiskError, atomic_save_npz, lock_logdir, writing
+from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, lock_logdir, writing
 from towers.output.summaries import Reporter, TensorBoard, trim_metrics
 
 
@@ -182,6 +182,10 @@ class Run:
         run._lock = lock_logdir(logdir)
         try:
             run.checkpointer.last_path = _resume_point(trainer, logdir)
+            if getattr(trainer.dataset, "class_names", None):  # an image folder's classes: line k is label k
+                classes = os.path.join(logdir, "classes.txt")
+                with writing(classes):
+                    atomic_write_text(classes, "".join(f"{name}\n" for name in trainer.dataset.class_names))
             # The figures of this run (steps, examples/sec, all-reduces/step) count from here.
             run.start_step, run.start_all_reduces = trainer.step, trainer.all_reduces
             if cfg.resume or trainer.step:

@@ -24,13 +24,16 @@ n_gpu             number of towers (default 1, or one per --devices entry)
 devices           'cpu', or GPU ids such as 0,2
 soft_placement    fail instead of bending an impossible placement (by default: no GPU runs on the CPU, too few GPUs are shared)
 log_placement     print which device runs each tower, the EMA, input parsing and the reducer
-data              training data: .npz with x, y and optionally x_test, y_test; or TFRecord files ('train-*-of-*')
-test_data         separate test data (.npz or TFRecord); default: x_test/y_test of --data
+data              training data: .npz with x, y and optionally x_test, y_test; TFRecord files ('train-*-of-*'); or an image folder DIR/<class>/*.jpg|jpeg|png
+test_data         separate test data (.npz, TFRecord or image folder); default: x_test/y_test of --data
 x_key             npz key or TFRecord feature of the examples
 y_key             npz key or TFRecord feature of the labels
-decode            TFRecord: NAME:DTYPE[:SHAPE] reads the examples' bytes feature, e.g. image_raw:uint8:28,28
+decode            TFRecord: NAME:DTYPE[:SHAPE] reads the examples' bytes (or float) feature, e.g. image_raw:uint8:28,28; NAME:image:H,W,C decodes encoded images (JPEG, PNG), e.g. image/encoded:image:224,224,3
 on_error          TFRecord: stop at a damaged record, or 'skip' records whose payload CRC fails (counted)
-input_workers     TFRecord: processes that read and parse records ahead of the towers (0: the input thread; default: one per spare core, at most 4)
+input_workers     TFRecord and images: processes that read, parse, decode and augment ahead of the towers (0: the input thread; default: one per spare core, at most 4)
+image_size        images: H,W,C of the examples (resized and center-cropped to it); default: --decode's, or the folder's images' own when all alike
+augment           images: none, cifar (pad 4, random crop, flip), tf-cifar10 (TF tutorial: 24x24 crop, flip, brightness, contrast, standardization), imagenet (random resized crop, flip); evaluation takes the center
+normalize         images: MEAN,STD per channel on the 0..1 scale, e.g. 0.5,0.25 or 0.485,0.456,0.406,0.229,0.224,0.225 (examples become float32)
 model             mlp, lenet5, or package.module:function returning a towers.Sequential (or a list of layers)
 hidden            hidden units of the mlp
 batch_size        examples per tower per step

@@ -85,7 +85,9 @@ class Trainer:
         if dataset is None:
             cpu_towers = sum(not d.is_gpu for d in self.placement.towers)
             dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode,
-                                   on_error=cfg.on_error, workers=input_workers(cfg.input_workers, cpu_towers))
+                                   on_error=cfg.on_error, workers=input_workers(cfg.input_workers, cpu_towers),
+                                   augment=cfg.augment, normalize=cfg.normalize, image_size=cfg.image_size,
+                                   seed=cfg.seed)
             self._owned_data = dataset  # its TFRecord workers end with this trainer
         elif not isinstance(dataset, Dataset):
             raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "

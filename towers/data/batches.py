@@ -46,17 +46,23 @@ class BatchSource:
         return self.epoch, self.index
 
     def next_indices(self) -> numpy.ndarray:
+        return self.next_positions()[0]
+
+    def next_positions(self) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """(example indices, their epochs) of the next global batch."""
         out = numpy.empty(self.global_batch, dtype=numpy.int64)
+        epochs = numpy.empty(self.global_batch, dtype=numpy.int64)
         filled = 0
         while filled < self.global_batch:
             take = min(self.global_batch - filled, self.n - self.index)
             out[filled : filled + take] = self._perm[self.index : self.index + take]
+            epochs[filled : filled + take] = self.epoch
             filled += take
             self.index += take
             if self.index == self.n:  # epoch boundary: the next permutation
                 self.epoch, self.index = self.epoch + 1, 0
                 self._perm = self._permutation(self.epoch)
-        return out
+        return out, epochs
 
     def next_batch(self):
         return self.submit_batch().result()
@@ -65,12 +71,16 @@ class BatchSource:
         """The next global batch, started: ``result()`` gives (x, y).
 
         Examples with a ``submit`` method (TFRecord records,
-        ``towers.data.tfrecord.records``) are read by their worker processes
-        meanwhile; arrays in memory are gathered here and now.
+        ``towers.data.tfrecord.records``; images, ``towers.data.image.array``)
+        are read by their worker processes meanwhile; arrays in memory are
+        gathered here and now.  Arrays that augment (``augments``) also get
+        each example's epoch: its random draws come from (seed, epoch, index).
         """
-        idx = self.next_indices()
+        idx, epochs = self.next_positions()
         submit = getattr(self.x, "submit", None)
-        return _Batch(self.x[idx] if submit is None else submit(idx), self.y[idx])
+        if submit is None:
+            return _Batch(self.x[idx], self.y[idx])
+        return _Batch(submit(idx, epochs) if getattr(self.x, "augments", False) else submit(idx), self.y[idx])
 
 
 class InputPosition:

@@ -65,6 +65,7 @@ class Dataset:
     num_classes: int
     x_test: numpy.ndarray | None = None
     y_test: numpy.ndarray | None = None
+    class_names: list | None = None  # an image folder's classes, by label
 
     @property
     def example_shape(self) -> tuple:

@@ -32,6 +32,8 @@ def fits_on(devices, dataset) -> bool:
     """Whether the training set may live on every (GPU) device of ``devices``."""
     if not devices or not all(d.is_gpu for d in devices):
         return False
+    if hasattr(dataset.x, "submit"):  # read (and augmented) on demand by the input workers: stays on the host
+        return False
     import cupy
 
     need = dataset.x.nbytes + len(dataset.y) * 4

@@ -1,16 +1,29 @@
-"""Loading a dataset from files: npz (``towers.data.dataset``) or TFRecord (``towers.data.tfrecord``).
+"""Loading a dataset from files: npz (``towers.data.dataset``), TFRecord (``towers.data.tfrecord``) or images.
 
-The one entry point, ``load_dataset``, picks the reader by the path: TFRecord
-files and globs of shards keep their examples on disk behind a record index;
-npz members are read or memory-mapped.  Either way the result is a validated
-``Dataset``.
+The one entry point, ``load_dataset``, picks the reader by the path and the
+settings.  The data path has three stages:
+
+1. **sources** give random access to examples by row: npz members (read or
+   memory-mapped), TFRecord records behind a record index, image files of a
+   folder (``towers.data.image.sources``);
+2. **per-example transforms** (decoding, augmentation, ``towers.data.image``)
+   run in the input workers;
+3. **batches** (``towers.data.batches``) draw global batches from the examples.
+
+Without image settings (``decode`` NAME:image:H,W,C, an image folder,
+``augment``, ``normalize``, ``image_size``) there are no transforms and the
+examples are the stored arrays, as before.  Either way the result is a
+validated ``Dataset``.
 """
 from __future__ import annotations
 
 import sys
 
 from towers.data.dataset import Dataset, load_npz, npz_has
+from towers.data.image.folder import is_image_folder
+from towers.data.image.load import load_images, propose
 from towers.data.tfrecord.records import is_tfrecord, load_split
+from towers.data.tfrecord.schema import UsageError, parse_image_decode
 from towers.errors import UserError, render
 
 
@@ -18,13 +31,33 @@ def _say(message):
     print(render(message), file=sys.stderr, flush=True)
 
 
-def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_error="stop", workers=2):
-    """Load and validate training (and test) data: npz files, TFRecord files or globs of shards.
+def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_error="stop", workers=2,
+                 augment="none", normalize=None, image_size=None, seed=0):
+    """Load and validate training (and test) data: npz files, TFRecord files or globs of shards, image folders.
 
     Every problem is a UserError.  A ``test_path`` file's own ``x_test``/``y_test``
     come first, then its training keys.  ``decode``, ``on_error`` and
-    ``workers`` are for TFRecord data (``towers.data.tfrecord.records``).
+    ``workers`` are for TFRecord data (``towers.data.tfrecord.records``) and
+    images; ``augment``, ``normalize``, ``image_size`` and ``seed`` (of the
+    augmentation's draws) for images (``towers.data.image.load``).
     """
+    images = (bool(decode) and parse_image_decode(decode) is not None) or is_image_folder(path) or \
+        is_image_folder(test_path) or augment != "none" or normalize is not None or image_size is not None
+    if images:
+        return load_images(path, x_key, y_key, test_path, decode, on_error, workers, augment, normalize, image_size,
+                           seed, say=_say)
+    try:
+        return _load(path, x_key, y_key, test_path, decode, on_error, workers)
+    except UsageError as e:
+        records = path if is_tfrecord(path) else test_path if is_tfrecord(test_path) else None
+        hint = None if decode or records is None else propose(records)
+        if hint is None:
+            raise
+        raise UsageError(f"{e}; these records hold encoded images: train from them with {hint}") from None
+
+
+def _load(path, x_key, y_key, test_path, decode, on_error, workers):
+    """Stored examples (no image transforms): npz arrays or TFRecord features."""
     if not (is_tfrecord(path) or is_tfrecord(test_path)):
         if decode:
             raise UserError("`decode` applies to TFRecord data; the npz arrays are used as stored")

@@ -39,7 +39,9 @@ def _nhwc(in_shape: tuple, who: str) -> tuple:
         return tuple(in_shape) + (1,)
     if len(in_shape) == 3:
         return tuple(in_shape)
-    raise UserError(f"{who}: takes images (N, H, W) or (N, H, W, C), got per-example shape {in_shape}")
+    hint = ("; flat examples need their image shape: for TFRecord bytes `decode` NAME:uint8:H,W "
+            "(e.g. image_raw:uint8:28,28), for an npz x reshaped to (N, H, W)") if len(in_shape) == 1 else ""
+    raise UserError(f"{who}: takes images (N, H, W) or (N, H, W, C), got per-example shape {in_shape}{hint}")
 
 
 class Conv2D(Layer):

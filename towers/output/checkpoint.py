@@ -148,7 +148,7 @@ def model_weights(model, arrays: dict, prefix: str, path: str, fix: str) -> dict
 
 # -- the metadata a checkpoint adds to the trainer's state dict ---------------------------
 
-META = ("format", "data/shape", "data/num_classes", "n_towers", "global_batch", "config")
+META = ("format", "data/shape", "data/num_classes", "n_towers", "global_batch", "config", "data/classes")
 
 
 def metadata(cfg, dataset, n_towers: int, global_batch: int) -> dict:
@@ -159,7 +159,8 @@ def metadata(cfg, dataset, n_towers: int, global_batch: int) -> dict:
         "data/num_classes": numpy.int64(dataset.num_classes),
         "n_towers": numpy.int64(n_towers), "global_batch": numpy.int64(global_batch),
         "config": numpy.array(config_json(cfg)),
-    }
+    } | ({"data/classes": numpy.array(json.dumps(list(dataset.class_names)))}
+         if getattr(dataset, "class_names", None) else {})  # an image folder's classes, by label (towers.eval)
 
 
 def check_metadata(state: dict, dataset, where: str) -> None:

@@ -22,16 +22,19 @@ temporary files are left behind unless the status is 0; what a SIGKILL leaves
 is removed by the next run writing to the same folder.  See tools/README.md.
 """
 
-import glob
 import os
 import sys
 import time
 
 from towers.cli import Parser, run_main
+from towers.errors import flags_in_messages, render
 from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs, sigterm_raises, write_npz
 from towers.data.tfrecord.framing import COMPRESSIONS, TFRecordError, TFRecordReader
 from towers.data.tfrecord.columns import ColumnStore
-from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode
+from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode, parse_image_decode
+from towers.data.image.convert import UndecodableImage, decode_images
+from towers.data.image.load import propose
+from towers.data.inputs import expand_inputs
 
 PROG = "tfrecord_to_npz"
 
@@ -52,6 +55,8 @@ def _parser(prog):
     p.add_argument("--compress", action="store_true", help="deflate the npz members (smaller, slower)")
     p.add_argument("--chunk-size", type=int, default=8 << 20, metavar="BYTES",
                    help="bytes read and converted per batch, > 0 (default 8 MiB)")
+    p.add_argument("--input-workers", type=int, default=None, metavar="N",
+                   help="processes that decode images for --decode NAME:image:H,W,C (default: one per core)")
     return p
 
 
@@ -76,25 +81,6 @@ def check_output_file(output, example="out.npz", flag="-o"):
     raise UsageError(f"{flag} {output}: {blocker} is a file, not a folder; give a path in a folder")
 
 
-def expand_inputs(patterns):
-    """Paths for the INPUT arguments: globs expanded and sorted, argument order kept."""
-    paths = []
-    for pattern in patterns:
-        if glob.has_magic(pattern):
-            matches = sorted(glob.glob(pattern))
-            if not matches:
-                raise UsageError(f"no file matches {pattern!r}; check the pattern (quote it for the shell)")
-            paths += matches
-        elif os.path.isfile(pattern):
-            paths.append(pattern)
-        elif os.path.isdir(pattern):
-            raise UsageError(f"{pattern} is a folder, not a TFRecord file; give its files, "
-                             f"e.g. {os.path.join(pattern, '*.tfrecords')!r}")
-        else:
-            raise UsageError(f"{pattern}: no such file; give a TFRecord file or a glob")
-    return paths
-
-
 def _decoded(store, name, dtype, shape, spec):
     """ArraySource of a bytes feature read as ``dtype`` with shape (N, *shape)."""
     column = store.find(name)
@@ -104,12 +90,21 @@ def _decoded(store, name, dtype, shape, spec):
     return column.values.source(dtype=dtype, shape=(store.rows, *shape))
 
 
-def _entries(store, args):
-    """The npz members: the convention's keys, decoded arrays, and x/y."""
+def _entries(store, args, ends=()):
+    """The npz members: the convention's keys, decoded arrays, and x/y (``ends``: (path, records so far) after
+    each input file, to name an image that does not decode)."""
     entries = dict(store.entries())
     dense_key = {name: store.prefixes()[0] + name for name in store.context}
     decoded = {}
     for spec in args.decode:
+        image = parse_image_decode(spec)
+        if image is not None:
+            column = store.find(image[0])
+            if column is None or column.is_list:
+                raise UsageError(f"--decode {spec}: no feature {image[0]!r}; see --schema for the names")
+            entries[dense_key[column.key]] = decoded[dense_key[column.key]] = decode_images(
+                column, store.rows, image[1], store.spill_dir, args.input_workers, ends)
+            continue
         name, dtype, shape = parse_decode(spec)
         source = _decoded(store, name, dtype, shape, spec)
         key = dense_key[store.find(name).key]
@@ -136,8 +131,10 @@ def _progress(total):
                 disable=not sys.stderr.isatty(), file=sys.stderr, desc="converting")
 
 
-def read_all(paths, store, args, say):
-    """Feed every record of every file to ``store``; return the count of skipped records."""
+def read_all(paths, store, args, say, ends=None):
+    """Feed every record of every file to ``store``; return the count of skipped records.
+
+    ``ends``: a list that gets (path, records so far) after each file."""
     skipped, last_choice = 0, None
     with _progress(sum(os.path.getsize(p) for p in paths)) as bar:
         for path in paths:
@@ -155,6 +152,8 @@ def read_all(paths, store, args, say):
                 bar.set_postfix_str(f"{store.rows} records", refresh=False)
             bar.update(reader.consumed - done)
             skipped += reader.skipped
+            if ends is not None:
+                ends.append((path, store.rows))
     if skipped:
         say(f"warning: dropped {skipped} record(s) whose payload CRC failed (--on-error skip)")
     return skipped
@@ -163,7 +162,8 @@ def read_all(paths, store, args, say):
 def convert(args, say):
     paths = expand_inputs(args.inputs)
     for spec in args.decode:
-        parse_decode(spec)  # flag mistakes surface before a long read
+        if parse_image_decode(spec) is None:
+            parse_decode(spec)  # flag mistakes surface before a long read
     start = time.perf_counter()
     if args.schema:
         store = ColumnStore(None)
@@ -172,6 +172,10 @@ def convert(args, say):
         print(f"{store.rows} records ({kind}) in {len(paths)} file(s)")
         for line in store.schema_lines():
             print(line)
+        hint = propose(args.inputs[0])
+        if hint:
+            with flags_in_messages():
+                print("proposed: " + render(hint).replace("--x-key", "--x").replace("--y-key", "--y"))
         return
     if args.output is None:
         raise UsageError("give the output file with -o OUT.npz (or use --schema)")
@@ -182,8 +186,9 @@ def convert(args, say):
         for path in stale:
             say(f"removed {path}: temporary files of a conversion that was killed")
         store = ColumnStore(folder)
-        read_all(paths, store, args, say)
-        entries = _entries(store, args)
+        ends = []
+        read_all(paths, store, args, say, ends)
+        entries = _entries(store, args, ends)
         with atomic_path(args.output, folder) as tmp:
             write_npz(tmp, entries, compress=args.compress)
     seconds = time.perf_counter() - start
@@ -196,6 +201,8 @@ def main(argv=None, prog="towers-tfrecord-to-npz"):
     """The command line (``towers-tfrecord-to-npz``, ``python -m tools.tfrecord_to_npz``); the exit status."""
     parser = _parser(prog)
     args = parser.parse_args(argv)
+    if args.input_workers is not None and args.input_workers < 0:
+        parser.error(f"--input-workers must be >= 0, got {args.input_workers}")
     if args.chunk_size <= 0:  # 0 would read nothing and write an empty npz
         parser.error(f"--chunk-size must be > 0 (bytes read per batch), got {args.chunk_size}")
 
@@ -206,7 +213,7 @@ def main(argv=None, prog="towers-tfrecord-to-npz"):
         with sigterm_raises():
             convert(args, say)
 
-    return run_main(PROG, body, more={TFRecordError: 1, UsageError: 2}, interrupted="interrupted: no output written",
+    return run_main(PROG, body, more={TFRecordError: 1, UndecodableImage: 1, UsageError: 2}, interrupted="interrupted: no output written",
                     terminated="terminated (SIGTERM): no output written")
 
 

@@ -56,7 +56,7 @@ import numpy as np
 from numpy.lib import format as npy
 
 from towers.data.tfrecord.columns import ColumnStats, ColumnStore
-from towers.data.tfrecord.convert import expand_inputs
+from towers.data.inputs import expand_inputs
 from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
 from towers.data.tfrecord.gather import Gatherer
 from towers.data.tfrecord.proto import KIND_FLOAT
@@ -396,7 +396,7 @@ class RecordArray:
 
 
 def close_dataset(dataset) -> None:
-    """Stop the worker processes of a dataset's TFRecord arrays (no-op for arrays in memory)."""
+    """Stop the worker processes of a dataset's TFRecord and image arrays (no-op for arrays in memory)."""
     for array in (dataset.x, dataset.x_test):
-        if isinstance(array, RecordArray):
+        if hasattr(array, "submit"):  # read on demand: RecordArray, towers.data.image.array.ImageArray
             array.close()

@@ -1,0 +1,335 @@
+"""Image input: decoding against TensorFlow, the ImageNet layout, image folders, augmentation that does not
+depend on the workers and resumes exactly, damaged images, and workers and shared memory that end with a
+killed run."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run_cli, shared_file
+from towers import Config, Trainer
+from towers.data.image import codec
+from towers.data.image.augment import Transform, uniforms
+from towers.data.image.to_tfrecord import example
+from towers.data.loading import load_dataset
+from towers.data.tfrecord.framing import TFRecordWriter
+from towers.data.tfrecord.records import close_dataset
+from towers.errors import TrainingError, UserError
+
+DECODE = "image/encoded:image:12,12,1"
+FLAGS = ("--x-key", "image/encoded", "--y-key", "image/class/label", "--decode", DECODE)
+
+
+def _images(n=60, size=12, seed=0):
+    """Little images whose class shows in them (a bright square's corner), uint8 (n, size, size)."""
+    rng = np.random.default_rng(seed)
+    y = np.arange(n) % 3
+    x = rng.integers(0, 60, (n, size, size), np.uint8)
+    for i, label in enumerate(y):
+        r = 0 if label == 0 else size // 2
+        c = 0 if label != 2 else size // 2
+        x[i, r:r + size // 2, c:c + size // 2] += 150
+    return x, y
+
+
+def _records(path, x, y, fmt="jpeg", bad=()):
+    """TFRecord of x (uint8 (n, h, w)) in the ImageNet layout; rows in ``bad`` hold bytes that are no image."""
+    with open(path, "wb") as f, TFRecordWriter(f, "none") as w:
+        for i, (img, label) in enumerate(zip(x, y)):
+            data = b"\xff\xd8\xff\xe0 not really a jpeg" if i in bad else codec.encode(img[:, :, None], fmt)
+            w.write(example(data, int(label), img.shape + (1,)))
+    return str(path)
+
+
+def _folder(root, x, y, names=("cat", "dog", "emu")):
+    for i, (img, label) in enumerate(zip(x, y)):
+        os.makedirs(root / names[label], exist_ok=True)
+        (root / names[label] / f"{i:03d}.png").write_bytes(codec.encode(img[:, :, None], "png"))
+    return str(root)
+
+
+def _md5(path):
+    return hashlib.md5(open(path, "rb").read()).hexdigest()
+
+
+# -- decoding ------------------------------------------------------------------------------------------------
+
+
+def _tf_samples(name):
+    """(encoded bytes, TensorFlow's decoded pixels) of a shared sample file."""
+    from towers.data.image.sources import RecordSource
+    from towers.data.tfrecord.records import file_index
+
+    path = str(shared_file("image-samples", f"{name}.tfrecords"))
+    index = file_index(path)
+    source = RecordSource([path], "image/encoded", np.zeros(len(index.offsets), np.int64), index.offsets,
+                          index.lengths, index.numbers)
+    with np.load(shared_file("image-samples", f"{name}.npz")) as z:
+        return [source.read(r) for r in source.refs(range(len(source)))], z["x"]
+
+
+def test_png_pixels_equal_tensorflows_decode_png():
+    data, tf_pixels = _tf_samples("mnist_png_head500")
+    ours = np.stack([codec.decode(d, 1) for d in data])
+    assert ours.shape == tf_pixels.shape == (500, 28, 28, 1)
+    assert np.array_equal(ours, tf_pixels)
+
+
+def test_jpeg_pixels_match_tensorflows_decode_jpeg():
+    data, tf_pixels = _tf_samples("mnist_jpeg_head500")
+    ours = np.stack([codec.decode(d, 3) for d in data]).astype(int)
+    assert ours.shape == tf_pixels.shape == (500, 28, 28, 3)
+    diff = np.abs(ours - tf_pixels)
+    # libjpeg-turbo with TensorFlow's IDCT (integer fast) and upsampling: identical here; decoders may differ.
+    assert diff.mean() < 0.5 and diff.max() <= 12
+
+
+def test_format_comes_from_the_bytes_and_channels_convert():
+    rgb = np.zeros((8, 10, 3), np.uint8)
+    rgb[..., 0] = 200
+    png = codec.encode(rgb, "png")
+    assert codec.sniff(png) == "png" and codec.size(png) == (8, 10, 3)
+    assert codec.decode(png, 3).shape == (8, 10, 3) and np.array_equal(codec.decode(png, 3), rgb)
+    grey = codec.decode(png, 1)
+    assert grey.shape == (8, 10, 1) and 50 < grey.mean() < 70  # luma of pure red ~ 0.3 * 200
+    from PIL import Image
+    import io
+
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (6, 4), (0, 255, 255, 0)).save(cmyk, "JPEG")  # red in CMYK
+    out = codec.decode(cmyk.getvalue(), 3)
+    assert out.shape == (4, 6, 3) and out[..., 0].mean() > 200 and out[..., 1].mean() < 60
+    with pytest.raises(codec.ImageError):
+        codec.decode(b"GIF89a but cut", 3)
+
+
+# -- the ImageNet layout, folders --------------------------------------------------------------------------
+
+
+def test_imagenet_layout_trains_with_the_decode_flag_and_is_proposed(tmp_path):
+    x, y = _images()
+    path = _records(tmp_path / "train.tfrecords", x, y + 1)  # ImageNet counts labels from 1
+    ds = load_dataset(path, "image/encoded", "image/class/label", decode=DECODE, workers=0)
+    try:
+        assert ds.x.shape == (60, 12, 12, 1) and ds.x.dtype == np.uint8 and ds.num_classes == 4
+        assert np.abs(ds.x[0:5].astype(int) - x[:5, :, :, None]).mean() < 4  # JPEG; evaluation path: no crop
+    finally:
+        close_dataset(ds)
+    with pytest.raises(UserError, match="encoded images: train from them with x_key image/encoded y_key "
+                                        "image/class/label decode image/encoded:image:12,12,1"):
+        load_dataset(path)
+
+
+def test_tf_written_jpeg_records_train_from_the_command_line(tmp_path):
+    path = shared_file("image-samples", "mnist_jpeg_head500.tfrecords")
+    r = run_cli("--data", str(path), "--x-key", "image/encoded", "--y-key", "image/class/label",
+                "--decode", "image/encoded:image:28,28,1", "--devices", "cpu", "--steps", "3",
+                "--batch-size", "50", "--logdir", str(tmp_path / "run"), "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "no test data" in r.stdout
+
+
+def test_image_folder_classes_sizes_and_test_folder(tmp_path):
+    x, y = _images(30)
+    train = _folder(tmp_path / "train", x, y)
+    test = _folder(tmp_path / "test", x[:9], y[:9])
+    ds = load_dataset(train, test_path=test, workers=0)
+    try:
+        assert ds.class_names == ["cat", "dog", "emu"] and ds.x.shape == (30, 12, 12, 1)
+        assert np.array_equal(np.sort(ds.y), np.sort(y)) and len(ds.x_test) == 9
+        assert np.array_equal(ds.x[np.arange(3)][:, :, :, 0], x[[0, 3, 6]])  # class order: cat's files first
+    finally:
+        close_dataset(ds)
+    ds = load_dataset(train, image_size="8,8,3", workers=0)
+    assert ds.x.shape == (30, 8, 8, 3)
+    close_dataset(ds)
+    r = run_cli("--data", train, "--test-data", test, "--devices", "cpu", "--steps", "4", "--batch-size", "10",
+                "--logdir", str(tmp_path / "run"), "--quiet", "--checkpoint-every", "2")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "run" / "classes.txt").read_text() == "cat\ndog\nemu\n"
+    r = run_cli("--logdir", str(tmp_path / "run"), module="towers.eval")
+    assert r.returncode == 0, r.stderr
+    assert "classes 0 cat, 1 dog, 2 emu" in r.stdout
+
+
+def test_folder_mistakes_are_one_line(tmp_path):
+    x, y = _images(6)
+    root = tmp_path / "f"
+    _folder(root, x, y)
+    (root / "empty").mkdir()
+    r = run_cli("--data", str(root), "--devices", "cpu", "--steps", "1", "--logdir", str(tmp_path / "a"))
+    assert r.returncode == 2 and "empty holds no .jpg, .jpeg or .png images" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    (root / "empty").rmdir()
+    (root / "cat" / "big.png").write_bytes(codec.encode(np.zeros((20, 20, 1), np.uint8), "png"))
+    with pytest.raises(UserError, match="images differ in size.*give the example shape with image_size"):
+        load_dataset(str(root))
+    (root / "cat" / "big.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    with pytest.raises(UserError, match="big.png is not a readable image"):
+        load_dataset(str(root))
+    (tmp_path / "none").mkdir()
+    with pytest.raises(UserError, match="holds no class folders"):
+        load_dataset(str(tmp_path / "none"))
+
+
+# -- augmentation: workers, resume ----------------------------------------------------------------------------
+
+
+def test_draws_are_a_function_of_seed_epoch_and_index():
+    a = uniforms(0, [0, 0, 1], [5, 6, 5], 4)
+    assert np.array_equal(a[0], uniforms(0, [0], [5], 4)[0]) and not np.array_equal(a[0], a[1])
+    assert not np.array_equal(a[0], a[2]) and not np.array_equal(a[0], uniforms(1, [0], [5], 4)[0])
+    assert 0 <= a.min() and a.max() < 1
+    t = Transform((12, 12, 1), "cifar", encoded=False)
+    img = np.arange(144, dtype=np.uint8).reshape(12, 12, 1)
+    crops = {t(img, u).tobytes() for u in uniforms(0, np.zeros(50), np.arange(50), t.draws)}
+    assert len(crops) > 20  # different examples, different crops and flips
+    assert t(img).tobytes() == img.tobytes()  # evaluation: unchanged
+
+
+def _fit(path, logdir, steps, workers, resume=False):
+    cfg = Config(data=path, x_key="image/encoded", y_key="image/class/label", decode=DECODE, augment="cifar",
+                 devices="cpu", n_gpu=2, batch_size=20, steps=steps, input_workers=workers, logdir=str(logdir),
+                 quiet=True, checkpoint_every=3, summary_every=0, resume=resume)
+    with Trainer(cfg) as t:
+        t.fit()
+    return _md5(os.path.join(logdir, "final.npz"))
+
+
+def test_augmented_training_does_not_depend_on_workers_and_resumes_exactly(tmp_path):
+    x, y = _images()
+    path = _records(tmp_path / "d.tfrecords", x, y)
+    whole = _fit(path, tmp_path / "w0", 7, 0)
+    assert _fit(path, tmp_path / "w2", 7, 2) == whole
+    _fit(path, tmp_path / "r", 3, 2)
+    assert _fit(path, tmp_path / "r", 7, 1, resume=True) == whole
+    plain = Config(data=path, x_key="image/encoded", y_key="image/class/label", decode=DECODE, devices="cpu",
+                   n_gpu=2, batch_size=20, steps=7, input_workers=0, logdir=str(tmp_path / "plain"), quiet=True,
+                   summary_every=0)
+    with Trainer(plain) as t:
+        t.fit()
+    assert _md5(tmp_path / "plain" / "final.npz") != whole  # the augmentation did something
+
+
+# -- damaged images, killed runs --------------------------------------------------------------------------
+
+
+def test_an_image_that_does_not_decode_mid_run_stops_or_is_skipped(tmp_path):
+    x, y = _images()
+    path = _records(tmp_path / "bad.tfrecords", x, y, bad={17})
+    args = ("--data", path, *FLAGS, "--devices", "cpu", "--n-gpu", "2", "--batch-size", "10", "--steps", "6",
+            "--checkpoint-every", "2", "--quiet", "--input-workers", "1")
+    r = run_cli(*args, "--logdir", str(tmp_path / "stop"))
+    assert r.returncode == 1
+    line = r.stderr.strip().splitlines()[-1]
+    assert f"{path}: record 17 at byte offset" in line and "feature 'image/encoded'" in line
+    assert "not a decodable image" in line and "--on-error skip" in line
+    assert not (tmp_path / "stop" / "final.npz").exists()
+    r = run_cli(*args, "--logdir", str(tmp_path / "skip"), "--on-error", "skip")
+    assert r.returncode == 0, r.stderr
+    assert "skipped" in r.stderr and "record 17" in r.stderr and "1 so far" in r.stderr
+    ds = load_dataset(path, "image/encoded", "image/class/label", decode=DECODE, on_error="skip", workers=0,
+                      augment="cifar")
+    try:
+        with pytest.raises(TrainingError, match="record 17"):
+            load_dataset(path, "image/encoded", "image/class/label", decode=DECODE, workers=0).x[15:20]
+        batch = ds.x.submit(np.array([17, 20]), np.array([0, 0])).result()
+        assert batch.shape == (2, 12, 12, 1) and ds.x.skipped == 1  # 17 replaced by 20, the next of its class
+    finally:
+        close_dataset(ds)
+
+
+_DRIVER = """
+import os, sys, time, numpy as np
+from multiprocessing import shared_memory
+from towers.data.loading import load_dataset
+ds = load_dataset(sys.argv[1], "image/encoded", "image/class/label", decode=sys.argv[2], workers=2, augment="cifar")
+batch = ds.x.submit(np.arange(40), np.zeros(40, np.int64)).result()
+import multiprocessing
+from multiprocessing import resource_tracker
+pids = [p.pid for p in multiprocessing.active_children()] + [resource_tracker._resource_tracker._pid]
+print(" ".join(map(str, pids)), flush=True)
+print(" ".join(os.listdir("/dev/shm")), flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid):
+    """Whether ``pid`` is a live process (not gone, not a zombie waiting for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_and_shared_memory_end_with_a_killed_driver(tmp_path):
+    if not os.path.isdir("/dev/shm") or not os.path.isdir("/proc"):
+        pytest.skip("no /dev/shm to look at")
+    x, y = _images()
+    path = _records(tmp_path / "d.tfrecords", x, y)
+    before = set(os.listdir("/dev/shm"))
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, path, DECODE], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        children = [int(p) for p in driver.stdout.readline().split()]
+        blocks = set(driver.stdout.readline().split()) - before
+        assert len(children) == 3 and all(map(_running, children)) and blocks  # 2 workers, the resource tracker
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = [p for p in children if _running(p)]
+        if not alive and not blocks & set(os.listdir("/dev/shm")):
+            break
+        time.sleep(0.2)
+    assert not alive, f"still running after the driver's kill -9: {alive}"
+    assert not blocks & set(os.listdir("/dev/shm")), "shared memory left behind"
+
+
+# -- issue 19: float features, flat bytes -----------------------------------------------------------------
+
+
+def test_decode_reshapes_a_float_feature(tmp_path):
+    from towers.data.tfrecord.proto import SequenceExample
+
+    path = str(tmp_path / "f.tfrecords")
+    rng = np.random.default_rng(0)
+    x = rng.random((20, 4, 4), dtype=np.float32)
+    with open(path, "wb") as f, TFRecordWriter(f, "none") as w:
+        for img, label in zip(x, np.arange(20) % 2):
+            r = SequenceExample()
+            r.context.feature["pixels"].float_list.value.extend(img.ravel().tolist())
+            r.context.feature["label"].int64_list.value.append(int(label))
+            w.write(r.SerializeToString())
+    ds = load_dataset(path, "pixels", "label", decode="pixels:float32:4,4", workers=0)
+    assert ds.x.shape == (20, 4, 4) and np.array_equal(ds.x[0:20], x)
+    close_dataset(ds)
+    with pytest.raises(UserError, match="float32 of a shape with that many values, so give a shape of 16 values"):
+        load_dataset(path, "pixels", "label", decode="pixels:float32:5,5", workers=0)
+
+
+def test_flat_bytes_for_a_convolution_name_the_decode_shape(tmp_path):
+    path = shared_file("tfrecord-samples", "mnist_t10k_head1000.tfrecords")
+    r = run_cli("--data", str(path), "--x-key", "image_raw", "--y-key", "label", "--model", "lenet5",
+                "--devices", "cpu", "--steps", "1", "--logdir", str(tmp_path / "a"))
+    assert r.returncode == 2 and "(784,)" in r.stderr and "--decode NAME:uint8:H,W" in r.stderr
+    assert "image_raw:uint8:28,28" in r.stderr
+
+
+def test_tfrecord_to_npz_decodes_images(tmp_path):
+    src = shared_file("image-samples", "mnist_png_head500.tfrecords")
+    out = tmp_path / "png.npz"
+    r = run_cli(str(src), "-o", str(out), "--decode", "image/encoded:image:28,28,1", "--x", "image/encoded",
+                "--y", "image/class/label", "--input-workers", "1", module="tools.tfrecord_to_npz")
+    assert r.returncode == 0, r.stderr
+    with np.load(out) as z, np.load(shared_file("image-samples", "mnist_png_head500.npz")) as ref:
+        assert np.array_equal(z["x"], ref["x"]) and np.array_equal(z["y"], ref["y"])

@@ -1,0 +1,203 @@
+"""Image data sets: a source per split, one transform, one worker pool, as a validated ``Dataset``.
+
+``load_images`` is what ``towers.data.loading.load_dataset`` calls when the
+data holds images to decode or to augment:
+
+============================  ================================================================
+split given as                source (``towers.data.image.sources``)
+============================  ================================================================
+a folder ``DIR/<class>/*``    ``FileSource`` (``towers.data.image.folder``), labels by sorted
+                              class name, the class names kept
+TFRecord + ``decode``         ``RecordSource``: the ``NAME:image:H,W,C`` bytes feature of
+``NAME:image:H,W,C``          each record, labels from ``y_key`` (int64, one a record)
+an npz, or raw TFRecord       ``ArraySource`` over its uint8 (N, H, W[, C]) examples, to augment
+============================  ================================================================
+
+The example shape is ``decode``'s, else ``image_size``, else (folders) the
+images' own when they all agree, else (arrays) the stored one.  The training
+split is augmented (``augment``), the test split takes the deterministic path,
+and both share the ``Workers`` (``towers.data.image.workers``).  A test
+folder's classes are matched to the training folder's by name.
+
+:func:`propose` looks at a TFRecord file's first record for an encoded image
+(the TensorFlow ImageNet layout: ``image/encoded``, ``image/class/label``) and
+returns the settings that train from it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from towers.data.dataset import Dataset, load_npz, npz_has
+from towers.data.image import codec, folder
+from towers.data.image.array import ImageArray
+from towers.data.image.augment import Transform, parse_image_size
+from towers.data.image.sources import ArraySource, FileSource, RecordSource
+from towers.data.image.workers import Workers
+from towers.data.inputs import expand_inputs
+from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
+from towers.data.tfrecord.proto import KIND_BYTES, SequenceExample
+from towers.data.tfrecord.records import _choose, _merged, file_index, is_tfrecord, load_split
+from towers.data.tfrecord.schema import UsageError, parse_image_decode
+from towers.errors import UserError
+
+
+class _Split:
+    """One split before it becomes an array: its source, labels, class names and example size."""
+
+    def __init__(self, source, labels, classes=None, size=None):
+        self.source, self.labels, self.classes, self.size = source, labels, classes, size
+        self.test = None  # an npz's own x_test/y_test
+
+
+def _folder(path, setting):
+    classes, paths, labels = folder.scan(path, setting)
+    return _Split(FileSource(paths), labels, classes)
+
+
+def _records(path, x_key, y_key, feature, on_error, say):
+    """The encoded-image feature ``feature`` and the labels ``y_key`` of the TFRecord file or glob ``path``."""
+    paths = expand_inputs([path])
+    try:
+        indexes = [file_index(p, on_error, say) for p in paths]
+    except TFRecordError as e:
+        raise UserError(str(e)) from None
+    skipped = sum(i.skipped for i in indexes)
+    if skipped and say:
+        say(f"{path}: left out {skipped} record(s) whose payload CRC fails (`on_error` skip)")
+    n = sum(len(i.offsets) for i in indexes)
+    if n == 0:
+        raise UserError(f"{path}: the dataset is empty (no records)")
+    columns = _merged(indexes)
+    if x_key not in ("x", feature):
+        raise UsageError(f"`decode` names {feature!r} but `x_key` is {x_key!r}: drop `x_key`, or make them agree")
+    column = columns.get(feature)
+    if column is None or column.kind != KIND_BYTES or column.is_list or column.present_count != n \
+            or column.min_count != 1 or column.max_count != 1:
+        what = "no such feature" if column is None else column.describe(n)
+        raise UsageError(f"{path}: `decode` {feature}:image needs one encoded image (bytes) in every record, but "
+                         f"{feature!r} is {what}; the features: " + "; ".join(
+                             f"{k} ({c.describe(n)})" for k, c in sorted(columns.items())))
+    labels = [k for k in columns if all(k in i.scalars for i in indexes) and k != feature]
+    yname = _choose(path, columns, n, y_key, "y", labels, "labels", "y_key")
+    if not all(yname in i.scalars for i in indexes):
+        raise UsageError(f"{path}: feature {yname!r} ({columns[yname].describe(n)}) cannot be labels: "
+                         "labels are one int64 per record")
+    y = np.concatenate([i.scalars[yname] for i in indexes])
+    if y.min() < 0 or y.max() > np.iinfo(np.int32).max:
+        raise UsageError(f"{path}: labels in {yname!r} run from {int(y.min())} to {int(y.max())}; labels are 0..C-1")
+    positions = [np.concatenate([np.full(len(i.offsets), k, np.int64) for k, i in enumerate(indexes)])]
+    positions += [np.concatenate([getattr(i, a) for i in indexes]) for a in ("offsets", "lengths", "numbers")]
+    return _Split(RecordSource(paths, feature, *positions), y.astype(np.int32))
+
+
+def _arrays(x, y, name):
+    """Stored uint8 images (N, H, W) or (N, H, W, C) to augment."""
+    if x.dtype != np.uint8 or x.ndim not in (3, 4) or (x.ndim == 4 and x.shape[3] not in (1, 3)):
+        raise UserError(f"{name}: `augment` and `normalize` work on uint8 images (N, H, W) or (N, H, W, 1 or 3), "
+                        f"got {x.dtype} {tuple(x.shape[1:])} per example")
+    if x.ndim == 3:
+        x = x.reshape(x.shape + (1,))
+    return _Split(ArraySource(x, name), np.asarray(y, np.int32), size=tuple(x.shape[1:]))
+
+
+def _split(path, x_key, y_key, spec, on_error, say, setting, test=False):
+    if folder.is_image_folder(path):
+        return _folder(path, setting)
+    if is_tfrecord(path):
+        if spec is not None:
+            return _records(path, x_key, y_key, spec[0], on_error, say)
+        x, y = load_split(path, x_key, y_key, None, on_error, workers=0, say=say)
+        return _arrays(x, y, str(path))
+    if spec is not None:
+        raise UserError(f"`decode` {spec[0]}:image reads TFRecord files; `{setting}` {path} is not one")
+    if test:
+        keys = ("x_test", "y_test") if npz_has(path, "x_test", "y_test") else (x_key, y_key)
+        ds = load_npz(path, *keys)
+        return _arrays(ds.x, ds.y, str(path))
+    ds = load_npz(path, x_key, y_key)
+    train = _arrays(ds.x, ds.y, str(path))
+    train.test = None if ds.x_test is None else _arrays(ds.x_test, ds.y_test, f"{path} (x_test)")
+    return train
+
+
+def _size(train, spec, image_size):
+    if spec is not None:
+        if image_size is not None and parse_image_size(image_size) != spec[1]:
+            raise UserError(f"`image_size` {image_size} and `decode` {':'.join(map(str, spec[1]))} disagree: "
+                            "`decode` gives the shape; drop `image_size`")
+        return spec[1]
+    if image_size is not None:
+        return parse_image_size(image_size)
+    if train.size is not None:
+        return train.size
+    return folder.common_size(train.source.paths)
+
+
+def _test_labels(train, test, test_path):
+    """A test folder's labels in the training folder's class numbers (matched by name)."""
+    if test.classes is None or train.classes is None:
+        return test.labels
+    number = {name: k for k, name in enumerate(train.classes)}
+    unknown = [name for name in test.classes if name not in number]
+    if unknown:
+        raise UserError(f"`test_data` {test_path} has class folders the training data lacks: "
+                        f"{', '.join(unknown[:5])}; its classes must be among {', '.join(train.classes[:10])}"
+                        + (", ..." if len(train.classes) > 10 else ""))
+    return np.array([number[name] for name in test.classes], np.int32)[test.labels]
+
+
+def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_error="stop", workers=2,
+                augment="none", normalize=None, image_size=None, seed=0, say=None) -> Dataset:
+    """A ``Dataset`` of ``ImageArray`` examples (see the module docstring); every problem is a UserError."""
+    spec = parse_image_decode(decode) if decode else None
+    if decode and spec is None:
+        raise UserError(f"`decode` {decode} reads raw bytes; with an image folder, `augment` or `normalize` give "
+                        "encoded images as NAME:image:H,W,C, or convert the data first")
+    train = _split(path, x_key, y_key, spec, on_error, say, "data")
+    test = train.test
+    if test_path is not None:
+        test = _split(test_path, x_key, y_key, spec, on_error, say, "test_data", test=True)
+    size = _size(train, spec, image_size)
+    pool = Workers(workers)
+    n_classes = len(train.classes) if train.classes else int(train.labels.max()) + 1
+    x = ImageArray(str(path), train.source, Transform(size, augment, normalize, seed, train.source.encoded),
+                   train.labels, pool, on_error, say)
+    tx = ty = None
+    if test is not None:
+        ty = _test_labels(train, test, test_path)
+        if len(ty) and int(ty.max()) >= n_classes:
+            raise UserError(f"{test_path}: test label {int(ty.max())} is out of range: training labels are "
+                            f"0..{n_classes - 1}")
+        tx = ImageArray(str(test_path or path), test.source,
+                        Transform(size, augment, normalize, seed, test.source.encoded), ty, pool, on_error, say)
+    return Dataset(x, train.labels, n_classes, tx, ty, class_names=train.classes)
+
+
+def propose(path) -> str | None:
+    """The settings that train from the encoded images of the TFRecord file (or glob) ``path``, or None.
+
+    Looks at the first record: a bytes feature holding one JPEG or PNG, and an
+    int64 label (named ``*label*`` when there are several).
+    """
+    try:
+        first = expand_inputs([path])[0]
+        batch = next(iter(TFRecordReader(first, "auto", "skip")), None)
+        features = SequenceExample.FromString(batch.payloads[0]).context.feature if batch else {}
+    except (UserError, TFRecordError, OSError, ValueError):
+        return None
+    images = [k for k, f in sorted(features.items()) if f.WhichOneof("kind") == "bytes_list"
+              and len(f.bytes_list.value) == 1 and codec.sniff(f.bytes_list.value[0]) != "other"]
+    ints = [k for k, f in sorted(features.items()) if f.WhichOneof("kind") == "int64_list"
+            and len(f.int64_list.value) == 1]
+    labels = [k for k in ints if "label" in k] or ints
+    if not images or not labels:
+        return None
+    h, w, c = codec.size(features[images[0]].bytes_list.value[0])
+    return f"`x_key` {images[0]} `y_key` {labels[0]} `decode` {images[0]}:image:{h},{w},{c}"
+
+
+def describe_classes(names) -> str:
+    """``0 cat, 1 dog, ...`` (the first 20) for messages and logs."""
+    shown = ", ".join(f"{k} {name}" for k, name in enumerate(names[:20]))
+    return shown + (f", ... ({len(names)} classes)" if len(names) > 20 else "")
+

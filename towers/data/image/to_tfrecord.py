@@ -1,0 +1,160 @@
+"""Write an npz or an image folder as TFRecord shards in TensorFlow's ImageNet layout.
+
+Usage::
+
+    python -m tools.images_to_tfrecord mnist.npz -o mnist-train --encode jpeg --shards 4
+    python -m tools.images_to_tfrecord mnist.npz -o mnist-test --test --encode png
+    python -m tools.images_to_tfrecord photos/ -o photos.tfrecords
+
+Each record is a ``tf.train.Example`` as TensorFlow's
+``build_imagenet_data.py`` writes it: ``image/encoded`` (the image),
+``image/format`` (``JPEG``/``PNG``), ``image/class/label`` (the label plus
+``--label-offset``; the ImageNet files count from 1), ``image/class/text``
+(a folder's class name), ``image/height``, ``image/width``,
+``image/channels``, ``image/colorspace`` (``RGB``/``Grayscale``),
+``image/filename`` and the empty bounding-box lists
+``image/object/bbox/{xmin,ymin,xmax,ymax}`` (float) and
+``image/object/bbox/label`` (int64).  Training reads them with ``--x-key
+image/encoded --y-key image/class/label --decode image/encoded:image:H,W,C``.
+
+An npz gives its ``x``/``y`` (``--test``: ``x_test``/``y_test``), uint8
+(N, H, W) or (N, H, W, C) with C 1 or 3, encoded with ``--encode`` (default
+jpeg, ``--quality`` 90, TensorFlow's ``encode_jpeg`` layout).  An image folder
+(``DIR/<class>/*.jpg|jpeg|png``) keeps each file's bytes unless ``--encode``
+asks to re-encode.  ``--shards N`` writes ``OUT-00000-of-0000N`` ...,
+records dealt out in order, as contiguous runs.
+
+Limits: the encoded records are held in memory until they are written
+(about the size of the output).  Outputs are written as :mod:`towers.output.files` describes: all shards appear
+together at the end, and an error, Ctrl-C or SIGTERM leaves none.  Exit
+status: 0, 1 for unreadable input or a full disk, 2 for a usage mistake, 130
+on Ctrl-C, 143 on SIGTERM.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import numpy as np
+
+from towers.cli import Parser, run_main
+from towers.data.dataset import load_npz, npz_has
+from towers.data.image import codec, folder
+from towers.data.tfrecord.framing import TFRecordWriter
+from towers.data.tfrecord.proto import SequenceExample
+from towers.data.tfrecord.schema import UsageError
+from towers.errors import UserError
+from towers.output.files import atomic_path, refuse_overwriting_inputs, sigterm_raises
+
+PROG = "images_to_tfrecord"
+_FORMAT = {"jpeg": b"JPEG", "png": b"PNG", "other": b""}
+
+
+def shard_paths(out: str, shards: int) -> list[str]:
+    return [out] if shards == 1 else [f"{out}-{k:05d}-of-{shards:05d}" for k in range(shards)]
+
+
+def example(encoded: bytes, label: int, shape, name: bytes = b"", text: bytes = b"") -> bytes:
+    """One record of the ImageNet layout."""
+    record = SequenceExample()
+    f = record.context.feature
+    f["image/encoded"].bytes_list.value.append(encoded)
+    f["image/format"].bytes_list.value.append(_FORMAT[codec.sniff(encoded)])
+    f["image/class/label"].int64_list.value.append(int(label))
+    f["image/class/text"].bytes_list.value.append(text)
+    f["image/filename"].bytes_list.value.append(name)
+    for key, value in zip(("image/height", "image/width", "image/channels"), shape):
+        f[key].int64_list.value.append(int(value))
+    f["image/colorspace"].bytes_list.value.append(b"Grayscale" if shape[2] == 1 else b"RGB")
+    for side in ("xmin", "ymin", "xmax", "ymax"):
+        f[f"image/object/bbox/{side}"].float_list.SetInParent()
+    f["image/object/bbox/label"].int64_list.SetInParent()
+    return record.SerializeToString()
+
+
+def _from_npz(path, test, encode, quality, offset):
+    if test and not npz_has(path, "x_test", "y_test"):
+        raise UsageError(f"{path} has no x_test/y_test for --test")
+    ds = load_npz(path, *(("x_test", "y_test") if test else ("x", "y")))
+    x = ds.x
+    if x.dtype != np.uint8 or x.ndim not in (3, 4) or (x.ndim == 4 and x.shape[3] not in (1, 3)):
+        raise UsageError(f"{path}: images must be uint8 (N, H, W) or (N, H, W, 1 or 3), got {x.dtype} {x.shape}")
+    for i in range(len(x)):
+        image = x[i].reshape(x.shape[1], x.shape[2], -1)
+        yield example(codec.encode(image, encode, quality), int(ds.y[i]) + offset, image.shape)
+
+
+def _from_folder(root, encode, quality, offset):
+    classes, paths, labels = folder.scan(root, "input")
+    for path, label in zip(paths, labels.tolist()):
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            if encode:
+                image = codec.decode(data, codec.size(data)[2])
+                data, shape = codec.encode(image, encode, quality), image.shape
+            else:
+                shape = codec.size(data)
+        except OSError as e:
+            raise UserError(f"{path} cannot be read ({e.strerror or e})") from None
+        except codec.ImageError as e:
+            raise UserError(f"{path} is {e}: remove or replace it") from None
+        name = os.path.relpath(path, root).encode()
+        yield example(data, label + offset, shape, name, classes[label].encode())
+
+
+def convert(args) -> tuple[int, list[str]]:
+    """Write the shards; (records, their paths)."""
+    if args.shards < 1:
+        raise UsageError(f"--shards must be >= 1, got {args.shards}")
+    if not 1 <= args.quality <= 100:
+        raise UsageError(f"--quality must be 1..100, got {args.quality}")
+    is_folder = os.path.isdir(args.input)
+    if is_folder and args.test:
+        raise UsageError("--test picks an npz's x_test/y_test; give the test folder itself instead")
+    outputs = shard_paths(args.output, args.shards)
+    for out in outputs:
+        folder_of = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(folder_of):
+            raise UsageError(f"-o {args.output}: the folder {folder_of} does not exist; create it first")
+        if os.path.isdir(out):
+            raise UsageError(f"-o {args.output}: {out} is a folder; give a file path")
+    refuse_overwriting_inputs(args.output, [args.input] if not is_folder else [])
+    records = list(_from_folder(args.input, args.encode, args.quality, args.label_offset) if is_folder else
+                   _from_npz(args.input, args.test, args.encode or "jpeg", args.quality, args.label_offset))
+    bounds = np.linspace(0, len(records), args.shards + 1).astype(int)
+    with contextlib.ExitStack() as stack:  # every shard is renamed into place only when all are written
+        for out, a, b in zip(outputs, bounds[:-1], bounds[1:]):
+            tmp = stack.enter_context(atomic_path(out))
+            with open(tmp, "wb") as f, TFRecordWriter(f, "none") as writer:
+                for payload in records[a:b]:
+                    writer.write(payload)
+    return len(records), outputs
+
+
+def main(argv=None, prog="python -m tools.images_to_tfrecord"):
+    """The command line; returns the exit status."""
+    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("input", metavar="IN", help="an npz (x, y) or an image folder DIR/<class>/*.jpg|jpeg|png")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output file (or shard prefix)")
+    p.add_argument("--encode", choices=codec.FORMATS, help="encode as (npz: default jpeg; folder: keep the files)")
+    p.add_argument("--quality", type=int, default=90, help="JPEG quality 1..100 (default 90)")
+    p.add_argument("--shards", type=int, default=1, help="number of output files (default 1)")
+    p.add_argument("--test", action="store_true", help="npz: write x_test/y_test instead of x/y")
+    p.add_argument("--label-offset", type=int, default=0,
+                   help="added to every label (1: the ImageNet files' numbering, 0 unused)")
+    args = p.parse_args(argv)
+
+    def body():
+        with sigterm_raises():
+            n, outputs = convert(args)
+        print(f"{PROG}: wrote {n} records to {len(outputs)} file(s): {outputs[0]}"
+              + (f" ... {outputs[-1]}" if len(outputs) > 1 else ""), file=sys.stderr)
+
+    return run_main(PROG, body, interrupted="interrupted: no output written",
+                    terminated="terminated (SIGTERM): no output written")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

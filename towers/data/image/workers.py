@@ -1,0 +1,234 @@
+"""Input worker processes: per-example transforms run in parallel, batches come back through shared memory.
+
+A :class:`Workers` pool serves every image array of a data set (training and
+test share it).  ``start(sid, rows...)`` splits a batch into one chunk per
+worker; each worker reads its rows from the source, transforms them
+(``towers.data.image.augment.Transform``) and writes the results straight into
+a shared-memory block that the main process allocated for the whole batch, so
+only row references travel to the workers and only a list of failures comes
+back (no pickled arrays).  ``workers=0`` runs the chunk in the calling thread
+(the input thread), into ordinary memory.
+
+Order and memory: the caller (``towers.data.batches.Prefetcher``) keeps a
+bounded number of batches in flight and takes them in order.  A block is
+returned to a free list when the last view of its batch array is collected,
+and reused for the next batch of the same size, so the blocks in use are the
+batches in flight plus those the trainer still holds.
+
+Cleanup: :meth:`Workers.close` (the trainer's ``close``: normal exit, Ctrl-C,
+SIGTERM) stops the workers and unlinks every block.  A worker watches its
+parent and exits within ``WATCH_SECONDS`` once the parent is gone (``kill -9``,
+the OOM killer), so no worker outlives a dead run; the blocks are registered
+with multiprocessing's resource tracker, which unlinks them once the main
+process and the workers that hold its pipe have all exited.
+
+Sync points: ``_Chunks.wait`` waits for a batch's chunks (the caller's only
+wait).  Limits: workers are spawned (not forked: the trainer's threads must
+not be forked mid-flight), which costs about a second when the first batch is
+read; a worker keeps at most ``ATTACHED`` blocks mapped.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from towers.data.image.augment import uniforms
+from towers.data.image.codec import ImageError
+from towers.data.image.sources import SourceError
+
+WATCH_SECONDS = 0.25  # how often a worker checks that its parent is alive
+ATTACHED = 16  # blocks a worker keeps mapped (batch and test-chunk sizes)
+
+
+def transform_rows(source, transform, refs, epochs, indices, out) -> list[tuple[int, str]]:
+    """``out[k]`` = the transformed example of ``refs[k]``; returns (k, message) of those that cannot be made.
+
+    ``epochs`` None: the deterministic (evaluation) path; else each example
+    draws its randomness from (seed, epoch, index).
+    """
+    u = None
+    if epochs is not None and transform.draws:
+        u = uniforms(transform.seed, epochs, indices, transform.draws)
+    failed = []
+    for k, ref in enumerate(refs):
+        try:
+            out[k] = transform(source.read(ref), None if u is None else u[k])
+        except ImageError as e:
+            failed.append((k, f"{source.where(ref)}: not a decodable image: {e}"))
+        except SourceError as e:
+            failed.append((k, str(e)))
+    return failed
+
+
+# -- in the worker processes --------------------------------------------------------------------------------
+
+_SOURCES: list = []  # (source, transform) by id, in this worker
+_BLOCKS: OrderedDict = OrderedDict()  # shared-memory blocks attached, by name, least recently used first
+
+
+def _start_worker(sources, parent: int) -> None:
+    _SOURCES[:] = sources
+    # Ctrl-C reaches the whole process group: the main process stops the run and then these workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="towers-parent-watch").start()
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit once the parent is gone: an orphan is re-parented, so its parent pid changes."""
+    while os.getppid() == parent:
+        time.sleep(WATCH_SECONDS)
+    os._exit(1)
+
+
+def _block(name: str):
+    block = _BLOCKS.pop(name, None) or shared_memory.SharedMemory(name)
+    _BLOCKS[name] = block
+    while len(_BLOCKS) > ATTACHED:
+        _BLOCKS.popitem(last=False)[1].close()
+    return block
+
+
+def _run_chunk(sid, name, offset, shape, dtype, refs, epochs, indices):
+    source, transform = _SOURCES[sid]
+    out = np.ndarray((len(refs),) + tuple(shape), dtype, buffer=_block(name).buf, offset=offset)
+    try:
+        return transform_rows(source, transform, refs, epochs, indices, out)
+    finally:
+        del out  # the block may be closed later: no view may outlive this call
+
+
+# -- in the main process ------------------------------------------------------------------------------------
+
+
+class _Chunks:
+    """A batch being made: ``wait()`` returns (the batch array, failures as (row, message))."""
+
+    def __init__(self, out, futures, bounds):
+        self.out, self._futures, self._bounds = out, futures, bounds
+
+    def wait(self):
+        failed = []
+        try:
+            for (start, _), future in zip(self._bounds, self._futures):
+                failed += [(start + k, message) for k, message in future.result()]
+        except concurrent.futures.process.BrokenProcessPool:
+            raise WorkerDied("an input worker process died (out of memory? killed?); resume from the last "
+                             "checkpoint with `resume`") from None
+        return self.out, failed
+
+
+class WorkerDied(Exception):
+    """The pool lost a worker."""
+
+
+class Workers:
+    """``n`` worker processes shared by the arrays registered with ``add`` (0: run in the calling thread)."""
+
+    def __init__(self, n: int):
+        self.n = int(n)
+        self._sources: list = []
+        self._pool = None
+        self._free: dict[int, list] = {}  # block size -> blocks not in use
+        self._blocks: list = []  # every block made, for close
+        self._lock = threading.Lock()  # the input thread and the main thread (evaluation) both start batches
+        self._closed = False
+
+    def add(self, source, transform) -> int:
+        """Register an array's source and transform (before the first batch); its id."""
+        if self._pool is not None:
+            raise RuntimeError("Workers.add after the workers started")
+        self._sources.append((source, transform))
+        return len(self._sources) - 1
+
+    def start(self, sid: int, rows, epochs=None) -> _Chunks:
+        """Start making the examples ``rows`` (row numbers of source ``sid``; ``epochs``: training draws)."""
+        source, transform = self._sources[sid]
+        rows = np.asarray(rows, np.int64)
+        shape, dtype = (len(rows),) + transform.shape, transform.dtype
+        if self.n == 0 or len(rows) == 0:
+            out = np.empty(shape, dtype)
+            done = concurrent.futures.Future()
+            done.set_result(transform_rows(source, transform, source.refs(rows), epochs, rows, out))
+            return _Chunks(out, [done], [(0, len(rows))])
+        per = -(-len(rows) // self.n)
+        bounds = [(a, min(a + per, len(rows))) for a in range(0, len(rows), per)]
+        row_bytes = int(np.prod(transform.shape)) * dtype.itemsize
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the input workers are closed")
+            block = self._take(len(rows) * row_bytes)
+            out = np.asarray(_Lease(block, shape, dtype))
+            weakref.finalize(out.base, self._give_back, block)
+            pool = self._executor()
+            futures = [pool.submit(_run_chunk, sid, block.name, a * row_bytes, transform.shape, dtype.str,
+                                   source.refs(rows[a:b]), None if epochs is None else epochs[a:b], rows[a:b])
+                       for a, b in bounds]
+        return _Chunks(out, futures, bounds)
+
+    def _take(self, nbytes: int):
+        free = self._free.get(max(nbytes, 1))
+        if free:
+            return free.pop()
+        block = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+        self._blocks.append(block)
+        return block
+
+    def _give_back(self, block) -> None:
+        with self._lock:
+            if self._closed:
+                block.close()
+            else:
+                self._free.setdefault(block.size, []).append(block)
+
+    def _executor(self):
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                self.n, multiprocessing.get_context("spawn"), _start_worker, (self._sources, os.getpid()))
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the workers and unlink every block (idempotent); blocks still viewed close when released."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+            free = [b for blocks in self._free.values() for b in blocks]
+            self._free = {}
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for block in self._blocks:
+            try:
+                block.unlink()
+            except FileNotFoundError:
+                pass
+        for block in free:
+            block.close()
+        for source, _ in self._sources:
+            source.close()
+
+
+class _Lease:
+    """A batch array's owner: NumPy views of the batch keep it alive, and its collection returns the block.
+
+    (An array made on ``block.buf`` itself would not do: NumPy points the
+    views of such an array at the buffer, not at the array, so the array
+    could be collected, and the block reused, while a view still reads it.)
+    """
+
+    def __init__(self, block, shape, dtype):
+        probe = np.frombuffer(block.buf, np.uint8, count=1)
+        address = probe.ctypes.data
+        del probe  # no export of block.buf may stay: close() refuses while one exists
+        self.block = block
+        self.__array_interface__ = {"shape": tuple(shape), "typestr": np.dtype(dtype).str,
+                                    "data": (address, False), "version": 3}
