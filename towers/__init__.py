@@ -26,9 +26,14 @@ command lines ``train`` and ``eval``.
 from towers.config import Config
 from towers.data.dataset import Dataset
 from towers.errors import TrainingError, UserError
-from towers.nn.conv import Conv2D, MaxPool2D
+from towers.nn.conv import Conv2D
+from towers.nn.dropout import Dropout
 from towers.nn.layers import Dense, Flatten, ReLU, Sequential
+from towers.nn.normalization import LRN, BatchNorm
+from towers.nn.pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
+from towers.nn.residual import PadShortcut, Residual
 from towers.trainer import Trainer
 
 __all__ = ["Config", "Trainer", "Dataset", "Sequential", "Dense", "ReLU", "Flatten", "Conv2D", "MaxPool2D",
+           "AvgPool2D", "GlobalAvgPool", "BatchNorm", "LRN", "Dropout", "Residual", "PadShortcut",
            "UserError", "TrainingError"]
