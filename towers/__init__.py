@@ -27,9 +27,14 @@ from towers.config import Config
 from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset
 from towers.errors import TrainingError, UserError
-from towers.nn.conv import Conv2D, MaxPool2D
+from towers.nn.conv import Conv2D
+from towers.nn.dropout import Dropout
 from towers.nn.layers import Dense, Flatten, ReLU, Sequential
+from towers.nn.normalization import LRN, BatchNorm
+from towers.nn.pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
+from towers.nn.residual import PadShortcut, Residual
 from towers.trainer import Trainer
 
-__all__ = ["Config", "Trainer", "Dataset", "load_dataset", "Sequential", "Dense", "ReLU", "Flatten", "Conv2D", "MaxPool2D",
+__all__ = ["Config", "Trainer", "Dataset", "load_dataset", "Sequential", "Dense", "ReLU", "Flatten", "Conv2D",
+           "MaxPool2D", "AvgPool2D", "GlobalAvgPool", "BatchNorm", "LRN", "Dropout", "Residual", "PadShortcut",
            "UserError", "TrainingError"]

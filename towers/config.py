@@ -22,6 +22,7 @@ from towers.data.image.augment import AUGMENTS, parse_image_size, parse_normaliz
 from towers.errors import UserError
 from towers.nn.models import model_defaults
 from towers.optim.optimizers import OPTIMIZERS
+from towers.optim.schedule import SCHEDULES, parse_list, piecewise_values
 from towers.parallel.sync import MODES
 
 
@@ -37,7 +38,7 @@ DEFAULT_DATA = _default_data()
 # `model` of a run whose model was an object handed to the Trainer (checkpoints, the settings line).
 MODEL_OBJECT = "<model object>"
 # Settings filled from the model's defaults when left as None.
-MODEL_DEFAULTED = ("lr", "lr_decay", "momentum")
+MODEL_DEFAULTED = ("lr", "lr_decay", "momentum", "l2")
 
 
 @dataclass
@@ -75,9 +76,17 @@ class Config:
     beta1: float = 0.9  # Adam, TensorFlow's defaults
     beta2: float = 0.999
     epsilon: float = 1e-8
-    l2: float = 1e-4
+    l2: float | None = None  # None: the model's (1e-4; cifar10 0.004)
     ema_decay: float = 0.99
     seed: int = 0
+    # models' recipes (towers.nn, towers.optim.schedule)
+    nesterov: bool = False  # Nesterov momentum (sgd with momentum)
+    lr_schedule: str | None = None  # exponential, piecewise or cosine; None: piecewise if lr_boundaries, else the model's
+    lr_boundaries: str | None = None  # piecewise: steps where the rate changes, "32000,48000"; None: the model's
+    lr_values: str | None = None  # piecewise: one rate more than boundaries; None: lr divided by 10 at each
+    warmup_steps: int = 0  # linear warm-up of the learning rate over the first steps
+    label_smoothing: float = 0.0  # training targets (1 - s) * onehot + s / classes
+    sync_bn: bool = False  # batch norm with the global batch's statistics (averaged across towers in the step)
     # keeping replicas together
     sync: str = "grads"  # or "weights"; with hosts > 1 also "ps" or "async"
     average_every: int = 1  # K, with sync="weights"
@@ -114,7 +123,8 @@ class Config:
         _check(cfg)
         spec = cfg.model if model is None else None
         optimizer, defaults = model_defaults(spec, cfg.optimizer)
-        filled = {k: defaults[k] for k in MODEL_DEFAULTED if getattr(cfg, k) is None}
+        filled = _schedule_defaults(cfg, defaults)
+        filled.update({k: defaults[k] for k in MODEL_DEFAULTED if getattr(cfg, k) is None and k not in filled})
         if cfg.checkpoint_every is None:  # a checkpoint holds weights right after an average
             k = cfg.average_every if cfg.sync == "weights" else 1
             filled["checkpoint_every"] = -(-1000 // k) * k
@@ -126,11 +136,40 @@ class Config:
 
 
 
+def _schedule_defaults(cfg: Config, defaults: dict) -> dict:
+    """The schedule settings to fill: explicit ones win, the model's apply only to its own schedule.
+
+    Giving ``lr_boundaries`` or ``lr_values`` implies ``piecewise``; a piecewise
+    schedule without boundaries takes the model's; ``lr_values`` sets ``lr`` (its
+    first value); ``lr_decay`` and ``staircase`` belong to ``exponential``.
+    """
+    filled = {}
+    kind = cfg.lr_schedule or ("piecewise" if cfg.lr_boundaries or cfg.lr_values
+                               else defaults.get("lr_schedule", "exponential"))
+    filled["lr_schedule"] = kind
+    if kind != "piecewise" and (cfg.lr_boundaries or cfg.lr_values):
+        raise UserError(f"`lr_boundaries` and `lr_values` belong to `lr_schedule` piecewise, not {kind}")
+    if kind == "piecewise" and cfg.lr_boundaries is None and defaults.get("lr_boundaries"):
+        filled["lr_boundaries"] = defaults["lr_boundaries"]
+    if cfg.lr_values:
+        first = parse_list(cfg.lr_values, "lr_values")[0]
+        if cfg.lr is None:
+            filled["lr"] = first
+        elif first != cfg.lr:
+            raise UserError(f"`lr` {cfg.lr:g} and `lr_values` {cfg.lr_values} disagree: `lr_values` gives every "
+                            "rate, its first is the initial one; give one of them")
+    if kind != "exponential":
+        if cfg.lr_decay not in (None, 1, 1.0) or cfg.staircase:
+            raise UserError(f"`lr_decay` and `staircase` are exponential decay's; `lr_schedule` {kind} replaces it")
+        filled["lr_decay"] = 1.0
+    return filled
+
+
 def _check(cfg: Config) -> None:
     """Settings that need no data: fail before anything is allocated."""
     for name in ("batch_size", "steps", "log_every", "hidden", "keep_checkpoints"):
         _integer(cfg, name, minimum=1)
-    for name in ("check_replicas", "summary_every", "blas_threads", "seed"):
+    for name in ("check_replicas", "summary_every", "blas_threads", "seed", "warmup_steps"):
         _integer(cfg, name, minimum=0)
     if cfg.n_gpu is not None:
         _integer(cfg, "n_gpu", minimum=1)
@@ -161,11 +200,14 @@ def _check(cfg: Config) -> None:
         parse_image_size(cfg.image_size)
     if cfg.normalize is not None:
         parse_normalize(cfg.normalize, 3)  # the format; the channel count is checked with the data
+    if cfg.lr_schedule is not None:
+        _choice(cfg, "lr_schedule", SCHEDULES)
     for name in ("soft_placement", "log_placement", "staircase", "quiet", "resume", "profile", "measure_scaling",
-                 "ray_logs", "tf32"):
+                 "ray_logs", "tf32", "nesterov", "sync_bn"):
         if not isinstance(getattr(cfg, name), bool):
             raise UserError(f"`{name}` must be True or False, got {getattr(cfg, name)!r}")
-    for name in ("devices", "logdir", "test_data", "decode", "ray_address", "image_size", "normalize"):
+    for name in ("devices", "logdir", "test_data", "decode", "ray_address", "image_size", "normalize", "lr_boundaries",
+                 "lr_values"):
         v = getattr(cfg, name)
         if v is not None and (not isinstance(v, str) or not v):
             raise UserError(f"`{name}` must be a non-empty string or None, got {v!r}")
@@ -188,8 +230,13 @@ def _check_optimization(cfg: Config) -> None:
     _number(cfg, "epsilon", low=0, low_open=True)
     _number(cfg, "l2", low=0)
     _number(cfg, "ema_decay", low=0, high=1, high_open=True)
+    _number(cfg, "label_smoothing", low=0, high=1, high_open=True)
     if cfg.momentum and cfg.optimizer != "sgd":
         raise UserError(f"`momentum` is for `optimizer` sgd, not {cfg.optimizer}; drop it")
+    if cfg.nesterov and not (cfg.optimizer == "sgd" and cfg.momentum):
+        raise UserError("`nesterov` is a kind of momentum: it needs `optimizer` sgd and `momentum` > 0")
+    if cfg.lr_schedule == "piecewise":
+        piecewise_values(cfg)
     if cfg.sync == "weights" and cfg.checkpoint_every % cfg.average_every:
         raise UserError(
             f"with `sync` weights, `checkpoint_every` ({cfg.checkpoint_every}) must be a multiple of "

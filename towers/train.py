@@ -34,21 +34,28 @@ input_workers     TFRecord and images: processes that read, parse, decode and au
 image_size        images: H,W,C of the examples (resized and center-cropped to it); default: --decode's, or the folder's images' own when all alike
 augment           images: none, cifar (pad 4, random crop, flip), tf-cifar10 (TF tutorial: 24x24 crop, flip, brightness, contrast, standardization), imagenet (random resized crop, flip); evaluation takes the center
 normalize         images: MEAN,STD per channel on the 0..1 scale, e.g. 0.5,0.25 or 0.485,0.456,0.406,0.229,0.224,0.225 (examples become float32)
-model             mlp, lenet5, or package.module:function returning a towers.Sequential (or a list of layers)
+model             mlp, lenet5, cifar10 (TF's CIFAR-10 tutorial model), resnet20, resnet32, resnet56 (He et al.), or package.module:function returning a towers.Sequential (or a list of layers)
 hidden            hidden units of the mlp
 batch_size        examples per tower per step
 steps             training steps
-optimizer         sgd or adam (default: the model's; mlp: sgd, lenet5: adam)
-lr                initial learning rate (default: the model's for its optimizer; mlp sgd 0.8, adam 0.001)
+optimizer         sgd or adam (default: the model's; mlp, cifar10, resnets: sgd, lenet5: adam)
+lr                initial learning rate (default: the model's for its optimizer; mlp sgd 0.8, cifar10 and resnets 0.1, adam 0.001)
 lr_decay          learning-rate decay per epoch (TF exponential_decay; default: the model's, 0.99 for sgd, 1 for adam)
 staircase         decay the learning rate once per whole epoch
-momentum          SGD momentum (default: the model's; 0: plain SGD)
+momentum          SGD momentum (default: the model's; 0: plain SGD; resnets 0.9)
 beta1             Adam's first-moment decay (TF default 0.9)
 beta2             Adam's second-moment decay (TF default 0.999)
 epsilon           Adam's epsilon (TF default 1e-8)
-l2                L2 regularization scale on weights
+l2                L2 regularization scale on weights, not biases or batch-norm parameters (default: the model's, 1e-4; cifar10 0.004)
 ema_decay         EMA decay (TF ExponentialMovingAverage)
-seed              seed of weights and shuffling
+seed              seed of weights, shuffling and dropout masks
+nesterov          Nesterov momentum (TF use_nesterov; needs sgd with --momentum > 0)
+lr_schedule       exponential (decay per epoch, the default), piecewise (constant between --lr-boundaries) or cosine (to 0 at --steps); default: the model's (resnets: piecewise)
+lr_boundaries     piecewise: steps where the learning rate changes, e.g. 32000,48000 (resnets' default)
+lr_values         piecewise: the learning rates, one more than boundaries, e.g. 0.1,0.01,0.001 (default: --lr divided by 10 at each boundary)
+warmup_steps      linear warm-up: the learning rate grows from lr/N to lr over the first N steps (0: none)
+label_smoothing   train on targets (1 - S) * onehot + S / classes (0: none)
+sync_bn           batch norm normalizes with the whole step's batch across towers (two small all-reduces per batch-norm layer), not each tower's own
 sync              grads: average gradients every step; weights: each tower steps alone, weights averaged every K; with --hosts > 1 also ps (synchronous parameter server) or async (asynchronous parameter server)
 average_every     K: steps between weight averages with --sync weights
 hosts             hosts (Ray actors), each running --n-gpu towers; > 1 starts or joins Ray (see --ray-address)

@@ -336,6 +336,25 @@ def bias_grad(dy, out, ws) -> None:
         ws.xp.matmul(ones.reshape(1, -1), dy, out=out.reshape(1, -1))
 
 
+def col_sum(x2, out, ws) -> None:
+    """``out (cols,) = x2 (rows, cols).sum(axis=0)`` as ``ones(rows) @ x2``: one GEMV on either device.
+
+    On the CPU the BLAS product is several times faster than NumPy's
+    reduction over the long axis of a tall, narrow array; on a GPU see
+    ``bias_grad``.  (``bias_grad`` keeps NumPy's sum on the CPU: the existing
+    models' bits depend on it.)
+    """
+    rows = x2.shape[0]
+    ones = ws.array("ones", (rows,), x2.dtype)
+    if ws.saved.get("ones") is not ones:
+        ones.fill(1)
+        ws.saved["ones"] = ones
+    if on_host(x2):
+        numpy.matmul(ones, x2, out=out)
+    elif not _sgemm(ones, x2, out, False, False, 1, x2.shape[1], rows):
+        ws.xp.matmul(ones.reshape(1, -1), x2, out=out.reshape(1, -1))
+
+
 # -- matrix products -----------------------------------------------------------------------
 
 _CUBLAS: dict = {}  # what a device GEMM needs, found on the first one (CuPy imported lazily)
@@ -464,27 +483,23 @@ def _softmax_xent_arrays(xp, logits, labels, ws, prob, want_loss):
 # -- convolution: im2col / col2im --------------------------------------------------------
 
 
-def im2col(x, cols, pad: tuple, ws) -> None:
+def im2col(x, cols, pad: tuple, ws, stride: int = 1) -> None:
     """``cols (n, ho, wo, k, k, c)`` from ``x (n, h, w, c)`` with (top, left) zero padding ``pad``.
 
-    NumPy: the input is copied into a zero-bordered workspace buffer (zeroed
-    once; only its interior is rewritten), then ONE strided copy of its window
-    view (each (j, c) run of a tap row is contiguous in the buffer).
+    Output pixel (oh, ow) reads the k x k window at (oh * stride - top, ow *
+    stride - left); taps outside the image read 0.  NumPy (and CuPy for
+    ``stride`` > 1): the input is copied into a zero-bordered workspace buffer
+    (zeroed once; only its interior is rewritten), then ONE strided copy of its
+    window view (each (j, c) run of a tap row is contiguous in the buffer).
     """
     n, ho, wo, k, _, c = cols.shape
     h, w = x.shape[1:3]
-    if on_host(x) or max(x.size, cols.size) > _INT_MAX:
+    if on_host(x) or stride != 1 or max(x.size, cols.size) > _INT_MAX:
         xp = ws.xp
-        hp, wp = ho + k - 1, wo + k - 1
-        if (hp, wp) == (h, w):  # VALID: read the input in place
-            src = x if x.flags.c_contiguous else xp.ascontiguousarray(x)
-        else:
-            src = _zeroed(ws, "xpad", (n, hp, wp, c), x.dtype)
-            t, l = pad
-            src[:, t: t + h, l: l + w, :] = x
+        src = padded(ws, "xpad", x, pad, ((ho - 1) * stride + k, (wo - 1) * stride + k), 0)
         s = src.strides
         win = xp.lib.stride_tricks.as_strided(src, shape=(n, ho, wo, k, k, c),
-                                              strides=(s[0], s[1], s[2], s[1], s[2], s[3]))
+                                              strides=(s[0], s[1] * stride, s[2] * stride, s[1], s[2], s[3]))
         cols[...] = win
         return
     _check(x)  # the layer input: a user's layer may hand in a strided view, which the kernel would misread
@@ -492,43 +507,73 @@ def im2col(x, cols, pad: tuple, ws) -> None:
             _i(pad[0]), _i(pad[1]))
 
 
-def col2im(dcols, in_hw: tuple, pad: tuple, ws):
+def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1):
     """Return ``dx (n, h, w, c)``: each tap of ``dcols (n, ho, wo, k, k, c)`` added back where it was read.
 
-    NumPy: k*k strided adds into a zeroed padded buffer, in (i, j) order, then
-    the interior is cropped into ``dx``.  CUDA: one thread per ``dx`` element
-    sums its taps in the same order (a gather: no atomics, deterministic).
-    ``dx`` lives in ``ws`` (NumPy, VALID padding: the padded buffer itself).
+    NumPy (and CuPy for ``stride`` > 1): k*k strided adds into a zeroed padded
+    buffer, in (i, j) order, then the interior is cropped into ``dx``.  CUDA:
+    one thread per ``dx`` element sums its taps in the same order (a gather: no
+    atomics, deterministic).  ``dx`` lives in ``ws`` (NumPy, VALID padding: the
+    padded buffer itself).
     """
     n, ho, wo, k, _, c = dcols.shape
     h, w = in_hw
-    if on_host(dcols) or dcols.size > _INT_MAX:
-        dpad = ws.array("dpad", (n, ho + k - 1, wo + k - 1, c), dcols.dtype)
+    if on_host(dcols) or stride != 1 or dcols.size > _INT_MAX:
+        hp, wp = (ho - 1) * stride + k, (wo - 1) * stride + k
+        dpad = ws.array("dpad", (n, hp, wp, c), dcols.dtype)
         dpad.fill(0)
         for i in range(k):
             for j in range(k):
-                dpad[:, i: i + ho, j: j + wo, :] += dcols[:, :, :, i, j, :]
-        if dpad.shape[1:3] == (h, w):
-            return dpad
-        dx = ws.array("dx", (n, h, w, c), dcols.dtype)
-        t, l = pad
-        dx[...] = dpad[:, t: t + h, l: l + w, :]
-        return dx
+                dpad[:, i: i + stride * (ho - 1) + 1: stride, j: j + stride * (wo - 1) + 1: stride, :] += \
+                    dcols[:, :, :, i, j, :]
+        return crop(ws, dpad, pad, (h, w))
     dx = ws.array("dx", (n, h, w, c), dcols.dtype)
     _launch("col2im", dx.size, dcols, dx, _i(dx.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k),
             _i(pad[0]), _i(pad[1]))
     return dx
 
 
-def _zeroed(ws, key: str, shape: tuple, dtype):
-    """A workspace buffer zero-filled when (and only when) it was first made.
+def padded(ws, key: str, x, pad: tuple, hw: tuple, fill: float):
+    """``x (n, h, w, c)`` inside a workspace buffer (n, *hw, c) bordered with ``fill``, at offset ``pad``.
 
-    Callers write only its interior, so the zero border survives across steps.
+    Rows and columns of ``x`` beyond the buffer (windows that never reach them)
+    are left out.  The border is written once, when the buffer is made; later
+    calls rewrite the interior only.  Without padding, and with every window
+    inside the input, ``x`` itself is returned (read in place).
+    """
+    n, h, w, c = x.shape
+    (t, l), (hp, wp) = pad, hw
+    if (t, l) == (0, 0) and hp <= h and wp <= w:
+        return x if x.flags.c_contiguous else ws.xp.ascontiguousarray(x)
+    src = zeroed(ws, key, (n, hp, wp, c), x.dtype, fill)
+    hh, ww = min(h, hp - t), min(w, wp - l)
+    src[:, t: t + hh, l: l + ww, :] = x[:, :hh, :ww, :]
+    return src
+
+
+def crop(ws, dpad, pad: tuple, hw: tuple):
+    """Inverse of ``_padded`` for gradients: the (h, w) interior of ``dpad`` at ``pad``, 0 where it had no rows."""
+    n, hp, wp, c = dpad.shape
+    (t, l), (h, w) = pad, hw
+    if (t, l) == (0, 0) and (hp, wp) == (h, w):
+        return dpad
+    dx = ws.array("dx", (n, h, w, c), dpad.dtype)
+    hh, ww = min(h, hp - t), min(w, wp - l)
+    if (hh, ww) != (h, w):
+        dx.fill(0)
+    dx[:, :hh, :ww, :] = dpad[:, t: t + hh, l: l + ww, :]
+    return dx
+
+
+def zeroed(ws, key: str, shape: tuple, dtype, fill: float = 0):
+    """A workspace buffer filled with ``fill`` (0) when (and only when) it was first made.
+
+    Callers write only its interior, so the border survives across steps.
     """
     a = ws.array(key, shape, dtype)
     tag = ("zeroed", key, tuple(shape), numpy.dtype(dtype).str)
     if ws.saved.get(tag) is not a:
-        a.fill(0)
+        a.fill(fill)
         ws.saved[tag] = a
     return a
 

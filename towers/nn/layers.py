@@ -8,18 +8,25 @@ array module (NumPy or CuPy, whichever holds the input):
 
 ``build(in_shape) -> (params, out_shape)``
     ``in_shape`` excludes the batch dimension.  ``params`` is a list of
-    ``Param(name, shape, init, regularize)``; ``name`` is local ("weights") and
-    the layer's ``scope`` ("layer1") is prepended to make the global name.
+    ``Param(name, shape, init, regularize, trainable)``; ``name`` is local
+    ("weights") and the layer's ``scope`` ("layer1") is prepended to make the
+    global name.  ``trainable=False`` declares a buffer: state the layer keeps
+    but no gradient reaches (batch norm's moving statistics).
 ``forward(p, x, ws) -> y``
-    ``p`` maps local names to parameter views.  Keep what backward needs in
+    ``p`` maps local names to parameter and buffer views; a layer updates its
+    buffers in place while training.  Keep what backward needs in
     ``ws.saved``; get output buffers from ``ws.array(key, shape, dtype)``, which
     allocates once per shape and then hands back the same array, so steady-state
-    steps allocate nothing.
+    steps allocate nothing.  ``ws.ctx`` is the replica's ``StepContext``
+    (``towers.nn.context``: training or not, step, tower, seed, sync) and
+    ``ws.path`` the layer's position in the model.
 ``backward(p, g, dy, ws, need_dx) -> dx``
     Write parameter gradients INTO the views in ``g`` (``kernels.gemm(..., g[k])``
     or ``g[k][...] = ...``); rebinding a name would leave the flat gradient buffer
-    untouched and the all-reduce would average stale values.  Return ``dx``, or
-    None when ``need_dx`` is False (the first layer).
+    untouched and the all-reduce would average stale values.  ``g`` holds the
+    trainable parameters only.  Return ``dx``, or None when ``need_dx`` is
+    False (the first layer).  ``dy`` is the next layer's scratch: backward may
+    overwrite it.
 """
 from __future__ import annotations
 
@@ -29,26 +36,41 @@ import numpy
 
 from towers.errors import UserError
 from towers.nn import kernels
+from towers.nn.context import StepContext
 
 
 @dataclass(frozen=True)
 class Param:
-    """A parameter a layer declares: local name, shape, initializer, L2 or not."""
+    """A parameter a layer declares: local name, shape, initializer, L2 or not, trainable or a buffer."""
 
     name: str
     shape: tuple
-    init: str = "zeros"  # "zeros", "constant:<value>" or "truncated_normal:<stddev>"
+    init: str = "zeros"  # "zeros", "constant:<value>", "truncated_normal:<stddev>" or "normal:<stddev>"
     regularize: bool = False
-    trainable: bool = True  # False: a buffer (non-trainable state, e.g. moving statistics)
+    trainable: bool = True
 
 
 class Workspace:
-    """Per-layer scratch arrays, allocated on first use and reused afterwards."""
+    """Per-layer scratch arrays, allocated on first use and reused afterwards.
 
-    def __init__(self, xp):
+    ``ctx`` is the replica's step context, ``path`` the layer's indices in the
+    model (a nested layer's workspace is ``child(i)`` of its container's).
+    """
+
+    def __init__(self, xp, ctx: StepContext | None = None, path: tuple = ()):
         self.xp = xp
+        self.ctx = ctx if ctx is not None else StepContext()
+        self.path = tuple(path)
         self.saved: dict = {}
         self._arrays: dict = {}
+        self._children: dict = {}
+
+    def child(self, i: int) -> "Workspace":
+        """The workspace of nested layer ``i`` (same context, path extended by ``i``)."""
+        w = self._children.get(i)
+        if w is None:
+            w = self._children[i] = Workspace(self.xp, self.ctx, self.path + (i,))
+        return w
 
     def array(self, key: str, shape: tuple, dtype):
         k = (key, tuple(shape), numpy.dtype(dtype).str)
@@ -88,10 +110,11 @@ class Flatten(Layer):
 
 
 class Dense(Layer):
-    """y = x @ weights + biases, weights truncated-normal(stddev), biases ``bias`` (0)."""
+    """y = x @ weights + biases, weights truncated-normal(stddev), biases ``bias`` (0); weights under L2 unless not ``regularize``."""
 
-    def __init__(self, scope: str, units: int, stddev: float = 0.1, bias: float = 0.0):
+    def __init__(self, scope: str, units: int, stddev: float = 0.1, bias: float = 0.0, regularize: bool = True):
         self.scope, self.units, self.stddev, self.bias = scope, int(units), float(stddev), float(bias)
+        self.regularize = bool(regularize)
 
     def build(self, in_shape):
         if len(in_shape) != 1:
@@ -100,7 +123,7 @@ class Dense(Layer):
                 "put a Flatten() before it"
             )
         return [
-            Param("weights", (in_shape[0], self.units), f"truncated_normal:{self.stddev}", True),
+            Param("weights", (in_shape[0], self.units), f"truncated_normal:{self.stddev}", self.regularize),
             Param("biases", (self.units,), f"constant:{self.bias}" if self.bias else "zeros", False),
         ], (self.units,)
 
@@ -141,18 +164,22 @@ class ReLU(Layer):
 
 
 class Sequential:
-    """Layers applied in order.  ``build`` fixes the shapes and parameter list."""
+    """Layers applied in order.  ``build`` fixes the shapes, parameters and buffers.
+
+    Two flat layouts: ``layout()`` the trainable parameters (what the
+    optimizer, the all-reduce and the EMA see), ``buffer_layout()`` the
+    buffers (non-trainable state such as moving statistics).
+    """
 
     def __init__(self, layers: list[Layer]):
         self.layers = list(layers)
         self.input_shape: tuple | None = None
         self.output_shape: tuple | None = None
-        self.params: list[tuple[int, str, Param]] = []  # (layer index, global name, Param): trainable
-        self.buffers: list[tuple[int, str, Param]] = []  # the same for buffers (trainable=False)
+        self.params: list[tuple[int, str, Param]] = []  # (layer index, global name, Param), buffers included
 
     def build(self, input_shape: tuple) -> "Sequential":
         shape = tuple(int(s) for s in input_shape)
-        self.input_shape, self.params, self.buffers = shape, [], []
+        self.input_shape, self.params = shape, []
         names = set()
         for li, layer in enumerate(self.layers):
             params, shape = layer.build(shape)
@@ -160,62 +187,76 @@ class Sequential:
                 name = f"{layer.scope}/{prm.name}" if layer.scope else prm.name
                 if name in names:
                     raise UserError(f"model declares parameter {name!r} twice: give layers distinct scopes")
+                if prm.regularize and not prm.trainable:
+                    raise UserError(f"{name}: a buffer (trainable=False) cannot be under L2")
                 names.add(name)
-                (self.params if prm.trainable else self.buffers).append((li, name, prm))
+                self.params.append((li, name, prm))
         self.output_shape = shape
         return self
 
     def layout(self) -> list[tuple[str, tuple, int, int]]:
-        """(name, shape, offset, size) in flat-buffer order: regularized first."""
-        return _layout([e for e in self.params if e[2].regularize] + [e for e in self.params if not e[2].regularize])
+        """(name, shape, offset, size) of the trainable parameters in flat-buffer order: regularized first."""
+        trainable = [e for e in self.params if e[2].trainable]
+        return _offsets([e for e in trainable if e[2].regularize] + [e for e in trainable if not e[2].regularize])
 
     def buffer_layout(self) -> list[tuple[str, tuple, int, int]]:
-        """(name, shape, offset, size) of the buffers in their flat buffer, in declaration order."""
-        return _layout(self.buffers)
-
-    @property
-    def buffer_size(self) -> int:
-        return sum(int(numpy.prod(p.shape)) for _, _, p in self.buffers)
-
-    def init_buffers(self) -> numpy.ndarray:
-        """The buffers' initial flat float32 values (host)."""
-        return _initial(self.buffers, self.buffer_layout(), None)
+        """(name, shape, offset, size) of the buffers (``trainable=False``), in declaration order."""
+        return _offsets([e for e in self.params if not e[2].trainable])
 
     @property
     def n_regularized(self) -> int:
-        return sum(int(numpy.prod(p.shape)) for _, _, p in self.params if p.regularize)
+        return sum(_count(p) for _, _, p in self.params if p.regularize)
 
     @property
     def size(self) -> int:
-        return sum(int(numpy.prod(p.shape)) for _, _, p in self.params)
+        """Trainable parameters: the length of the flat parameter buffer."""
+        return sum(_count(p) for _, _, p in self.params if p.trainable)
+
+    n_trainable = size
+
+    @property
+    def buffer_size(self) -> int:
+        return sum(_count(p) for _, _, p in self.params if not p.trainable)
 
     def init_params(self, seed: int) -> numpy.ndarray:
         """The initial flat float32 buffer (host), the same for every replica of one seed."""
-        return _initial(self.params, self.layout(), numpy.random.default_rng(seed))
+        return self._init(self.layout(), self.size, numpy.random.default_rng(seed))
+
+    def init_buffers(self) -> numpy.ndarray:
+        """The initial flat float32 buffers (host): constants (moving variance 1, moving mean 0)."""
+        return self._init(self.buffer_layout(), self.buffer_size, None)
+
+    def _init(self, layout, size: int, rng) -> numpy.ndarray:
+        flat = numpy.zeros(size, dtype=numpy.float32)
+        inits = {name: prm.init for _, name, prm in self.params}
+        for name, shape, off, size in layout:  # fixed order: reproducible
+            kind, _, arg = inits[name].partition(":")
+            if kind in ("truncated_normal", "normal") and rng is not None:
+                draw = truncated_normal if kind == "truncated_normal" else _normal
+                flat[off : off + size] = draw(rng, size, float(arg))
+            elif kind == "constant":
+                flat[off : off + size] = float(arg)
+            elif kind != "zeros":
+                raise UserError(f"parameter {name}: unknown initializer {inits[name]!r}"
+                                + (" (buffers take zeros or constant:<value>)" if rng is None else ""))
+        return flat
 
 
-def _layout(entries) -> list[tuple[str, tuple, int, int]]:
+def _count(prm: Param) -> int:
+    return int(numpy.prod(prm.shape))
+
+
+def _offsets(entries) -> list[tuple[str, tuple, int, int]]:
     out, off = [], 0
     for _, name, prm in entries:
-        size = int(numpy.prod(prm.shape))
-        out.append((name, tuple(prm.shape), off, size))
-        off += size
+        out.append((name, tuple(prm.shape), off, _count(prm)))
+        off += _count(prm)
     return out
 
 
-def _initial(entries, layout, rng) -> numpy.ndarray:
-    """A flat float32 buffer with each entry's initializer, in ``layout`` order (reproducible draws)."""
-    flat = numpy.zeros(sum(size for *_, size in layout), dtype=numpy.float32)
-    inits = {name: prm.init for _, name, prm in entries}
-    for name, shape, off, size in layout:
-        kind, _, arg = inits[name].partition(":")
-        if kind == "truncated_normal":
-            flat[off : off + size] = truncated_normal(rng, size, float(arg))
-        elif kind == "constant":
-            flat[off : off + size] = float(arg)
-        elif kind != "zeros":
-            raise UserError(f"parameter {name}: unknown initializer {inits[name]!r}")
-    return flat
+def _normal(rng: numpy.random.Generator, size: int, stddev: float) -> numpy.ndarray:
+    """Normal(0, stddev) samples, not truncated (He et al.'s initialization)."""
+    return (rng.standard_normal(size) * stddev).astype(numpy.float32)
 
 
 def truncated_normal(rng: numpy.random.Generator, size: int, stddev: float) -> numpy.ndarray:

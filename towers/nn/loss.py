@@ -3,6 +3,12 @@
 TensorFlow's ``sparse_softmax_cross_entropy_with_logits``, averaged over the
 batch.  Computed with the log-sum-exp shift, never from a softmax that can
 underflow.  The gradient with respect to the logits is ``(softmax - onehot) / n``.
+
+Label smoothing ``eps`` (TensorFlow's ``label_smoothing``, Szegedy et al.):
+the target is ``(1 - eps) * onehot + eps / C``, so the loss is the plain
+cross-entropy plus ``eps * mean_rows(z_y - mean_c z_c)`` and the gradient
+``(softmax - onehot) / n + eps * (onehot - 1 / C) / n``: the plain loss and
+gradient, then two corrections (array operations on either device).
 """
 from __future__ import annotations
 
@@ -10,14 +16,26 @@ from towers.nn import kernels
 from towers.nn.layers import Workspace
 
 
-def softmax_cross_entropy(logits, labels, ws: Workspace, want_loss: bool = True):
+def softmax_cross_entropy(logits, labels, ws: Workspace, want_loss: bool = True, smoothing: float = 0.0):
     """Mean sparse softmax cross-entropy from logits and its gradient.
 
     Uses the log-sum-exp shift (never the log of a softmax, which underflows).
     Returns (loss or None, dlogits); dlogits lives in ``ws``.  On a GPU it is
-    one fused kernel (``towers.nn.kernels.softmax_xent``).
+    one fused kernel (``towers.nn.kernels.softmax_xent``).  ``smoothing``:
+    label smoothing (module doc).
     """
-    return kernels.softmax_xent(logits, labels, ws, want_loss)
+    loss, d = kernels.softmax_xent(logits, labels, ws, want_loss)
+    if not smoothing:
+        return loss, d
+    xp = ws.xp
+    n, c = logits.shape
+    t = logits.dtype.type
+    rows = xp.arange(n)
+    if want_loss:
+        loss = loss + t(smoothing) * (xp.mean(logits[rows, labels]) - xp.mean(logits))
+    d[rows, labels] += t(smoothing / n)
+    d -= t(smoothing / (n * c))
+    return loss, d
 
 
 def accuracy_count(logits, labels) -> int:

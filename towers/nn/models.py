@@ -7,6 +7,8 @@ learning rate, its decay and the momentum.  ``towers.config`` fills every
 setting the user left unset from these, so ``--model lenet5`` alone trains.
 A user's model (``package.module:function``, or a model object handed to the
 ``Trainer``) gets the generic defaults (``GENERIC``).
+
+Every model takes any image shape (H, W) or (H, W, C) and any class count.
 """
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from towers.errors import UserError
-from towers.nn.conv import Conv2D, MaxPool2D
+from towers.nn.conv import Conv2D
 from towers.nn.layers import Dense, Flatten, Layer, ReLU, Sequential
+from towers.nn.normalization import LRN, BatchNorm
+from towers.nn.pooling import GlobalAvgPool, MaxPool2D
+from towers.nn.residual import Residual
 
 
 def mlp(input_shape: tuple, num_classes: int, hidden: int = 500) -> Sequential:
@@ -38,11 +43,12 @@ def lenet5(input_shape: tuple, num_classes: int) -> Sequential:
     (relu(max(a, b)) == max(relu(a), relu(b))), so the function and its
     gradient are the book's, while the ReLU touches 4x fewer values.
     """
+    # col2im input gradients: the published LeNet-5 runs' bits depend on them.
     return Sequential([
-        Conv2D("layer1-conv1", 32, 5),
+        Conv2D("layer1-conv1", 32, 5, dx_by="col2im"),
         MaxPool2D(2),  # layer2-pool1: no parameters, so no scope
         ReLU(),
-        Conv2D("layer3-conv2", 64, 5),
+        Conv2D("layer3-conv2", 64, 5, dx_by="col2im"),
         MaxPool2D(2),  # layer4-pool2
         ReLU(),
         Flatten(),
@@ -52,17 +58,85 @@ def lenet5(input_shape: tuple, num_classes: int) -> Sequential:
     ])
 
 
+def cifar10(input_shape: tuple, num_classes: int) -> Sequential:
+    """The model of TensorFlow's CIFAR-10 multi-GPU tutorial (``cifar10.inference``).
+
+    conv 5x5x64 + ReLU, max-pool 3x3 stride 2, LRN, conv 5x5x64 + ReLU, LRN,
+    max-pool 3x3 stride 2, fully connected 384 and 192 + ReLU, linear
+    ``num_classes``; the tutorial's names and initializers (truncated normal:
+    conv 5e-2, fc 0.04, softmax_linear 1/192; biases 0, 0.1 for conv2, local3
+    and local4), L2 (its weight decay 0.004, the ``l2`` default) on local3 and
+    local4 weights only; LRN ``depth_radius 4, bias 1, alpha 0.001/9, beta
+    0.75``.  The first ReLU runs after its pool, as in ``lenet5`` (the same
+    function at a quarter of the cost).
+    """
+    lrn = dict(depth_radius=4, bias=1.0, alpha=0.001 / 9.0, beta=0.75)
+    return Sequential([
+        Conv2D("conv1", 64, 5, stddev=5e-2),
+        MaxPool2D(3, 2),  # pool1
+        ReLU(),
+        LRN(**lrn),  # norm1
+        Conv2D("conv2", 64, 5, stddev=5e-2, bias=0.1),
+        ReLU(),
+        LRN(**lrn),  # norm2
+        MaxPool2D(3, 2),  # pool2
+        Flatten(),
+        Dense("local3", 384, stddev=0.04, bias=0.1, regularize=True),
+        ReLU(),
+        Dense("local4", 192, stddev=0.04, bias=0.1, regularize=True),
+        ReLU(),
+        Dense("softmax_linear", num_classes, stddev=1 / 192.0, regularize=False),
+    ])
+
+
+def resnet(n: int):
+    """He et al. 2016's CIFAR ResNet of 6n+2 layers (``resnet20``: n = 3, ``resnet32``: 5, ``resnet56``: 9).
+
+    conv 3x3x16 + BN + ReLU, then three stages of n residual blocks (16, 32,
+    64 filters; the first block of stages 2 and 3 halves height and width with
+    a stride-2 convolution and an option-A shortcut), global average pooling
+    and a fully connected layer.  A block is conv 3x3 + BN + ReLU + conv 3x3 +
+    BN, added to its shortcut, then ReLU.  Convolutions have no bias (BN's
+    beta is one) and He et al.'s normal(0, sqrt(2 / fan_in)) weights, padded
+    1 pixel (PyTorch's and the paper's alignment: a stride-2 window's centre
+    is the pixel the shortcut keeps); L2 on the convolution and fc weights,
+    not on BN's gamma and beta.
+    """
+    def build(input_shape: tuple, num_classes: int) -> Sequential:
+        def conv(scope, filters, stride=1):
+            return Conv2D(scope, filters, 3, padding=1, stride=stride, bias=False, stddev="he", regularize=True)
+
+        layers = [conv("conv1", 16), BatchNorm("bn1"), ReLU()]
+        for stage, filters in enumerate((16, 32, 64), 1):
+            for block in range(1, n + 1):
+                stride = 2 if stage > 1 and block == 1 else 1
+                layers.append(Residual(
+                    [conv("conv1", filters, stride), BatchNorm("bn1"), ReLU(), conv("conv2", filters), BatchNorm("bn2")],
+                    shortcut="A" if stride > 1 else None, scope=f"stage{stage}/block{block}"))
+        return Sequential(layers + [GlobalAvgPool(), Dense("fc", num_classes, stddev=0.125, regularize=True)])
+
+    build.__name__ = f"resnet{6 * n + 2}"
+    build.__doc__ = resnet.__doc__
+    return build
+
+
 # Per optimizer: the settings a run uses when the user gives none.  ``adam``'s
-# learning rate is TensorFlow's AdamOptimizer default.
-GENERIC = {"sgd": {"lr": 0.8, "lr_decay": 0.99, "momentum": 0.0},
-           "adam": {"lr": 0.001, "lr_decay": 1.0, "momentum": 0.0}}
+# learning rate is TensorFlow's AdamOptimizer default.  A model's own table
+# overrides these keys, and adds schedule settings (``towers.optim.schedule``).
+GENERIC = {"sgd": {"lr": 0.8, "lr_decay": 0.99, "momentum": 0.0, "l2": 1e-4},
+           "adam": {"lr": 0.001, "lr_decay": 1.0, "momentum": 0.0, "l2": 1e-4}}
+
+# He et al.: SGD, momentum 0.9, weight decay 1e-4, lr 0.1 divided by 10 at
+# 32k and 48k steps (batch 128).
+_HE = {"lr": 0.1, "lr_decay": 1.0, "momentum": 0.9, "l2": 1e-4, "lr_schedule": "piecewise",
+       "lr_boundaries": "32000,48000"}
 
 
 @dataclass(frozen=True)
 class BuiltinModel:
     build: Callable[..., Sequential]
     optimizer: str  # the optimizer it uses by default
-    defaults: dict = field(default_factory=lambda: GENERIC)  # optimizer -> settings
+    defaults: dict = field(default_factory=lambda: GENERIC)  # optimizer -> settings (over GENERIC's)
 
 
 MODELS: dict[str, BuiltinModel] = {
@@ -73,6 +147,11 @@ MODELS: dict[str, BuiltinModel] = {
         # Measured on MNIST: 98.6% EMA accuracy in 3,000 steps (README).
         "sgd": {"lr": 0.01, "lr_decay": 0.99, "momentum": 0.9},
     }),
+    # The tutorial: plain SGD, lr 0.1 decayed by 10x every 350 epochs (here per
+    # epoch, continuously: 0.1 ** (1 / 350)), weight decay 0.004.
+    "cifar10": BuiltinModel(cifar10, "sgd", {"sgd": {"lr": 0.1, "lr_decay": 0.1 ** (1 / 350), "l2": 0.004},
+                                             "adam": {"l2": 0.004}}),
+    **{f"resnet{6 * n + 2}": BuiltinModel(resnet(n), "sgd", {"sgd": _HE}) for n in (3, 5, 9)},
 }
 
 
@@ -81,7 +160,7 @@ def model_defaults(spec, optimizer: str | None) -> tuple[str, dict]:
     entry = MODELS.get(spec) if isinstance(spec, str) else None
     opt = optimizer or (entry.optimizer if entry else "sgd")
     table = entry.defaults if entry else GENERIC
-    return opt, dict(table.get(opt, GENERIC[opt]))
+    return opt, {**GENERIC[opt], **table.get(opt, {})}
 
 
 def as_sequential(model, where: str) -> Sequential:

@@ -1,10 +1,17 @@
 """One replica (tower) of the model on its device: flat buffers, forward, backward.
 
-A replica owns two contiguous buffers on its device, one for all parameters
-and one for all gradients; named parameters are views into them, so the
-all-reduce and the optimizer each touch one array per step.  L2-regularized
-parameters come first in the buffer so that the L2 term and its gradient are
-one operation on a contiguous prefix.
+A replica owns two contiguous buffers on its device, one for all trainable
+parameters and one for all gradients; named parameters are views into them,
+so the all-reduce and the optimizer each touch one array per step.
+L2-regularized parameters come first in the buffer so that the L2 term and
+its gradient are one operation on a contiguous prefix.  A third flat buffer
+holds the model's buffers (non-trainable state such as batch norm's moving
+statistics; often empty), which layers update in place while training.
+
+``context`` (``towers.nn.context.StepContext``) tells the layers whether they
+train, the step, the tower, the seed and the sync-BN callable;
+``loss_and_grads`` runs in training mode, ``forward`` (by default) and
+``evaluate`` in evaluation mode.
 """
 from __future__ import annotations
 
@@ -13,23 +20,28 @@ import contextlib
 import numpy
 
 from towers.nn import kernels
+from towers.nn.context import StepContext
 from towers.nn.layers import Sequential, Workspace
 from towers.nn.loss import accuracy_count, softmax_cross_entropy
 
 
 class Replica:
-    """One tower's copy of the model: flat parameter and gradient buffers on a device.
+    """One tower's copy of the model: flat parameter, gradient and buffer arrays on a device.
 
     ``params`` and ``grads`` are contiguous 1-D arrays; ``param[name]`` and
-    ``grad[name]`` are views into them.  All arrays live on ``xp`` (NumPy or CuPy;
-    for CuPy the caller makes the right device current).
+    ``grad[name]`` are views into them; ``buffers`` and ``buffer[name]`` the
+    same for the buffers, set to the model's initial values.  All arrays live
+    on ``xp`` (NumPy or CuPy; for CuPy the caller makes the right device
+    current).  ``label_smoothing`` applies to the training loss only.
     """
 
-    def __init__(self, model: Sequential, xp, dtype=numpy.float32):
+    def __init__(self, model: Sequential, xp, dtype=numpy.float32, label_smoothing: float = 0.0):
         self.model, self.xp, self.dtype = model, xp, numpy.dtype(dtype)
+        self.label_smoothing = float(label_smoothing)
+        self.context = StepContext()
         self.params = xp.zeros(model.size, dtype=self.dtype)
         self.grads = xp.zeros(model.size, dtype=self.dtype)
-        self.buffers = xp.asarray(model.init_buffers())  # non-trainable state (moving statistics)
+        self.buffers = xp.asarray(model.init_buffers(), dtype=self.dtype)
         self.param, self.grad, self.buffer = {}, {}, {}
         for name, shape, off, size in model.layout():
             # copy=False raises rather than silently copying: the views must alias.
@@ -38,32 +50,34 @@ class Replica:
         for name, shape, off, size in model.buffer_layout():
             self.buffer[name] = self.buffers[off : off + size].reshape(shape, copy=False)
         self._nreg = model.n_regularized
-        self._first_param_layer = min((li for li, _, _ in model.params), default=0)
-        self._local = []  # per layer: (params dict, grads dict, workspace)
-        by_layer: dict[int, list[tuple[str, str]]] = {}
-        for li, name, prm in model.params + model.buffers:
-            by_layer.setdefault(li, []).append((prm.name, name))
+        self._first_param_layer = min((li for li, _, prm in model.params if prm.trainable), default=0)
+        self._local = []  # per layer: (params and buffers dict, grads dict, workspace)
+        by_layer: dict[int, list[tuple[str, str, bool]]] = {}
+        for li, name, prm in model.params:
+            by_layer.setdefault(li, []).append((prm.name, name, prm.trainable))
         views = {**self.param, **self.buffer}
         for li in range(len(model.layers)):
             names = by_layer.get(li, [])
             self._local.append(
                 (
-                    {k: views[n] for k, n in names},
-                    {k: self.grad[n] for k, n in names if n in self.grad},
-                    Workspace(xp),
+                    {k: views[n] for k, n, _ in names},
+                    {k: self.grad[n] for k, n, trainable in names if trainable},
+                    Workspace(xp, self.context, (li,)),
                 )
             )
-        self._loss_ws = Workspace(xp)
+        self._loss_ws = Workspace(xp, self.context)
 
     def set_params(self, flat) -> None:
         """Copy a flat host or device array into the parameter buffer."""
         self.params[...] = self.xp.asarray(flat, dtype=self.dtype)
 
     def set_buffers(self, flat) -> None:
-        """Copy a flat host or device array into the (non-trainable) buffer."""
+        """Copy a flat host or device array into the buffers (``model.buffer_layout()`` order)."""
         self.buffers[...] = self.xp.asarray(flat, dtype=self.dtype)
 
-    def forward(self, x):
+    def forward(self, x, training: bool = False):
+        """The logits of ``x``: evaluation mode (moving statistics, no dropout) unless ``training``."""
+        self.context.training = training
         for layer, (p, _, ws) in zip(self.model.layers, self._local):
             x = layer.forward(p, x, ws)
         return x
@@ -78,8 +92,8 @@ class Replica:
         """
         timer = timer or _no_timer
         with timer("forward"):
-            logits = self.forward(x)
-            loss, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss)
+            logits = self.forward(x, training=True)
+            loss, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss, self.label_smoothing)
         with timer("backward"):
             layers = self.model.layers
             # Backward stops at the first layer with parameters, which needs no
@@ -97,13 +111,13 @@ class Replica:
                     loss = loss + self.dtype.type(l2 / 2) * self.xp.dot(w, w)
         return loss
 
-
     def evaluate(self, x, y, batch: int = 250) -> tuple[float, float]:
-        """Mean loss (without L2) and accuracy over host arrays ``x``, ``y``.
+        """Mean loss (without L2 and label smoothing) and accuracy over host arrays ``x``, ``y``.
 
-        Counts real examples only (the last chunk is short, never padded).  Chunks
-        are small because a convolution's im2col buffer grows with them.  uint8
-        inputs are scaled by 1/255 on the device, as in training.
+        Evaluation mode (moving statistics, no dropout).  Counts real examples
+        only (the last chunk is short, never padded).  Chunks are small because
+        a convolution's im2col buffer grows with them.  uint8 inputs are scaled
+        by 1/255 on the device, as in training.
         """
         xp = self.xp
         total_loss, correct = 0.0, 0
@@ -117,8 +131,6 @@ class Replica:
             correct += accuracy_count(logits, yb)
         n = max(len(x), 1)
         return total_loss / n, correct / n
-
-
 
 
 _NO_TIMER = contextlib.nullcontext()

@@ -9,6 +9,7 @@ SGD (with optional momentum, as ``tf.train.MomentumOptimizer``)::
 
     v = momentum * v + g                 (only when momentum > 0)
     p = p - lr * (v or g)
+    p = p - lr * (g + momentum * v)      (instead, with nesterov: use_nesterov=True)
 
 Adam (``tf.train.AdamOptimizer``; ``t`` = updates so far + 1)::
 
@@ -109,7 +110,8 @@ class Optimizer:
         outs = ("p", *names, *(("e",) if self.ema is not None else ()))
         body = self.GPU_BODY + "p = p_new;\n" + (self.ema.GPU_BODY.format(p="p_new") if self.ema is not None else "")
         return flat_kernel(("g",), (*self._scalar_names(), "one_minus_d"), outs, body,
-                           f"towers_{type(self).__name__.lower()}_{len(names)}_e{int(self.ema is not None)}")
+                           f"towers_{type(self).__name__.lower()}_{len(names)}_e{int(self.ema is not None)}"
+                           + ("_nesterov" if getattr(self, "nesterov", False) else ""))
 
     # -- subclasses
     GPU_BODY = ""  # CUDA source that sets ``T p_new`` (and updates the slots)
@@ -125,13 +127,14 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    """Gradient descent, with momentum when ``momentum`` > 0."""
+    """Gradient descent, with momentum when ``momentum`` > 0 (Nesterov's with ``nesterov``)."""
 
-    def __init__(self, params, momentum: float = 0.0, ema=None):
-        self.momentum = float(momentum)
+    def __init__(self, params, momentum: float = 0.0, ema=None, nesterov: bool = False):
+        self.momentum, self.nesterov = float(momentum), bool(nesterov) and bool(momentum)
         self.slots = ("momentum",) if self.momentum else ()
         super().__init__(params, ema)
-        self.GPU_BODY = ("momentum = mu * momentum + g;\nT p_new = p - lr * momentum;\n" if self.momentum
+        step = "(g + mu * momentum)" if self.nesterov else "momentum"
+        self.GPU_BODY = (f"momentum = mu * momentum + g;\nT p_new = p - lr * {step};\n" if self.momentum
                          else "T p_new = p - lr * g;\n")
 
     @property
@@ -152,6 +155,10 @@ class SGD(Optimizer):
             v *= mu
             v += g
             step = v
+            if self.nesterov:  # g + mu * v, in tmp
+                numpy.multiply(v, mu, out=tmp)
+                tmp += g
+                step = tmp
         numpy.multiply(step, lr, out=tmp)
         p -= tmp
 
@@ -200,7 +207,7 @@ SLOTS = ("momentum", "adam_m", "adam_v")
 def make_optimizer(cfg, params, ema=None) -> Optimizer:
     """The optimizer ``cfg.optimizer`` names, for one replica's flat buffer."""
     if cfg.optimizer == "sgd":
-        return SGD(params, cfg.momentum, ema)
+        return SGD(params, cfg.momentum, ema, nesterov=cfg.nesterov)
     if cfg.optimizer == "adam":
         return Adam(params, cfg.beta1, cfg.beta2, cfg.epsilon, ema)
     raise UserError(f"optimizer {cfg.optimizer!r} is unknown: use one of {', '.join(OPTIMIZERS)}")

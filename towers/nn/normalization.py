@@ -1,0 +1,229 @@
+"""Normalization layers: ``BatchNorm`` and ``LRN`` (local response normalization).
+
+Both follow the layer API of ``towers.nn.layers``, act on the last axis
+(channels of NHWC activations, or units of a dense layer) and run on NumPy or
+CuPy through array operations and GEMMs.
+
+BatchNorm (Ioffe and Szegedy; TensorFlow's ``batch_normalization`` defaults:
+momentum 0.99, epsilon 1e-3).  Over the M = N*H*W values of each channel:
+
+* training: ``mean``, ``var`` = the batch's mean and (biased) variance,
+  computed as ``E[x]`` and ``E[x^2] - E[x]^2`` from two column sums (GEMVs);
+  ``y = gamma * (x - mean) / sqrt(var + eps) + beta``, as ``x * a + b`` with
+  per-channel ``a``, ``b``.  The buffers follow:
+  ``moving -= (1 - d) * (moving - batch)`` with ``d = min(momentum, (1 + step)
+  / (10 + step))``, the EMA's warm-up (``towers.optim.ema``), so the moving
+  statistics are the recent batches' after a few hundred steps already, not
+  a blend dominated by their initial values (0 and 1) for 1 / (1 - momentum)
+  steps;
+* evaluation (``ctx.training`` False): the moving mean and variance instead;
+* backward: with ``xhat = (x - mean) / sqrt(var + eps)``,
+  ``dgamma = sum(dy * xhat)``, ``dbeta = sum(dy)``, and
+  ``dx = a * (dy - mean(dy) - xhat * mean(dy * xhat))``, computed as
+  ``dy * a + x * k + c`` with per-channel ``k``, ``c``.
+
+Each tower normalizes with its own batch's statistics (TensorFlow's towers
+and PyTorch's DDP by default).  With a ``sync`` in the step context (the
+``sync_bn`` setting) the statistics are those of the global batch instead,
+as PyTorch's ``SyncBatchNorm``: sync points, two per layer and step, each
+an average of ONE packed array of 2C values across towers --
+
+* forward: ``[E[x], E[x^2]]`` of the tower's batch (towers hold equal batches,
+  so their average is the global batch's);
+* backward: ``[mean(dy), mean(dy * xhat)]``, the two sums of ``dx``.
+
+Every tower then computes the same statistics, the same moving averages, and
+input gradients whose average over towers is the gradient of the global
+batch's loss, so N towers x B examples train as 1 tower x N*B up to float
+rounding.  The parameter gradients stay each tower's own sums: the gradient
+all-reduce averages them as any other.  ``gamma`` and ``beta`` are not under
+L2.
+
+LRN (TensorFlow's ``local_response_normalization``, defaults depth_radius 5,
+bias 1, alpha 1, beta 0.5): ``s = bias + alpha * sum(x^2 over channels c - r
+.. c + r)``, ``y = x * s^-beta``.  The window sums are one GEMM with a banded
+(C, C) 0/1 matrix; backward: ``dx = dy * s^-beta - 2 alpha beta x * band(dy
+* x * s^(-beta - 1))``, the same band product.
+"""
+from __future__ import annotations
+
+import numpy
+
+from towers.errors import UserError
+from towers.nn import kernels
+from towers.nn.layers import Layer, Param
+from towers.optim.ema import ema_decay
+
+
+def _channels(in_shape: tuple, who: str) -> int:
+    if not in_shape:
+        raise UserError(f"{who}: needs at least one feature axis, got per-example shape {in_shape}")
+    return int(in_shape[-1])
+
+
+class BatchNorm(Layer):
+    """Batch normalization over every axis but the last (see the module doc).
+
+    Parameters ``gamma`` (1) and ``beta`` (0), buffers ``moving_mean`` (0) and
+    ``moving_variance`` (1).  ``scale=False`` / ``center=False`` drop gamma /
+    beta (e.g. before a ReLU, where gamma is redundant with the next layer).
+    """
+
+    def __init__(self, scope: str, momentum: float = 0.99, epsilon: float = 1e-3,
+                 scale: bool = True, center: bool = True):
+        if not 0 <= momentum < 1 or not epsilon > 0:
+            raise UserError(f"{scope}: momentum must be in [0, 1) and epsilon > 0, got {momentum}, {epsilon}")
+        self.scope, self.momentum, self.epsilon = scope, float(momentum), float(epsilon)
+        self.scale, self.center = bool(scale), bool(center)
+
+    def build(self, in_shape):
+        c = self.c = _channels(tuple(in_shape), self.scope)
+        params = ([Param("gamma", (c,), "constant:1")] if self.scale else []) + (
+            [Param("beta", (c,))] if self.center else [])
+        return params + [Param("moving_mean", (c,), trainable=False),
+                         Param("moving_variance", (c,), "constant:1", trainable=False)], tuple(in_shape)
+
+    def forward(self, p, x, ws):
+        xp, ctx, c = ws.xp, ws.ctx, self.c
+        x2 = x.reshape(-1, c)
+        m = x2.shape[0]
+        dt = x2.dtype.type
+        gamma = p["gamma"] if self.scale else dt(1)
+        beta = p["beta"] if self.center else dt(0)
+        if ctx.training:
+            # E[x] and E[x^2] packed in one array: the single forward sync point.
+            moments = ws.array("moments", (2, c), x2.dtype)
+            kernels.col_sum(x2, moments[0], ws)
+            sq = ws.array("tmp", x2.shape, x2.dtype)
+            xp.multiply(x2, x2, out=sq)
+            kernels.col_sum(sq, moments[1], ws)
+            moments *= dt(1.0 / m)
+            if ctx.sync is not None:
+                ctx.sync(moments.reshape(-1))
+            mean = moments[0]
+            var = xp.maximum(moments[1] - mean * mean, dt(0))  # rounding may take it below 0
+            d = dt(1.0 - ema_decay(self.momentum, ctx.step))
+            for name, batch in (("moving_mean", mean), ("moving_variance", var)):
+                buf = p[name]
+                buf -= (buf - batch) * d
+        else:
+            mean, var = p["moving_mean"], p["moving_variance"]
+        inv_std = dt(1) / xp.sqrt(var + dt(self.epsilon))
+        a = gamma * inv_std
+        y = ws.array("y", x.shape, x.dtype)
+        y2 = y.reshape(-1, c)
+        xp.multiply(x2, a, out=y2)
+        y2 += beta - mean * a
+        if ctx.training:
+            ws.saved.update(x2=x2, mean=mean, inv_std=inv_std, a=a, x_shape=x.shape)
+        return y
+
+    def backward(self, p, g, dy, ws, need_dx):
+        xp, ctx, c = ws.xp, ws.ctx, self.c
+        s = ws.saved
+        x2, mean, inv_std, a = s["x2"], s["mean"], s["inv_std"], s["a"]
+        dy2 = dy.reshape(-1, c)
+        m = dy2.shape[0]
+        dt = dy2.dtype.type
+        # sums[0] = sum(dy), sums[1] = sum(dy * xhat) = inv_std * (sum(dy * x) - mean * sum(dy))
+        sums = ws.array("sums", (2, c), dy2.dtype)
+        kernels.col_sum(dy2, sums[0], ws)
+        tmp = ws.array("tmp", x2.shape, x2.dtype)
+        xp.multiply(dy2, x2, out=tmp)
+        kernels.col_sum(tmp, sums[1], ws)
+        sums[1] -= mean * sums[0]
+        sums[1] *= inv_std
+        if self.scale:
+            g["gamma"][...] = sums[1]
+        if self.center:
+            g["beta"][...] = sums[0]
+        if not need_dx:
+            return None
+        means = ws.array("means", (2, c), dy2.dtype)
+        xp.multiply(sums, dt(1.0 / m), out=means)
+        if ctx.sync is not None:  # the backward sync point: the global batch's two means
+            ctx.sync(means.reshape(-1))
+        # dx = a * (dy - means[0] - xhat * means[1]) = dy * a + x * k + c0
+        k = -a * inv_std * means[1]
+        c0 = a * (mean * inv_std * means[1] - means[0])
+        dx = ws.array("dx", dy.shape, dy.dtype)
+        dx2 = dx.reshape(-1, c)
+        xp.multiply(dy2, a, out=dx2)
+        xp.multiply(x2, k, out=tmp)
+        dx2 += tmp
+        dx2 += c0
+        return dx.reshape(s["x_shape"])
+
+
+class LRN(Layer):
+    """TensorFlow's ``local_response_normalization`` across the last axis (see the module doc)."""
+
+    def __init__(self, depth_radius: int = 5, bias: float = 1.0, alpha: float = 1.0, beta: float = 0.5):
+        if isinstance(depth_radius, bool) or not isinstance(depth_radius, int) or depth_radius < 0:
+            raise UserError(f"LRN: depth_radius must be an integer >= 0, got {depth_radius!r}")
+        self.r, self.bias, self.alpha, self.beta = depth_radius, float(bias), float(alpha), float(beta)
+
+    def build(self, in_shape):
+        c = self.c = _channels(tuple(in_shape), "LRN")
+        i = numpy.arange(c)
+        self._band = (abs(i[:, None] - i[None, :]) <= self.r).astype(numpy.float32)
+        return [], tuple(in_shape)
+
+    def _band_of(self, ws, dtype):
+        b = ws.saved.get("band")
+        if b is None or b.dtype != dtype:
+            b = ws.saved["band"] = ws.xp.asarray(self._band.astype(dtype))
+        return b
+
+    def forward(self, p, x, ws):
+        xp, c = ws.xp, self.c
+        x2 = x.reshape(-1, c)
+        dt = x2.dtype.type
+        band = self._band_of(ws, x2.dtype)
+        sq = ws.array("sq", x2.shape, x2.dtype)
+        xp.multiply(x2, x2, out=sq)
+        s = ws.array("s", x2.shape, x2.dtype)
+        kernels.gemm(sq, band, s)  # window sums of squares
+        s *= dt(self.alpha)
+        s += dt(self.bias)
+        u = ws.array("u", x2.shape, x2.dtype)  # s ** -beta
+        _inv_pow(xp, s, self.beta, u, sq)
+        y = ws.array("y", x.shape, x.dtype)
+        xp.multiply(x2, u, out=y.reshape(-1, c))
+        ws.saved.update(x2=x2, s=s, u=u, x_shape=x.shape)
+        return y
+
+    def backward(self, p, g, dy, ws, need_dx):
+        if not need_dx:
+            return None
+        xp, c = ws.xp, self.c
+        x2, s, u = ws.saved["x2"], ws.saved["s"], ws.saved["u"]
+        dy2 = dy.reshape(-1, c)
+        dt = dy2.dtype.type
+        t = ws.array("sq", x2.shape, x2.dtype)  # dy * x * s^(-beta - 1) = dy * x * u / s
+        xp.multiply(dy2, x2, out=t)
+        t *= u
+        t /= s
+        tb = ws.array("tb", x2.shape, x2.dtype)
+        kernels.gemm(t, self._band_of(ws, x2.dtype), tb)  # the band is symmetric
+        tb *= x2
+        tb *= dt(-2.0 * self.alpha * self.beta)
+        dx = ws.array("dx", dy.shape, dy.dtype)
+        dx2 = dx.reshape(-1, c)
+        xp.multiply(dy2, u, out=dx2)
+        dx2 += tb
+        return dx.reshape(ws.saved["x_shape"])
+
+
+def _inv_pow(xp, s, beta: float, out, tmp) -> None:
+    """``out = s ** -beta``; the CIFAR-10 model's 0.75 and the default 0.5 by square roots (several times faster)."""
+    if beta == 0.75:
+        xp.sqrt(s, out=tmp)
+        xp.sqrt(tmp, out=out)
+        out *= tmp
+        xp.reciprocal(out, out=out)
+    elif beta == 0.5:
+        xp.sqrt(s, out=out)
+        xp.reciprocal(out, out=out)
+    else:
+        xp.power(s, s.dtype.type(-beta), out=out)
