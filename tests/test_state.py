@@ -189,3 +189,23 @@ def test_a_model_objects_run_records_that_it_was_an_object(tmp_path):
         t.fit()
     ck = np.load(tmp_path / "ckpt-00000002.npz")
     assert '"model": "<model object>"' in str(ck["config"])
+
+
+def bn_model(input_shape, num_classes):
+    return [Flatten(), Dense("layer1", 16), towers.BatchNorm("bn1"), ReLU(), Dense("layer2", num_classes)]
+
+
+@pytest.mark.parametrize("cpu_towers", ["threads", "serial"])
+def test_sync_bn_towers_through_the_engine_train_like_one_tower_with_their_whole_batch(cpu_towers):
+    base = dict(devices="cpu", model="test_state:bn_model", summary_every=0, quiet=True, momentum=0.9)
+    two = Trainer(Config(**base, n_gpu=2, batch_size=20, sync_bn=True, cpu_towers=cpu_towers))
+    one = Trainer(Config(**base, n_gpu=1, batch_size=40))
+    with two, one:
+        for _ in range(5):
+            x, y = one.source.next_batch()
+            one.train_step(x, y)
+            two.train_step(x, y)
+        a, b = one.get_weights(), two.get_weights()
+        assert "bn1/moving_mean" in a
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=2e-6, err_msg=k)

@@ -41,7 +41,7 @@ from towers.nn.models import build_model
 from towers.nn.replica import Replica
 from towers.optim.ema import EMA
 from towers.optim.optimizers import SLOTS, make_optimizer
-from towers.optim.schedule import learning_rate
+from towers.optim.schedule import make_schedule
 from towers.output import checkpoint
 from towers.parallel.reducers import Reducer, make_reducer
 from towers.profiling import PhaseTimer
@@ -69,8 +69,9 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config | None = None, *, model=None, dataset: Dataset | None = None,
-                 reducer=None, placement: Placement | None = None):
+                 reducer=None, placement: Placement | None = None, first_tower: int = 0):
         self._closed = True  # until device memory exists
+        self._first_tower = first_tower  # this host's first tower among every host's (a cluster's hosts)
         self._owned_data = self._blas = self._tf32 = self.engine = None
         self.reducer: Reducer | None = None
         self.cfg = cfg = Config.resolved(cfg if cfg is not None else Config(), model)
@@ -115,7 +116,7 @@ class Trainer:
     def _build(self, reducer) -> None:
         cfg, devices = self.cfg, self.placement.towers
         self.timer = PhaseTimer(cfg.profile, len(devices))
-        self.towers = build_towers(self.placement, self.model, self.dataset, cfg.batch_size, cfg.seed, self.timer)
+        self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self._first_tower)
         streams = [t.stream for t in self.towers]
         self.timer.syncs = [s.synchronize if s is not None else None for s in streams]
         # GPU towers: a training set that fits stays on the devices (fit() then
@@ -154,9 +155,10 @@ class Trainer:
             threads = n > 1 and cfg.cpu_towers == "threads" and reducer.splittable
             self.blas_threads = cfg.blas_threads or (max(1, cpu_count() // n) if threads else cpu_count())
             self._blas = set_blas_threads(self.blas_threads)
-        self.engine = StepEngine(self.towers, reducer, self.ema, self.lr_at, l2=cfg.l2, weights_mode=weights_mode,
+        self.schedule = make_schedule(cfg, len(self.dataset.x), self.examples_per_step)
+        self.engine = StepEngine(self.towers, reducer, self.ema, self.schedule, l2=cfg.l2, weights_mode=weights_mode,
                                  average_every=cfg.average_every, timer=self.timer, threads=threads,
-                                 device_data=self.device_data)
+                                 device_data=self.device_data, sync_bn=cfg.sync_bn)
         self.model_state = ModelState(self.towers, self.model)
 
     # -- sizes, schedule, counters -------------------------------------------------------
@@ -197,9 +199,8 @@ class Trainer:
         return self.lr_at(self.step)
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of the step after ``step`` steps (counted in examples seen)."""
-        seen = step * self.examples_per_step
-        return learning_rate(self.cfg.lr, self.cfg.lr_decay, seen, len(self.dataset.x), self.cfg.staircase)
+        """The learning rate of the step after ``step`` steps (``towers.optim.schedule``)."""
+        return self.schedule(step)
 
     # -- steps -----------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ class StepEngine:
     """
 
     def __init__(self, towers: list, reducer, ema, schedule, *, l2: float, weights_mode: bool,
-                 average_every: int, timer, threads: bool = False, device_data=None):
+                 average_every: int, timer, threads: bool = False, device_data=None, sync_bn: bool = False):
         self.towers, self.reducer, self.ema, self.schedule = towers, reducer, ema, schedule
         self.l2, self.weights_mode, self.average_every = l2, weights_mode, average_every
         self.timer, self.device_data = timer, device_data
@@ -62,12 +62,19 @@ class StepEngine:
         self.last_average = None  # step count right after the last weight average
         self.all_reduces = 0  # collectives issued, for the communication report
         self._pool = None
-        if threads and len(towers) > 1:
-            if not reducer.splittable:
-                raise ValueError("tower threads need a reducer that takes slices (DeviceMean on the host)")
-            self._pool = TowerThreads(len(towers))
-            self._parts = chunks(towers[0].replica.params.size, len(towers))
-        self._losses = [None] * len(towers)
+        n = len(towers)
+        if (threads or sync_bn) and n > 1:
+            self._pool = TowerThreads(n)
+            # A reducer that takes slices splits the all-reduce and the update
+            # among the threads; else (NCCL, GPUs, across hosts) tower 0's thread
+            # does both over whole buffers once every tower has its gradients.
+            self._parts = (chunks(towers[0].replica.params.size, n) if reducer.splittable and threads
+                           else [None] * n)
+        if sync_bn and n > 1:
+            mean = SyncMean(n, reducer, self._pool.barrier)
+            for t in towers:
+                t.replica.context.sync = mean.for_tower(t.index)
+        self._losses = [None] * n
 
     @property
     def threaded(self) -> bool:
@@ -85,9 +92,9 @@ class StepEngine:
             # The arguments are bound to this step's call, not stored on self:
             # without a barrier (weights mode) a late tower thread of the last
             # step could otherwise read this step's batch.
-            self._pool.run(lambda i: self._work([i], self._parts[i], x, y, None, want_loss, lr, step))
-            if not self.weights_mode:
-                self.all_reduces += 1  # one all-reduce, shared out in slices among the threads
+            self._pool.run(lambda i: self._work([i], self._parts[i], x, y, None, want_loss, lr, step, threaded=True))
+            if not self.weights_mode and not self.reducer.noop:
+                self.all_reduces += 1  # one all-reduce (shared out in slices among the threads)
             elif want_loss:
                 self._pool.wait()  # no barrier in weights mode: wait for every tower's loss
         return self._step_done(list(self._losses) if want_loss else None)
@@ -97,23 +104,30 @@ class StepEngine:
             with self.timer("stage"):
                 self.device_data.upload(indices)  # the step's indices: one copy per GPU
 
-    def _work(self, mine, part, x, y, indices, want_loss, lr, step) -> None:
+    def _work(self, mine, part, x, y, indices, want_loss, lr, step, threaded: bool = False) -> None:
         """A worker's share of a step: compute its towers; then reduce and update ``part`` of every tower.
 
-        ``part`` None: the worker owns every tower and whole buffers.
+        ``part`` None: whole buffers, by the worker that owns every tower or, on
+        threads, by tower 0's after the barrier.
         """
         for i in mine:
-            self._losses[i] = self._compute(i, x, y, indices, want_loss)
+            self._losses[i] = self._compute(i, x, y, indices, want_loss, step)
         if self.weights_mode:  # each tower steps alone; averages happen every K steps
             for i in mine:
                 self.towers[i].update(self.towers[i].replica.grads, lr, step)
             return
         on = mine[0]
-        if part is None:
-            self._reduce([t.replica.grads for t in self.towers], on)
-        else:
+        if threaded:
             with self.timer("barrier", on):
                 self._pool.barrier.wait()  # every tower's gradients are complete
+            if part is None and on != 0:
+                return  # tower 0's thread reduces and updates whole buffers
+        if part is None and not threaded:
+            self._reduce([t.replica.grads for t in self.towers], on)
+        elif part is None:
+            with self.timer("all-reduce", on):
+                self.reducer.average([t.replica.grads for t in self.towers])
+        else:
             grads = [t.replica.grads[part] for t in self.towers]
             with self.timer("all-reduce", on):
                 self.reducer.average(grads)
@@ -121,13 +135,13 @@ class StepEngine:
             t.update(t.replica.grads if part is None else t.replica.grads[part], lr, step, part,
                      timer=None if part is None else self.towers[on].timer)
 
-    def _compute(self, i: int, x, y, indices, want_loss: bool):
+    def _compute(self, i: int, x, y, indices, want_loss: bool, step: int):
         """Tower ``i``'s slice (rows ``i*b .. (i+1)*b`` of the host batch, or of the device rows) through stages 1-2."""
         t = self.towers[i]
         if indices is not None:
-            return t.compute(None, None, self.l2, want_loss, stage=lambda: self.device_data.stage(i))
+            return t.compute(None, None, self.l2, want_loss, step, stage=lambda: self.device_data.stage(i))
         b = t.stager.x.shape[0]
-        return t.compute(x[i * b: (i + 1) * b], y[i * b: (i + 1) * b], self.l2, want_loss)
+        return t.compute(x[i * b: (i + 1) * b], y[i * b: (i + 1) * b], self.l2, want_loss, step)
 
     def _reduce(self, buffers: list, on: int = 0) -> None:
         """The reducer over whole buffers, counted."""
@@ -150,7 +164,10 @@ class StepEngine:
     def gradients(self, x, y, want_loss: bool = False):
         """Stages 1-3 without the update: every tower's ``grads`` ends as the mean gradient."""
         self.synchronize()
-        losses = [self._compute(i, x, y, None, want_loss) for i in range(len(self.towers))]
+        if self._pool is not None and self.towers[0].replica.context.sync is not None:
+            raise UserError("`sync_bn` averages batch statistics inside a synchronous step of one host's towers: "
+                            "not with a parameter server")
+        losses = [self._compute(i, x, y, None, want_loss, self.step) for i in range(len(self.towers))]
         self._reduce([t.replica.grads for t in self.towers])
         return losses if want_loss else None
 
@@ -237,6 +254,31 @@ class StepEngine:
         if self._pool is not None:
             pool, self._pool = self._pool, None
             pool.close()
+
+
+class SyncMean:
+    """Sync-BN's cross-tower average: ``for_tower(i)(array)`` averages one small array in place over every tower.
+
+    Every tower's thread calls it at the same point of its forward or
+    backward pass (``towers.nn.context``); the first barrier waits for every
+    tower's array, tower 0's thread averages them with the step's reducer
+    (a device mean, NCCL), the second barrier hands them back.  Sync points:
+    two barriers per call; a tower's error breaks them (``TowerThreads``).
+    """
+
+    def __init__(self, n: int, reducer, barrier):
+        self.reducer, self.barrier = reducer, barrier
+        self.arrays = [None] * n
+
+    def for_tower(self, i: int):
+        return lambda array: self(i, array)
+
+    def __call__(self, i: int, array) -> None:
+        self.arrays[i] = array
+        self.barrier.wait()
+        if i == 0:
+            self.reducer.average(self.arrays)
+        self.barrier.wait()
 
 
 def check_indices(indices, global_batch: int, n: int):

@@ -42,11 +42,13 @@ class Tower:
         with self.device.scope(), on_stream(self.stream), numpy.errstate(**_QUIET):
             yield
 
-    def compute(self, x, y, l2: float, want_loss: bool, stage=None):
+    def compute(self, x, y, l2: float, want_loss: bool, step: int, stage=None):
         """Stages 1-2: the slice ``x``, ``y`` onto the device (or ``stage()``'s, already there), forward, backward.
 
-        Returns the loss as a device scalar when ``want_loss``, else None.
+        ``step``: updates done so far (the layers' step context).  Returns the
+        loss as a device scalar when ``want_loss``, else None.
         """
+        self.replica.context.step = step
         with self.scope():
             with self.timer("stage"):
                 xs, ys = stage() if stage is not None else self.stager.stage(x, y)
@@ -61,8 +63,13 @@ class Tower:
         return str(self.device)
 
 
-def build_towers(placement, model, dataset, batch_size: int, seed: int, timer) -> list[Tower]:
-    """One tower per placed device, replicas identical (one seeded draw), streams per GPU."""
+def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0) -> list[Tower]:
+    """One tower per placed device, replicas identical (one seeded draw), streams per GPU.
+
+    ``first_tower``: the global index of this host's first tower (dropout masks
+    are drawn per global tower).
+    """
+    batch_size, seed = cfg.batch_size, cfg.seed
     init = model.init_params(seed)
     streams: dict[int, object] = {}
     towers = []
@@ -77,8 +84,9 @@ def build_towers(placement, model, dataset, batch_size: int, seed: int, timer) -
             if dev.is_gpu:
                 stream = streams.get(dev.index) or dev.xp.cuda.Stream(non_blocking=True)
                 streams[dev.index] = stream
-            replica = Replica(model, dev.xp)
+            replica = Replica(model, dev.xp, label_smoothing=cfg.label_smoothing)
             replica.set_params(init)
+            replica.context.tower, replica.context.seed = first_tower + i, seed
         stager = Stager(dev, stream, batch_size, dataset.example_shape, dataset.x.dtype)
         towers.append(Tower(i, dev, stream, replica, stager, timer.for_tower(i)))
     return towers
