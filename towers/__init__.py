@@ -30,5 +30,14 @@ from towers.nn.conv import Conv2D, MaxPool2D
 from towers.nn.layers import Dense, Flatten, ReLU, Sequential
 from towers.trainer import Trainer
 
-__all__ = ["Config", "Trainer", "Dataset", "Sequential", "Dense", "ReLU", "Flatten", "Conv2D", "MaxPool2D",
+__all__ = ["Config", "Trainer", "ClusterTrainer", "Dataset", "Sequential", "Dense", "ReLU", "Flatten", "Conv2D", "MaxPool2D",
            "UserError", "TrainingError"]
+
+
+def __getattr__(name: str):
+    """``towers.ClusterTrainer`` on first use: ``import towers`` never imports Ray."""
+    if name == "ClusterTrainer":
+        from towers.cluster.driver import ClusterTrainer
+
+        return ClusterTrainer
+    raise AttributeError(f"module 'towers' has no attribute {name!r}")
