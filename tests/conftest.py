@@ -41,6 +41,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def local_ray():
+    """One quiet local Ray instance (4 logical CPUs) for every test that needs one (its start-up costs seconds)."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture
 def standin():
     import nccl_standin

@@ -35,6 +35,16 @@ from towers.nn.pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from towers.nn.residual import PadShortcut, Residual
 from towers.trainer import Trainer
 
-__all__ = ["Config", "Trainer", "Dataset", "load_dataset", "Sequential", "Dense", "ReLU", "Flatten", "Conv2D",
-           "MaxPool2D", "AvgPool2D", "GlobalAvgPool", "BatchNorm", "LRN", "Dropout", "Residual", "PadShortcut",
+__all__ = ["Config", "Trainer", "ClusterTrainer", "Dataset", "load_dataset", "Sequential", "Dense", "ReLU", "Flatten",
+           "Conv2D", "MaxPool2D", "AvgPool2D", "GlobalAvgPool", "BatchNorm", "LRN", "Dropout", "Residual",
+           "PadShortcut",
            "UserError", "TrainingError"]
+
+
+def __getattr__(name: str):
+    """``towers.ClusterTrainer`` on first use: ``import towers`` never imports Ray."""
+    if name == "ClusterTrainer":
+        from towers.cluster.driver import ClusterTrainer
+
+        return ClusterTrainer
+    raise AttributeError(f"module 'towers' has no attribute {name!r}")

@@ -112,6 +112,8 @@ def run(cfg: Config) -> dict:
         from towers.cluster.driver import ClusterTrainer
 
         with ClusterTrainer(cfg) as trainer:
+            if trainer.cfg.log_placement:
+                print(trainer.towers_text(), flush=True)
             return trainer.fit()
     with Trainer(cfg) as trainer:
         if trainer.cfg.log_placement:

@@ -1,89 +1,102 @@
-"""``ClusterTrainer``: the driver of a run over several hosts (``hosts`` > 1).
+"""``ClusterTrainer``: a run over several hosts (``hosts`` > 1), with the public API of ``towers.Trainer``.
 
-The driver is the command itself.  It starts (or joins) Ray, starts one host
-actor per host (``towers.cluster.hosts``), and runs ``Trainer.fit``'s loop
-unchanged: the same batches, log lines, progress bar, ``metrics.jsonl``,
-TensorBoard and checkpoints as one host.  For that it is a ``Trainer`` whose
-single CPU replica is a *mirror*: it never trains; ``synchronize`` copies the
-state of host 0 (or of the parameter server) into it, so checkpoints,
-summaries and evaluation read it as they read one host's.
+The driver is the command itself (or the user's process).  It composes, it
+does not train: it loads the data once to check it (before Ray starts) and to
+answer the outputs' questions, starts (or joins) Ray, starts one host actor
+per host (``towers.cluster.hosts``: each a one-host ``Trainer`` that loads
+the data itself and draws its own slice of every global batch) and, with
+``sync`` ps or async, the parameter server (``towers.cluster.ps``).
 
-Each step the driver draws one global batch of ``hosts x towers x batch_size``
-examples, split in host order then tower order (so 2 hosts x 1 tower see the
-examples 1 host x 2 towers see), and sends each host its slice:
+Who calls whom:
 
-* grads, weights: every host runs ``train_step``; the cross-host mean happens
-  inside (NCCL across hosts on GPUs, ``towers.cluster.reduce`` on CPUs);
-* ps: hosts return their mean gradients, the parameter server applies their
-  weighted mean once, hosts pull the new weights (the driver passes only
-  ObjectRefs: gradients and weights go host <-> server directly);
-* async: each host gets the server's newest weights and its own next batch
-  (``towers x batch_size`` examples, one update's worth); the server applies
-  each gradient as it arrives; ``steps`` counts applied updates.
+* per step: nobody calls the driver.  Hosts step in their own loop; the
+  cross-host mean runs inside each host's step (``towers.cluster.reduce``:
+  shared memory on one node, the object store across nodes; NCCL on GPUs);
+  ps/async hosts and the server meet on a shared-memory board;
+* per segment (up to the next step where a log line, checkpoint, summary,
+  replica check or user extension is due): the driver calls
+  ``run_steps(n)`` on every host (and ``serve(n)`` on the server) and waits
+  for all of them, polling every ``POLL_S`` so a dead host is seen within a
+  second; it then advances the progress bar over the segment and calls the
+  extensions due (``towers.extensions.Run``), which ask for the loss (returned
+  by the segment), the state (``state_dict`` of host 0 or the server, never
+  serialized by hand) or the test accuracy.
 
-Sync points: the driver waits for a step's results one step later (or at once
-when the loss is wanted), so it queues step k+1 while the hosts finish step k.
-A host actor that dies raises ``ActorDiedError`` on its results; the driver
-stops the run with one line naming the host (``TrainingError``, exit 1).
+The outputs are one host's: ``Run`` writes the same log lines, progress bar,
+``metrics.jsonl``, TensorBoard and checkpoints.  A host or server that dies
+aborts the shared boards (so the others stop waiting), and the run stops
+with one line naming it (``TrainingError``); the last checkpoint stays and
+``resume`` continues from it.
 """
 from __future__ import annotations
 
-import dataclasses
+import math
 import sys
 
 import numpy
 
 from towers.cluster import session
-from towers.cluster.hosts import Host
-from towers.cluster.ps import ParameterServer
-from towers.cluster.reduce import Exchange
+from towers.cluster.board import Aborted, Board
+from towers.cluster.state import towers_per_update
 from towers.config import Config
+from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.records import close_dataset
 from towers.devices.cpu_threads import input_workers
-from towers.devices.placement import CPU, Placement
 from towers.errors import TrainingError, UserError
+from towers.nn.models import build_model
+from towers.optim.schedule import learning_rate
 from towers.parallel.allreduce import world_layout
-from towers.trainer import Trainer
+
+POLL_S = 0.2
+DEATH_WAIT_S = 5.0  # after a failure: how long the other hosts' errors may take to show which host died
 
 
-class ClusterTrainer(Trainer):
-    """A Trainer over ``cfg.hosts`` host actors (see the module docstring).
+class ClusterTrainer:
+    """A run over ``cfg.hosts`` host actors (see the module docstring); the API of ``towers.Trainer``.
 
-    ``nccl``: a module standing in for ``cupy.cuda.nccl`` in the host actors
-    (passed by its import name; tests use ``tests.nccl_standin``).
+    ``model``, ``dataset``: as for ``Trainer`` (a ``dataset`` given is put in
+    Ray's object store once and read by every host).  ``nccl``: a module (or
+    its import name) standing in for ``cupy.cuda.nccl`` in the host actors;
+    tests pass ``nccl_standin``.
     """
 
-    def __init__(self, cfg: Config | None = None, *, model=None, dataset=None, nccl=None):
+    def __init__(self, cfg: Config | None = None, *, model=None, dataset: Dataset | None = None, nccl=None):
         self._ray = self._hosts = self._ps = self._exchange = None
-        self._owned, self._dead, self._pending, self._pulled = False, False, [], None
-        self._stale = [0, 0, 0]  # updates, sum and max of their staleness (async)
-        cfg = (cfg if cfg is not None else Config()).resolved(model)
+        self._boards, self._owned_data, self._owned, self._closed = [], None, False, False
+        self.cfg = cfg = Config.resolved(cfg if cfg is not None else Config(), model)
         if cfg.hosts < 2:
             raise UserError("ClusterTrainer is for `hosts` 2 or more; use towers.Trainer for one host")
-        owned = None
+        shipped = dataset
         if dataset is None:  # every error a file can cause, before Ray starts
-            dataset = owned = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode,
-                                           on_error=cfg.on_error, workers=input_workers(cfg.input_workers, 0))
+            dataset = self._owned_data = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data,
+                                                      decode=cfg.decode, on_error=cfg.on_error,
+                                                      workers=input_workers(cfg.input_workers, 0))
+        elif not isinstance(dataset, Dataset):
+            raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "
+                            f"got {type(dataset).__name__}")
+        self.dataset = dataset
+        self.model = build_model(model if model is not None else cfg.model, dataset.example_shape,
+                                 dataset.num_classes, cfg.hidden)
+        self.step, self._applied, self._stale = 0, 0, [0, 0, 0]
         try:
             self._ray, self._owned = session.connect(cfg.ray_address, cfg.ray_logs, cfg.hosts)
-            self._start(cfg, model, dataset, getattr(nccl, "__name__", nccl))
-            super().__init__(cfg, model=model, dataset=dataset, placement=Placement(towers=[CPU]),
-                             quiet_placement=True)
+            self._start(model, shipped, getattr(nccl, "__name__", nccl))
         except BaseException:
-            self._shutdown()
-            if owned is not None:
-                close_dataset(owned)
+            self.close()
             raise
-        self._owned_data = owned  # its TFRecord workers (the driver's batches) end with close()
 
     # -- start-up --------------------------------------------------------------------------
 
-    def _start(self, cfg, model, dataset, nccl_name) -> None:
-        ray, n = self._ray, cfg.hosts
+    def _start(self, model, dataset, nccl_name) -> None:
+        from towers.cluster.hosts import Host
+        from towers.cluster.ps import ParameterServer, board_spec as ps_board
+        from towers.cluster.reduce import Exchange, board_spec as mean_board
+
+        ray, cfg, n = self._ray, self.cfg, self.cfg.hosts
         towers = cfg.n_gpu or (len(cfg.devices.split(",")) if cfg.devices and cfg.devices != "cpu" else 1)
         gpus = session.gpus_per_host(ray, n, towers, cfg.devices, cfg.soft_placement)
-        host_cfg = cfg if gpus else dataclasses.replace(cfg, devices="cpu", n_gpu=towers)
+        host_cfg = cfg if gpus else _replace(cfg, devices="cpu", n_gpu=towers)
         opts = {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0}
         group = session.spread(ray, n, gpus) if cfg.ray_address is not None else None
         actor = ray.remote(Host)
@@ -94,223 +107,314 @@ class ClusterTrainer(Trainer):
 
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=h)
             self._hosts.append(actor.options(**opts).remote(host_cfg, h, nccl_name))
-        self.host_info = self._gather([(a.describe.remote(), h) for h, a in enumerate(self._hosts)])
+        self.host_info = self._wait([(a.describe.remote(), h) for h, a in enumerate(self._hosts)])
         notice = self.host_info[0]["notice"]
         if gpus == 0 and int(ray.cluster_resources().get("GPU", 0)) and cfg.devices != "cpu":
             notice = f"{n} hosts x {towers} GPUs asked for, the Ray cluster has fewer GPUs: hosts run on the CPU"
-        if notice:
-            print(notice, flush=True, file=sys.stderr)
-        self._towers = [i["towers"] for i in self.host_info]
-        data = ray.put(dataset)
-        world, exchange = [None] * n, None
+        if notice:  # the same notices one host gives, through the same logger
+            import logging
+
+            logging.getLogger("towers").warning(notice)
+        self.towers_per_host = [i["towers"] for i in self.host_info]
+        here = ray.get_runtime_context().get_node_id()
+        one_node = all(i["node_id"] == here for i in self.host_info)
+        data = ray.put(dataset) if dataset is not None else None
+        world, board, exchange = [None] * n, None, None
+        size = max(self.model.size, self.model.buffer_size, 1)
         if cfg.sync in ("grads", "weights"):
             if all(i["ranks"] for i in self.host_info):  # GPU hosts: one communicator over every host
                 uid = ray.get(self._hosts[0].unique_id.remote())
-                world = world_layout([i["ranks"] for i in self.host_info], self._towers, uid)
+                world = world_layout([i["ranks"] for i in self.host_info], self.towers_per_host, uid)
+            elif one_node:
+                board = self._board(*mean_board(n, size))
             else:
                 self._exchange = exchange = ray.remote(Exchange).options(num_cpus=0).remote(n)
         else:
-            per_update = sum(self._towers) if cfg.sync == "ps" else self._towers[0]
-            self._ps = ray.remote(ParameterServer).options(num_cpus=0).remote(
-                cfg, model, data, per_update * cfg.batch_size)
+            if not one_node:
+                raise UserError(f"`sync` {cfg.sync} needs every host on the driver's node (the server's board is "
+                                "shared memory); use `sync` grads or weights across nodes")
+            board = self._board(*ps_board(n, self.model.size, self.model.buffer_size, max(self.towers_per_host)))
+            self._ps = ray.remote(ParameterServer).options(num_cpus=0, max_restarts=0).remote(
+                cfg, model, data, board, self.towers_per_host)
         # All at once: NCCL communicators are made only when every rank has joined.
-        self._gather([(a.build.remote(model, data, world[h], exchange, self._towers), h)
-                      for h, a in enumerate(self._hosts)])
-        self._weights_ref = None  # async: the server's newest weights
+        refs = [(a.build.remote(model, data, self.towers_per_host, world[h], board, exchange), h)
+                for h, a in enumerate(self._hosts)]
+        if self._ps is not None:
+            refs.append((self._ps.__ray_ready__.remote(), None))
+        self._wait(refs)
 
-    # -- sizes -----------------------------------------------------------------------------
+    def _board(self, spec, counters):
+        board = Board.create(spec, counters)
+        self._boards.append(board)
+        return board.handle
+
+    # -- sizes, schedule, counters -----------------------------------------------------------
 
     @property
     def n_towers(self) -> int:
         """Towers behind one update: every host's (one host's with async)."""
-        return self._towers[0] if self.cfg.sync == "async" else sum(self._towers)
+        return towers_per_update(self.cfg, self.towers_per_host)
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.n_towers
+
+    def lr(self) -> float:
+        return self.lr_at(self.step)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of the step after ``step`` steps (counted in examples seen)."""
+        cfg = self.cfg
+        return learning_rate(cfg.lr, cfg.lr_decay, step * self.global_batch, len(self.dataset.x), cfg.staircase)
+
+    @property
+    def all_reduces(self) -> int:
+        """Host 0's collectives (grads, weights); one exchange per update with a server."""
+        if self._ps is not None:
+            return self.step
+        return self._source_call("counters")["all_reduces"]
+
+    @property
+    def timer(self):
+        return _HostTimer(self)
 
     def towers_text(self) -> str:
         hosts = " | ".join(", ".join(i["devices"]) for i in self.host_info)
-        t = self._towers[0]
-        text = f"{len(self._towers)} hosts x {t} tower{'s' if t > 1 else ''}: {hosts}"
+        t = self.towers_per_host[0]
+        text = f"{len(self.towers_per_host)} hosts x {t} tower{'s' if t > 1 else ''}: {hosts}"
         if self.cfg.sync == "async" and self._stale[0]:
             text += f"; gradient staleness mean {self._stale[1] / self._stale[0]:.2f}, max {self._stale[2]}"
         return text
 
-    # -- talking to the actors -------------------------------------------------------------
+    # -- talking to the actors ----------------------------------------------------------------
 
-    def _gather(self, refs_hosts):
-        """Results of [(ref, host or None)], in order; a dead host stops the run naming it."""
+    def _wait(self, refs_hosts):
+        """Results of [(ref, host or None)], in order; a failure aborts the boards and names the host."""
+        self._open()
         ray = self._ray
         refs = [r for r, _ in refs_hosts]
         pending = list(refs)
         try:
-            while pending:  # wait for any: a host blocked on a dead one must not hide it
-                ready, pending = ray.wait(pending, num_returns=1)
+            while pending:  # poll: a host blocked on a dead one must not hide it
+                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
                 ray.get(ready)
             return ray.get(refs)
         except ray.exceptions.RayError as e:
-            self._dead = True
+            for b in self._boards:
+                b.abort()  # the hosts still waiting on a board stop now
             raise self._explain(e, refs_hosts) from None
 
     def _explain(self, e, refs_hosts) -> Exception:
+        """The one line for a failure: the dead host (preferred), a host's own error, or Ray's first line."""
         ray = self._ray
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, (UserError, TrainingError)):
-            return cause
-        if isinstance(e, ray.exceptions.RayActorError):
-            dead = getattr(e, "actor_id", None)
-            for h, a in enumerate(self._hosts or []):
-                if dead is not None and a._actor_id.hex() == dead:
-                    info = self.host_info[h] if getattr(self, "host_info", None) else {}
-                    where = f" ({info['node']}, pid {info['pid']})" if info else ""
-                    return TrainingError(
-                        f"host {h}{where} died at step {self.step if hasattr(self, 'step') else 0}: run stopped; "
-                        f"its last checkpoint is kept, rerun with `resume` to continue from it")
-            if self._ps is not None and self._ps._actor_id.hex() == dead:
-                return TrainingError(f"the parameter server died at step {getattr(self, 'step', 0)}: run stopped; "
-                                     "rerun with `resume` to continue from the last checkpoint")
+        errors = [e]
+        _, rest = ray.wait([r for r, _ in refs_hosts], num_returns=len(refs_hosts), timeout=DEATH_WAIT_S)
+        for r, _ in refs_hosts:
+            if r not in rest:
+                try:
+                    ray.get(r)
+                except ray.exceptions.RayError as other:
+                    errors.append(other)
+        for err in errors:
+            if isinstance(err, ray.exceptions.RayActorError):
+                line = self._dead(getattr(err, "actor_id", None))
+                if line:
+                    return TrainingError(line)
+        for err in errors:
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, (UserError, TrainingError)) and not isinstance(cause, Aborted):
+                return cause
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return TrainingError(f"the Ray cluster failed at step {getattr(self, 'step', 0)}: {first}")
+        return TrainingError(f"the Ray cluster failed at step {self.step}: {first}")
 
-    def _slices(self, x, y):
-        b, start = self.cfg.batch_size, 0
-        for t in self._towers:
-            yield x[start: start + t * b], y[start: start + t * b]
-            start += t * b
+    def _dead(self, actor_id) -> str | None:
+        keep = "its last checkpoint is kept, rerun with `resume` to continue from it"
+        for h, a in enumerate(self._hosts or []):
+            if actor_id is not None and a._actor_id.hex() == actor_id:  # noqa: SLF001 - Ray's only id
+                info = self.host_info[h] if getattr(self, "host_info", None) else {}
+                where = f" ({info['node']}, pid {info['pid']})" if info else ""
+                return f"host {h}{where} died at step {self.step}: run stopped; {keep}"
+        if self._ps is not None and actor_id is not None and self._ps._actor_id.hex() == actor_id:  # noqa: SLF001
+            return f"the parameter server died at step {self.step}: run stopped; {keep}"
+        return None
 
-    # -- one step --------------------------------------------------------------------------
+    def _all(self, method: str, *args):
+        """``method(*args)`` on every host (and the server), together; their results."""
+        targets = [(a, h) for h, a in enumerate(self._hosts)] + ([(self._ps, None)] if self._ps else [])
+        return self._wait([(getattr(a, method).remote(*args), h) for a, h in targets])
 
-    def train_step(self, x, y, want_loss: bool = False):
-        if len(x) != self.global_batch:
-            raise UserError(f"train_step takes one global batch of {self.global_batch} examples, got {len(x)}")
-        if self.cfg.sync == "async":
-            raise UserError("with `sync` async the hosts run at their own pace: use fit()")
-        hosts = self._hosts
-        if self.cfg.sync == "ps":
-            outs = [a.gradients.options(num_returns=2).remote(xs, ys, want_loss)
-                    for a, (xs, ys) in zip(hosts, self._slices(x, y))]
-            shares = [t / sum(self._towers) for t in self._towers]
-            new = self._ps.apply.remote(shares, *[g for g, _ in outs])
-            losses = [(l, h) for h, (_, l) in enumerate(outs)]
-            waits = losses + [(a.set_params.remote(new), h) for h, a in enumerate(hosts)]
+    def _source(self):
+        """Who holds the run's state: the parameter server, else host 0."""
+        return self._ps if self._ps is not None else self._hosts[0]
+
+    def _source_call(self, method: str, *args):
+        return self._wait([(getattr(self._source(), method).remote(*args), None)])[0]
+
+    def _open(self) -> None:
+        if self._closed:
+            raise UserError("this ClusterTrainer is closed: make a new one")
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def run_steps(self, n: int, want_loss: bool = False):
+        """``n`` steps of every host (async: ``n`` updates of the server); the last step's losses when asked."""
+        n = int(n)
+        if n <= 0:
+            return None
+        if self._ps is None:
+            outs = self._wait([(a.run_steps.remote(n, want_loss), h) for h, a in enumerate(self._hosts)])
+            losses = [v for per_host in outs for v in per_host] if want_loss else None
         else:
-            losses = waits = [(a.train_step.remote(xs, ys, want_loss), h)
-                              for h, (a, (xs, ys)) in enumerate(zip(hosts, self._slices(x, y)))]
-        previous, self._pending = self._pending, waits
-        self._gather(previous)  # the step before: its hosts are done
-        result = None
-        if want_loss:
-            result = [v for per_host in self._gather(losses) for v in per_host]
-        self.step += 1
-        if self.cfg.sync != "weights":
-            self.all_reduces += 1
-        elif self.step % self.cfg.average_every == 0:
-            self.all_reduces += 1
-            self.last_average = self.step
-        return result
-
-    def _loop(self, run, prefetch) -> None:
-        if self.cfg.sync != "async":
-            return super()._loop(run, prefetch)
-        ray, free = self._ray, list(range(len(self._hosts)))
-        to_draw, inflight = self.cfg.steps - self.step, {}
-        while self.step < self.cfg.steps:
-            while free and to_draw > 0:
-                h = free.pop(0)
-                x, y = prefetch.get()
-                to_draw -= 1
-                g, l = self._hosts[h].gradients.options(num_returns=2).remote(x, y, True, self._weights_ref)
-                inflight[g] = (h, self.step, l)
-            ready, _ = ray.wait(list(inflight), num_returns=1)
-            h, version, l = inflight.pop(ready[0])
-            self._weights_ref, info = self._ps.apply_async.options(num_returns=2).remote(ready[0], version)
-            staleness, losses = self._gather([(info, None), (l, h)])
-            self._stale = [self._stale[0] + 1, self._stale[1] + staleness, max(self._stale[2], staleness)]
-            free.append(h)
-            self.step += 1
-            run.after_step(losses)
+            self._applied += n
+            refs = [(a.run_steps.remote(n, want_loss, self._applied), h) for h, a in enumerate(self._hosts)]
+            outs = self._wait([(self._ps.serve.remote(n), None)] + refs)
+            self._stale = outs[0]["stale"]
+            if self.cfg.sync == "ps":
+                losses = [v for per_host in outs[1:] for v in per_host] if want_loss else None
+            else:
+                losses = outs[0]["losses"] if want_loss else None
+        self.step += n
+        return losses
 
     def fit(self, extensions=()) -> dict:
-        result = super().fit(extensions)
-        if self.cfg.sync == "async" and self._stale[0]:
+        """Train to ``cfg.steps`` as the command line does; the outputs of one host (see the module docstring)."""
+        from towers.extensions import NonFiniteStop, Run
+        from towers.loop import check_extensions
+
+        self._open()
+        extensions = check_extensions(extensions)
+        cfg = self.cfg
+        run = Run.open(self, cfg.logdir, extensions)
+        try:
+            run.start()
+            while self.step < cfg.steps:
+                start, stop = self.step, self._next_stop(run, [e for e in run.extensions
+                                                             if not isinstance(e, NonFiniteStop)])
+                losses = self.run_steps(stop - start, want_loss=run.wants_loss(stop))
+                for k in range(start + 1, stop):  # the progress bar over the segment; nothing else is due
+                    self.step = k
+                    run.after_step(None)
+                self.step = stop
+                run.after_step(losses)
+            self.check_replicas()  # always at the end: the saved weights are every host's
+            result = run.finish(lambda rate: (math.nan, math.nan))
+        finally:
+            run.close()
+        if cfg.sync == "async" and self._stale[0]:
             result.update(staleness_mean=self._stale[1] / self._stale[0], staleness_max=self._stale[2])
         return result
 
-    def scaling(self, rate: float) -> tuple[float, float]:
-        return float("nan"), float("nan")  # a 1-tower run is one host's business, not the driver's
+    def _next_stop(self, run, extensions) -> int:
+        """The next step where an extension is due (the end at the latest)."""
+        from towers.extensions import Every
+
+        last = self.cfg.steps
+        for k in range(self.step + 1, last):
+            # Every.due is side-effect free (ReplicaCheck's own due remembers a pending check).
+            if any((Every.due(e, k, last) if isinstance(e, Every) else e.due(k, last)) for e in extensions):
+                return k
+        return last
 
     def finish(self) -> None:
-        if self.cfg.sync == "weights":
-            self._gather([(a.finish.remote(), h) for h, a in enumerate(self._hosts)])
-            self.last_average = self.step
-
-    # -- state -----------------------------------------------------------------------------
-
-    def _source(self):
-        return self._ps if self._ps is not None else self._hosts[0]
+        """Hosts end training themselves when they reach ``steps`` (weights mode: the last average)."""
 
     def synchronize(self) -> None:
-        """Wait for the hosts, then copy the state into the mirror (once per step)."""
-        if self._dead or self._hosts is None or not hasattr(self, "replicas"):
-            return
-        self._gather(self._pending)
-        self._pending = []
-        if self._pulled == self.step:
-            return
-        state = self._gather([(self._source().state.remote(), None)])[0]
-        mirror = self.replicas[0]
-        mirror.params[...] = state["params"]
-        mirror.grads[...] = state["grads"]
-        self.ema.shadow[...] = state["ema"]
-        for k, buf in self.optimizers[0].state.items():
-            buf[...] = state[f"state/{k}"]
-        self.n_averages = state["n_averages"]
-        self._pulled = self.step
+        """Nothing runs between segments: the hosts are idle when the driver asks them anything."""
+
+    # -- weights, state, evaluation -------------------------------------------------------
+
+    def get_weights(self, ema: bool = False) -> dict[str, numpy.ndarray]:
+        return self._source_call("get_weights", ema)
+
+    def get_gradients(self) -> dict[str, numpy.ndarray]:
+        """Host 0's mean gradient of the last step."""
+        return self._wait([(self._hosts[0].get_gradients.remote(), 0)])[0]
+
+    def set_weights(self, weights: dict, ema: bool = False) -> None:
+        """Every host's (and the server's) weights; checked by each as ``Trainer.set_weights`` checks."""
+        self._all("set_weights", weights, ema)
+
+    def state_dict(self) -> dict:
+        return self._source_call("state_dict")
 
     def load_state_dict(self, state: dict, where: str = "load_state_dict") -> None:
-        super().load_state_dict(state, where)
-        targets = [(a, h) for h, a in enumerate(self._hosts)] + ([(self._ps, None)] if self._ps else [])
-        self._gather([(a.load_state_dict.remote(state), h) for a, h in targets])
-        self._pulled, self._weights_ref = self.step, None
+        """Every host (and the server) loads ``state``; each checks it strictly, as ``Trainer`` does."""
+        self._all("load_state_dict", state, where)
+        self.step = int(numpy.asarray(state["step"]))
+
+    def evaluate(self, ema: bool = True, x=None, y=None) -> dict:
+        return self._source_call("evaluate", ema, x, y)
+
+    def test_accuracy(self) -> dict:
+        return self._source_call("test_accuracy")
 
     def check_replicas(self) -> bool:
-        """Each host's towers, then every host against host 0 (or the server, with ps)."""
+        """Each host's towers, then every host against host 0 (or the server); async: never (by design)."""
         if self.cfg.sync == "async":
-            return False  # hosts compute on different versions by design
-        ran = self._gather([(a.check_replicas.remote(), h) for h, a in enumerate(self._hosts)])
-        if not all(ran):
             return False
-        ref = self._gather([(self._source().params.remote(), None)])[0]
+        out = self._wait([(a.check_replicas.remote(), h) for h, a in enumerate(self._hosts)])
+        if not all(ran for ran, _, _ in out):
+            return False
+        ref = self._wait([(self._ps.params.remote(), None)])[0] if self._ps else out[0][1]
         atol = 1e-6 * max(1.0, float(numpy.abs(ref).max())) if self.cfg.sync == "weights" else 0.0
-        for h, a in enumerate(self._hosts):
-            p = self._gather([(a.params.remote(), h)])[0]
-            if numpy.any(numpy.abs(p - ref) > atol):
+        for h, (_, params, _) in enumerate(out):
+            if numpy.any(numpy.abs(params - ref) > atol):
                 raise TrainingError(f"replica check failed at step {self.step}: host {h} differs from "
                                     f"{'the parameter server' if self._ps else 'host 0'} by up to "
-                                    f"{float(numpy.abs(p - ref).max()):.3g}; hosts have diverged")
+                                    f"{float(numpy.abs(params - ref).max()):.3g}; hosts have diverged")
         return True
 
-    def cross_host_seconds(self) -> list[float]:
-        """Seconds each host spent in the cross-host mean (CPU hosts; the benchmark reads it)."""
-        return self._gather([(a.cross_host_seconds.remote(), h) for h, a in enumerate(self._hosts)])
+    def cross_host_seconds(self) -> list[tuple[float, int]]:
+        """(seconds, calls) each host spent in the cross-host mean (CPU hosts; the benchmark reads it)."""
+        return [(c["cross_seconds"], c["cross_calls"]) for c in
+                self._wait([(a.counters.remote(), h) for h, a in enumerate(self._hosts)])]
 
     def host_pids(self) -> list[int]:
         return [i["pid"] for i in self.host_info]
 
-    # -- teardown --------------------------------------------------------------------------
+    # -- teardown ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self._shutdown()
-
-    def _shutdown(self) -> None:
-        ray, self._pending = self._ray, []
-        if ray is None:
+        """Stop the actors, the boards, the Ray instance this trainer started, the data (idempotent)."""
+        if self._closed:
             return
-        for a in (self._hosts or []) + [self._ps, self._exchange]:
-            if a is not None:
-                ray.kill(a)
-        self._hosts, self._ps, self._exchange = [], None, None
-        self._dead = True
-        if self._owned:
-            ray.shutdown()
-        self._ray = None
+        self._closed = True
+        ray = self._ray
+        try:
+            if ray is not None:
+                for b in self._boards:
+                    b.abort()
+                for a in (self._hosts or []) + [self._ps, self._exchange]:
+                    if a is not None:
+                        ray.kill(a)
+                if self._owned:
+                    session.disconnect(ray)
+        finally:
+            for b in self._boards:
+                b.close()
+            self._boards, self._hosts, self._ps, self._exchange, self._ray = [], [], None, None, None
+            if self._owned_data is not None:
+                close_dataset(self._owned_data)
+
+    def __enter__(self) -> "ClusterTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _HostTimer:
+    """``Run``'s view of the phase timer: host 0's report (``profile``)."""
+
+    def __init__(self, trainer: ClusterTrainer):
+        self.trainer = trainer
+
+    def report(self, global_batch: int) -> str:
+        t = self.trainer
+        return t._wait([(t._hosts[0].report.remote(global_batch), 0)])[0]  # noqa: SLF001 - its own driver
+
+
+def _replace(cfg, **changes):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)

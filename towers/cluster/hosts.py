@@ -1,32 +1,48 @@
-"""The host actor: one ``towers.Trainer`` over one host's towers, driven by the driver.
+"""The host actor: one host's ``towers.Trainer``, its slice of every global batch, and its own step loop.
 
 Built in two calls so the driver can lay out the cluster first:
-``Host(cfg, rank, ...)`` resolves the host's placement (as one host does,
-``n_gpu`` towers on the GPUs Ray gave it); ``build(...)`` then makes the
-Trainer with the cross-host hook of the run's ``sync`` mode:
+``Host(cfg, rank, ...)`` resolves the host's placement (``n_gpu`` towers on
+the GPUs Ray gave it, as one host does); ``build(...)`` then loads the data
+(every host reads the same files itself: nothing is shipped per step) and
+makes a one-host ``Trainer`` (``hosts=1``) whose reducer reaches across hosts:
 
-* grads, weights on GPUs: an ``NcclWorld``: one communicator over every host's
-  GPU leaders, ranks numbered host by host; host 0 made the id
-  (``unique_id()``), the driver handed it to every host;
-* grads, weights on the CPU: a ``CrossHostMean`` (``towers.cluster.reduce``);
-* ps, async: none; ``gradients`` returns the host's mean gradient and the
-  parameter server applies it (``towers.cluster.ps``).
+* grads, weights on GPUs: ``make_reducer(..., world=NcclWorld)``, one NCCL
+  communicator over every host's GPU leaders (host 0 made the id,
+  ``unique_id()``; the driver handed it to every host);
+* grads, weights on CPUs: ``make_reducer(..., across=BoardMean)`` (hosts on
+  one node) or ``ObjectStoreMean`` (several nodes), ``towers.cluster.reduce``;
+* ps, async: the local reducer only; the host pulls weights from and pushes
+  its mean gradient to the parameter server's board (``towers.cluster.ps``).
 
-Every method returns host (NumPy) values, so nothing the driver receives
-depends on the host's devices.
+Each host draws the run's global batches of ``hosts x towers x batch_size``
+examples from the shared seeded permutation (``BatchSource``) and keeps its
+slice, host order then tower order: the examples each tower sees are those of
+one host with every tower, and the position after a step is the run's.
+
+``run_steps(n, want_loss)`` runs n steps in the host's own loop (the driver
+calls it once per log/checkpoint/summary interval) and returns the last
+step's losses when asked.  Every method returns host (NumPy) values.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 
 import numpy
 
-from towers.devices.placement import on_stream, resolve, to_host
+from towers.cluster.board import Board
+from towers.cluster.ps import HostSide
+from towers.cluster.reduce import BoardMean, ObjectStoreMean
+from towers.cluster.state import cluster_state, towers_per_update
+from towers.data.batches import BatchSource, InputPosition
+from towers.devices.placement import resolve, to_host
+from towers.parallel.reducers import make_reducer
 from towers.trainer import Trainer
 
 
 class HostTrainer(Trainer):
-    """One host's Trainer: its learning-rate schedule counts every host's examples."""
+    """One host's Trainer whose learning-rate schedule counts the examples of every host's towers."""
 
     def __init__(self, examples_per_step: int, *args, **kwargs):
         self._examples_per_step = examples_per_step
@@ -37,54 +53,48 @@ class HostTrainer(Trainer):
         return self._examples_per_step
 
 
-def losses_to_host(losses) -> list[float] | None:
+class HostBatches:
+    """The rows ``lo:hi`` of each of the run's global batches (this host's towers' slices)."""
+
+    def __init__(self, dataset, global_batch: int, seed: int, lo: int, hi: int, position=(0, 0)):
+        self.source = BatchSource(dataset, global_batch, seed, *position)
+        self.x, self.y, self.lo, self.hi = dataset.x, dataset.y, lo, hi
+
+    def next_batch(self):
+        idx = self.source.next_indices()[self.lo: self.hi]
+        submit = getattr(self.x, "submit", None)  # TFRecord records: read by their workers
+        return (self.x[idx] if submit is None else submit(idx).result()), self.y[idx]
+
+
+def _losses(losses) -> list[float] | None:
     return None if losses is None else [float(v) for v in losses]
 
 
-def flat_state(trainer) -> dict:
-    """What the driver mirrors: the first replica's weights and gradients, the EMA, optimizer state."""
-    trainer.synchronize()
-    state = {"params": to_host(trainer.replicas[0].params, copy=True),
-             "grads": to_host(trainer.replicas[0].grads, copy=True),
-             "ema": to_host(trainer.ema.shadow, copy=True),
-             "n_averages": trainer.n_averages, "step": trainer.step}
-    state.update({f"state/{k}": to_host(v, copy=True) for k, v in trainer.optimizers[0].state.items()})
-    return state
-
-
-def set_params(trainer, flat: numpy.ndarray) -> None:
-    """Every replica's weights from one host array."""
-    trainer.synchronize()
-    for dev, stream, r in zip(trainer.devices, trainer.streams, trainer.replicas):
-        with dev.scope(), on_stream(stream):
-            r.params[...] = dev.xp.asarray(flat)
-
-
 class Host:
-    """One host's towers (a Ray actor; see the module docstring)."""
+    """One host (a Ray actor; see the module docstring).
+
+    ``nccl_module``: the import name of a module standing in for
+    ``cupy.cuda.nccl`` (tests: ``nccl_standin``); None: the real one.
+    """
 
     def __init__(self, cfg, rank: int, nccl_module: str | None = None):
-        import importlib
-
         self.cfg, self.rank, self.trainer = cfg, rank, None
         self.nccl = importlib.import_module(nccl_module) if nccl_module else None
         self.placement = resolve(cfg.n_gpu, cfg.devices, cfg.soft_placement)
+        self.across = self.ps = None
 
     def describe(self) -> dict:
         """Towers, GPU leaders (NCCL ranks), placement notice, pid and node of this host."""
         import ray
 
         towers = self.placement.towers
-        gpu = any(d.is_gpu for d in towers)
-        if gpu:
+        if any(d.is_gpu for d in towers):
             ranks = len(self.placement.groups)
-        elif self.nccl is not None:  # a stand-in: each CPU tower plays a GPU
-            ranks = len(towers)
         else:
-            ranks = 0
+            ranks = len(towers) if self.nccl is not None else 0  # the stand-in: each CPU tower plays a GPU
         return {"towers": len(towers), "ranks": ranks, "devices": [str(d) for d in towers],
-                "notice": self.placement.notice, "pid": os.getpid(),
-                "node": ray.util.get_node_ip_address()}
+                "notice": self.placement.notice, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def unique_id(self) -> bytes:
         """The NCCL id of the cross-host communicator (asked of host 0 only)."""
@@ -92,59 +102,146 @@ class Host:
 
         return (self.nccl or nccl_module()).get_unique_id()
 
-    def build(self, model, dataset, world=None, exchange=None, towers_per_host=None) -> None:
-        from towers.cluster.reduce import CrossHostMean
-        cross = CrossHostMean(exchange, self.rank, towers_per_host) if exchange is not None else None
-        self.trainer = HostTrainer(sum(towers_per_host) * self.cfg.batch_size, self.cfg, model=model, dataset=dataset, nccl=self.nccl, placement=self.placement,
-                               quiet_placement=True, cross_host=cross, nccl_world=world)
+    def build(self, model, dataset, towers_per_host: list[int], world=None, board=None, exchange=None) -> None:
+        """The host's Trainer with the cross-host reducer (or the server's board) of the run's mode."""
+        cfg, rank = self.cfg, self.rank
+        self.towers = towers_per_host
+        sync = cfg.sync if cfg.sync in ("grads", "weights") else "grads"
+        one = dataclasses.replace(cfg, hosts=1, ray_address=None, sync=sync, logdir=None, resume=False)
+        if cfg.sync in ("ps", "async"):
+            reducer = None
+            self.ps = HostSide(Board.attach(board), rank)
+        elif world is not None:
+            def reducer(placement, streams):
+                return make_reducer(placement, streams, nccl=self.nccl, world=world)
+        else:
+            self.across = (BoardMean(Board.attach(board), rank, towers_per_host) if board is not None
+                           else ObjectStoreMean(exchange, rank, towers_per_host))
+
+            def reducer(placement, streams):
+                return make_reducer(placement, streams, across=self.across)
+        b = cfg.batch_size
+        self.trainer = HostTrainer(towers_per_update(cfg, towers_per_host) * b, one, model=model, dataset=dataset,
+                                   reducer=reducer, placement=self.placement)
+        self.global_batch = sum(towers_per_host) * b
+        self.lo = sum(towers_per_host[:rank]) * b
+        self._start_input(0, (0, 0))
+
+    def _start_input(self, step: int, position) -> None:
+        ds = self.trainer.dataset
+        self.batches = HostBatches(ds, self.global_batch, self.cfg.seed, self.lo,
+                                   self.lo + self.towers[self.rank] * self.cfg.batch_size, position)
+        self.position = InputPosition(len(ds.x), self.global_batch, step, position)
+        self.steps = step  # steps this host took part in (ps, async: the server counts updates)
 
     def nccl_ranks(self) -> list[tuple[int, int, bytes]]:
         """(world size, rank, id) of each local communicator (tests check the layout)."""
-        comms = self.trainer.allreduce.nccl.comms if self.trainer.allreduce.nccl else []
+        across = getattr(self.trainer.reducer, "across", None)
+        comms = across.comm.comms if across is not None and hasattr(across, "comm") else []
         return [(c.size(), c.rank_id(), getattr(c, "comm_id", b"")) for c in comms]
 
     # -- steps ------------------------------------------------------------------------------
 
-    def train_step(self, x, y, want_loss: bool):
-        """grads, weights: one step of every host together (the cross-host mean inside)."""
-        return losses_to_host(self.trainer.train_step(x, y, want_loss))
+    def run_steps(self, n: int, want_loss: bool = False, until: int | None = None):
+        """``n`` steps of this host (async: until the server has applied ``until`` updates); the last losses."""
+        if self.cfg.sync == "async":
+            return self._run_async(until)
+        t, losses = self.trainer, None
+        for k in range(n):
+            want = want_loss and k == n - 1
+            x, y = self.batches.next_batch()
+            if self.ps is None:
+                losses = t.train_step(x, y, want)
+                if t.step == self.cfg.steps:
+                    t.finish()  # weights mode: the last average, on every host together
+            else:
+                self.ps.pull(t.model_state.set, at_least=int(self.ps.push_cell[self.rank]))
+                losses = self._push(x, y, want)
+            self.steps += 1
+        if self.ps is not None:  # the server's newest weights, so host == server after a segment
+            self.ps.pull(t.model_state.set, at_least=int(self.ps.push_cell[self.rank]))
+        return _losses(losses) if want_loss else None
 
-    def gradients(self, x, y, want_loss: bool, params=None):
-        """ps, async: the host's mean gradient at ``params`` (None: its current weights), and its losses."""
-        if params is not None:
-            set_params(self.trainer, params)
-        losses = self.trainer.gradients(x, y, want_loss)
-        self.trainer.synchronize()
-        return to_host(self.trainer.replicas[0].grads, copy=True), losses_to_host(losses)
+    def _push(self, x, y, want_loss: bool):
+        t = self.trainer
+        losses = t.gradients(x, y, want_loss)
+        t.synchronize()
+        reps = [tw.replica for tw in t.towers]
+        bufs = to_host(reps[0].buffers, copy=True)
+        for r in reps[1:]:  # forward passes may move each tower's buffers: the host sends their mean
+            bufs += to_host(r.buffers)
+        if len(reps) > 1:
+            bufs *= numpy.float32(1 / len(reps))
+        self.ps.push(reps[0].grads, bufs, _losses(losses))
+        return losses
 
-    def set_params(self, flat) -> None:
-        set_params(self.trainer, flat)
+    def _run_async(self, until: int) -> None:
+        """Gradients on the newest weights, one batch each, until the server has applied ``until`` updates.
+
+        A gradient the server has not applied when the segment ends stays on
+        the board: the next segment waits for its acknowledgement first.
+        """
+        ps, server, t = self.ps, self.ps.server, self.trainer
+        ticket = int(ps.push_cell[self.rank])
+        while True:
+            ps.board.wait(lambda: ps.acked(ticket) or server[0] >= until)
+            if server[0] >= until:
+                return None
+            ps.pull(t.model_state.set)
+            x, y = self.batches.next_batch()
+            self._push(x, y, True)
+            ticket = int(ps.push_cell[self.rank])
+            self.steps += 1
+
+    # -- state, weights, evaluation -------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        t = self.trainer
+        return cluster_state(t.state_dict(), self.cfg, t.dataset, self.towers, self.position, t.step)
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        t = self.trainer
+        t.load_state_dict(state, where)
+        self._start_input(t.step, self.position.read_state(state, where))
+
+    def get_weights(self, ema: bool) -> dict:
+        return self.trainer.get_weights(ema)
+
+    def set_weights(self, weights: dict, ema: bool) -> None:
+        self.trainer.set_weights(weights, ema)
+
+    def get_gradients(self) -> dict:
+        return self.trainer.get_gradients()
+
+    def evaluate(self, ema: bool, x=None, y=None) -> dict:
+        return self.trainer.evaluate(ema, x, y)
+
+    def test_accuracy(self) -> dict:
+        return self.trainer.test_accuracy()
+
+    def check_replicas(self):
+        """(whether this host's towers were compared, its first replica's weights and buffers)."""
+        ran = self.trainer.check_replicas()
+        r = self.trainer.towers[0].replica
+        return ran, to_host(r.params, copy=True), to_host(r.buffers, copy=True)
 
     def finish(self) -> None:
         self.trainer.finish()
 
-    # -- state ------------------------------------------------------------------------------
+    def counters(self) -> dict:
+        """The step engine's counters and the cross-host mean's time (the driver's figures)."""
+        t = self.trainer
+        across = self.across
+        return {"step": t.step, "all_reduces": t.all_reduces,
+                "cross_seconds": across.seconds if across is not None else 0.0,
+                "cross_calls": across.calls if across is not None else 0}
 
-    def state(self) -> dict:
-        return flat_state(self.trainer)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.trainer.load_state_dict(state, where="resume")
-
-    def check_replicas(self) -> bool:
-        return self.trainer.check_replicas()
-
-    def params(self) -> numpy.ndarray:
-        self.trainer.synchronize()
-        return to_host(self.trainer.replicas[0].params, copy=True)
-
-    def cross_host_seconds(self) -> float:
-        cross = self.trainer.cross_host
-        return cross.seconds if cross is not None else 0.0
-
-    def pid(self) -> int:
-        return os.getpid()
+    def report(self, global_batch: int) -> str:
+        return self.trainer.timer.report(global_batch)
 
     def close(self) -> None:
         if self.trainer is not None:
             self.trainer.close()
+        for side in (self.ps,):
+            if side is not None:
+                side.board.close()

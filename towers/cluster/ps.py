@@ -1,18 +1,33 @@
-"""The parameter server (a Ray actor): weights, optimizer state and EMA of a run with ``sync`` ps or async.
+"""The parameter server (``sync`` ps and async): a Ray actor that applies the hosts' gradients.
 
 It holds a one-tower ``towers.Trainer`` on its CPU whose ``batch_size`` is the
-examples behind one update (all hosts' towers for ps, one host's for async), so
-its learning-rate schedule counts examples as every other mode does.  It never
-reads data: hosts send gradients, it applies them.
+examples behind one update (every host's towers for ps, one host's for async),
+so its learning-rate schedule, its input position and its EMA count as every
+other mode's do.  It loads the data itself (for the position, the metadata
+and evaluation); it never trains on it.
 
-* ``apply(shares, *grads)`` (ps, as TensorFlow's ``SyncReplicasOptimizer``):
-  the hosts' mean gradients, weighted by their tower counts, averaged in host
-  order; one update; returns the new weights, which the hosts then pull.
-* ``apply_async(grad, version)`` (async): one host's gradient, computed on the
-  weights after ``version`` updates, applied as it arrives; its staleness is
-  the number of updates applied since that version.
+Hosts and server meet on a shared-memory board (``towers.cluster.board``), one
+row per host, never through the driver:
 
-The EMA follows the server's step (fused into the update, as in grads mode).
+* a host waits for the weights it needs (ps: the update after its last
+  push; async: whatever is newest), copies ``weights`` and ``wbufs`` into its
+  replicas (``pull``), computes its towers' mean gradient, writes it, its
+  towers' mean model buffers and its losses into its row, records the version
+  it pulled, then bumps its ``push`` counter;
+* ``serve(n)`` applies ``n`` updates:
+  ps (TensorFlow's ``SyncReplicasOptimizer``): waits for every host's push,
+  applies their mean weighted by tower counts (in host order) once;
+  async: applies each host's gradient as it arrives (oldest waiting host
+  first), its staleness being the updates applied since the version it
+  pulled, then acknowledges it (``ack``);
+  either way the model buffers become the hosts' weighted mean, the new
+  weights are published under a sequence lock (``seq`` odd while writing) and
+  ``version`` is bumped.
+
+Sync points: ps is one barrier per update (all pushes, then the version);
+async only waits for its own acknowledgement.  A segment ends when the server
+has applied ``n`` updates; an async host's gradient still waiting then is
+applied in the next segment.
 """
 from __future__ import annotations
 
@@ -20,36 +35,180 @@ import dataclasses
 
 import numpy
 
-from towers.cluster.hosts import flat_state
+from towers.cluster.board import Board
+from towers.cluster.state import cluster_state
 from towers.devices.placement import CPU, Placement, to_host
+
+# Server-owned cells: version, sequence lock, then one acknowledgement per host.
+VERSION, SEQ, ACK = 0, 1, 2
+
+
+def board_spec(n_hosts: int, n_params: int, n_buffers: int, max_towers: int) -> tuple[dict, dict]:
+    """The board of a parameter server over ``n_hosts`` hosts."""
+    f32 = numpy.float32
+    return ({"grads": ((n_hosts, n_params), f32), "bufs": ((n_hosts, n_buffers), f32),
+             "losses": ((n_hosts, max_towers), numpy.float64),
+             "weights": ((n_params,), f32), "wbufs": ((n_buffers,), f32)},
+            {"push": n_hosts, "pulled": n_hosts, "server": 2 + n_hosts})
+
+
+class HostSide:
+    """A host's end of the server's board: ``pull`` the published weights, ``push`` a gradient."""
+
+    def __init__(self, board: Board, rank: int):
+        self.board, self.rank = board, rank
+        self.server, self.push_cell, self.pulled = board.cell("server"), board.cell("push"), board.cell("pulled")
+        self.version = 0  # of the weights pulled last
+
+    def pull(self, set_model, at_least: int = 0) -> int:
+        """Wait for version ``at_least``; copy the newest weights and buffers consistently (a seqlock)."""
+        b, server = self.board, self.server
+        b.wait(lambda: server[VERSION] >= at_least)
+        while True:
+            b.wait(lambda: server[SEQ] % 2 == 0)
+            seq, version = int(server[SEQ]), int(server[VERSION])
+            weights, bufs = b["weights"].copy(), b["wbufs"].copy()
+            if int(server[SEQ]) == seq:
+                break
+        set_model(weights, bufs if bufs.size else None)
+        self.version = version
+        return version
+
+    def push(self, grads, bufs, losses) -> int:
+        """Write this host's gradient, buffers and losses; return the push count (its ticket)."""
+        b, h = self.board, self.rank
+        b["grads"][h] = to_host(grads)
+        if bufs.size:
+            b["bufs"][h] = to_host(bufs)
+        if losses is not None:
+            b["losses"][h, :len(losses)] = losses
+        self.pulled[h] = self.version
+        ticket = int(self.push_cell[h]) + 1
+        self.push_cell[h] = ticket
+        return ticket
+
+    def acked(self, ticket: int) -> bool:
+        return self.server[ACK + self.rank] >= ticket
 
 
 class ParameterServer:
-    def __init__(self, cfg, model, dataset, examples_per_update: int):
+    """The server actor (see the module docstring)."""
+
+    def __init__(self, cfg, model, dataset, handle, towers_per_host: list[int]):
         from towers.trainer import Trainer
 
-        one = dataclasses.replace(cfg, n_gpu=1, devices="cpu", batch_size=examples_per_update, sync="grads",
-                                  hosts=1, ray_address=None)
-        self.trainer = Trainer(one, model=model, dataset=dataset, placement=Placement(towers=[CPU]),
-                               quiet_placement=True)
+        self.cfg, self.towers = cfg, towers_per_host
+        per_update = sum(towers_per_host) if cfg.sync == "ps" else towers_per_host[0]
+        one = dataclasses.replace(cfg, hosts=1, n_gpu=1, devices="cpu", batch_size=per_update * cfg.batch_size,
+                                  sync="grads", ray_address=None, logdir=None, resume=False)
+        self.trainer = Trainer(one, model=model, dataset=dataset, placement=Placement(towers=[CPU]))
+        self.board = Board.attach(handle)
+        self.server = self.board.cell("server")
+        total = sum(towers_per_host)
+        self.shares = [numpy.float32(t / total) for t in towers_per_host]
+        self.stale = [0, 0, 0]  # updates, sum and largest staleness (async)
+        self._next = 0  # async: the host looked at first
+        self.publish(bump=False)
+        bufs = self.replica.buffers
+        if bufs.size:  # every host's row starts at the common initial buffers
+            self.board["bufs"][...] = bufs
 
-    def apply(self, shares: list[float], *grads):
-        mean = grads[0] * numpy.float32(shares[0])
-        for s, g in zip(shares[1:], grads[1:]):
-            mean += g * numpy.float32(s)
-        self.trainer.apply_gradients(mean)
-        return to_host(self.trainer.replicas[0].params, copy=True)
+    @property
+    def replica(self):
+        return self.trainer.towers[0].replica
 
-    def apply_async(self, grad, version: int):
-        staleness = self.trainer.step - version
-        self.trainer.apply_gradients(grad)
-        return to_host(self.trainer.replicas[0].params, copy=True), staleness
+    def publish(self, bump: bool = True) -> None:
+        """The server's weights and buffers onto the board under the sequence lock; ``bump``: one more update."""
+        b, server = self.board, self.server
+        server[SEQ] += 1
+        b["weights"][...] = self.replica.params
+        if self.replica.buffers.size:
+            b["wbufs"][...] = self.replica.buffers
+        server[SEQ] += 1
+        if bump:  # the version counts updates applied on this board
+            server[VERSION] += 1
+
+    def serve(self, n: int) -> dict:
+        """Apply ``n`` updates (see the module docstring); the last update's losses and the staleness so far."""
+        b, push, server, hosts = self.board, self.board.cell("push"), self.server, len(self.towers)
+        losses = None
+        for _ in range(n):
+            if self.cfg.sync == "ps":
+                u = int(server[VERSION]) + 1
+                b.wait(lambda: int(push.min()) >= u)  # every host pushed its gradient for update u
+                mean = b["grads"][0] * self.shares[0]
+                for h in range(1, hosts):
+                    mean += b["grads"][h] * self.shares[h]
+                self.trainer.apply_gradients(mean)
+                losses = [b["losses"][h, :t].tolist() for h, t in enumerate(self.towers)]
+                self._buffers(range(hosts))
+                self.publish()
+            else:
+                h = self._arrived()
+                staleness = int(server[VERSION]) - int(b.cell("pulled")[h])
+                self.stale = [self.stale[0] + 1, self.stale[1] + staleness, max(self.stale[2], staleness)]
+                self.trainer.apply_gradients(b["grads"][h])
+                losses = [b["losses"][h, :self.towers[h]].tolist()]
+                self._buffers(range(hosts))
+                self.publish()
+                server[ACK + h] = push[h]
+        return {"losses": [v for per_host in losses for v in per_host] if losses else None,
+                "stale": list(self.stale)}
+
+    def _arrived(self) -> int:
+        """Async: a host whose pushed gradient waits, the one after the last served first (no host starves)."""
+        push, server, n = self.board.cell("push"), self.server, len(self.towers)
+        found = []
+
+        def ready():
+            for k in range(n):
+                h = (self._next + k) % n
+                if push[h] > server[ACK + h]:
+                    found.append(h)
+                    return True
+            return False
+        self.board.wait(ready)
+        self._next = (found[0] + 1) % n
+        return found[0]
+
+    def _buffers(self, hosts) -> None:
+        """The model buffers: the hosts' latest, weighted by tower counts."""
+        if not self.replica.buffers.size:
+            return
+        rows = self.board["bufs"]
+        mean = rows[0] * self.shares[0]
+        for h in list(hosts)[1:]:
+            mean += rows[h] * self.shares[h]
+        self.replica.set_buffers(mean)
+
+    # -- state, weights, evaluation (the driver's questions) ---------------------------------
+
+    def state_dict(self) -> dict:
+        return cluster_state(self.trainer.state_dict(), self.cfg, self.trainer.dataset, self.towers)
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        self.trainer.load_state_dict(state, where)
+        self._after_set()
+
+    def set_weights(self, weights: dict, ema: bool) -> None:
+        self.trainer.set_weights(weights, ema)
+        self._after_set()
+
+    def _after_set(self) -> None:
+        self.publish(bump=False)  # the hosts' next pull takes these weights
+
+    def get_weights(self, ema: bool) -> dict:
+        return self.trainer.get_weights(ema)
+
+    def evaluate(self, ema: bool, x=None, y=None) -> dict:
+        return self.trainer.evaluate(ema, x, y)
+
+    def test_accuracy(self) -> dict:
+        return self.trainer.test_accuracy()
 
     def params(self) -> numpy.ndarray:
-        return to_host(self.trainer.replicas[0].params, copy=True)
+        return to_host(self.replica.params, copy=True)
 
-    def state(self) -> dict:
-        return flat_state(self.trainer)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.trainer.load_state_dict(state, where="resume")
+    def close(self) -> None:
+        self.trainer.close()
+        self.board.close()

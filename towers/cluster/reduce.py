@@ -1,32 +1,95 @@
-"""The cross-host mean of CPU hosts, through Ray's object store, never through the driver.
+"""The cross-host mean of CPU hosts: a ``Reducer`` that plugs into each host's ``Hierarchical`` as ``across``.
 
-``CrossHostMean.average(buffers)`` runs inside each host actor's step, after
-its towers were averaged locally (``buffers[0]`` holds the host's mean):
+Each host's ``Trainer`` is built with ``make_reducer(placement, streams,
+across=...)``: its towers are first summed into the host's leader and scaled
+by 1 / (host towers); ``average([leader])`` below then leaves in the leader the
+mean over every host, weighted by tower counts, and the host's ``DeviceMean``
+hands it back to its towers.  The step engine calls it for gradients (grads
+mode) and for weights, optimizer slots and model buffers (weights mode), in
+the same order on every host.
 
-1. reduce-scatter: the host scales its mean by its share of all towers
-   (``towers_h / towers_total``), cuts it into one chunk per host and
-   ``ray.put``s the chunks; host h fetches chunk h of every host and sums
-   them in host order;
-2. all-gather: each host puts its summed chunk; every host fetches all of them
-   and writes the concatenation into every tower's buffer.
+``BoardMean`` (hosts on one node; ``towers.cluster.board``):
 
-Each chunk is summed by one host only and every host gets the same bytes, so
-the hosts' replicas stay bit-identical.  The chunk data moves between the
-hosts' object stores; the ``Exchange`` actor only passes the ObjectRefs
-(a few hundred bytes) between hosts, as a rendezvous.  Each host sends and
-receives about 2 x (H-1)/H of the buffer per average, as a ring all-reduce.
+1. each host writes ``leader * towers_h / towers_total`` into its row of the
+   board's ``slots`` and waits at a barrier;
+2. host h sums chunk h of every row, in host order, into the board's
+   ``result`` and waits at a second barrier;
+3. each host copies ``result`` into its leader.
 
-Sync points: both phases wait for every host (a barrier per phase).  A host
-that dies leaves the others waiting; the driver sees the death and stops the
-run (``towers.cluster.driver``).
+Each chunk is summed by one host and every host copies the same bytes, so the
+hosts stay bit-identical; each host reads (H-1)/H of the buffer from the other
+rows and writes 1/H, as a ring all-reduce would.  Two barriers suffice: a host
+can write its row of the next call only after every host has passed the
+second barrier, i.e. finished summing.
+
+``ObjectStoreMean`` (hosts on several nodes): the same reduce-scatter and
+all-gather through Ray's object store, with an ``Exchange`` actor passing the
+ObjectRefs as the rendezvous (never the bytes, never the driver).
+
+Sync points: both wait for every host.  A host that dies leaves the others
+waiting until the driver aborts the board (``Aborted``) or kills them.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy
 
+from towers.cluster.board import Barrier, Board
 from towers.devices.placement import to_host
+from towers.parallel.reducers import Reducer
+
+
+def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous (start, stop) ranges covering ``n`` (the first ``n % parts`` one longer)."""
+    q, r = divmod(n, parts)
+    starts = [k * q + min(k, r) for k in range(parts + 1)]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def board_spec(n_hosts: int, size: int) -> tuple[dict, dict]:
+    """The board a ``BoardMean`` of ``n_hosts`` needs for buffers of up to ``size`` floats."""
+    return ({"slots": ((n_hosts, size), numpy.float32), "result": ((size,), numpy.float32)},
+            {"mean": n_hosts})
+
+
+class _Timed(Reducer):
+    seconds = 0.0  # time spent in average(), for the benchmark
+    calls = 0
+
+    def average(self, buffers: list) -> None:
+        t0 = time.perf_counter()
+        for b in buffers:  # one leader per host in practice
+            self._average(b)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+
+
+class BoardMean(_Timed):
+    """A host's side of the shared-memory mean (see the module docstring)."""
+
+    def __init__(self, board: Board, rank: int, towers_per_host: list[int]):
+        self.board, self.rank = board, rank
+        self.n = len(towers_per_host)
+        self.share = numpy.float32(towers_per_host[rank] / sum(towers_per_host))
+        self.barrier = Barrier(board, "mean", rank)
+        self.slots, self.result = board["slots"], board["result"]
+
+    def _average(self, buf) -> None:
+        n = buf.size
+        slots, result = self.slots[:, :n], self.result[:n]
+        numpy.multiply(to_host(buf), self.share, out=slots[self.rank])
+        self.barrier.wait()  # every host's row is written
+        lo, hi = chunk_bounds(n, self.n)[self.rank]
+        numpy.add(slots[0, lo:hi], slots[1, lo:hi], out=result[lo:hi])  # hosts >= 2
+        for h in range(2, self.n):
+            result[lo:hi] += slots[h, lo:hi]
+        self.barrier.wait()  # every chunk is summed
+        _copy_into(buf, result)
+
+    def close(self) -> None:
+        self.board.close()
 
 
 class Exchange:
@@ -52,8 +115,8 @@ class Exchange:
         return items
 
 
-class CrossHostMean:
-    """A host's side of the cross-host mean (see the module docstring)."""
+class ObjectStoreMean(_Timed):
+    """A host's side of the object-store mean (hosts on several nodes; see the module docstring)."""
 
     def __init__(self, exchange, rank: int, towers_per_host: list[int]):
         import ray
@@ -61,33 +124,25 @@ class CrossHostMean:
         self.ray, self.exchange, self.rank = ray, exchange, rank
         self.n = len(towers_per_host)
         self.share = numpy.float32(towers_per_host[rank] / sum(towers_per_host))
-        self.calls = 0  # every host averages in the same order, so this is the rendezvous key
-        self.seconds = 0.0  # time spent here, for the benchmark
+        self.key = 0  # every host averages in the same order, so a call count is the rendezvous key
 
-    def average(self, buffers: list) -> None:
-        import time
-
-        t0 = time.perf_counter()
-        ray, key = self.ray, self.calls
-        self.calls += 1
-        mine = to_host(buffers[0]) * self.share
-        chunks = numpy.array_split(mine, self.n)
+    def _average(self, buf) -> None:
+        ray, key = self.ray, self.key
+        self.key += 1
+        mine = to_host(buf) * self.share
+        chunks = [mine[lo:hi] for lo, hi in chunk_bounds(mine.size, self.n)]
         scattered = ray.get(self.exchange.swap.remote((key, 0), self.rank, [ray.put(c) for c in chunks]))
         parts = ray.get([refs[self.rank] for refs in scattered])
         total = parts[0].copy()
         for p in parts[1:]:
             total += p
         gathered = ray.get(self.exchange.swap.remote((key, 1), self.rank, [ray.put(total)]))
-        full = numpy.concatenate(ray.get([refs[0] for refs in gathered]))
-        for b in buffers:
-            b[...] = _to_like(b, full)
-        self.seconds += time.perf_counter() - t0
+        _copy_into(buf, numpy.concatenate(ray.get([refs[0] for refs in gathered])))
 
 
-def _to_like(buf, host: numpy.ndarray):
-    """``host`` on ``buf``'s device (NumPy stays as is; CuPy copies to the GPU)."""
+def _copy_into(buf, host: numpy.ndarray) -> None:
+    """``buf[...] = host``, onto ``buf``'s device when it is a CuPy array."""
     if isinstance(buf, numpy.ndarray):
-        return host
-    import cupy
-
-    return cupy.asarray(host)
+        buf[...] = host
+    else:
+        buf.set(host)

@@ -9,14 +9,26 @@ STRICT_SPREAD strategy (one host per node) when the cluster has enough nodes.
 Ray's own log lines (its Python logger, its C++ core's warnings and the
 actors' output) stay hidden unless ``ray_logs`` is set.
 
-Limits: Ray waits about a minute for an unreachable GCS, retrying and
-printing warnings, so a ``HOST:PORT`` is first tried with one TCP connect
-(3 s); nothing else of ours touches the network.
+Limits: Ray waits for a GCS without bound (an unreachable address retries for
+about a minute; a port where some other server listens hangs for good, deaf
+to SIGTERM), so a ``HOST:PORT`` is first probed (``check_ray_address``): one
+TCP connect and one HTTP/2 handshake, 3 s each; the GCS speaks gRPC, which
+answers the client preface with a SETTINGS frame, and other servers do not.
+Nothing else of ours touches the network.
+
+``ray.init`` installs its own SIGTERM and SIGINT handlers; ``connect``
+restores the caller's, so SIGTERM and Ctrl-C end a run as on one host.  A
+local Ray instance gets a watchdog (``towers.cluster.watchdog``) that stops it
+if the driver is killed.
 """
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
 
 from towers.errors import UserError
 
@@ -24,17 +36,37 @@ CONNECT_TIMEOUT_S = 3.0
 PLACEMENT_TIMEOUT_S = 60.0
 
 
-def check_reachable(address: str) -> None:
-    """A ``HOST:PORT`` that accepts no TCP connection is a UserError, within seconds."""
+# The HTTP/2 client preface and an empty SETTINGS frame (RFC 9113, 3.4).
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+H2_SETTINGS = 4
+
+
+def check_ray_address(address: str) -> None:
+    """A ``HOST:PORT`` where no gRPC server (a Ray GCS) answers is a UserError, within seconds."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise UserError(f"`ray_address` {address!r} is not auto or HOST:PORT (the address `ray start --head` printed)")
     try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        conn = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
     except OSError as e:
         why = e.strerror or type(e).__name__
         raise UserError(f"cannot reach a Ray cluster at `ray_address` {address} ({why}): run `ray start --head` "
                         "there, or pass the address it printed") from None
+    try:
+        conn.sendall(H2_PREFACE)
+        head = b""
+        while len(head) < 9:  # a frame header: length (3), type (1), flags (1), stream (4)
+            more = conn.recv(9 - len(head))
+            if not more:
+                break
+            head += more
+    except OSError:
+        head = b""
+    finally:
+        conn.close()
+    if len(head) < 9 or head[3] != H2_SETTINGS:
+        raise UserError(f"`ray_address` {address} is not a Ray cluster (the server there does not speak Ray's "
+                        "gRPC): pass the address `ray start --head` printed") from None
 
 
 def connect(address: str | None, verbose: bool, n_hosts: int):
@@ -46,8 +78,10 @@ def connect(address: str | None, verbose: bool, n_hosts: int):
     owned = False
     if not ray.is_initialized():
         if address not in (None, "auto"):
-            check_reachable(address)
+            check_ray_address(address)
         level = "INFO" if verbose else "ERROR"
+        main = threading.current_thread() is threading.main_thread()
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
         try:
             if address is None:
                 ray.init(num_cpus=max(os.cpu_count() or 1, n_hosts + 1), include_dashboard=False,
@@ -57,8 +91,49 @@ def connect(address: str | None, verbose: bool, n_hosts: int):
         except (ConnectionError, RuntimeError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"cannot join the Ray cluster at `ray_address` {address}: {first}") from None
+        finally:
+            for sig, handler in handlers.items():  # Ray's handlers would swallow SIGTERM: ours again
+                if handler is not None:
+                    signal.signal(sig, handler)
         owned = True
+        if address is None:
+            watch_local_ray()
     return ray, owned
+
+
+_watchdog: subprocess.Popen | None = None
+
+
+def watch_local_ray() -> None:
+    """Start the watchdog over the Ray processes this driver just started (its children)."""
+    global _watchdog
+    from towers.cluster.watchdog import children_of
+
+    me = os.getpid()
+    ours = {p for p in children_of({me}) if _parent(p) == me}
+    _watchdog = subprocess.Popen([sys.executable, "-m", "towers.cluster.watchdog", str(me), *map(str, ours)],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def disconnect(ray) -> None:
+    """Stop the Ray instance ``connect`` started, then its watchdog."""
+    global _watchdog
+    try:
+        ray.shutdown()
+    finally:
+        if _watchdog is not None:
+            _watchdog.terminate()
+            _watchdog.wait()
+            _watchdog = None
 
 
 def spread(ray, n_hosts: int, gpus: int):

@@ -1,0 +1,130 @@
+"""``python -m towers.train --hosts 2`` as a user runs it: each test starts the command (and its own Ray).
+
+Issue 19's cluster items: an address where no Ray listens, SIGTERM, a dead
+host, a killed driver; and the command and the library giving the same weights.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socketserver
+import subprocess
+import sys
+import threading
+import time
+
+import numpy
+import pytest
+
+from conftest import REPO, run_cli
+from towers.cluster.watchdog import children_of
+
+pytest.importorskip("ray")
+SMALL = ["--devices", "cpu", "--hidden", "16", "--quiet", "--summary-every", "0"]
+
+
+def start(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "towers.train", "--hosts", "2", *SMALL, *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.1)
+
+
+def alive(pids) -> set[int]:
+    return {p for p in pids if os.path.exists(f"/proc/{p}") and "zombie" not in _state(p)}
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return f.read().lower()
+    except OSError:
+        return "zombie"
+
+
+def host_actors(pid: int) -> list[int]:
+    """The host actors' processes among ``pid``'s descendants (Ray names them after the class)."""
+    found = []
+    for p in sorted(children_of({pid})):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"ray::Host" in f.read():
+                    found.append(p)
+        except OSError:
+            continue
+    return found
+
+
+def test_command_and_library_give_the_same_weights(tmp_path, local_ray):
+    import towers
+
+    p = run_cli("--hosts", "2", *SMALL, "--steps", "30", "--logdir", str(tmp_path / "cli"))
+    assert p.returncode == 0, p.stderr
+    cfg = towers.Config(hosts=2, devices="cpu", hidden=16, quiet=True, summary_every=0, steps=30,
+                        logdir=str(tmp_path / "api"))
+    with towers.ClusterTrainer(cfg) as t:
+        t.fit()
+    a, b = numpy.load(tmp_path / "cli" / "final.npz"), numpy.load(tmp_path / "api" / "final.npz")
+    assert a.files == b.files
+    for k in a.files:
+        numpy.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_an_address_without_ray_is_one_line_within_seconds(tmp_path):
+    """A closed port, and a port where some other TCP server listens (Ray would hang there for good)."""
+
+    class Silent(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.recv(1024)  # reads the handshake, answers nothing, closes
+            time.sleep(0.5)
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Silent) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        for address in ("127.0.0.1:1", f"127.0.0.1:{server.server_address[1]}"):
+            logdir = tmp_path / address.replace(":", "_")
+            t0 = time.monotonic()
+            p = run_cli("--hosts", "2", *SMALL, "--ray-address", address, "--logdir", str(logdir), timeout=60)
+            assert p.returncode == 2, p.stderr
+            assert p.stderr.count("\n") == 1 and f"--ray-address {address}" in p.stderr, p.stderr
+            assert time.monotonic() - t0 < 30 and not logdir.exists()
+        server.shutdown()
+
+
+def test_sigterm_ends_a_run_of_two_hosts_with_one_line(tmp_path):
+    proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path))
+    wait_for(str(tmp_path / "checkpoint"), proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines() == ["towers.train: terminated (SIGTERM); the last checkpoint is kept"], err
+
+
+def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path):
+    proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path / "a"))
+    wait_for(str(tmp_path / "a" / "checkpoint"), proc)
+    hosts = host_actors(proc.pid)
+    assert len(hosts) == 2
+    os.kill(hosts[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("towers.train: host 1 (") and "died at step" in lines[0], err
+    assert "\x1b" not in err
+
+    proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path / "b"))
+    wait_for(str(tmp_path / "b" / "checkpoint"), proc)
+    ray_processes = children_of({proc.pid})
+    assert host_actors(proc.pid)
+    proc.kill()
+    proc.communicate()
+    deadline = time.time() + 20
+    while alive(ray_processes) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not alive(ray_processes), [open(f"/proc/{p}/cmdline", "rb").read()[:80] for p in alive(ray_processes)]
