@@ -122,7 +122,8 @@ class Host:
                 return make_reducer(placement, streams, across=self.across)
         b = cfg.batch_size
         self.trainer = HostTrainer(towers_per_update(cfg, towers_per_host) * b, one, model=model, dataset=dataset,
-                                   reducer=reducer, placement=self.placement)
+                                   reducer=reducer, placement=self.placement,
+                                   first_tower=sum(towers_per_host[:rank]))  # dropout masks per global tower
         self.global_batch = sum(towers_per_host) * b
         self.lo = sum(towers_per_host[:rank]) * b
         self._start_input(0, (0, 0))
