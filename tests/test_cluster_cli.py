@@ -115,7 +115,7 @@ def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("towers.train: host 1 (") and "died at step" in lines[0], err
+    assert len(lines) == 1 and lines[0].startswith("towers.train: error: host 1 (") and "died at step" in lines[0], err
     assert "\x1b" not in err
 
     proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path / "b"))

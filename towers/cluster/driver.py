@@ -207,24 +207,30 @@ class ClusterTrainer:
     def _explain(self, e, refs_hosts) -> Exception:
         """The one line for a failure: the dead host (preferred), a host's own error, or Ray's first line."""
         ray = self._ray
-        errors = [e]
         _, rest = ray.wait([r for r, _ in refs_hosts], num_returns=len(refs_hosts), timeout=DEATH_WAIT_S)
-        for r, _ in refs_hosts:
+        errors = [(e, None)]
+        for r, h in refs_hosts:
             if r not in rest:
                 try:
                     ray.get(r)
                 except ray.exceptions.RayError as other:
-                    errors.append(other)
-        for err in errors:
+                    errors.append((other, h))
+        for err, _ in errors:
             if isinstance(err, ray.exceptions.RayActorError):
                 line = self._dead(getattr(err, "actor_id", None))
                 if line:
                     return TrainingError(line)
-        for err in errors:
-            cause = getattr(err, "cause", None)
-            if isinstance(cause, (UserError, TrainingError)) and not isinstance(cause, Aborted):
+        causes = [(getattr(err, "cause", None), h) for err, h in errors]
+        causes = [(c, h) for c, h in causes if c is not None and not isinstance(c, Aborted)]
+        for cause, _ in causes:
+            if isinstance(cause, (UserError, TrainingError)):
                 return cause
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if causes:  # a failure inside an actor: its own exception's first line, never Ray's banner
+            cause, h = causes[-1]
+            first = (str(cause).strip().splitlines() or [""])[0]
+            who = f"host {h}" if h is not None else "an actor"
+            return TrainingError(f"{who} failed at step {self.step}: {type(cause).__name__}: {first}")
+        first = (strip_ansi(str(e)).strip().splitlines() or [type(e).__name__])[0]
         return TrainingError(f"the Ray cluster failed at step {self.step}: {first}")
 
     def _dead(self, actor_id) -> str | None:
@@ -412,6 +418,13 @@ class _HostTimer:
     def report(self, global_batch: int) -> str:
         t = self.trainer
         return t._wait([(t._hosts[0].report.remote(global_batch), 0)])[0]  # noqa: SLF001 - its own driver
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without terminal colour codes (Ray colours the names in its messages)."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 def _replace(cfg, **changes):

@@ -88,10 +88,8 @@ class Host:
         import ray
 
         towers = self.placement.towers
-        if any(d.is_gpu for d in towers):
-            ranks = len(self.placement.groups)
-        else:
-            ranks = len(towers) if self.nccl is not None else 0  # the stand-in: each CPU tower plays a GPU
+        # NCCL ranks: one per device group (GPU hosts; with a stand-in NCCL module, the CPU group too).
+        ranks = len(self.placement.groups) if any(d.is_gpu for d in towers) or self.nccl is not None else 0
         return {"towers": len(towers), "ranks": ranks, "devices": [str(d) for d in towers],
                 "notice": self.placement.notice, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id()}
