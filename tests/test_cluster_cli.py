@@ -65,9 +65,9 @@ def host_actors(pid: int) -> list[int]:
 def test_command_and_library_give_the_same_weights(tmp_path, local_ray):
     import towers
 
-    p = run_cli("--hosts", "2", *SMALL, "--steps", "30", "--logdir", str(tmp_path / "cli"))
+    p = run_cli("--hosts", "2", *SMALL, "--steps", "12", "--logdir", str(tmp_path / "cli"))
     assert p.returncode == 0, p.stderr
-    cfg = towers.Config(hosts=2, devices="cpu", hidden=16, quiet=True, summary_every=0, steps=30,
+    cfg = towers.Config(hosts=2, devices="cpu", hidden=16, quiet=True, summary_every=0, steps=12,
                         logdir=str(tmp_path / "api"))
     with towers.ClusterTrainer(cfg) as t:
         t.fit()
@@ -115,7 +115,8 @@ def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("towers.train: error: host 1 (") and "died at step" in lines[0], err
+    assert len(lines) == 1 and lines[0].startswith("towers.train: error: host ") and "died at step" in lines[0], err
+    assert f"pid {hosts[1]})" in lines[0]  # the host killed, by its process
     assert "\x1b" not in err
 
     proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path / "b"))
@@ -128,3 +129,11 @@ def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path):
     while alive(ray_processes) and time.time() < deadline:
         time.sleep(0.2)
     assert not alive(ray_processes), [open(f"/proc/{p}/cmdline", "rb").read()[:80] for p in alive(ray_processes)]
+
+
+def test_one_host_never_imports_ray(tmp_path):
+    code = ("import sys, towers, towers.train as t; t.main(['--devices', 'cpu', '--steps', '2', '--quiet', "
+            f"'--hidden', '8', '--logdir', {str(tmp_path)!r}]); assert 'ray' not in sys.modules, 'ray imported'; "
+            "assert towers.ClusterTrainer.__name__ == 'ClusterTrainer'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr

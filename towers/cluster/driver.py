@@ -31,7 +31,7 @@ with one line naming it (``TrainingError``); the last checkpoint stays and
 from __future__ import annotations
 
 import math
-import sys
+import os
 
 import numpy
 
@@ -106,7 +106,7 @@ class ClusterTrainer:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=h)
-            self._hosts.append(actor.options(**opts).remote(host_cfg, h, nccl_name))
+            self._hosts.append(actor.options(**opts).remote(host_cfg, h, nccl_name, os.getpriority(os.PRIO_PROCESS, 0)))
         self.host_info = self._wait([(a.describe.remote(), h) for h, a in enumerate(self._hosts)])
         notice = self.host_info[0]["notice"]
         if gpus == 0 and int(ray.cluster_resources().get("GPU", 0)) and cfg.devices != "cpu":
@@ -135,7 +135,7 @@ class ClusterTrainer:
                                 "shared memory); use `sync` grads or weights across nodes")
             board = self._board(*ps_board(n, self.model.size, self.model.buffer_size, max(self.towers_per_host)))
             self._ps = ray.remote(ParameterServer).options(num_cpus=0, max_restarts=0).remote(
-                cfg, model, data, board, self.towers_per_host)
+                cfg, model, data, board, self.towers_per_host, os.getpriority(os.PRIO_PROCESS, 0))
         # All at once: NCCL communicators are made only when every rank has joined.
         refs = [(a.build.remote(model, data, self.towers_per_host, world[h], board, exchange), h)
                 for h, a in enumerate(self._hosts)]
@@ -333,8 +333,8 @@ class ClusterTrainer:
         return self._source_call("get_weights", ema)
 
     def get_gradients(self) -> dict[str, numpy.ndarray]:
-        """Host 0's mean gradient of the last step."""
-        return self._wait([(self._hosts[0].get_gradients.remote(), 0)])[0]
+        """The mean gradient of the last update: host 0's after its all-reduce, or the one the server applied."""
+        return self._source_call("get_gradients")
 
     def set_weights(self, weights: dict, ema: bool = False) -> None:
         """Every host's (and the server's) weights; checked by each as ``Trainer.set_weights`` checks."""
