@@ -97,6 +97,13 @@ def test_an_address_without_ray_is_one_line_within_seconds(tmp_path):
         server.shutdown()
 
 
+def test_a_real_ray_passes_the_address_probe(local_ray):
+    """The probe must not refuse Ray itself: its GCS answers the HTTP/2 handshake."""
+    from towers.cluster.session import check_ray_address
+
+    check_ray_address(local_ray.get_runtime_context().gcs_address)
+
+
 def test_sigterm_ends_a_run_of_two_hosts_with_one_line(tmp_path):
     proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path))
     wait_for(str(tmp_path / "checkpoint"), proc)
