@@ -38,7 +38,7 @@ def weights_after(trainer, n):
 
 def one_host(n, model=None, **kw):
     with towers.Trainer(towers.Config(**{**SMALL, "n_gpu": 2, "steps": n, **kw}), model=model) as t:
-        return weights_after(t, n)
+        return weights_after(t, n) + (t.get_gradients(),)
 
 
 def assert_same(a, b, rtol=0.0):
@@ -53,52 +53,50 @@ def test_two_hosts_match_one_host_two_towers(local_ray, sync):
     want = one_host(3)
     with cluster(hosts=2, n_gpu=1, sync=sync, steps=3) as t:
         assert t.global_batch == 200 and t.n_towers == 2 and not isinstance(t, towers.Trainer)
-        got = weights_after(t, 3)
+        got = weights_after(t, 3) + (t.get_gradients(),)  # the last step's mean gradient, host 0's
         assert t.check_replicas()
     assert_same(got, want, rtol=0 if sync == "grads" else 1e-6)
 
 
-class Centered(Layer):
-    """x minus a running mean of x (a buffer that every forward pass moves); backward passes dy through."""
-
-    scope = "center"
-
-    def build(self, in_shape):
-        return [Param("mean", tuple(in_shape), trainable=False)], tuple(in_shape)
-
-    def forward(self, p, x, ws):
-        p["mean"][...] = 0.9 * p["mean"] + 0.1 * x.mean(axis=0)
-        return x - p["mean"]
-
-    def backward(self, p, g, dy, ws, need_dx):
-        return dy if need_dx else None
-
-
 def buffered_model():
-    # Host actors cannot import this test module: Ray pickles its layer class by value.
-    import sys
+    """An MLP after a layer with a buffer that every forward pass moves (made here: Ray ships it by value)."""
 
-    from ray import cloudpickle
+    class Centered(Layer):
+        """x minus a running mean of x (the buffer); backward passes dy through."""
 
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        scope = "center"
+
+        def build(self, in_shape):
+            return [Param("mean", tuple(in_shape), trainable=False)], tuple(in_shape)
+
+        def forward(self, p, x, ws):
+            p["mean"][...] = 0.9 * p["mean"] + 0.1 * x.mean(axis=0)
+            return x - p["mean"]
+
+        def backward(self, p, g, dy, ws, need_dx):
+            return dy if need_dx else None
+
     return [towers.Flatten(), Centered(), towers.Dense("layer1", 16), towers.ReLU(), towers.Dense("layer2", 10)]
 
 
 @pytest.mark.parametrize("sync", ["weights", "ps"])
 def test_model_buffers_are_averaged_across_hosts(local_ray, sync):
-    """Weights mode averages buffers with the weights; the server averages the hosts' buffers."""
-    kw = {"sync": "weights", "average_every": 2} if sync == "weights" else {}
-    with towers.ClusterTrainer(towers.Config(**{**SMALL, "hosts": 2, "n_gpu": 1, "steps": 4, **kw, "sync": sync}),
+    """Weights mode averages buffers with the weights; the server averages the hosts' buffers.
+
+    With plain SGD a server that averages the hosts' gradients and buffers every
+    update is one host in weights mode averaging every step (up to rounding).
+    """
+    kw = {"sync": "weights", "average_every": 2}
+    with towers.ClusterTrainer(towers.Config(**{**SMALL, "hosts": 2, "n_gpu": 1, "steps": 4, **kw, "sync": sync,
+                                                 "average_every": 2 if sync == "weights" else 1}),
                                model=buffered_model()) as tr:
         got = weights_after(tr, 4)
         assert "center/mean" in got[0]
         assert tr.check_replicas()
         state = tr.state_dict()
+    want = one_host(4, model=buffered_model(), **{**kw, "average_every": 2 if sync == "weights" else 1})[:2]
     assert numpy.abs(got[0]["center/mean"]).max() > 0  # the buffer moved
-    if sync == "weights":
-        assert_same(got, one_host(4, model=buffered_model(), **kw), rtol=1e-5)
-    # (ps: the server averages the hosts' buffers every step, while one host's
-    # grads-mode towers each keep their own, so the two differ by design.)
+    assert_same(got, want, rtol=1e-5)
     numpy.testing.assert_array_equal(state["buffers/center/mean"], got[0]["center/mean"])
 
 
@@ -160,10 +158,11 @@ def test_resume_is_exact_and_a_checkpoint_resumes_on_one_host(local_ray, tmp_pat
 
 def test_nccl_id_and_ranks_through_ray(local_ray):
     """The GPU path's id exchange and rank layout, against the host-memory stand-in."""
-    cfg = towers.Config(**{**SMALL, "hosts": 2, "n_gpu": 2})
-    with towers.ClusterTrainer(cfg, nccl="nccl_standin") as t:
+    cfg = towers.Config(**{**SMALL, "hosts": 3, "n_gpu": 2})
+    with towers.ClusterTrainer(cfg, nccl="tests.nccl_standin") as t:
         ranks = local_ray.get([h.nccl_ranks.remote() for h in t._hosts])  # noqa: SLF001 - the layout test
-    assert [[r for _, r, _ in host] for host in ranks] == [[0, 1], [2, 3]]
-    assert {size for host in ranks for size, _, _ in host} == {4}
+    # 3 hosts, each 2 CPU towers on one device (one group, one rank): ranks numbered host by host.
+    assert [[r for _, r, _ in host] for host in ranks] == [[0], [1], [2]]
+    assert {size for host in ranks for size, _, _ in host} == {3}
     ids = {uid for host in ranks for _, _, uid in host}
     assert len(ids) == 1 and ids != {bytes(128)}

@@ -65,9 +65,9 @@ def host_actors(pid: int) -> list[int]:
 def test_command_and_library_give_the_same_weights(tmp_path, local_ray):
     import towers
 
-    p = run_cli("--hosts", "2", *SMALL, "--steps", "30", "--logdir", str(tmp_path / "cli"))
+    p = run_cli("--hosts", "2", *SMALL, "--steps", "12", "--logdir", str(tmp_path / "cli"))
     assert p.returncode == 0, p.stderr
-    cfg = towers.Config(hosts=2, devices="cpu", hidden=16, quiet=True, summary_every=0, steps=30,
+    cfg = towers.Config(hosts=2, devices="cpu", hidden=16, quiet=True, summary_every=0, steps=12,
                         logdir=str(tmp_path / "api"))
     with towers.ClusterTrainer(cfg) as t:
         t.fit()
@@ -97,6 +97,13 @@ def test_an_address_without_ray_is_one_line_within_seconds(tmp_path):
         server.shutdown()
 
 
+def test_a_real_ray_passes_the_address_probe(local_ray):
+    """The probe must not refuse Ray itself: its GCS answers the HTTP/2 handshake."""
+    from towers.cluster.session import check_ray_address
+
+    check_ray_address(local_ray.get_runtime_context().gcs_address)
+
+
 def test_sigterm_ends_a_run_of_two_hosts_with_one_line(tmp_path):
     proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path))
     wait_for(str(tmp_path / "checkpoint"), proc)
@@ -115,7 +122,8 @@ def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("towers.train: host 1 (") and "died at step" in lines[0], err
+    assert len(lines) == 1 and lines[0].startswith("towers.train: error: host ") and "died at step" in lines[0], err
+    assert f"pid {hosts[1]})" in lines[0]  # the host killed, by its process
     assert "\x1b" not in err
 
     proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path / "b"))
@@ -128,3 +136,11 @@ def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path):
     while alive(ray_processes) and time.time() < deadline:
         time.sleep(0.2)
     assert not alive(ray_processes), [open(f"/proc/{p}/cmdline", "rb").read()[:80] for p in alive(ray_processes)]
+
+
+def test_one_host_never_imports_ray(tmp_path):
+    code = ("import sys, towers, towers.train as t; t.main(['--devices', 'cpu', '--steps', '2', '--quiet', "
+            f"'--hidden', '8', '--logdir', {str(tmp_path)!r}]); assert 'ray' not in sys.modules, 'ray imported'; "
+            "assert towers.ClusterTrainer.__name__ == 'ClusterTrainer'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr

@@ -31,7 +31,7 @@ with one line naming it (``TrainingError``); the last checkpoint stays and
 from __future__ import annotations
 
 import math
-import sys
+import os
 
 import numpy
 
@@ -106,7 +106,7 @@ class ClusterTrainer:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=h)
-            self._hosts.append(actor.options(**opts).remote(host_cfg, h, nccl_name))
+            self._hosts.append(actor.options(**opts).remote(host_cfg, h, nccl_name, os.getpriority(os.PRIO_PROCESS, 0)))
         self.host_info = self._wait([(a.describe.remote(), h) for h, a in enumerate(self._hosts)])
         notice = self.host_info[0]["notice"]
         if gpus == 0 and int(ray.cluster_resources().get("GPU", 0)) and cfg.devices != "cpu":
@@ -135,7 +135,7 @@ class ClusterTrainer:
                                 "shared memory); use `sync` grads or weights across nodes")
             board = self._board(*ps_board(n, self.model.size, self.model.buffer_size, max(self.towers_per_host)))
             self._ps = ray.remote(ParameterServer).options(num_cpus=0, max_restarts=0).remote(
-                cfg, model, data, board, self.towers_per_host)
+                cfg, model, data, board, self.towers_per_host, os.getpriority(os.PRIO_PROCESS, 0))
         # All at once: NCCL communicators are made only when every rank has joined.
         refs = [(a.build.remote(model, data, self.towers_per_host, world[h], board, exchange), h)
                 for h, a in enumerate(self._hosts)]
@@ -207,24 +207,30 @@ class ClusterTrainer:
     def _explain(self, e, refs_hosts) -> Exception:
         """The one line for a failure: the dead host (preferred), a host's own error, or Ray's first line."""
         ray = self._ray
-        errors = [e]
         _, rest = ray.wait([r for r, _ in refs_hosts], num_returns=len(refs_hosts), timeout=DEATH_WAIT_S)
-        for r, _ in refs_hosts:
+        errors = [(e, None)]
+        for r, h in refs_hosts:
             if r not in rest:
                 try:
                     ray.get(r)
                 except ray.exceptions.RayError as other:
-                    errors.append(other)
-        for err in errors:
+                    errors.append((other, h))
+        for err, _ in errors:
             if isinstance(err, ray.exceptions.RayActorError):
                 line = self._dead(getattr(err, "actor_id", None))
                 if line:
                     return TrainingError(line)
-        for err in errors:
-            cause = getattr(err, "cause", None)
-            if isinstance(cause, (UserError, TrainingError)) and not isinstance(cause, Aborted):
+        causes = [(getattr(err, "cause", None), h) for err, h in errors]
+        causes = [(c, h) for c, h in causes if c is not None and not isinstance(c, Aborted)]
+        for cause, _ in causes:
+            if isinstance(cause, (UserError, TrainingError)):
                 return cause
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if causes:  # a failure inside an actor: its own exception's first line, never Ray's banner
+            cause, h = causes[-1]
+            first = (str(cause).strip().splitlines() or [""])[0]
+            who = f"host {h}" if h is not None else "an actor"
+            return TrainingError(f"{who} failed at step {self.step}: {type(cause).__name__}: {first}")
+        first = (strip_ansi(str(e)).strip().splitlines() or [type(e).__name__])[0]
         return TrainingError(f"the Ray cluster failed at step {self.step}: {first}")
 
     def _dead(self, actor_id) -> str | None:
@@ -327,8 +333,8 @@ class ClusterTrainer:
         return self._source_call("get_weights", ema)
 
     def get_gradients(self) -> dict[str, numpy.ndarray]:
-        """Host 0's mean gradient of the last step."""
-        return self._wait([(self._hosts[0].get_gradients.remote(), 0)])[0]
+        """The mean gradient of the last update: host 0's after its all-reduce, or the one the server applied."""
+        return self._source_call("get_gradients")
 
     def set_weights(self, weights: dict, ema: bool = False) -> None:
         """Every host's (and the server's) weights; checked by each as ``Trainer.set_weights`` checks."""
@@ -412,6 +418,13 @@ class _HostTimer:
     def report(self, global_batch: int) -> str:
         t = self.trainer
         return t._wait([(t._hosts[0].report.remote(global_batch), 0)])[0]  # noqa: SLF001 - its own driver
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without terminal colour codes (Ray colours the names in its messages)."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 def _replace(cfg, **changes):

@@ -34,6 +34,7 @@ import numpy
 from towers.cluster.board import Board
 from towers.cluster.ps import HostSide
 from towers.cluster.reduce import BoardMean, ObjectStoreMean
+from towers.cluster.session import same_priority
 from towers.cluster.state import cluster_state, towers_per_update
 from towers.data.batches import BatchSource, InputPosition
 from towers.devices.placement import resolve, to_host
@@ -77,8 +78,10 @@ class Host:
     ``cupy.cuda.nccl`` (tests: ``nccl_standin``); None: the real one.
     """
 
-    def __init__(self, cfg, rank: int, nccl_module: str | None = None):
+    def __init__(self, cfg, rank: int, nccl_module: str | None = None, niceness: int | None = None):
         self.cfg, self.rank, self.trainer = cfg, rank, None
+        if niceness is not None:
+            same_priority(niceness)
         self.nccl = importlib.import_module(nccl_module) if nccl_module else None
         self.placement = resolve(cfg.n_gpu, cfg.devices, cfg.soft_placement)
         self.across = self.ps = None
@@ -88,10 +91,8 @@ class Host:
         import ray
 
         towers = self.placement.towers
-        if any(d.is_gpu for d in towers):
-            ranks = len(self.placement.groups)
-        else:
-            ranks = len(towers) if self.nccl is not None else 0  # the stand-in: each CPU tower plays a GPU
+        # NCCL ranks: one per device group (GPU hosts; with a stand-in NCCL module, the CPU group too).
+        ranks = len(self.placement.groups) if any(d.is_gpu for d in towers) or self.nccl is not None else 0
         return {"towers": len(towers), "ranks": ranks, "devices": [str(d) for d in towers],
                 "notice": self.placement.notice, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id()}

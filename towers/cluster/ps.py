@@ -36,6 +36,7 @@ import dataclasses
 import numpy
 
 from towers.cluster.board import Board
+from towers.cluster.session import same_priority
 from towers.cluster.state import cluster_state
 from towers.devices.placement import CPU, Placement, to_host
 
@@ -94,9 +95,11 @@ class HostSide:
 class ParameterServer:
     """The server actor (see the module docstring)."""
 
-    def __init__(self, cfg, model, dataset, handle, towers_per_host: list[int]):
+    def __init__(self, cfg, model, dataset, handle, towers_per_host: list[int], niceness: int | None = None):
         from towers.trainer import Trainer
 
+        if niceness is not None:
+            same_priority(niceness)
         self.cfg, self.towers = cfg, towers_per_host
         per_update = sum(towers_per_host) if cfg.sync == "ps" else towers_per_host[0]
         one = dataclasses.replace(cfg, hosts=1, n_gpu=1, devices="cpu", batch_size=per_update * cfg.batch_size,
@@ -199,6 +202,9 @@ class ParameterServer:
 
     def get_weights(self, ema: bool) -> dict:
         return self.trainer.get_weights(ema)
+
+    def get_gradients(self) -> dict:
+        return self.trainer.get_gradients()  # apply_gradients left the applied mean in the replica
 
     def evaluate(self, ema: bool, x=None, y=None) -> dict:
         return self.trainer.evaluate(ema, x, y)

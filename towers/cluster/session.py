@@ -168,3 +168,12 @@ def gpus_per_host(ray, n_hosts: int, towers: int, devices: str | None, soft: boo
         raise UserError(f"{n_hosts} hosts x {towers} GPUs asked for, the Ray cluster has {have} GPUs: "
                         "lower `hosts` or `n_gpu`, or drop `soft_placement` to run on the CPU")
     return 0
+
+
+def same_priority(niceness: int) -> None:
+    """Run at the driver's priority: Ray starts workers niced (15), which on a shared machine would
+    starve a host, i.e. every host (they wait for each other), behind any other process."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    except OSError:  # raising one's priority needs privileges: stay as Ray started us
+        pass

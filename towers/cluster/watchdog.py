@@ -3,10 +3,10 @@
 ``python -m towers.cluster.watchdog DRIVER_PID PID...`` runs in its own
 session, started by ``towers.cluster.session`` right after ``ray.init``
 started Ray's processes (the GCS, the raylet, ...) as the driver's children.
-It polls every ``POLL_S`` whether its parent is still the driver; once the
-driver is gone it kills those processes and everything they started (the
-raylet's workers and agents, found through ``/proc``), which otherwise
-linger for minutes.  A driver that ends normally stops Ray itself and then
+It polls every ``POLL_S`` whether its parent is still the driver, and notes
+every process those started meanwhile (the raylet's workers and agents, found
+through ``/proc``); once the driver is gone it kills them all, which
+otherwise linger for minutes.  A driver that ends normally stops Ray itself and then
 terminates the watchdog.
 
 Limits: Linux (``/proc``); processes that left their parent's tree
@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-POLL_S = 0.2
+POLL_S = 0.5
 
 
 def children_of(pids: set[int]) -> set[int]:
@@ -51,9 +51,13 @@ def kill_tree(pids: set[int]) -> None:
 def main(argv: list[str]) -> int:
     driver, pids = int(argv[0]), {int(p) for p in argv[1:]}
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the driver, which then stops Ray itself
+    seen, me = set(pids), os.getpid()
     while os.getppid() == driver:
+        # Ray starts more processes after ray.init (agents, workers): remember every one that ever
+        # was below Ray's first processes, since killing the raylet orphans its children.
+        seen |= children_of(pids | seen) - {me}
         time.sleep(POLL_S)
-    kill_tree(pids)
+    kill_tree(seen)
     return 0
 
 
