@@ -105,7 +105,12 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=300, help="steps per training and per consumption measurement")
     p.add_argument("--batches", type=int, default=300, help="global batches per pipeline measurement")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--images", action="store_true", help="the image rows instead: decode + augmentation")
+    p.add_argument("--reference-python", metavar="PYTHON",
+                   help="an interpreter with TensorFlow and PyTorch/torchvision for the reference image rows")
     args = p.parse_args(argv)
+    if args.images:
+        return image_main(args)
     x, y = _data(args.records)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench_input-") as tmp:
@@ -140,6 +145,146 @@ def main(argv=None):
               f"{rows[_pipeline_row(w)] / consume:.2f}  (target >= 3)")
     tfr = rows[f"training from TFRecord, {auto} workers"]
     print(f"training TFRecord ({auto} workers) / npz: {tfr / rows['training from npz']:.2f}  (target >= 0.9)")
+
+
+
+
+# -- image input: decode + augmentation against tf.data and PyTorch's DataLoader ---------------------------------
+
+IMAGE_SETS = {"cifar": ((32, 32), 4000, 32), "imagenet": ((240, 320), 400, 224)}  # stored size, images, output side
+
+
+def _photo(rng, h, w):
+    """A smooth random RGB image (compresses like a photo, unlike noise)."""
+    from PIL import Image
+
+    small = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), np.uint8)
+    return np.asarray(Image.fromarray(small).resize((w, h), Image.BILINEAR))
+
+
+def write_image_records(path, kind, seed=0):
+    """A TFRecord file of JPEGs in the ImageNet layout; returns [(start, end)] of each JPEG in the file."""
+    from towers.data.image import codec
+    from towers.data.image.to_tfrecord import example
+    from towers.data.tfrecord.framing import HEADER, TFRecordWriter
+
+    (h, w), n, _ = IMAGE_SETS[kind]
+    rng = np.random.default_rng(seed)
+    spans, at = [], 0
+    with open(path, "wb") as f, TFRecordWriter(f, "none") as writer:
+        for i in range(n):
+            jpeg = codec.encode(_photo(rng, h, w), "jpeg")
+            payload = example(jpeg, i % 10, (h, w, 3))
+            writer.write(payload)
+            start = at + HEADER + payload.find(jpeg)
+            spans.append((start, start + len(jpeg)))
+            at += HEADER + len(payload) + 4
+    return spans
+
+
+def towers_image_rate(path, kind, workers, batches):
+    side = IMAGE_SETS[kind][2]
+    ds = load_dataset(path, "image/encoded", "image/class/label", decode=f"image/encoded:image:{side},{side},3",
+                      workers=workers, augment=kind)
+    try:
+        return pipeline_rate(ds, batches)
+    finally:
+        close_dataset(ds)
+
+
+_REFERENCE = r'''
+import json, sys, time
+kind, framework, path, spans, workers, batches, side = sys.argv[1:8]
+workers, batches, side, spans = int(workers), int(batches), int(side), json.loads(spans)
+B = 200
+if framework == "tf.data":
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(workers)
+    tf.config.threading.set_intra_op_parallelism_threads(workers)
+    feats = {"image/encoded": tf.io.FixedLenFeature([], tf.string), "image/class/label": tf.io.FixedLenFeature([], tf.int64)}
+    def parse(record):
+        f = tf.io.parse_single_example(record, feats)
+        img = tf.io.decode_jpeg(f["image/encoded"], channels=3)
+        if kind == "cifar":
+            img = tf.image.random_crop(tf.image.pad_to_bounding_box(img, 4, 4, side + 8, side + 8), [side, side, 3])
+        else:
+            begin, size, _ = tf.image.sample_distorted_bounding_box(tf.shape(img), tf.zeros([1, 0, 4]),
+                min_object_covered=0, aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1), max_attempts=10,
+                use_image_if_no_bounding_boxes=True)
+            img = tf.cast(tf.image.resize(tf.slice(img, begin, size), [side, side]), tf.uint8)
+        return tf.image.random_flip_left_right(img), f["image/class/label"]
+    ds = tf.data.TFRecordDataset(path).repeat().map(parse, num_parallel_calls=workers).batch(B).prefetch(2)
+    it = iter(ds)
+    for _ in range(3): next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches): next(it)
+else:
+    import torch, torchvision
+    from torchvision.transforms import v2
+    torch.set_num_threads(1)
+    aug = (v2.Compose([v2.RandomCrop(side, padding=4), v2.RandomHorizontalFlip()]) if kind == "cifar" else
+           v2.Compose([v2.RandomResizedCrop(side, antialias=True), v2.RandomHorizontalFlip()]))
+    class Records(torch.utils.data.Dataset):
+        def __len__(self): return len(spans)
+        def __getitem__(self, i):
+            a, b = spans[i]
+            with open(path, "rb") as f:
+                f.seek(a); data = f.read(b - a)
+            img = torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            return aug(img), i % 10
+    loader = torch.utils.data.DataLoader(Records(), batch_size=B, shuffle=True, num_workers=workers,
+                                         persistent_workers=True, drop_last=True)
+    def batches_forever():
+        while True:
+            yield from loader
+    it = batches_forever()
+    for _ in range(3): next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches): next(it)
+print(batches * B / (time.perf_counter() - t0))
+'''
+
+
+def reference_rate(python, framework, kind, path, spans, workers, batches):
+    """images/s of ``framework`` run by ``python`` (an interpreter with it installed), or None."""
+    import json
+    import subprocess
+
+    side = IMAGE_SETS[kind][2]
+    r = subprocess.run([python, "-c", _REFERENCE, kind, framework, path, json.dumps(spans), str(workers),
+                        str(batches), str(side)], capture_output=True, text=True,
+                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    return float(r.stdout.split()[-1]) if r.returncode == 0 and r.stdout.split() else None
+
+
+def image_main(args):
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="bench_images-") as tmp:
+        files = {kind: os.path.join(tmp, f"{kind}.tfrecords") for kind in IMAGE_SETS}
+        spans = {kind: write_image_records(path, kind) for kind, path in files.items()}
+        for r in range(args.repeats):
+            for kind, path in files.items():
+                batches = 20 if kind == "cifar" else 6
+                for w in (1, 2):
+                    measured = {f"{kind}: towers, {w} worker{'s' * (w > 1)}": towers_image_rate(path, kind, w, batches)}
+                    if args.reference_python:
+                        for fw in ("tf.data", "DataLoader"):
+                            measured[f"{kind}: {fw}, {w} worker{'s' * (w > 1)}"] = reference_rate(
+                                args.reference_python, fw, kind, path, spans[kind], w, batches)
+                    for name, rate in measured.items():
+                        if rate is not None:
+                            rows[name] = max(rows.get(name, 0.0), rate)
+    print(f"decode + augmentation of JPEGs in TFRecord files, global batch 200, best of {args.repeats} "
+          f"({os.cpu_count()} cores); cifar: 32x32 -> 32x32, imagenet: 320x240 -> 224x224")
+    for name, rate in rows.items():
+        print(f"  {name:34s} {rate:12,.0f} images/s")
+    for kind in IMAGE_SETS:
+        ours = rows.get(f"{kind}: towers, 2 workers")
+        print(f"{kind}: 2 workers / 1 worker: {ours / rows[f'{kind}: towers, 1 worker']:.2f}  (target >= 1.7)")
+        for fw, target in (("tf.data", 1.0), ("DataLoader", 1.5)):
+            theirs = rows.get(f"{kind}: {fw}, 2 workers")
+            if theirs:
+                print(f"{kind}: towers / {fw}, 2 workers: {ours / theirs:.2f}  (target >= {target})")
 
 
 if __name__ == "__main__":
