@@ -333,3 +333,24 @@ def test_tfrecord_to_npz_decodes_images(tmp_path):
     assert r.returncode == 0, r.stderr
     with np.load(out) as z, np.load(shared_file("image-samples", "mnist_png_head500.npz")) as ref:
         assert np.array_equal(z["x"], ref["x"]) and np.array_equal(z["y"], ref["y"])
+
+
+def test_named_augmentations_shapes_types_and_evaluation_paths():
+    rng = np.random.default_rng(0)
+    photo = rng.integers(0, 256, (40, 60, 3), np.uint8)
+    jpeg = codec.encode(photo, "jpeg")
+    u = uniforms(3, [0], [0], 41)[0]
+    tf = Transform((32, 32, 3), "tf-cifar10")
+    x = tf(jpeg, u[:tf.draws])
+    assert x.shape == (24, 24, 3) and x.dtype == np.float32 and abs(float(x.mean())) < 1e-4
+    assert abs(float(x.std()) - 1) < 1e-3 and tf(jpeg).shape == (24, 24, 3)
+    net = Transform((16, 16, 3), "imagenet", normalize="0.5,0.25")
+    train, evaluation = net(jpeg, u), net(jpeg)
+    assert train.shape == evaluation.shape == (16, 16, 3) and train.dtype == np.float32
+    assert np.array_equal(evaluation, net(jpeg)) and not np.array_equal(train, evaluation)
+    from towers.data.image.augment import random_resized_crop
+
+    for row in uniforms(0, np.zeros(200), np.arange(200), 40):
+        top, left, h, w = random_resized_crop(30, 50, row)
+        assert 0 <= top and top + h <= 30 and 0 <= left and left + w <= 50
+        assert 0.08 * 1500 * 0.8 <= h * w or (h, w) == (30, 40)  # area 0.08-1 (rounding), or the fallback

@@ -139,8 +139,18 @@ class Workers:
         self._pool = None
         self._free: dict[int, list] = {}  # block size -> blocks not in use
         self._blocks: list = []  # every block made, for close
-        self._lock = threading.Lock()  # the input thread and the main thread (evaluation) both start batches
+        # The input thread and the main thread (evaluation) both start batches; re-entrant because a batch
+        # collected by the garbage collector inside `start` gives its block back under the same lock.
+        self._lock = threading.RLock()
         self._closed = False
+
+    def __getstate__(self):
+        # Pickled to other processes (Ray hosts): the sources and the count travel; the pool and blocks do not.
+        return {"n": self.n, "sources": self._sources}
+
+    def __setstate__(self, state):
+        self.__init__(state["n"])
+        self._sources = state["sources"]
 
     def add(self, source, transform) -> int:
         """Register an array's source and transform (before the first batch); its id."""
