@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, run_cli, shared_file
 from towers import Config, Trainer
-from towers.data.image import codec
+from towers.data.image import codec, folder
 from towers.data.image.augment import Transform, uniforms
 from towers.data.image.to_tfrecord import example
 from towers.data.loading import load_dataset
@@ -174,9 +174,11 @@ def test_folder_mistakes_are_one_line(tmp_path):
     (root / "cat" / "big.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     with pytest.raises(UserError, match="big.png is not a readable image"):
         load_dataset(str(root))
-    (tmp_path / "none").mkdir()
-    with pytest.raises(UserError, match="holds no class folders"):
+    (tmp_path / "none" / ".hidden").mkdir(parents=True)
+    with pytest.raises(UserError, match="is a directory"):  # no class folder: not an image folder
         load_dataset(str(tmp_path / "none"))
+    with pytest.raises(UserError, match="holds no class folders"):
+        folder.scan(str(tmp_path / "none"))
 
 
 # -- augmentation: workers, resume ----------------------------------------------------------------------------
