@@ -21,6 +21,26 @@ written to a temporary TFRecord file and its npz twin.  Then, round by round
 It prints the ratios the input work is judged by: pipeline (2 workers) /
 consumption (target >= 3) and TFRecord training (default workers) / npz
 training (target >= 0.9).
+
+``--images [--reference-python PY]`` measures image input instead, in one run:
+
+* **decode + augmentation**, images/s into global batches of 200 (the same
+  ``pipeline_rate``), of synthetic photo-like JPEGs in a TFRecord file in the
+  ImageNet layout: 4,000 32x32 ones with ``--augment cifar`` and 400 320x240
+  ones with ``--augment imagenet`` to 224x224, with 1 and 2 workers; beside
+  them ``tf.data`` (TFRecordDataset, parse, ``decode_jpeg``, pad + random
+  crop or ``sample_distorted_bounding_box`` + resize, flip,
+  ``num_parallel_calls`` = workers) and PyTorch's ``DataLoader`` (the same
+  JPEG bytes read from the same file, ``torchvision.io.decode_jpeg``,
+  ``RandomCrop(padding=4)`` or ``RandomResizedCrop``, flip; ``num_workers`` =
+  workers), each in a subprocess of ``PY`` (an interpreter with TensorFlow,
+  torch and torchvision: they are references, not dependencies; their rows
+  are left out without it);
+* **training** the MLP with 2 CPU towers from MNIST written as JPEG
+  TFRecords against training from the decoded npz.
+
+Ratios: 2 workers / 1 worker (target >= 1.7), towers / tf.data (>= 1.0),
+towers / DataLoader (>= 1.5), JPEG training / npz training (>= 0.9).
 """
 from __future__ import annotations
 
@@ -257,12 +277,44 @@ def reference_rate(python, framework, kind, path, spans, workers, batches):
     return float(r.stdout.split()[-1]) if r.returncode == 0 and r.stdout.split() else None
 
 
+def write_mnist_jpeg(path, x, y):
+    """MNIST digits as grey JPEGs (quality 90) in the ImageNet layout."""
+    from towers.data.image import codec
+    from towers.data.image.to_tfrecord import example
+    from towers.data.tfrecord.framing import TFRecordWriter
+
+    with open(path, "wb") as f, TFRecordWriter(f, "none") as writer:
+        for img, label in zip(x, y):
+            writer.write(example(codec.encode(img[:, :, None], "jpeg"), int(label), img.shape + (1,)))
+
+
+def training_rows(tmp, args, r):
+    """Training the MLP (2 CPU towers) from MNIST as JPEG TFRecords against from the decoded npz."""
+    x, y = _data(args.records)
+    jpeg = os.path.join(tmp, "mnist-jpeg.tfrecords")
+    if not os.path.exists(jpeg):
+        write_mnist_jpeg(jpeg, x, y)
+    decoded = Dataset.from_arrays(x[:, :, :, None], y)
+    auto = input_workers(None, cpu_towers=2)
+    rows = {"training from decoded npz (MLP)": training_rate(decoded, args.steps, os.path.join(tmp, f"n{r}"))}
+    for w in sorted({auto, 1}):
+        ds = load_dataset(jpeg, "image/encoded", "image/class/label", decode="image/encoded:image:28,28,1", workers=w)
+        try:
+            rows[f"training from JPEG TFRecord, {w} workers"] = training_rate(ds, args.steps,
+                                                                           os.path.join(tmp, f"j{w}{r}"))
+        finally:
+            close_dataset(ds)
+    return rows
+
+
 def image_main(args):
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench_images-") as tmp:
         files = {kind: os.path.join(tmp, f"{kind}.tfrecords") for kind in IMAGE_SETS}
         spans = {kind: write_image_records(path, kind) for kind, path in files.items()}
         for r in range(args.repeats):
+            for name, rate in training_rows(tmp, args, r).items():
+                rows[name] = max(rows.get(name, 0.0), rate)
             for kind, path in files.items():
                 batches = 20 if kind == "cifar" else 6
                 for w in (1, 2):
@@ -278,6 +330,11 @@ def image_main(args):
           f"({os.cpu_count()} cores); cifar: 32x32 -> 32x32, imagenet: 320x240 -> 224x224")
     for name, rate in rows.items():
         print(f"  {name:34s} {rate:12,.0f} images/s")
+    auto = input_workers(None, cpu_towers=2)
+    for w in sorted({auto, 1}):
+        print(f"training JPEG TFRecord ({w} workers) / decoded npz: "
+              f"{rows[f'training from JPEG TFRecord, {w} workers'] / rows['training from decoded npz (MLP)']:.2f}"
+              "  (target >= 0.9)")
     for kind in IMAGE_SETS:
         ours = rows.get(f"{kind}: towers, 2 workers")
         print(f"{kind}: 2 workers / 1 worker: {ours / rows[f'{kind}: towers, 1 worker']:.2f}  (target >= 1.7)")
