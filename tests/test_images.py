@@ -277,12 +277,11 @@ def test_workers_and_shared_memory_end_with_a_killed_driver(tmp_path):
         pytest.skip("no /dev/shm to look at")
     x, y = _images()
     path = _records(tmp_path / "d.tfrecords", x, y)
-    before = set(os.listdir("/dev/shm"))
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER, path, DECODE], cwd=REPO, stdout=subprocess.PIPE,
                               text=True)
     try:
         children = [int(p) for p in driver.stdout.readline().split()]
-        blocks = set(driver.stdout.readline().split()) - before
+        blocks = {name for name in driver.stdout.readline().split() if name.startswith(f"towers-{driver.pid}-")}
         assert len(children) == 3 and all(map(_running, children)) and blocks  # 2 workers, the resource tracker
     finally:
         driver.send_signal(signal.SIGKILL)
@@ -356,3 +355,25 @@ def test_named_augmentations_shapes_types_and_evaluation_paths():
         top, left, h, w = random_resized_crop(30, 50, row)
         assert 0 <= top and top + h <= 30 and 0 <= left and left + w <= 50
         assert 0.08 * 1500 * 0.8 <= h * w or (h, w) == (30, 40)  # area 0.08-1 (rounding), or the fallback
+
+
+def test_sigterm_stops_the_workers_and_frees_their_shared_memory(tmp_path):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm to look at")
+    x, y = _images(200)
+    path = _records(tmp_path / "d.tfrecords", x, y)
+    run = subprocess.Popen([sys.executable, "-m", "towers.train", "--data", path, *FLAGS, "--augment", "cifar",
+                            "--devices", "cpu", "--n-gpu", "2", "--batch-size", "10", "--steps", "100000",
+                            "--input-workers", "2", "--logdir", str(tmp_path / "run"), "--quiet"],
+                           cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, blocks = time.monotonic() + 60, set()
+        while not blocks and time.monotonic() < deadline:
+            time.sleep(0.1)
+            blocks = {name for name in os.listdir("/dev/shm") if name.startswith(f"towers-{run.pid}-")}
+        assert blocks, "no shared memory seen"
+    finally:
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=60)
+    assert run.returncode == 143 and "terminated (SIGTERM)" in err
+    assert not blocks & set(os.listdir("/dev/shm"))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import secrets
 import signal
 import threading
 import time
@@ -143,6 +144,7 @@ class Workers:
         # collected by the garbage collector inside `start` gives its block back under the same lock.
         self._lock = threading.RLock()
         self._closed = False
+        self._finalizer = None
 
     def __getstate__(self):
         # Pickled to other processes (Ray hosts): the sources and the count travel; the pool and blocks do not.
@@ -188,7 +190,9 @@ class Workers:
         free = self._free.get(max(nbytes, 1))
         if free:
             return free.pop()
-        block = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+        # Named after this process, so that a block in /dev/shm says whose it is.
+        block = shared_memory.SharedMemory(f"towers-{os.getpid()}-{secrets.token_hex(4)}", create=True,
+                                           size=max(nbytes, 1))
         self._blocks.append(block)
         return block
 
@@ -203,6 +207,9 @@ class Workers:
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 self.n, multiprocessing.get_context("spawn"), _start_worker, (self._sources, os.getpid()))
+            # A pool never closed (a Python user without close()) still ends, and its blocks are unlinked,
+            # when this object is collected or the interpreter exits.
+            self._finalizer = weakref.finalize(self, _release, self._pool, self._blocks)
         return self._pool
 
     def close(self) -> None:
@@ -215,16 +222,23 @@ class Workers:
             free = [b for blocks in self._free.values() for b in blocks]
             self._free = {}
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        for block in self._blocks:
-            try:
-                block.unlink()
-            except FileNotFoundError:
-                pass
+            self._finalizer.detach()
+        _release(pool, self._blocks)
         for block in free:
             block.close()
         for source, _ in self._sources:
             source.close()
+
+
+def _release(pool, blocks) -> None:
+    """Stop ``pool`` (if any) and unlink ``blocks``."""
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+    for block in blocks:
+        try:
+            block.unlink()
+        except FileNotFoundError:
+            pass
 
 
 class _Lease:
