@@ -325,7 +325,7 @@ def image_main(args):
             for name, rate in training_rows(tmp, args, r).items():
                 rows[name] = max(rows.get(name, 0.0), rate)
             for kind, path in files.items():
-                batches = 20 if kind == "cifar" else 6
+                batches = 100 if kind == "cifar" else 20  # a few seconds each: worker start-up and hand-offs even out
                 for w in (1, 2):
                     measured = {f"{kind}: towers, {w} worker{'s' * (w > 1)}": towers_image_rate(path, kind, w, batches)}
                     if args.reference_python:
