@@ -250,10 +250,14 @@ def test_an_image_that_does_not_decode_mid_run_stops_or_is_skipped(tmp_path):
 
 _DRIVER = """
 import os, sys, time, numpy as np
-from multiprocessing import shared_memory
 from towers.data.loading import load_dataset
-ds = load_dataset(sys.argv[1], "image/encoded", "image/class/label", decode=sys.argv[2], workers=2, augment="cifar")
-batch = ds.x.submit(np.arange(40), np.zeros(40, np.int64)).result()
+if sys.argv[2] == "raw":  # TFRecord examples read by the record workers (towers.data.tfrecord.records)
+    ds = load_dataset(sys.argv[1], "image_raw", "label", decode="image_raw:uint8:28,28", workers=2)
+else:
+    ds = load_dataset(sys.argv[1], "image/encoded", "image/class/label", decode=sys.argv[2], workers=2,
+                      augment="cifar")
+batch = ds.x.submit(np.arange(40), np.zeros(40, np.int64)).result() if sys.argv[2] != "raw" else \\
+    [b.result() for b in [ds.x.submit(np.arange(k, 1000, 2)) for k in range(2)]]  # both workers started
 import multiprocessing
 from multiprocessing import resource_tracker
 pids = [p.pid for p in multiprocessing.active_children()] + [resource_tracker._resource_tracker._pid]
@@ -272,17 +276,22 @@ def _running(pid):
         return False
 
 
-def test_workers_and_shared_memory_end_with_a_killed_driver(tmp_path):
+@pytest.mark.parametrize("kind", ["images", "records"])
+def test_workers_and_shared_memory_end_with_a_killed_driver(tmp_path, kind):
     if not os.path.isdir("/dev/shm") or not os.path.isdir("/proc"):
         pytest.skip("no /dev/shm to look at")
-    x, y = _images()
-    path = _records(tmp_path / "d.tfrecords", x, y)
-    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, path, DECODE], cwd=REPO, stdout=subprocess.PIPE,
+    if kind == "images":
+        x, y = _images()
+        path, how = _records(tmp_path / "d.tfrecords", x, y), DECODE
+    else:
+        path, how = str(shared_file("tfrecord-samples", "mnist_t10k_head1000.tfrecords")), "raw"
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, path, how], cwd=REPO, stdout=subprocess.PIPE,
                               text=True)
     try:
         children = [int(p) for p in driver.stdout.readline().split()]
         blocks = {name for name in driver.stdout.readline().split() if name.startswith(f"towers-{driver.pid}-")}
-        assert len(children) == 3 and all(map(_running, children)) and blocks  # 2 workers, the resource tracker
+        assert len(children) == 3 and all(map(_running, children))  # 2 workers, the resource tracker
+        assert bool(blocks) == (kind == "images")  # a batch's shared memory
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()

@@ -17,8 +17,8 @@ batches in flight plus those the trainer still holds.
 
 Cleanup: :meth:`Workers.close` (the trainer's ``close``: normal exit, Ctrl-C,
 SIGTERM) stops the workers and unlinks every block.  A worker watches its
-parent and exits within ``WATCH_SECONDS`` once the parent is gone (``kill -9``,
-the OOM killer), so no worker outlives a dead run; the blocks are registered
+parent (``towers.data.orphans``) and exits within a quarter of a second once
+the parent is gone (``kill -9``, the OOM killer), so no worker outlives a dead run; the blocks are registered
 with multiprocessing's resource tracker, which unlinks them once the main
 process and the workers that hold its pipe have all exited.
 
@@ -36,7 +36,6 @@ import os
 import secrets
 import signal
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from multiprocessing import shared_memory
@@ -46,8 +45,8 @@ import numpy as np
 from towers.data.image.augment import uniforms
 from towers.data.image.codec import ImageError
 from towers.data.image.sources import SourceError
+from towers.data.orphans import watch_parent
 
-WATCH_SECONDS = 0.25  # how often a worker checks that its parent is alive
 ATTACHED = 16  # blocks a worker keeps mapped (batch and test-chunk sizes)
 
 
@@ -95,14 +94,7 @@ def _start_worker(sources, parent: int) -> None:
     _SOURCES[:] = sources
     # Ctrl-C reaches the whole process group: the main process stops the run and then these workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="towers-parent-watch").start()
-
-
-def _watch_parent(parent: int) -> None:
-    """Exit once the parent is gone: an orphan is re-parented, so its parent pid changes."""
-    while os.getppid() == parent:
-        time.sleep(WATCH_SECONDS)
-    os._exit(1)
+    watch_parent(parent)
 
 
 def _block(name: str):

@@ -57,6 +57,7 @@ from numpy.lib import format as npy
 
 from towers.data.tfrecord.columns import ColumnStats, ColumnStore
 from towers.data.inputs import expand_inputs
+from towers.data.orphans import watch_parent
 from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
 from towers.data.tfrecord.gather import Gatherer
 from towers.data.tfrecord.proto import KIND_FLOAT
@@ -289,6 +290,7 @@ def _start_worker(*args):
     # and then these workers; a worker raising KeyboardInterrupt itself would
     # print its own traceback and could leave the pool hanging.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch_parent()  # and end with the main process, even after its kill -9
     _READER = Gatherer(*args)
 
 
