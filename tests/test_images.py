@@ -290,7 +290,8 @@ def test_workers_and_shared_memory_end_with_a_killed_driver(tmp_path, kind):
     try:
         children = [int(p) for p in driver.stdout.readline().split()]
         blocks = {name for name in driver.stdout.readline().split() if name.startswith(f"towers-{driver.pid}-")}
-        assert len(children) == 3 and all(map(_running, children))  # 2 workers, the resource tracker
+        # workers (a pool spawns its second only when the first is busy) and the resource tracker
+        assert len(children) >= 2 and all(map(_running, children))
         assert bool(blocks) == (kind == "images")  # a batch's shared memory
     finally:
         driver.send_signal(signal.SIGKILL)
