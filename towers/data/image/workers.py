@@ -17,9 +17,9 @@ batches in flight plus those the trainer still holds.
 
 Cleanup: :meth:`Workers.close` (the trainer's ``close``: normal exit, Ctrl-C,
 SIGTERM) stops the workers and unlinks every block.  A worker watches its
-parent (``towers.data.orphans``) and exits within a quarter of a second once
-the parent is gone (``kill -9``, the OOM killer), so no worker outlives a dead run; the blocks are registered
-with multiprocessing's resource tracker, which unlinks them once the main
+parent (``towers.data.orphans``) and exits as soon as the parent is gone
+(``kill -9``, the OOM killer), so no worker outlives a dead run; the blocks
+are registered with multiprocessing's resource tracker, which unlinks them once the main
 process and the workers that hold its pipe have all exited.
 
 Sync points: ``_Chunks.wait`` waits for a batch's chunks (the caller's only
