@@ -19,8 +19,8 @@ Cleanup: :meth:`Workers.close` (the trainer's ``close``: normal exit, Ctrl-C,
 SIGTERM) stops the workers and unlinks every block.  A worker watches its
 parent (``towers.data.orphans``) and exits as soon as the parent is gone
 (``kill -9``, the OOM killer), so no worker outlives a dead run; the blocks
-are registered with multiprocessing's resource tracker, which unlinks them once the main
-process and the workers that hold its pipe have all exited.
+are registered with multiprocessing's resource tracker, which unlinks them
+once the main process and the workers that hold its pipe have all exited.
 
 Sync points: ``_Chunks.wait`` waits for a batch's chunks (the caller's only
 wait).  Limits: workers are spawned (not forked: the trainer's threads must
