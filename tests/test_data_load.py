@@ -122,7 +122,7 @@ CASES = [  # the start of the message (after "towers.train: error: " on the comm
     (negative_label, r"{f}: key 'y' has 2 negative labels: -1 at index 5"),
     (nonfinite_x, r"{f}: key 'x' has 3 non-finite values \(NaN or inf\); the first in example 5"),
     (nonfinite_x_test, r"{f}: key 'x_test' has 1 non-finite value \(NaN or inf\); the first in example 4"),
-    (directory, r"{data} {f} holds no class folders: expected .*<class>/\*\.jpg"),  # a folder is an image data set
+    (directory, r"data file {f} is a directory: set {data} to an \.npz or TFRecord file"),
 ]
 
 

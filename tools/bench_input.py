@@ -21,6 +21,27 @@ written to a temporary TFRecord file and its npz twin.  Then, round by round
 It prints the ratios the input work is judged by: pipeline (2 workers) /
 consumption (target >= 3) and TFRecord training (default workers) / npz
 training (target >= 0.9).
+
+``--images [--reference-python PY]`` measures image input instead, in one run:
+
+* **decode + augmentation**, images/s into global batches of 200 (the same
+  ``pipeline_rate``), of synthetic photo-like JPEGs in a TFRecord file in the
+  ImageNet layout: 4,000 32x32 ones with ``--augment cifar`` and 400 320x240
+  ones with ``--augment imagenet`` to 224x224, with 1 and 2 workers; beside
+  them ``tf.data`` (TFRecordDataset, parse, ``decode_jpeg``, pad + random
+  crop or ``sample_distorted_bounding_box`` + resize, flip,
+  ``num_parallel_calls`` = workers) and PyTorch's ``DataLoader`` (the same
+  JPEG bytes read from the same file, ``torchvision.io.decode_jpeg``,
+  ``RandomCrop(padding=4)`` or ``RandomResizedCrop``, flip; ``num_workers`` =
+  workers), each in a subprocess of ``PY`` (an interpreter with TensorFlow,
+  torch and torchvision: they are references, not dependencies; their rows
+  are left out without it);
+* **training** the MLP and LeNet-5 (``--steps`` / 20 steps) with 2 CPU
+  towers from MNIST written as JPEG TFRecords (the default workers, and 1)
+  against training from the decoded npz.
+
+Ratios: 2 workers / 1 worker (target >= 1.7), towers / tf.data (>= 1.0),
+towers / DataLoader (>= 1.5), JPEG training / npz training (>= 0.9).
 """
 from __future__ import annotations
 
@@ -69,9 +90,9 @@ def pipeline_rate(dataset, batches):
         prefetch.close()
 
 
-def _config(steps, logdir):
+def _config(steps, logdir, model="mlp"):
     return Config(devices="cpu", n_gpu=2, batch_size=BATCH, steps=steps, quiet=True, checkpoint_every=0,
-                  summary_every=0, log_every=10 ** 6, logdir=logdir)
+                  summary_every=0, log_every=10 ** 6, logdir=logdir, model=model)
 
 
 def consumption_rate(dataset, steps, logdir):
@@ -87,9 +108,9 @@ def consumption_rate(dataset, steps, logdir):
         return steps * 2 * BATCH / (time.perf_counter() - t0)
 
 
-def training_rate(dataset, steps, logdir):
+def training_rate(dataset, steps, logdir, model="mlp"):
     dataset.x[np.arange(2)]
-    with Trainer(_config(steps, logdir), dataset=dataset) as t:
+    with Trainer(_config(steps, logdir, model), dataset=dataset) as t:
         t0 = time.perf_counter()
         t.fit()
         return steps * 2 * BATCH / (time.perf_counter() - t0)
@@ -105,7 +126,12 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=300, help="steps per training and per consumption measurement")
     p.add_argument("--batches", type=int, default=300, help="global batches per pipeline measurement")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--images", action="store_true", help="the image rows instead: decode + augmentation")
+    p.add_argument("--reference-python", metavar="PYTHON",
+                   help="an interpreter with TensorFlow and PyTorch/torchvision for the reference image rows")
     args = p.parse_args(argv)
+    if args.images:
+        return image_main(args)
     x, y = _data(args.records)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench_input-") as tmp:
@@ -140,6 +166,192 @@ def main(argv=None):
               f"{rows[_pipeline_row(w)] / consume:.2f}  (target >= 3)")
     tfr = rows[f"training from TFRecord, {auto} workers"]
     print(f"training TFRecord ({auto} workers) / npz: {tfr / rows['training from npz']:.2f}  (target >= 0.9)")
+
+
+
+
+# -- image input: decode + augmentation against tf.data and PyTorch's DataLoader ---------------------------------
+
+IMAGE_SETS = {"cifar": ((32, 32), 4000, 32), "imagenet": ((240, 320), 400, 224)}  # stored size, images, output side
+
+
+def _photo(rng, h, w):
+    """A smooth random RGB image (compresses like a photo, unlike noise)."""
+    from PIL import Image
+
+    small = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), np.uint8)
+    return np.asarray(Image.fromarray(small).resize((w, h), Image.BILINEAR))
+
+
+def write_image_records(path, kind, seed=0):
+    """A TFRecord file of JPEGs in the ImageNet layout; returns [(start, end)] of each JPEG in the file."""
+    from towers.data.image import codec
+    from towers.data.image.to_tfrecord import example
+    from towers.data.tfrecord.framing import HEADER, TFRecordWriter
+
+    (h, w), n, _ = IMAGE_SETS[kind]
+    rng = np.random.default_rng(seed)
+    spans, at = [], 0
+    with open(path, "wb") as f, TFRecordWriter(f, "none") as writer:
+        for i in range(n):
+            jpeg = codec.encode(_photo(rng, h, w), "jpeg")
+            payload = example(jpeg, i % 10, (h, w, 3))
+            writer.write(payload)
+            start = at + HEADER + payload.find(jpeg)
+            spans.append((start, start + len(jpeg)))
+            at += HEADER + len(payload) + 4
+    return spans
+
+
+def towers_image_rate(path, kind, workers, batches):
+    side = IMAGE_SETS[kind][2]
+    ds = load_dataset(path, "image/encoded", "image/class/label", decode=f"image/encoded:image:{side},{side},3",
+                      workers=workers, augment=kind)
+    try:
+        return pipeline_rate(ds, batches)
+    finally:
+        close_dataset(ds)
+
+
+_REFERENCE = r'''
+import json, sys, time
+kind, framework, path, spans, workers, batches, side = sys.argv[1:8]
+workers, batches, side, spans = int(workers), int(batches), int(side), json.loads(spans)
+B = 200
+if framework == "tf.data":
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(workers)
+    tf.config.threading.set_intra_op_parallelism_threads(workers)
+    feats = {"image/encoded": tf.io.FixedLenFeature([], tf.string), "image/class/label": tf.io.FixedLenFeature([], tf.int64)}
+    def parse(record):
+        f = tf.io.parse_single_example(record, feats)
+        img = tf.io.decode_jpeg(f["image/encoded"], channels=3)
+        if kind == "cifar":
+            img = tf.image.random_crop(tf.image.pad_to_bounding_box(img, 4, 4, side + 8, side + 8), [side, side, 3])
+        else:
+            begin, size, _ = tf.image.sample_distorted_bounding_box(tf.shape(img), tf.zeros([1, 0, 4]),
+                min_object_covered=0, aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1), max_attempts=10,
+                use_image_if_no_bounding_boxes=True)
+            img = tf.cast(tf.image.resize(tf.slice(img, begin, size), [side, side]), tf.uint8)
+        return tf.image.random_flip_left_right(img), f["image/class/label"]
+    ds = tf.data.TFRecordDataset(path).repeat().map(parse, num_parallel_calls=workers).batch(B).prefetch(2)
+    it = iter(ds)
+    for _ in range(3): next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches): next(it)
+else:
+    import torch, torchvision
+    from torchvision.transforms import v2
+    torch.set_num_threads(1)
+    aug = (v2.Compose([v2.RandomCrop(side, padding=4), v2.RandomHorizontalFlip()]) if kind == "cifar" else
+           v2.Compose([v2.RandomResizedCrop(side, antialias=True), v2.RandomHorizontalFlip()]))
+    class Records(torch.utils.data.Dataset):
+        def __len__(self): return len(spans)
+        def __getitem__(self, i):
+            a, b = spans[i]
+            with open(path, "rb") as f:
+                f.seek(a); data = f.read(b - a)
+            img = torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            return aug(img), i % 10
+    loader = torch.utils.data.DataLoader(Records(), batch_size=B, shuffle=True, num_workers=workers,
+                                         persistent_workers=True, drop_last=True)
+    def batches_forever():
+        while True:
+            yield from loader
+    it = batches_forever()
+    for _ in range(3): next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches): next(it)
+print(batches * B / (time.perf_counter() - t0))
+'''
+
+
+def reference_rate(python, framework, kind, path, spans, workers, batches):
+    """images/s of ``framework`` run by ``python`` (an interpreter with it installed), or None."""
+    import json
+    import subprocess
+
+    side = IMAGE_SETS[kind][2]
+    r = subprocess.run([python, "-c", _REFERENCE, kind, framework, path, json.dumps(spans), str(workers),
+                        str(batches), str(side)], capture_output=True, text=True,
+                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    return float(r.stdout.split()[-1]) if r.returncode == 0 and r.stdout.split() else None
+
+
+def write_mnist_jpeg(path, x, y):
+    """MNIST digits as grey JPEGs (quality 90) in the ImageNet layout."""
+    from towers.data.image import codec
+    from towers.data.image.to_tfrecord import example
+    from towers.data.tfrecord.framing import TFRecordWriter
+
+    with open(path, "wb") as f, TFRecordWriter(f, "none") as writer:
+        for img, label in zip(x, y):
+            writer.write(example(codec.encode(img[:, :, None], "jpeg"), int(label), img.shape + (1,)))
+
+
+TRAINED = {"mlp": 1, "lenet5": 20}  # model -> steps divisor (a LeNet-5 step costs ~60 MLP steps)
+
+
+def training_rows(tmp, args, r):
+    """Training the MLP and LeNet-5 (2 CPU towers) from MNIST as JPEG TFRecords against from the decoded npz."""
+    x, y = _data(args.records)
+    jpeg = os.path.join(tmp, "mnist-jpeg.tfrecords")
+    if not os.path.exists(jpeg):
+        write_mnist_jpeg(jpeg, x, y)
+    decoded = Dataset.from_arrays(x[:, :, :, None], y)
+    auto = input_workers(None, cpu_towers=2)
+    rows = {}
+    for model, divisor in TRAINED.items():
+        steps = max(10, args.steps // divisor)
+        rows[f"{model}: training from decoded npz"] = training_rate(decoded, steps, os.path.join(tmp, f"n{r}{model}"),
+                                                                    model)
+        for w in sorted({auto, 1}):
+            ds = load_dataset(jpeg, "image/encoded", "image/class/label", decode="image/encoded:image:28,28,1",
+                              workers=w)
+            try:
+                rows[f"{model}: training from JPEG, {w} workers"] = training_rate(
+                    ds, steps, os.path.join(tmp, f"j{w}{r}{model}"), model)
+            finally:
+                close_dataset(ds)
+    return rows
+
+
+def image_main(args):
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="bench_images-") as tmp:
+        files = {kind: os.path.join(tmp, f"{kind}.tfrecords") for kind in IMAGE_SETS}
+        spans = {kind: write_image_records(path, kind) for kind, path in files.items()}
+        for r in range(args.repeats):
+            for name, rate in training_rows(tmp, args, r).items():
+                rows[name] = max(rows.get(name, 0.0), rate)
+            for kind, path in files.items():
+                batches = 100 if kind == "cifar" else 20  # a few seconds each: worker start-up and hand-offs even out
+                for w in (1, 2):
+                    measured = {f"{kind}: towers, {w} worker{'s' * (w > 1)}": towers_image_rate(path, kind, w, batches)}
+                    if args.reference_python:
+                        for fw in ("tf.data", "DataLoader"):
+                            measured[f"{kind}: {fw}, {w} worker{'s' * (w > 1)}"] = reference_rate(
+                                args.reference_python, fw, kind, path, spans[kind], w, batches)
+                    for name, rate in measured.items():
+                        if rate is not None:
+                            rows[name] = max(rows.get(name, 0.0), rate)
+    print(f"decode + augmentation of JPEGs in TFRecord files, global batch 200, best of {args.repeats} "
+          f"({os.cpu_count()} cores); cifar: 32x32 -> 32x32, imagenet: 320x240 -> 224x224")
+    for name, rate in rows.items():
+        print(f"  {name:34s} {rate:12,.0f} images/s")
+    auto = input_workers(None, cpu_towers=2)
+    for model in TRAINED:
+        for w in sorted({auto, 1}):
+            print(f"{model}: training from JPEG ({w} workers) / decoded npz: "
+                  f"{rows[f'{model}: training from JPEG, {w} workers'] / rows[f'{model}: training from decoded npz']:.2f}"
+                  "  (target >= 0.9)")
+    for kind in IMAGE_SETS:
+        ours = rows.get(f"{kind}: towers, 2 workers")
+        print(f"{kind}: 2 workers / 1 worker: {ours / rows[f'{kind}: towers, 1 worker']:.2f}  (target >= 1.7)")
+        for fw, target in (("tf.data", 1.0), ("DataLoader", 1.5)):
+            theirs = rows.get(f"{kind}: {fw}, 2 workers")
+            if theirs:
+                print(f"{kind}: towers / {fw}, 2 workers: {ours / theirs:.2f}  (target >= {target})")
 
 
 if __name__ == "__main__":

@@ -202,6 +202,9 @@ def _check(cfg: Config) -> None:
         parse_normalize(cfg.normalize, 3)  # the format; the channel count is checked with the data
     if cfg.lr_schedule is not None:
         _choice(cfg, "lr_schedule", SCHEDULES)
+    if cfg.hosts > 1 and (cfg.augment != "none" or cfg.normalize is not None or cfg.image_size is not None):
+        raise UserError("`augment`, `normalize` and `image_size` are for one host so far (the hosts' loader does "
+                        "not take them): drop them, or set `hosts` 1")
     for name in ("soft_placement", "log_placement", "staircase", "quiet", "resume", "profile", "measure_scaling",
                  "ray_logs", "tf32", "nesterov", "sync_bn"):
         if not isinstance(getattr(cfg, name), bool):

@@ -31,11 +31,6 @@ def _say(message):
     print(render(message), file=sys.stderr, flush=True)
 
 
-def is_npz_path(path) -> bool:
-    """A path named like an npz file: its test data then cannot be an image folder."""
-    return isinstance(path, str) and path.endswith(".npz")
-
-
 def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_error="stop", workers=2,
                  augment="none", normalize=None, image_size=None, seed=0):
     """Load and validate training (and test) data: npz files, TFRecord files or globs of shards, image folders.
@@ -47,7 +42,7 @@ def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_err
     augmentation's draws) for images (``towers.data.image.load``).
     """
     images = (bool(decode) and parse_image_decode(decode) is not None) or is_image_folder(path) or \
-        (is_image_folder(test_path) and not is_npz_path(path)) or augment != "none" or normalize is not None or image_size is not None
+        is_image_folder(test_path) or augment != "none" or normalize is not None or image_size is not None
     if images:
         return load_images(path, x_key, y_key, test_path, decode, on_error, workers, augment, normalize, image_size,
                            seed, say=_say)

@@ -21,7 +21,9 @@ def nhwc(in_shape: tuple, who: str) -> tuple:
         return tuple(in_shape) + (1,)
     if len(in_shape) == 3:
         return tuple(in_shape)
-    raise UserError(f"{who}: takes images (N, H, W) or (N, H, W, C), got per-example shape {in_shape}")
+    hint = ("; flat examples need their image shape: for TFRecord bytes `decode` NAME:uint8:H,W "
+            "(e.g. image_raw:uint8:28,28), for an npz x reshaped to (N, H, W)") if len(in_shape) == 1 else ""
+    raise UserError(f"{who}: takes images (N, H, W) or (N, H, W, C), got per-example shape {in_shape}{hint}")
 
 
 def window_geometry(hw: tuple, k: int, stride: int, padding, who: str) -> tuple[tuple, tuple]:

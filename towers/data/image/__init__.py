@@ -9,5 +9,6 @@ Modules, in data-flow order:
     workers   worker processes, batches handed back in shared memory, workers that end with their parent
     array     ImageArray: a source, a transform and the workers as the examples array of a Dataset
     load      image data sets from paths and settings; the TensorFlow ImageNet layout proposed
+    convert   the converter's --decode NAME:image:H,W,C (``tools.tfrecord_to_npz``), decoded in worker processes
     to_tfrecord  npz or image folder -> TFRecord shards in the ImageNet layout (``tools.images_to_tfrecord``)
 """

@@ -116,17 +116,20 @@ def decode(data, channels: int, min_size: tuple[int, int] | None = None) -> np.n
     return pixels.reshape(pixels.shape[0], pixels.shape[1], channels)
 
 
-def resize(image: np.ndarray, height: int, width: int, box=None) -> np.ndarray:
+def resize(image: np.ndarray, height: int, width: int, box=None, flip: bool = False) -> np.ndarray:
     """``image`` (or its ``box`` = (top, left, bottom, right), floats allowed) resized to (height, width),
-    bilinear with Pillow's antialiasing when shrinking."""
+    bilinear with Pillow's antialiasing when shrinking; ``flip``: also mirrored left-right (by Pillow, which
+    is 10x faster than NumPy's copy of a reversed view of interleaved channels)."""
     from PIL import Image
 
     c = image.shape[2]
     top, left, bottom, right = box if box is not None else (0, 0, image.shape[0], image.shape[1])
-    if box is None and image.shape[:2] == (height, width):
+    if box is None and image.shape[:2] == (height, width) and not flip:
         return image
     out = Image.fromarray(image[:, :, 0] if c == 1 else image).resize(
         (width, height), Image.BILINEAR, box=(left, top, right, bottom))
+    if flip:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return np.asarray(out).reshape(height, width, c)
 
 

@@ -27,7 +27,14 @@ HEADER_BYTES = 64 << 10  # enough for a JPEG's or PNG's size unless a huge EXIF 
 
 
 def is_image_folder(path) -> bool:
-    return path is not None and os.path.isdir(str(path))
+    """Whether ``path`` is a folder with sub-folders (a folder without any is no data set of any kind: the
+    npz loader names it as a folder)."""
+    if path is None or not os.path.isdir(str(path)):
+        return False
+    try:
+        return any(e.is_dir() and not e.name.startswith(".") for e in os.scandir(str(path)))
+    except OSError:
+        return True  # scan() names what is wrong
 
 
 def scan(root: str, setting: str = "data") -> tuple[list[str], list[str], np.ndarray]:

@@ -36,7 +36,7 @@ from towers.data.image.workers import Workers
 from towers.data.inputs import expand_inputs
 from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
 from towers.data.tfrecord.proto import KIND_BYTES, SequenceExample
-from towers.data.tfrecord.records import _choose, _merged, file_index, is_tfrecord, load_split
+from towers.data.tfrecord.records import _choose, index_split, is_tfrecord, load_split
 from towers.data.tfrecord.schema import UsageError, parse_image_decode
 from towers.errors import UserError
 
@@ -56,18 +56,7 @@ def _folder(path, setting):
 
 def _records(path, x_key, y_key, feature, on_error, say):
     """The encoded-image feature ``feature`` and the labels ``y_key`` of the TFRecord file or glob ``path``."""
-    paths = expand_inputs([path])
-    try:
-        indexes = [file_index(p, on_error, say) for p in paths]
-    except TFRecordError as e:
-        raise UserError(str(e)) from None
-    skipped = sum(i.skipped for i in indexes)
-    if skipped and say:
-        say(f"{path}: left out {skipped} record(s) whose payload CRC fails (`on_error` skip)")
-    n = sum(len(i.offsets) for i in indexes)
-    if n == 0:
-        raise UserError(f"{path}: the dataset is empty (no records)")
-    columns = _merged(indexes)
+    indexes, n, columns = index_split(path, on_error, say)
     if x_key not in ("x", feature):
         raise UsageError(f"`decode` names {feature!r} but `x_key` is {x_key!r}: drop `x_key`, or make them agree")
     column = columns.get(feature)
@@ -87,7 +76,7 @@ def _records(path, x_key, y_key, feature, on_error, say):
         raise UsageError(f"{path}: labels in {yname!r} run from {int(y.min())} to {int(y.max())}; labels are 0..C-1")
     positions = [np.concatenate([np.full(len(i.offsets), k, np.int64) for k, i in enumerate(indexes)])]
     positions += [np.concatenate([getattr(i, a) for i in indexes]) for a in ("offsets", "lengths", "numbers")]
-    return _Split(RecordSource(paths, feature, *positions), y.astype(np.int32))
+    return _Split(RecordSource([i.path for i in indexes], feature, *positions), y.astype(np.int32))
 
 
 def _arrays(x, y, name):

@@ -57,6 +57,7 @@ from numpy.lib import format as npy
 
 from towers.data.tfrecord.columns import ColumnStats, ColumnStore
 from towers.data.inputs import expand_inputs
+from towers.data.orphans import watch_parent
 from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
 from towers.data.tfrecord.gather import Gatherer
 from towers.data.tfrecord.proto import KIND_FLOAT
@@ -223,8 +224,9 @@ def _choose(where, columns, n, key, default, candidates, what, setting):
                      f"{_listing(columns, n)}")
 
 
-def load_split(path, x_key="x", y_key="y", decode=None, on_error="stop", workers=2, say=None):
-    """(RecordArray of examples, int32 labels) of the TFRecord file or glob ``path``."""
+def index_split(path, on_error="stop", say=None):
+    """(indexes, record count, merged features) of the TFRecord file or glob ``path``; a UserError when a file
+    is damaged or there are no records."""
     if on_error not in ON_ERROR:
         raise UserError(f"`on_error` {on_error!r} is unknown: use one of {', '.join(ON_ERROR)}")
     paths = expand_inputs([path])
@@ -238,7 +240,12 @@ def load_split(path, x_key="x", y_key="y", decode=None, on_error="stop", workers
     n = sum(len(i.offsets) for i in indexes)
     if n == 0:
         raise UserError(f"{path}: the dataset is empty (no records)")
-    columns = _merged(indexes)
+    return indexes, n, _merged(indexes)
+
+
+def load_split(path, x_key="x", y_key="y", decode=None, on_error="stop", workers=2, say=None):
+    """(RecordArray of examples, int32 labels) of the TFRecord file or glob ``path``."""
+    indexes, n, columns = index_split(path, on_error, say)
     spec = parse_decode(decode) if decode else None
     x_candidates = [spec[0]] if spec and spec[0] in columns else [
         k for k, c in columns.items() if c.fixed_bytes(n) or (c.kind == KIND_FLOAT and c.dense_shape(n))]
@@ -283,6 +290,7 @@ def _start_worker(*args):
     # and then these workers; a worker raising KeyboardInterrupt itself would
     # print its own traceback and could leave the pool hanging.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch_parent()  # and end with the main process, even after its kill -9
     _READER = Gatherer(*args)
 
 
