@@ -169,17 +169,11 @@ class LRN(Layer):
         self._band = (abs(i[:, None] - i[None, :]) <= self.r).astype(numpy.float32)
         return [], tuple(in_shape)
 
-    def _band_of(self, ws, dtype):
-        b = ws.saved.get("band")
-        if b is None or b.dtype != dtype:
-            b = ws.saved["band"] = ws.xp.asarray(self._band.astype(dtype))
-        return b
-
     def forward(self, p, x, ws):
         xp, c = ws.xp, self.c
         x2 = x.reshape(-1, c)
         dt = x2.dtype.type
-        band = self._band_of(ws, x2.dtype)
+        band = ws.constant("band", self._band, x2.dtype)
         sq = ws.array("sq", x2.shape, x2.dtype)
         xp.multiply(x2, x2, out=sq)
         s = ws.array("s", x2.shape, x2.dtype)
@@ -205,7 +199,7 @@ class LRN(Layer):
         t *= u
         t /= s
         tb = ws.array("tb", x2.shape, x2.dtype)
-        kernels.gemm(t, self._band_of(ws, x2.dtype), tb)  # the band is symmetric
+        kernels.gemm(t, ws.constant("band", self._band, x2.dtype), tb)  # the band is symmetric
         tb *= x2
         tb *= dt(-2.0 * self.alpha * self.beta)
         dx = ws.array("dx", dy.shape, dy.dtype)
