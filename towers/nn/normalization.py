@@ -47,6 +47,8 @@ bias 1, alpha 1, beta 0.5): ``s = bias + alpha * sum(x^2 over channels c - r
 """
 from __future__ import annotations
 
+import functools
+
 import numpy
 
 from towers.errors import UserError
@@ -158,6 +160,7 @@ class BatchNorm(Layer):
 _ROW = 1024  # values per row of the wide views: long enough for NumPy's inner loop
 
 
+@functools.lru_cache(maxsize=None)
 def _repeats(m: int, c: int) -> int:
     """How many rows of c channels to lay side by side: the largest divisor of m with r * c <= _ROW."""
     return max(r for r in range(1, max(_ROW // c, 1) + 1) if m % r == 0)
