@@ -202,18 +202,25 @@ def test_strided_convolution_matches_direct_sums(stride, padding):
     assert ho == expect_hw
 
 
-def test_input_gradient_by_convolution_equals_col2im():
+@pytest.mark.parametrize("shape,stride", [((6, 5, 3), 1), ((40, 40, 16), 1), ((40, 40, 16), 2)])
+def test_chunked_convolution_equals_the_whole_batch_algorithm(shape, stride):
+    # (40, 40, 16) at 3x3 makes chunks of a few images: the CPU's cache-sized path.
     rng = numpy.random.default_rng(4)
-    x, dy = rng.normal(size=(2, 6, 5, 3)), rng.normal(size=(2, 6, 5, 4))
+    x = rng.normal(size=(9,) + shape)
     out = []
-    for how in ("conv", "col2im"):
-        m = Sequential([Conv2D("c", 4, 3, padding="same", dx_by=how)]).build((6, 5, 3))
+    for how in ("chunked", "whole"):
+        conv = Conv2D("c", 4, 3, padding="same", stride=stride, algorithm=how)
+        m = Sequential([conv]).build(shape)
+        assert (len(conv._chunks(x)) > 1) == (how == "chunked" and shape[0] > 10)
+        dy = numpy.random.default_rng(5).normal(size=(9,) + conv.out_hw + (4,))
         r = Replica(m, numpy, dtype=numpy.float64)
         r.set_params(rng.normal(size=m.size) if not out else out[0][0])
-        r.forward(x, training=True)
+        y = r.forward(x, training=True).copy()
         p, g, ws = r._local[0]
-        out.append((r.params.copy(), m.layers[0].backward(p, g, dy.copy(), ws, True).copy()))
-    numpy.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-12)
+        dx = m.layers[0].backward(p, g, dy.copy(), ws, True).copy()
+        out.append((r.params.copy(), y, dx, r.grads.copy()))
+    for a, b in zip(out[0][1:], out[1][1:]):
+        numpy.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_lrn_matches_tensorflow_formula_and_its_gradients():
