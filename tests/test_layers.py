@@ -202,18 +202,25 @@ def test_strided_convolution_matches_direct_sums(stride, padding):
     assert ho == expect_hw
 
 
-def test_input_gradient_by_convolution_equals_col2im():
+@pytest.mark.parametrize("shape,stride", [((6, 5, 3), 1), ((40, 40, 16), 1), ((40, 40, 16), 2)])
+def test_chunked_convolution_equals_the_whole_batch_algorithm(shape, stride):
+    # (40, 40, 16) at 3x3 makes chunks of a few images: the CPU's cache-sized path.
     rng = numpy.random.default_rng(4)
-    x, dy = rng.normal(size=(2, 6, 5, 3)), rng.normal(size=(2, 6, 5, 4))
+    x = rng.normal(size=(9,) + shape)
     out = []
-    for how in ("conv", "col2im"):
-        m = Sequential([Conv2D("c", 4, 3, padding="same", dx_by=how)]).build((6, 5, 3))
+    for how in ("chunked", "whole"):
+        conv = Conv2D("c", 4, 3, padding="same", stride=stride, algorithm=how)
+        m = Sequential([conv]).build(shape)
+        assert (len(conv._chunks(x)) > 1) == (how == "chunked" and shape[0] > 10)
+        dy = numpy.random.default_rng(5).normal(size=(9,) + conv.out_hw + (4,))
         r = Replica(m, numpy, dtype=numpy.float64)
         r.set_params(rng.normal(size=m.size) if not out else out[0][0])
-        r.forward(x, training=True)
+        y = r.forward(x, training=True).copy()
         p, g, ws = r._local[0]
-        out.append((r.params.copy(), m.layers[0].backward(p, g, dy.copy(), ws, True).copy()))
-    numpy.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-12)
+        dx = m.layers[0].backward(p, g, dy.copy(), ws, True).copy()
+        out.append((r.params.copy(), y, dx, r.grads.copy()))
+    for a, b in zip(out[0][1:], out[1][1:]):
+        numpy.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_lrn_matches_tensorflow_formula_and_its_gradients():
@@ -271,3 +278,70 @@ def test_layer_argument_errors():
         Dropout(1.0)
     with pytest.raises(UserError, match="does not fit"):
         Sequential([MaxPool2D(5, 1, "valid")]).build((3, 3))
+
+
+def _steps(reps, opts, batches, first_step):
+    for k, (x, y) in enumerate(batches):
+        for r, opt in zip(reps, opts):
+            r.context.step = first_step + k
+            r.loss_and_grads(x, y, 1e-3)
+            opt.step(r.grads, 0.05, first_step + k)
+
+
+def test_batchnorm_and_dropout_replica_resumes_bit_for_bit():
+    # What a checkpoint must hold for the nn side of an exact resume: weights,
+    # buffers, optimizer state and the step (dropout masks come from the step).
+    from towers.optim.optimizers import SGD
+
+    model = Sequential([Conv2D("c", 3, 3, padding="same", bias=False), BatchNorm("bn"), ReLU(), Dropout(0.3),
+                        GlobalAvgPool(), Dense("fc", 3)]).build((5, 5, 2))
+    rng = numpy.random.default_rng(7)
+    batches = [(rng.normal(size=(4, 5, 5, 2)).astype(numpy.float32), rng.integers(0, 3, 4)) for _ in range(6)]
+    whole = Replica(model, numpy)
+    whole.set_params(model.init_params(0))
+    opt = SGD(whole.params, 0.9)
+    _steps([whole], [opt], batches, 0)
+    first = Replica(model, numpy)
+    first.set_params(model.init_params(0))
+    opt1 = SGD(first.params, 0.9)
+    _steps([first], [opt1], batches[:3], 0)
+    resumed = Replica(model, numpy)  # a new process: state from the "checkpoint"
+    resumed.set_params(first.params.copy())
+    resumed.set_buffers(first.buffers.copy())
+    opt2 = SGD(resumed.params, 0.9)
+    opt2.state["momentum"][...] = opt1.state["momentum"]
+    _steps([resumed], [opt2], batches[3:], 3)
+    numpy.testing.assert_array_equal(resumed.params, whole.params)
+    numpy.testing.assert_array_equal(resumed.buffers, whole.buffers)
+    assert not numpy.array_equal(first.buffers, whole.buffers)  # the buffers did move on
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec,shape", [("resnet20", (8, 8, 3)), ("cifar10", (12, 12)), ("layers", (7, 6, 2))])
+def test_models_on_gpu_match_cpu(spec, shape):
+    import cupy
+
+    from towers.nn.models import build_model
+
+    if spec == "layers":  # every other new layer, Dropout's host-drawn mask included
+        model = Sequential([Conv2D("c", 4, 3, padding=1, stride=2), AvgPool2D(2, 1, "same"), Dropout(0.2),
+                            MaxPool2D(3, 2), LRN(2), Flatten(), Dense("fc", 6), BatchNorm("bn"), ReLU(),
+                            Dense("out", 5)]).build(shape)
+    else:
+        model = build_model(spec, shape, 5)
+    rng = numpy.random.default_rng(0)
+    x = rng.random((6,) + shape, dtype=numpy.float32)
+    y = rng.integers(0, 5, 6)
+    out = []
+    for xp in (numpy, cupy):
+        r = Replica(model, xp, label_smoothing=0.1)
+        r.set_params(model.init_params(0))
+        r.context.step, r.context.tower = 3, 1
+        loss = float(r.loss_and_grads(xp.asarray(x), xp.asarray(y), 1e-3))
+        logits = r.forward(xp.asarray(x))
+        out.append((loss, cupy.asnumpy(r.grads), cupy.asnumpy(r.buffers), cupy.asnumpy(logits)))
+    (lc, gc, bc, fc), (lg, gg, bg, fg) = out
+    assert abs(lc - lg) <= 1e-4 * abs(lc)
+    numpy.testing.assert_allclose(gg, gc, rtol=1e-3, atol=1e-5)
+    numpy.testing.assert_allclose(bg, bc, rtol=1e-4, atol=1e-6)
+    numpy.testing.assert_allclose(fg, fc, rtol=1e-3, atol=1e-5)

@@ -16,7 +16,11 @@ What is timed (samples/s, MNIST-shaped uint8 data, float32, SGD, L2 1e-4):
 * PyTorch eager (if installed), the same model, L2 and EMA, at batch 100 and 200;
 * TensorFlow ``MirroredStrategy`` over 2 logical CPU devices (if installed),
   global batch 200, ``tf.function`` train step;
-* LeNet-5: towers with 2 CPU towers against PyTorch's same network, batch 200.
+* LeNet-5: towers with 2 CPU towers against PyTorch's same network, batch 200;
+* ResNet-20 (He et al.'s CIFAR network: batch norm, option-A shortcuts) on
+  32x32x3 data: towers with 2 CPU towers x 64 against PyTorch eager's same
+  network (same initialization scheme, batch norm momentum and epsilon, L2 on
+  weights only, SGD momentum 0.9, EMA) at batch 128 on 2 threads.
 
 Every measurement runs in its own subprocess (``--worker``), so BLAS/OpenMP
 thread settings of one library never leak into another, and the figure kept is
@@ -41,15 +45,15 @@ ROOT = Path(__file__).resolve().parents[1]
 N_EXAMPLES = 12000
 
 
-def make_data(path: str, n: int = N_EXAMPLES) -> None:
-    """MNIST-shaped uint8 images with learnable labels (a fixed random projection).
+def make_data(path: str, n: int = N_EXAMPLES, shape: tuple = (28, 28)) -> None:
+    """MNIST-shaped (or ``shape``) uint8 images with learnable labels (a fixed random projection).
 
     Learnable labels keep the weights finite at the benchmark's learning rate:
     a diverged run would time NaN/denormal arithmetic instead of training.
     """
     rng = numpy.random.default_rng(0)
-    x = rng.integers(0, 256, (n, 28, 28), dtype=numpy.uint8)
-    proj = rng.standard_normal((784, 10)).astype(numpy.float32)
+    x = rng.integers(0, 256, (n,) + shape, dtype=numpy.uint8)
+    proj = rng.standard_normal((int(numpy.prod(shape)), 10)).astype(numpy.float32)
     y = (x.reshape(n, -1).astype(numpy.float32) @ proj).argmax(1).astype(numpy.int32)
     numpy.savez(path, x=x, y=y, x_test=x[:500], y_test=y[:500])
 
@@ -61,7 +65,7 @@ def _towers_loop(a) -> float:
     from towers import Config, Trainer
 
     cfg = Config(n_gpu=a.towers, devices="cpu", data=a.data, model=a.model, steps=a.steps, lr=a.lr,
-                 cpu_towers=a.cpu_towers, blas_threads=a.blas_threads, quiet=True,
+                 batch_size=a.batch_size, cpu_towers=a.cpu_towers, blas_threads=a.blas_threads, quiet=True,
                  log_every=max(1, a.steps // 4), logdir=tempfile.mkdtemp(prefix="bench-"))
     with Trainer(cfg) as trainer:
         return trainer.fit()["examples_per_sec"]
@@ -119,15 +123,52 @@ def _pipeline(a) -> float:
     return rate
 
 
+def _torch_resnet(torch, n: int):
+    """He et al.'s CIFAR ResNet (6n+2 layers, option A) as towers' ``resnet``: same layers, init, BN settings."""
+    nn, F = torch.nn, torch.nn.functional
+
+    def conv(cin, cout, stride=1):
+        c = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        nn.init.normal_(c.weight, 0.0, (2.0 / (9 * cin)) ** 0.5)
+        return c
+
+    def bn(c):  # TF's momentum 0.99 is PyTorch's 0.01; epsilon 1e-3
+        return nn.BatchNorm2d(c, eps=1e-3, momentum=0.01)
+
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.c1, self.b1, self.c2, self.b2 = conv(cin, cout, stride), bn(cout), conv(cout, cout), bn(cout)
+            self.stride, self.pad = stride, cout - cin
+
+        def forward(self, x):
+            out = self.b2(self.c2(F.relu(self.b1(self.c1(x)))))
+            short = x if self.stride == 1 else F.pad(x[:, :, ::self.stride, ::self.stride], (0, 0, 0, 0, 0, self.pad))
+            return F.relu(out + short)
+
+    layers, cin = [conv(3, 16), bn(16), nn.ReLU()], 16
+    for stage, f in enumerate((16, 32, 64)):
+        for b in range(n):
+            layers.append(Block(cin, f, 2 if stage and not b else 1))
+            cin = f
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+
 def _torch(a) -> float:
     import torch
 
     nn = torch.nn
     torch.manual_seed(0)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     d = numpy.load(a.data)
     x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"]).long()
     gb = a.global_batch
-    if a.model == "mlp":
+    momentum = 0.0
+    if a.model == "resnet20":
+        m = _torch_resnet(torch, 3).to(memory_format=torch.channels_last)
+        shape, momentum = (gb, 32, 32, 3), 0.9
+    elif a.model == "mlp":
         m = nn.Sequential(nn.Flatten(), nn.Linear(784, 500), nn.ReLU(), nn.Linear(500, 10))
         shape = (gb, 28, 28)
     else:
@@ -135,9 +176,11 @@ def _torch(a) -> float:
                           nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                           nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, 10))
         shape = (gb, 1, 28, 28)
-    weights = [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() == 2]
+    weights = [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() in (2, 4)
+               and (a.model == "resnet20" or p.dim() == 2)]  # L2 on weights, never on biases or BN
     others = [p for p in m.parameters() if all(p is not w for w in weights)]
-    opt = torch.optim.SGD([{"params": weights, "weight_decay": 1e-4}, {"params": others}], lr=a.lr)
+    opt = torch.optim.SGD([{"params": weights, "weight_decay": 1e-4}, {"params": others}], lr=a.lr,
+                          momentum=momentum)
     params = list(m.parameters())
     ema = [p.detach().clone() for p in params]
     perm = torch.randperm(len(x))
@@ -146,6 +189,8 @@ def _torch(a) -> float:
     def step(k):
         idx = perm[(k * gb) % (len(x) - gb):][:gb]
         xb = x[idx].view(shape).float().mul_(scale)
+        if len(shape) == 4 and shape[-1] == 3:  # NHWC data: a channels-last view, as towers' layout
+            xb = xb.permute(0, 3, 1, 2)
         loss = nn.functional.cross_entropy(m(xb), y[idx])
         opt.zero_grad(set_to_none=False)
         loss.backward()
@@ -214,9 +259,10 @@ def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _measure_once(data: str, worker: str, **kw) -> float | None:
-    """samples/s of one fresh subprocess; None if it failed."""
-    args = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--data", data]
+def _measure_once(data: str, worker: str, kw: dict) -> float | None:
+    """samples/s of one fresh subprocess; None if it failed.  ``kw["data"]`` overrides ``data``."""
+    kw = dict(kw)
+    args = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--data", kw.pop("data", data)]
     for k, v in kw.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     p = subprocess.run(args, capture_output=True, text=True, cwd=ROOT,
@@ -238,7 +284,7 @@ def _measure_all(data: str, repeats: int, plan: dict) -> dict:
     best = dict.fromkeys(plan)
     for _ in range(repeats):
         for name, (worker, kw) in plan.items():
-            v = _measure_once(data, worker, **kw)
+            v = _measure_once(data, worker, kw)
             if v is not None and (best[name] is None or v > best[name]):
                 best[name] = v
     return best
@@ -253,6 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-tf", action="store_true")
     ap.add_argument("--no-lenet", action="store_true")
+    ap.add_argument("--no-resnet", action="store_true")
+    ap.add_argument("--resnet-steps", type=int, default=8)
     ap.add_argument("--json", help="also write the results here")
     # worker mode (internal)
     ap.add_argument("--worker", choices=sorted(WORKERS))
@@ -263,6 +311,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-towers", default="threads")
     ap.add_argument("--blas-threads", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--batch-size", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=0)
     a = ap.parse_args(argv)
     if a.worker:
         print(json.dumps({"samples_per_sec": WORKERS[a.worker](a)}), flush=True)
@@ -271,6 +321,8 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="towers-bench-")
     data = os.path.join(tmp, "mnist_shaped.npz")
     make_data(data)
+    cifar = os.path.join(tmp, "cifar_shaped.npz")
+    make_data(cifar, 2560, (32, 32, 3))
     s = a.steps
     plan = {
         "towers 1 tower, batch 100 (loop)": ("towers-loop", dict(towers=1, steps=s)),
@@ -293,6 +345,13 @@ def main(argv=None) -> int:
         if not a.no_torch and _have("torch"):
             plan["LeNet-5 PyTorch eager, batch 200"] = (
                 "torch", dict(global_batch=200, steps=ls, model="lenet5", lr=0.05))
+    if not a.no_resnet:
+        rs = a.resnet_steps
+        plan["ResNet-20 towers 2 towers threads, 2 x 64, 32x32x3"] = (
+            "towers-loop", dict(towers=2, steps=rs, model="resnet20", lr=0.05, batch_size=64, data=cifar))
+        if not a.no_torch and _have("torch"):
+            plan["ResNet-20 PyTorch eager, 2 threads, batch 128"] = (
+                "torch", dict(global_batch=128, steps=rs, model="resnet20", lr=0.05, threads=2, data=cifar))
     print(f"measuring (best of {a.repeats} rounds over all rows, {os.cpu_count()} cores)...", flush=True)
     r = _measure_all(data, a.repeats, plan)
 
@@ -325,6 +384,8 @@ def main(argv=None) -> int:
         print(f"scaling efficiency (2 towers / (2 x 1 tower)): {two / (2 * one):.2f}")
     ratio("LeNet-5 towers / PyTorch", g("LeNet-5 towers 2 towers threads, global 200"),
           g("LeNet-5 PyTorch eager, batch 200"), 0.7)
+    ratio("ResNet-20 towers / PyTorch", g("ResNet-20 towers 2 towers threads, 2 x 64, 32x32x3"),
+          g("ResNet-20 PyTorch eager, 2 threads, batch 128"), 0.7)
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))
     return 0

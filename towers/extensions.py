@@ -117,13 +117,18 @@ class LogLine(Every):
     def __init__(self, every: int):
         super().__init__(every, at_end=True)
         self._t, self._step = time.perf_counter(), None
+        self._first = None  # this run's first logged loss
 
     def __call__(self, run):
         now, step = time.perf_counter(), run.trainer.step
         steps = step - (self._step if self._step is not None else run.start_step)
         note = None
         chance = math.log(max(run.trainer.dataset.num_classes, 2))
-        if step - run.start_step >= self.STUCK_STEPS and run.loss >= (1 - self.STUCK) * chance:
+        self._first = run.loss if self._first is None else self._first
+        # The reported loss includes the L2 term (cifar10's starts near 3): a run
+        # has not learned when it is still at chance level AND at its first
+        # logged loss; a converged or resumed run is far below chance.
+        if step - run.start_step >= self.STUCK_STEPS and run.loss >= (1 - self.STUCK) * max(chance, self._first):
             note = (f"the loss is still at chance level ({run.loss:.4f}, ln {run.trainer.dataset.num_classes} "
                     f"classes = {chance:.4f}) after {step - run.start_step} steps: the run has not learned; "
                     "lower `lr`, or try `optimizer` adam")

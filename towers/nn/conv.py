@@ -6,25 +6,36 @@ on NumPy or CuPy alike.  Activations are NHWC, as in the TensorFlow original,
 which is also the layout in which im2col needs no transpose.
 
 Conv2D (any stride; padding ``same`` as TensorFlow's, ``valid``, or a number
-of zero pixels on every side; optional bias) is im2col + one matmul:
+of zero pixels on every side; optional bias) is im2col + matmuls:
 
 * forward: im2col (``towers.nn.kernels.im2col``: on the CPU the input is
   copied into a zero-bordered buffer and ONE strided copy, on a GPU one
   kernel at stride 1) turns it into ``cols`` of shape (N*Ho*Wo, kh*kw*C) (row
   = output pixel, column = (i, j, c) tap, the order of a TF (kh, kw, C, F)
   kernel); ``y = cols @ W`` is then already NHWC (N*Ho*Wo, F);
-* backward: ``dW = cols.T @ dy``, ``db = sum(dy)``; the input gradient either
-  as ``dcols = dy @ W.T`` followed by col2im (kh*kw strided adds into a padded
-  buffer on the CPU, one gathering kernel on a GPU), or, at stride 1, as the
-  forward convolution of ``dy`` with the kernel turned 180 degrees and its
-  channels swapped (``dx_by="conv"``: im2col of ``dy`` + one matmul, several
-  times faster on the CPU than col2im's strided adds: 10 ms against 49 ms for
-  a ResNet's 32x32x16 layer at batch 32).  Both give the same sums in another
-  order; ``lenet5`` keeps col2im, which its published bits depend on.
+* backward: ``dW = cols.T @ dy``, ``db = sum(dy)``, and the input gradient.
 
-Limits: ``cols`` costs N*Ho*Wo*kh*kw*C floats (63 MB for LeNet's second
-convolution at batch 100), which is why evaluation runs in chunks.  Strides
-above 1 take array operations on a GPU too (no dedicated kernel).
+Two algorithms, ``algorithm=``:
+
+* ``"chunked"`` (the default).  On the CPU the batch goes through in chunks
+  of images whose ``cols`` fit in about ``CHUNK_BYTES`` (a core's L2 cache),
+  im2col'd again in backward instead of kept: a ResNet's 16-channel layer
+  reads a 38 MB ``cols`` at batch 64 otherwise, and its thin GEMMs (16 output
+  columns) are bound by that memory traffic, not by arithmetic (forward 19 ms
+  whole, 10 ms in chunks).  At stride 1 the input gradient is the forward
+  convolution of ``dy`` with the kernel turned 180 degrees and its channels
+  swapped (im2col of ``dy`` + one matmul: 10 ms against 49 ms for col2im's
+  strided adds on that layer); at other strides ``dcols = dy @ W.T`` and
+  col2im.  On a GPU: one chunk, the whole batch.
+* ``"whole"``: the batch's ``cols`` in one piece, kept for backward; the input
+  gradient by ``dcols = dy @ W.T`` and col2im (kh*kw strided adds into a padded
+  buffer on the CPU, one gathering kernel on a GPU).  ``lenet5`` keeps it: its
+  published bits depend on it.  ``cols`` costs N*Ho*Wo*kh*kw*C floats (63 MB
+  for LeNet's second convolution at batch 100), which is why evaluation runs
+  in chunks.
+
+Both give the same sums in other orders.  Strides above 1 take array
+operations on a GPU (no dedicated kernel).
 
 Output shapes and padding follow ``towers.nn.windows``.
 """
@@ -37,27 +48,29 @@ from towers.nn.pooling import MaxPool2D  # it lived here: kept importable from h
 from towers.nn.windows import check_padding, nhwc, positive, window_geometry
 
 
+CHUNK_BYTES = 1 << 20  # a CPU chunk's im2col buffer: about the size of a core's L2 cache
+
+
 class Conv2D(Layer):
-    """2-D convolution (stride, TF padding), im2col + one matmul.
+    """2-D convolution (stride, TF padding), im2col + matmuls (module doc).
 
     Parameters (TF layout): ``weights`` (kh, kw, C, F), truncated-normal
     (``stddev``), or He et al.'s normal(0, sqrt(2 / (kh*kw*C))) with
     ``stddev="he"``; ``biases`` (F,) constant ``bias``, none with
-    ``bias=False``.  ``regularize`` puts the weights under L2.  ``dx_by``:
-    ``"conv"`` (default; stride 1 only, else col2im) or ``"col2im"``, the
-    input gradient's algorithm (module doc).
+    ``bias=False``.  ``regularize`` puts the weights under L2.
+    ``algorithm``: ``"chunked"`` (default) or ``"whole"`` (module doc).
     """
 
     def __init__(self, scope: str, filters: int, ksize: int = 5, padding="SAME", stddev=0.1, bias=0.0,
-                 regularize: bool = False, stride: int = 1, dx_by: str = "conv"):
+                 regularize: bool = False, stride: int = 1, algorithm: str = "chunked"):
         self.padding = check_padding(padding, scope)
         self.k, self.stride = positive(ksize, "ksize", scope), positive(stride, "stride", scope)
         if stddev != "he" and not (isinstance(stddev, (int, float)) and stddev > 0):
             raise UserError(f"{scope}: stddev must be a number > 0 or 'he', got {stddev!r}")
-        if dx_by not in ("conv", "col2im"):
-            raise UserError(f"{scope}: dx_by must be conv or col2im, got {dx_by!r}")
+        if algorithm not in ("chunked", "whole"):
+            raise UserError(f"{scope}: algorithm must be chunked or whole, got {algorithm!r}")
         self.scope, self.filters = scope, int(filters)
-        self.stddev, self.regularize, self.dx_by = stddev, regularize, dx_by
+        self.stddev, self.regularize, self.algorithm = stddev, regularize, algorithm
         self.bias = None if bias is False else float(bias)
 
     def build(self, in_shape):
@@ -66,7 +79,7 @@ class Conv2D(Layer):
         self.out_hw, self.pad = window_geometry((h, w), k, s, self.padding, self.scope)
         # The input gradient as a convolution of dy reads dy padded by k-1-pad
         # on top; only at stride 1, and while that padding is not negative.
-        self._dx_conv = self.dx_by == "conv" and s == 1 and max(self.pad) <= k - 1
+        self._dx_conv = self.algorithm == "chunked" and s == 1 and max(self.pad) <= k - 1
         init = (f"normal:{(2.0 / (k * k * c)) ** 0.5}" if self.stddev == "he"
                 else f"truncated_normal:{float(self.stddev)}")
         params = [Param("weights", (k, k, c, self.filters), init, self.regularize)]
@@ -74,46 +87,85 @@ class Conv2D(Layer):
             params.append(Param("biases", (self.filters,), f"constant:{self.bias}" if self.bias else "zeros", False))
         return params, self.out_hw + (self.filters,)
 
-    def _cols(self, x, ws):
-        """im2col: (N, H, W[, C]) -> (N*Ho*Wo, kh*kw*C) in the workspace."""
+    # -- both algorithms
+
+    def _cols(self, x, ws, key="cols"):
+        """im2col: (n, H, W[, C]) -> (n*Ho*Wo, kh*kw*C) in the workspace."""
         k, n = self.k, x.shape[0]
         h, w, c = self.in_hwc
         ho, wo = self.out_hw
-        cols = ws.array("cols", (n, ho, wo, k, k, c), x.dtype)
+        cols = ws.array(key, (n, ho, wo, k, k, c), x.dtype)
         kernels.im2col(x.reshape(n, h, w, c), cols, self.pad, ws, self.stride)
         return cols.reshape(n * ho * wo, k * k * c)
 
-    def forward(self, p, x, ws):
+    def _chunks(self, x):
+        """Image ranges [b0, b1) of the batch: cache-sized on the CPU, the whole batch on a GPU."""
         n = x.shape[0]
-        cols = self._cols(x, ws)
+        if self.algorithm == "whole" or not kernels.on_host(x):
+            return [(0, n)]
         ho, wo = self.out_hw
-        y = ws.array("y", (n, ho, wo, self.filters), x.dtype)
-        y2 = y.reshape(-1, self.filters)
-        kernels.gemm(cols, p["weights"].reshape(-1, self.filters), y2)
+        per_image = ho * wo * self.k * self.k * self.in_hwc[2] * x.dtype.itemsize
+        step = max(1, CHUNK_BYTES // per_image)
+        return [(b, min(b + step, n)) for b in range(0, n, step)]
+
+    def forward(self, p, x, ws):
+        n, f = x.shape[0], self.filters
+        ho, wo = self.out_hw
+        y = ws.array("y", (n, ho, wo, f), x.dtype)
+        w2 = p["weights"].reshape(-1, f)
+        for b0, b1 in self._chunks(x):
+            kernels.gemm(self._cols(x[b0:b1], ws), w2, y[b0:b1].reshape(-1, f))
         if self.bias is not None:
-            kernels.bias_add(y2, p["biases"])
-        ws.saved["cols"], ws.saved["x_shape"] = cols, x.shape
+            kernels.bias_add(y.reshape(-1, f), p["biases"])
+        # "whole" keeps the batch's im2col for backward (one chunk); "chunked" recomputes it there.
+        ws.saved["x"], ws.saved["x_shape"] = x, x.shape
         return y
 
     def backward(self, p, g, dy, ws, need_dx):
-        k, f = self.k, self.filters
-        cols = ws.saved["cols"]
+        x, f = ws.saved["x"], self.filters
+        chunks = self._chunks(x)
         dy2 = dy.reshape(-1, f)  # dy is a contiguous NHWC buffer: a view
-        kernels.gemm(cols, dy2, g["weights"].reshape(-1, f), trans_a=True)
+        gw = g["weights"].reshape(-1, f)
+        rows = dy2.shape[0] // x.shape[0]
+        if len(chunks) == 1:  # the forward's im2col is still in the workspace
+            kernels.gemm(ws.array("cols", self._cols_shape(x.shape[0]), x.dtype).reshape(-1, gw.shape[0]), dy2, gw,
+                         trans_a=True)
+        else:
+            part = ws.array("dw_part", gw.shape, gw.dtype)
+            for i, (b0, b1) in enumerate(chunks):
+                kernels.gemm(self._cols(x[b0:b1], ws), dy2[b0 * rows: b1 * rows], gw if i == 0 else part,
+                             trans_a=True)
+                if i:
+                    gw += part
         if self.bias is not None:
             kernels.bias_grad(dy2, g["biases"], ws)
         if not need_dx:
             return None
         n = dy.shape[0]
+        dx = ws.array("dx_batch", (n,) + self.in_hwc, dy.dtype) if len(chunks) > 1 else None
+        for b0, b1 in chunks:
+            part = self._dx(p["weights"], dy[b0:b1], ws)
+            if dx is None:
+                dx = part
+            else:
+                dx[b0:b1] = part
+        return dx.reshape(ws.saved["x_shape"])
+
+    def _cols_shape(self, n):
+        return (n,) + self.out_hw + (self.k, self.k, self.in_hwc[2])
+
+    def _dx(self, weights, dy, ws):
+        """The input gradient of the images of ``dy`` (n, Ho, Wo, F)."""
+        k, f = self.k, self.filters
+        n = dy.shape[0]
         h, w, c = self.in_hwc
         ho, wo = self.out_hw
         if self._dx_conv:
-            return self._dx_as_conv(p["weights"], dy.reshape(n, ho, wo, f), ws).reshape(ws.saved["x_shape"])
+            return self._dx_as_conv(weights, dy.reshape(n, ho, wo, f), ws)
         dcols = ws.array("dcols", (n, ho, wo, k, k, c), dy.dtype)
-        kernels.gemm(dy2, p["weights"].reshape(-1, f), dcols.reshape(n * ho * wo, k * k * c), trans_b=True)
+        kernels.gemm(dy.reshape(-1, f), weights.reshape(-1, f), dcols.reshape(n * ho * wo, k * k * c), trans_b=True)
         # col2im: each tap (i, j) adds its slice back where it was read from.
-        dx = kernels.col2im(dcols, (h, w), self.pad, ws, self.stride)
-        return dx.reshape(ws.saved["x_shape"])
+        return kernels.col2im(dcols, (h, w), self.pad, ws, self.stride)
 
     def _dx_as_conv(self, weights, dy, ws):
         """dx[i] = sum_a dy[i + top - a] W[a]: dy, padded by k-1-top, convolved with W turned 180 degrees."""
@@ -127,6 +179,3 @@ class Conv2D(Layer):
         dx = ws.array("dx", (n, h, w, c), dy.dtype)
         kernels.gemm(dcols.reshape(n * h * w, k * k * f), w_rot.reshape(k * k * f, c), dx.reshape(-1, c))
         return dx
-
-
-__all__ = ["Conv2D", "MaxPool2D"]

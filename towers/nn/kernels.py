@@ -15,13 +15,17 @@ function             NumPy passes                                CUDA launches
 ``add_scaled``       ``multiply`` + ``add`` (the L2 gradient)    1
 ``softmax_xent``     max, subtract, exp, sum, divide, fancy      1 (+2 for the
                      indexing (take/scatter), multiply           loss, if asked)
-``im2col``           pad copy + one 6-D strided copy             1
-``col2im``           fill + k*k strided adds + crop              1
+``im2col``           pad copy + one 6-D strided copy             1 (stride 1)
+``col2im``           fill + k*k strided adds + crop              1 (stride 1)
 ``maxpool``          copy + k*k-1 maxima (+ pad)                 1
 ``maxpool_backward`` 4 passes per window tap                     1
 ``gather_batch``     (device-resident data) fancy index + scale  1
 ``mean2``            ``a += b; a *= s; b[...] = a``              1
+``col_sum``          one GEMV with a ones vector                 1 (cuBLAS)
 ===================  ==========================================  ==============
+
+Strided convolutions (stride > 1) take the NumPy-style array operations on a
+GPU too (``im2col``, ``col2im``): CuPy runs them, there is no dedicated kernel.
 
 Exactness: where the NumPy passes round once per operation, the kernel rounds
 at the same places (``__fmul_rn`` keeps NVRTC from contracting ``a + b * c``

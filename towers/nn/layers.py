@@ -65,6 +65,14 @@ class Workspace:
         self._arrays: dict = {}
         self._children: dict = {}
 
+    def constant(self, key: str, host: numpy.ndarray, dtype):
+        """``host`` (a NumPy array) on this workspace's device as ``dtype``, copied on first use only."""
+        k = ("constant", key, numpy.dtype(dtype).str)
+        a = self._arrays.get(k)
+        if a is None:
+            a = self._arrays[k] = self.xp.asarray(host.astype(dtype))
+        return a
+
     def child(self, i: int) -> "Workspace":
         """The workspace of nested layer ``i`` (same context, path extended by ``i``)."""
         w = self._children.get(i)

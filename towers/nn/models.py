@@ -43,12 +43,12 @@ def lenet5(input_shape: tuple, num_classes: int) -> Sequential:
     (relu(max(a, b)) == max(relu(a), relu(b))), so the function and its
     gradient are the book's, while the ReLU touches 4x fewer values.
     """
-    # col2im input gradients: the published LeNet-5 runs' bits depend on them.
+    # The whole-batch algorithm: the published LeNet-5 runs' bits depend on it.
     return Sequential([
-        Conv2D("layer1-conv1", 32, 5, dx_by="col2im"),
+        Conv2D("layer1-conv1", 32, 5, algorithm="whole"),
         MaxPool2D(2),  # layer2-pool1: no parameters, so no scope
         ReLU(),
-        Conv2D("layer3-conv2", 64, 5, dx_by="col2im"),
+        Conv2D("layer3-conv2", 64, 5, algorithm="whole"),
         MaxPool2D(2),  # layer4-pool2
         ReLU(),
         Flatten(),

@@ -47,6 +47,8 @@ bias 1, alpha 1, beta 0.5): ``s = bias + alpha * sum(x^2 over channels c - r
 """
 from __future__ import annotations
 
+import functools
+
 import numpy
 
 from towers.errors import UserError
@@ -111,9 +113,9 @@ class BatchNorm(Layer):
         inv_std = dt(1) / xp.sqrt(var + dt(self.epsilon))
         a = gamma * inv_std
         y = ws.array("y", x.shape, x.dtype)
-        y2 = y.reshape(-1, c)
-        xp.multiply(x2, a, out=y2)
-        y2 += beta - mean * a
+        (xw, yw), r = _wide(x2, y), _repeats(m, c)
+        xp.multiply(xw, xp.tile(a, r), out=yw)
+        yw += xp.tile(beta - mean * a, r)
         if ctx.training:
             ws.saved.update(x2=x2, mean=mean, inv_std=inv_std, a=a, x_shape=x.shape)
         return y
@@ -147,12 +149,33 @@ class BatchNorm(Layer):
         k = -a * inv_std * means[1]
         c0 = a * (mean * inv_std * means[1] - means[0])
         dx = ws.array("dx", dy.shape, dy.dtype)
-        dx2 = dx.reshape(-1, c)
-        xp.multiply(dy2, a, out=dx2)
-        xp.multiply(x2, k, out=tmp)
-        dx2 += tmp
-        dx2 += c0
+        (dyw, xw, dxw, tw), r = _wide(dy2, x2, dx, tmp), _repeats(m, c)
+        xp.multiply(dyw, xp.tile(a, r), out=dxw)
+        xp.multiply(xw, xp.tile(k, r), out=tw)
+        dxw += tw
+        dxw += xp.tile(c0, r)
         return dx.reshape(s["x_shape"])
+
+
+_ROW = 1024  # values per row of the wide views: long enough for NumPy's inner loop
+
+
+@functools.lru_cache(maxsize=None)
+def _repeats(m: int, c: int) -> int:
+    """How many rows of c channels to lay side by side: the largest divisor of m with r * c <= _ROW."""
+    return max(r for r in range(1, max(_ROW // c, 1) + 1) if m % r == 0)
+
+
+def _wide(*arrays):
+    """(M, C)-shaped contiguous arrays viewed as (M / r, r * C) (``_repeats``), for per-channel broadcasts.
+
+    NumPy broadcasts a (C,) vector over (M, C) one row of C values at a time:
+    with C = 16 that is 4x slower than the same pass over rows of ~1,000
+    values, which a per-channel vector tiled r times gives.
+    """
+    m, c = arrays[0].reshape(-1, arrays[0].shape[-1]).shape
+    r = _repeats(m, c)
+    return tuple(a.reshape(m // r, r * c) for a in arrays)
 
 
 class LRN(Layer):
@@ -169,17 +192,11 @@ class LRN(Layer):
         self._band = (abs(i[:, None] - i[None, :]) <= self.r).astype(numpy.float32)
         return [], tuple(in_shape)
 
-    def _band_of(self, ws, dtype):
-        b = ws.saved.get("band")
-        if b is None or b.dtype != dtype:
-            b = ws.saved["band"] = ws.xp.asarray(self._band.astype(dtype))
-        return b
-
     def forward(self, p, x, ws):
         xp, c = ws.xp, self.c
         x2 = x.reshape(-1, c)
         dt = x2.dtype.type
-        band = self._band_of(ws, x2.dtype)
+        band = ws.constant("band", self._band, x2.dtype)
         sq = ws.array("sq", x2.shape, x2.dtype)
         xp.multiply(x2, x2, out=sq)
         s = ws.array("s", x2.shape, x2.dtype)
@@ -205,7 +222,7 @@ class LRN(Layer):
         t *= u
         t /= s
         tb = ws.array("tb", x2.shape, x2.dtype)
-        kernels.gemm(t, self._band_of(ws, x2.dtype), tb)  # the band is symmetric
+        kernels.gemm(t, ws.constant("band", self._band, x2.dtype), tb)  # the band is symmetric
         tb *= x2
         tb *= dt(-2.0 * self.alpha * self.beta)
         dx = ws.array("dx", dy.shape, dy.dtype)

@@ -127,12 +127,6 @@ class AvgPool2D(_Pool2D):
         self._inv_count = 1.0 / count[0]  # (Ho, Wo, 1), float64 until a dtype asks
         return params, out
 
-    def _scale(self, ws, dtype):
-        s = ws.saved.get("inv_count")
-        if s is None or s.dtype != dtype:
-            s = ws.saved["inv_count"] = ws.xp.asarray(self._inv_count.astype(dtype))
-        return s
-
     def forward(self, p, x, ws):
         n, x_shape = x.shape[0], x.shape
         y = ws.array("y", (n,) + self.out_hw + (self.in_hwc[2],), x.dtype)
@@ -142,7 +136,7 @@ class AvgPool2D(_Pool2D):
                 y += tap
             else:
                 y[...] = tap
-        y *= self._scale(ws, y.dtype)
+        y *= ws.constant("inv_count", self._inv_count, y.dtype)
         ws.saved["x_padded_shape"], ws.saved["x_shape"] = x.shape, x_shape
         return y
 
@@ -152,7 +146,7 @@ class AvgPool2D(_Pool2D):
         dpad = ws.array("dpad", ws.saved["x_padded_shape"], dy.dtype)
         dpad.fill(0)
         share = ws.array("share", dy.shape, dy.dtype)
-        ws.xp.multiply(dy, self._scale(ws, dy.dtype), out=share)
+        ws.xp.multiply(dy, ws.constant("inv_count", self._inv_count, dy.dtype), out=share)
         for _, _, dtap in self._taps(dpad):
             dtap += share
         return kernels.crop(ws, dpad, self.pad, self.in_hwc[:2]).reshape(ws.saved["x_shape"])

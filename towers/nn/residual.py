@@ -110,9 +110,9 @@ class Residual(Layer):
             return [sc]
         if isinstance(sc, (list, tuple)):
             return list(sc)
-        (h, w, c), (ho, wo) = nhwc(in_shape, who), tuple(out[:2])
         if len(out) != 3:
             raise UserError(f"{who}: shortcut {sc!r} needs an image-shaped body output, got {tuple(out)}")
+        (h, w, _), (ho, wo) = nhwc(in_shape, who), tuple(out[:2])
         s = -(-h // ho)
         if -(-h // s) != ho or -(-w // s) != wo:
             raise UserError(f"{who}: no stride takes {h}x{w} to the body's {ho}x{wo}")
