@@ -256,9 +256,10 @@ class Trainer:
         if n is None and (len(x) != len(y) or not len(x)):
             raise UserError(f"{where}: give as many labels as examples, at least one; got {len(x)} examples "
                             f"and {len(y)} labels")
-        floating = numpy.issubdtype(x.dtype, numpy.floating)
-        if tuple(x.shape[1:]) != ds.example_shape or (x.dtype != ds.x.dtype if n is not None else
-                                                       not (floating or x.dtype == numpy.uint8)):
+        # A step's batch has the data set's dtype; evaluation takes uint8 pixels or floats.
+        dtype_ok = x.dtype == ds.x.dtype if n is not None else (
+            x.dtype == numpy.uint8 or numpy.issubdtype(x.dtype, numpy.floating))
+        if tuple(x.shape[1:]) != ds.example_shape or not dtype_ok:
             raise UserError(f"{where}: examples are {x.dtype} {tuple(x.shape[1:])}, the data set's are "
                             f"{ds.x.dtype} {ds.example_shape}")
         if not numpy.issubdtype(y.dtype, numpy.integer) or y.ndim != 1 or (
@@ -307,17 +308,10 @@ class Trainer:
         self.synchronize()
         if ema:
             self.ema.set_state(flat)
-            if buffers is not None:
-                for t in self.towers:
-                    with t.device.scope():
-                        t.replica.set_buffers(buffers)
+            self.model_state.set(None, buffers)  # the buffers, when given, are every replica's
             return
         self.model_state.set(flat, buffers)
         self.engine.agreed()  # the next comparison is against these weights
-
-    def data_position(self) -> tuple[int, int]:
-        """The input pipeline's position after ``self.step`` steps of ``fit``'s batches."""
-        return self.position.at(self.step)
 
     def state_dict(self) -> dict:
         """Everything a checkpoint holds, as {name: host array} (a host sync); ``towers.state`` lists the keys."""

@@ -3,7 +3,8 @@
 A checkpoint ``ckpt-<step, 8 digits>.npz`` in the run's logdir holds, under
 plain names that do not depend on the number of towers:
 
-* ``params/<name>``, ``ema/<name>`` and the optimizer's state (``momentum/<name>``
+* ``params/<name>``, ``buffers/<name>`` (non-trainable state such as batch-norm
+  moving statistics), ``ema/<name>`` and the optimizer's state (``momentum/<name>``
   for SGD with momentum, ``adam_m/<name>`` and ``adam_v/<name>`` for Adam),
   float32, stored once (every replica holds the same values);
 * ``step`` and the input pipeline's position ``data/epoch``, ``data/index``.  The
@@ -136,7 +137,7 @@ def non_finite(arrays: dict) -> str | None:
 
 
 def model_weights(model, arrays: dict, prefix: str, path: str, fix: str) -> dict[str, numpy.ndarray]:
-    """The checkpoint's ``prefix`` weights, checked by ``check_names``; a mismatch names the
+    """The checkpoint's ``prefix`` weights, checked against the model's layout; a mismatch names the
     settings the checkpoint was trained with."""
     try:
         return Layout(model.layout()).check(under(arrays, prefix), f"{path} does not fit this model")

@@ -73,10 +73,10 @@ class DeviceMean(Reducer):
         return [g[0] for g in self.groups]
 
     def average(self, buffers: list) -> None:
-        a, b = (self.streams + [None, None])[:2]
         if len(self.groups) == 1 and len(buffers) == 2 and self.devices[0].is_gpu:
             # Two GPU towers sharing the only device: sum, scale and hand-back
             # in one kernel (the arithmetic of gather and scatter, fused).
+            a, b = self.streams
             with self.devices[0].scope(), on_stream(a):
                 _after(a, b)
                 kernels.mean2(buffers[0], buffers[1], self.scale)

@@ -38,7 +38,10 @@ sliced all-reduce in ``run``).
 """
 from __future__ import annotations
 
+import numpy
+
 from towers.devices.cpu_threads import TowerThreads, chunks
+from towers.devices.placement import to_host
 from towers.errors import UserError
 from towers.parallel.sync import check_replicas
 from towers.state import count
@@ -216,8 +219,6 @@ class StepEngine:
         self.synchronize()
         atol = 0.0
         if self.weights_mode:  # an average leaves them equal up to the reducer's rounding
-            from towers.devices.placement import to_host
-
             atol = 1e-6 * max(1.0, float(abs(to_host(self.towers[0].replica.params)).max()))
         check_replicas([t.replica for t in self.towers], self.step, atol)
         return True
@@ -233,8 +234,6 @@ class StepEngine:
     # -- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        import numpy
-
         return {"step": numpy.int64(self.step), "sync/n_averages": numpy.int64(self.n_averages)}
 
     def prepare(self, state: dict, where: str):
@@ -283,8 +282,6 @@ class SyncMean:
 
 def check_indices(indices, global_batch: int, n: int):
     """``indices`` as host ints if they are one global batch of rows of an ``n``-row set, else a ``UserError``."""
-    import numpy
-
     indices = numpy.asarray(indices)
     if len(indices) != global_batch or not numpy.issubdtype(indices.dtype, numpy.integer) or (
             int(indices.min()) < 0 or int(indices.max()) >= n):  # the gather kernel does not check

@@ -135,9 +135,10 @@ class ModelState:
         return lambda: self.set(w, b)
 
     def set(self, weights, buffers=None) -> None:
-        """Every tower's weights (and buffers, unless None) from host flat arrays."""
+        """Every tower's weights and buffers from host flat arrays (None: left as they are)."""
         for t in self.towers:
             with t.device.scope():
-                t.replica.set_params(weights)
+                if weights is not None:
+                    t.replica.set_params(weights)
                 if buffers is not None:
                     t.replica.set_buffers(buffers)
