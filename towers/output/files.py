@@ -288,13 +288,79 @@ class ArraySource:
         return np.frombuffer(data, self.dtype).reshape(self.shape)
 
 
+class _Cutoff:
+    """The file object a zip archive writes through; after :meth:`cut` every write goes nowhere.
+
+    A write that fails or is interrupted (Ctrl-C, SIGTERM) leaves an archive
+    that its caller throws away, but zipfile still finishes it: the open
+    member and the archive write their headers when closed or collected, and
+    ``ZipFile.close`` raises ``ValueError`` while a member is open -- which
+    replaced the KeyboardInterrupt of a signal that landed inside a member's
+    write.  Cut off, those late writes land nowhere (the position still
+    moves, so zipfile's offsets stay valid) and cannot hide the first error.
+    """
+
+    def __init__(self, f):
+        self._f, self._pos = f, 0
+
+    def write(self, data):
+        if self._f is not None:
+            return self._f.write(data)
+        n = memoryview(data).nbytes
+        self._pos += n
+        return n
+
+    def tell(self):
+        return self._f.tell() if self._f is not None else self._pos
+
+    def seek(self, offset, whence=os.SEEK_SET):
+        if self._f is not None:
+            return self._f.seek(offset, whence)
+        self._pos = offset if whence == os.SEEK_SET else self._pos + offset
+        return self._pos
+
+    def flush(self):
+        if self._f is not None:
+            self._f.flush()
+
+    def cut(self):
+        if self._f is not None:
+            with contextlib.suppress(Exception):  # a closed or failing file: the position is lost, not needed
+                self._pos = self._f.tell()
+            self._f = None
+
+
+class _Archive(zipfile.ZipFile):
+    """A ZipFile that is quiet when collected: the one on which ``write_npz`` failed is thrown away.
+
+    ``ZipFile.__del__`` closes the archive, which raises (printed as "Exception
+    ignored") when an interruption left a member open, or landed inside
+    ``ZipFile.__init__``.  A completed archive was closed already, so this
+    ``__del__`` has nothing to do for it.
+    """
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            super().__del__()
+
+
 def write_npz(path, entries, compress=False):
     """Write ``entries``, ``(key, ArraySource or array)`` pairs, to the npz file ``path`` (or file object).
 
     Members carry a fixed timestamp, so equal arrays give byte-identical files.
+    Any exception, a KeyboardInterrupt or :class:`Terminated` included,
+    leaves the write as it is raised (the file is incomplete: write through
+    :func:`atomic_path`, which removes it).
     """
+    if not hasattr(path, "write"):
+        with open(path, "wb") as f:
+            write_npz(f, entries, compress)
+        return
     method = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
-    with zipfile.ZipFile(path, "w", method, allowZip64=True) as archive:
+    out = _Cutoff(path)
+    try:
+        # Not ``with ZipFile``: its close on the way out would write (or fail) after an error.
+        archive = _Archive(out, "w", method, allowZip64=True)
         for key, source in entries:
             if not isinstance(source, ArraySource):
                 source = ArraySource.of(np.asanyarray(source))
@@ -308,6 +374,10 @@ def write_npz(path, entries, compress=False):
                 np.lib.format.write_array_header_1_0(member, header)
                 for block in source.blocks():
                     member.write(block)
+        archive.close()
+    except BaseException:
+        out.cut()
+        raise
 
 
 def atomic_write(path, write) -> None:
