@@ -23,6 +23,7 @@ from towers.nn.models import build_model
 from towers.nn.replica import Replica
 from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import resolve
+from towers.train import warn_about
 
 
 MAX_INTERVAL = 86400  # seconds between --watch polls; a longer wait is a typo, not a schedule
@@ -65,6 +66,7 @@ class Evaluator:
                               on_error=ck.get("on_error", "stop"), workers=input_workers(ck.get("input_workers"), 0))
             if ds.x_test is None:
                 raise UserError(f"{key[0]} has no x_test/y_test: pass --data or --test-data with test examples")
+            warn_about(ds, "towers.eval")
             self._data[key] = ds
         return self._data[key]
 

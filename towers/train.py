@@ -13,7 +13,7 @@ from dataclasses import fields
 
 from towers.cli import Parser, run_main
 from towers.config import Config
-from towers.errors import flag, flags_in_messages
+from towers.errors import flag, flags_in_messages, render
 from towers.output.files import sigterm_raises
 from towers.trainer import Trainer
 
@@ -100,9 +100,17 @@ def run(cfg: Config, nccl=None) -> dict:
         from towers.cluster.driver import ClusterTrainer
 
         with ClusterTrainer(cfg, nccl=nccl) as trainer:
+            warn_about(trainer.dataset, "towers.train")
             return trainer.fit()
     with Trainer(cfg, nccl=nccl) as trainer:
+        warn_about(trainer.dataset, "towers.train")
         return trainer.fit()
+
+
+def warn_about(dataset, prog: str) -> None:
+    """Print the dataset's warnings (labels that train but say little) on stderr, one line each."""
+    for line in dataset.warnings:
+        print(f"{prog}: warning: {render(line)}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
