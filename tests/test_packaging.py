@@ -20,3 +20,37 @@ def test_console_scripts_point_at_main_functions():
     for name, target in scripts.items():
         module, _, fn = target.partition(":")
         assert callable(getattr(importlib.import_module(module), fn)), name
+
+
+# The commands a user runs, each a package module with a console script (``pip install .`` does not
+# install tools/), while ``python -m tools.X`` keeps working in a checkout with the same main.
+USER_TOOLS = {"fetch_data": "towers-fetch-data", "tfrecord_to_npz": "towers-tfrecord-to-npz",
+              "npz_to_tfrecord": "towers-npz-to-tfrecord"}
+
+
+def test_the_tools_users_run_are_installed_as_console_scripts():
+    import importlib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    scripts, packages = project["project"]["scripts"], project["tool"]["setuptools"]["packages"]
+    for tool, script in USER_TOOLS.items():
+        assert script in scripts, f"tools/{tool}.py has no console script {script}"
+        module, _, fn = scripts[script].partition(":")
+        assert module.rpartition(".")[0] in packages, f"{module} is not in an installed package"
+        assert getattr(importlib.import_module(f"tools.{tool}"), "main") is getattr(importlib.import_module(module), fn)
+
+
+def test_hosts_without_ray_installed_is_one_line_naming_the_extra():
+    # Ray is hidden as an uninstalled package is: `import ray` raises ModuleNotFoundError.
+    code = ("import sys; sys.modules['ray'] = None; from towers.train import main; "
+            "sys.exit(main(['--hosts', '2', '--devices', 'cpu', '--steps', '2', '--quiet', '--logdir', sys.argv[1]]))")
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", code, "/nonexistent-logdir-not-written"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    # Before: a ModuleNotFoundError traceback, exit 1.
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "towers.train: error: --hosts > 1 runs on Ray, which is not installed: pip install 'towers[cluster]' "
+        "(or pip install ray), or train on one host"]
