@@ -80,6 +80,16 @@ def test_eval_matches_the_trainers_accuracy(run_dir):
     assert "(step 10)" in out
 
 
+def test_eval_of_a_batch_norm_model_uses_its_moving_statistics(tmp_path):
+    # Before: towers.eval left the moving mean and variance at 0 and 1, and disagreed with the run.
+    cli("towers.train", "--logdir", tmp_path, "--model", "resnet20", "--batch-size", "16", "--quiet", "--steps", 8,
+        "--n-gpu", 2)
+    final = metrics(tmp_path)[-1]
+    for flags, key in (((), "test_accuracy_ema"), (("--no-ema",), "test_accuracy")):
+        out = cli("towers.eval", "--logdir", tmp_path, *flags).stdout
+        assert f"accuracy = {final[key]:.4f}" in out, (out, final)
+
+
 def test_eval_errors_are_one_line(run_dir, tmp_path):
     def error(*args):
         p = cli("towers.eval", *args, ok=False)

@@ -20,7 +20,6 @@ from towers.data.image.augment import Transform, uniforms
 from towers.data.image.to_tfrecord import example
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.framing import TFRecordWriter
-from towers.data.tfrecord.records import close_dataset
 from towers.errors import TrainingError, UserError
 
 DECODE = "image/encoded:image:12,12,1"
@@ -121,7 +120,7 @@ def test_imagenet_layout_trains_with_the_decode_flag_and_is_proposed(tmp_path):
         assert ds.x.shape == (60, 12, 12, 1) and ds.x.dtype == np.uint8 and ds.num_classes == 4
         assert np.abs(ds.x[0:5].astype(int) - x[:5, :, :, None]).mean() < 4  # JPEG; evaluation path: no crop
     finally:
-        close_dataset(ds)
+        ds.close()
     with pytest.raises(UserError, match="encoded images: train from them with x_key image/encoded y_key "
                                         "image/class/label decode image/encoded:image:12,12,1"):
         load_dataset(path)
@@ -146,10 +145,10 @@ def test_image_folder_classes_sizes_and_test_folder(tmp_path):
         assert np.array_equal(np.sort(ds.y), np.sort(y)) and len(ds.x_test) == 9
         assert np.array_equal(ds.x[np.arange(3)][:, :, :, 0], x[[0, 3, 6]])  # class order: cat's files first
     finally:
-        close_dataset(ds)
+        ds.close()
     ds = load_dataset(train, image_size="8,8,3", workers=0)
     assert ds.x.shape == (30, 8, 8, 3)
-    close_dataset(ds)
+    ds.close()
     r = run_cli("--data", train, "--test-data", test, "--devices", "cpu", "--steps", "4", "--batch-size", "10",
                 "--logdir", str(tmp_path / "run"), "--quiet", "--checkpoint-every", "2")
     assert r.returncode == 0, r.stderr
@@ -245,7 +244,7 @@ def test_an_image_that_does_not_decode_mid_run_stops_or_is_skipped(tmp_path):
         batch = ds.x.submit(np.array([17, 20]), np.array([0, 0])).result()
         assert batch.shape == (2, 12, 12, 1) and ds.x.skipped == 1  # 17 replaced by 20, the next of its class
     finally:
-        close_dataset(ds)
+        ds.close()
 
 
 _DRIVER = """
@@ -323,7 +322,7 @@ def test_decode_reshapes_a_float_feature(tmp_path):
             w.write(r.SerializeToString())
     ds = load_dataset(path, "pixels", "label", decode="pixels:float32:4,4", workers=0)
     assert ds.x.shape == (20, 4, 4) and np.array_equal(ds.x[0:20], x)
-    close_dataset(ds)
+    ds.close()
     with pytest.raises(UserError, match="float32 of a shape with that many values, so give a shape of 16 values"):
         load_dataset(path, "pixels", "label", decode="pixels:float32:5,5", workers=0)
 

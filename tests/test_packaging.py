@@ -20,3 +20,55 @@ def test_console_scripts_point_at_main_functions():
     for name, target in scripts.items():
         module, _, fn = target.partition(":")
         assert callable(getattr(importlib.import_module(module), fn)), name
+
+
+# The commands a user runs, each a package module with a console script (``pip install .`` does not
+# install tools/), while ``python -m tools.X`` keeps working in a checkout with the same main.
+USER_TOOLS = {"fetch_data": "towers-fetch-data", "tfrecord_to_npz": "towers-tfrecord-to-npz",
+              "npz_to_tfrecord": "towers-npz-to-tfrecord", "images_to_tfrecord": "towers-images-to-tfrecord"}
+
+
+def test_the_tools_users_run_are_installed_as_console_scripts():
+    import importlib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    scripts, packages = project["project"]["scripts"], project["tool"]["setuptools"]["packages"]
+    for tool, script in USER_TOOLS.items():
+        assert script in scripts, f"tools/{tool}.py has no console script {script}"
+        module, _, fn = scripts[script].partition(":")
+        assert module.rpartition(".")[0] in packages, f"{module} is not in an installed package"
+        assert getattr(importlib.import_module(f"tools.{tool}"), "main") is getattr(importlib.import_module(module), fn)
+
+
+def test_import_towers_loads_no_protobuf_and_npz_training_no_image_codec(tmp_path):
+    # Before: `import towers` loaded protobuf (the TFRecord reader) and the converter's command line.
+    # Protobuf stays installed for the TensorBoard writer, which a run loads when it starts writing; the
+    # image codecs are hidden as uninstalled packages are (importing them raises).
+    code = ("import sys\nimport towers\nassert 'google.protobuf' not in sys.modules, 'protobuf loaded'\n"
+            "assert 'towers.data.tfrecord.convert' not in sys.modules\n"
+            "for m in ('PIL', 'simplejpeg'): sys.modules[m] = None\n"
+            "from towers.train import main\n"
+            "sys.exit(main(['--devices', 'cpu', '--steps', '3', '--quiet', '--logdir', sys.argv[1]]))")
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "run" / "final.npz").exists()
+
+
+def test_hosts_without_ray_installed_is_one_line_naming_the_extra():
+    # Ray is hidden as an uninstalled package is: `import ray` raises ModuleNotFoundError.
+    code = ("import sys; sys.modules['ray'] = None; from towers.train import main; "
+            "sys.exit(main(['--hosts', '2', '--devices', 'cpu', '--steps', '2', '--quiet', '--logdir', sys.argv[1]]))")
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", code, "/nonexistent-logdir-not-written"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    # Before: a ModuleNotFoundError traceback, exit 1.
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "towers.train: error: --hosts > 1 runs on Ray, which is not installed: pip install 'towers[cluster]' "
+        "(or pip install ray), or train on one host"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import towers
-from towers import Config, Dataset, Trainer, UserError
+from towers import Config, Trainer, UserError
 from towers.data.batches import InputPosition
 from towers.nn.layers import Dense, Flatten, Layer, Param, ReLU, Sequential
 from towers.optim.ema import EMA

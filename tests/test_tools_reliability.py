@@ -222,7 +222,7 @@ def test_full_disk_names_the_output_and_leaves_nothing(kib, phase, tiny_disk, ca
     assert status == 1, err
     errors = [line for line in err if "error" in line]
     assert errors == [err[-1]] and "Traceback" not in "".join(err)
-    assert f"{out}: no space left on device" in errors[0], errors
+    assert f"{out}: No space left on device" in errors[0], errors
     assert ("temporary" in errors[0]) == (phase == "temporary"), errors
     assert os.listdir(disk) == []
 
@@ -232,7 +232,7 @@ def test_full_disk_in_npz_to_tfrecord_names_the_output(tiny_disk, capsys):
     out = disk / "out.tfrecords"
     status, err = run(npz_to_tfrecord, capsys, sample("mnist_t10k_head1000", ".npz"), "-o", out)
     assert status == 1 and len(err) == 1, err
-    assert f"{out}: no space left on device" in err[0], err
+    assert f"{out}: No space left on device" in err[0], err
     assert os.listdir(disk) == []
 
 

@@ -58,7 +58,6 @@ from towers.data.batches import BatchSource, Prefetcher
 from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.from_npz import write_examples
-from towers.data.tfrecord.records import close_dataset
 from towers.devices.cpu_threads import input_workers
 from towers.trainer import Trainer
 
@@ -156,7 +155,7 @@ def main(argv=None):
                     rows[name] = max(rows.get(name, 0.0), rate)
         finally:
             for ds in tfrecord.values():
-                close_dataset(ds)
+                ds.close()
     print(f"{args.records:,} records, global batch {2 * BATCH}, best of {args.repeats} ({os.cpu_count()} cores)")
     for name, rate in rows.items():
         print(f"  {name:34s} {rate:12,.0f} records/s")
@@ -210,7 +209,7 @@ def towers_image_rate(path, kind, workers, batches):
     try:
         return pipeline_rate(ds, batches)
     finally:
-        close_dataset(ds)
+        ds.close()
 
 
 _REFERENCE = r'''
@@ -312,7 +311,7 @@ def training_rows(tmp, args, r):
                 rows[f"{model}: training from JPEG, {w} workers"] = training_rate(
                     ds, steps, os.path.join(tmp, f"j{w}{r}{model}"), model)
             finally:
-                close_dataset(ds)
+                ds.close()
     return rows
 
 

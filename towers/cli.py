@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from towers.errors import TrainingError, UserError
-from towers.output.files import OutputError, Terminated
+from towers.output.files import Terminated
 
 
 class Parser(argparse.ArgumentParser):
@@ -33,8 +33,6 @@ def exit_status(exc: BaseException, more: dict | None = None) -> tuple[int, str]
         return 2, f"error: {exc}"
     if isinstance(exc, (TrainingError,)):
         return 1, f"error: {exc}"
-    if isinstance(exc, OutputError):
-        return exc.status, f"error: {exc}"
     if isinstance(exc, OSError):  # a file touched outside the writers that name it
         return 1, f"error: {exc.filename or ''}: {exc.strerror or exc}; check the path, its permissions and free space"
     if isinstance(exc, KeyboardInterrupt):

@@ -20,11 +20,13 @@ from towers.output.checkpoint import CheckpointError, latest_checkpoint, list_ch
     model_weights, named_to_flat
 from towers.data.image.load import describe_classes
 from towers.data.loading import load_dataset
-from towers.data.tfrecord.records import close_dataset, is_tfrecord
+from towers.data.inputs import is_tfrecord
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
+from towers.state import Layout, under
 from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import resolve
+from towers.train import show_notices, warn_about
 
 
 MAX_INTERVAL = 86400  # seconds between --watch polls; a longer wait is a typo, not a schedule
@@ -70,13 +72,14 @@ class Evaluator:
                               image_size=ck.get("image_size"))
             if ds.x_test is None:
                 raise UserError(f"{key[0]} has no x_test/y_test: pass --data or --test-data with test examples")
+            warn_about(ds, "towers.eval")
             self._data[key] = ds
         return self._data[key]
 
     def close(self) -> None:
         """Stop the worker processes of TFRecord test sets."""
         for ds in self._data.values():
-            close_dataset(ds)
+            ds.close()
 
     def evaluate(self, path: str, arrays: dict) -> str:
         ck, step = arrays["config"], int(arrays["step"])
@@ -90,9 +93,12 @@ class Evaluator:
         model = build_model(ck.get("model", "mlp"), shape, classes, ck.get("hidden", 500))
         which = "ema" if self.args.ema else "params"
         flat = named_to_flat(model, model_weights(model, arrays, which, path, "it cannot be evaluated"))
+        buffers = Layout(model.buffer_layout())  # moving statistics: evaluation normalizes with them
+        buffers = buffers.join(buffers.check(under(arrays, "buffers"), f"{path} does not fit this model", "buffer"))
         with self.device.scope():
             replica = Replica(model, self.device.xp)
             replica.set_params(flat)
+            replica.set_buffers(buffers)
             loss, acc = replica.evaluate(ds.x_test, ds.y_test)
         classes = f"; classes {describe_classes(json.loads(str(arrays['data/classes'])))}" \
             if "data/classes" in arrays else ""
@@ -176,6 +182,7 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
+    show_notices()  # the loader's notices (an index being built, records skipped)
 
     def body():
         if not 0 < args.interval <= MAX_INTERVAL:  # also false for nan; time.sleep raises past int64 ns

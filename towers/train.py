@@ -14,7 +14,7 @@ from dataclasses import fields
 
 from towers.cli import Parser, run_main
 from towers.config import Config
-from towers.errors import flag, flags_in_messages
+from towers.errors import flag, flags_in_messages, render
 from towers.output.files import sigterm_raises
 from towers.trainer import Trainer
 
@@ -112,10 +112,12 @@ def run(cfg: Config) -> dict:
         from towers.cluster.driver import ClusterTrainer
 
         with ClusterTrainer(cfg) as trainer:
+            warn_about(trainer.dataset, "towers.train")
             if trainer.cfg.log_placement:
                 print(trainer.towers_text(), flush=True)
             return trainer.fit()
     with Trainer(cfg) as trainer:
+        warn_about(trainer.dataset, "towers.train")
         if trainer.cfg.log_placement:
             print(trainer.placement.table(), flush=True)
         return trainer.fit()
@@ -129,6 +131,12 @@ def show_notices() -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.propagate = False
+
+
+def warn_about(dataset, prog: str) -> None:
+    """Print the dataset's warnings (labels that train but say little) on stderr, one line each."""
+    for line in dataset.warnings:
+        print(f"{prog}: warning: {render(line)}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:

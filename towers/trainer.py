@@ -32,7 +32,6 @@ from towers.data.batches import BatchSource, InputPosition
 from towers.data.dataset import Dataset
 from towers.data.device_data import DeviceData, fits_on
 from towers.data.loading import load_dataset
-from towers.data.tfrecord.records import close_dataset
 from towers.devices.cpu_threads import cpu_count, input_workers, set_blas_threads
 from towers.devices.placement import Placement, resolve
 from towers.errors import UserError
@@ -414,7 +413,7 @@ class Trainer:
     def close(self) -> None:
         """Release tower threads, BLAS limits, NCCL communicators and data workers (idempotent)."""
         if self._owned_data is not None:
-            close_dataset(self._owned_data)
+            self._owned_data.close()
         if self._closed:
             return
         self._closed = True

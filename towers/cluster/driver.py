@@ -41,7 +41,6 @@ from towers.cluster.state import towers_per_update
 from towers.config import Config
 from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset
-from towers.data.tfrecord.records import close_dataset
 from towers.devices.cpu_threads import input_workers
 from towers.errors import TrainingError, UserError
 from towers.nn.models import build_model
@@ -400,7 +399,7 @@ class ClusterTrainer:
                 b.close()
             self._boards, self._hosts, self._ps, self._exchange, self._ray = [], [], None, None, None
             if self._owned_data is not None:
-                close_dataset(self._owned_data)
+                self._owned_data.close()
 
     def __enter__(self) -> "ClusterTrainer":
         return self

@@ -73,7 +73,14 @@ def connect(address: str | None, verbose: bool, n_hosts: int):
     """Start (or join) Ray; return (ray module, whether this call started it)."""
     if not verbose:  # failed tasks' tracebacks: the driver prints its own one line
         os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
-    import ray
+    try:
+        import ray
+    except ModuleNotFoundError as e:  # `pip install .` leaves Ray out: it is the `cluster` extra
+        if e.name == "ray" or (e.name or "").startswith("ray."):
+            raise UserError("`hosts` > 1 runs on Ray, which is not installed: pip install 'towers[cluster]' "
+                            "(or pip install ray), or train on one host") from None
+        raise UserError(f"`hosts` > 1 runs on Ray, which is installed but does not import ({e}): reinstall it "
+                        "with pip install --force-reinstall 'towers[cluster]'") from None
 
     owned = False
     if not ray.is_initialized():

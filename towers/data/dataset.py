@@ -3,12 +3,19 @@
 ``Dataset.from_arrays(x, y, x_test=None, y_test=None)`` checks what training
 needs (integer labels 0..C-1 that fit int32 with C at most ``MAX_CLASSES``,
 examples as uint8 pixels or finite floats, matching lengths and shapes, test
-labels within the training classes) and every loader goes through it, so
+labels within the training classes, a test set that is not empty and whose
+examples have the training examples' dtype) and every loader goes through it, so
 in-memory arrays and files are held to the same rules.  Every problem is a
 ``UserError`` naming the array (or the file and key), and for bad values the
 count and the first index.  The value checks run in chunks of
 ``CHUNK_BYTES`` along the first axis, so they need bounded memory on a
 memory-mapped array.
+
+Labels that train but say little are not errors: one class only (every
+prediction is that class, and its accuracy is that class's share), or labels
+that start above 0 (classes without examples).  They are listed in
+``Dataset.warnings``, one line each, which the command lines print; the
+library prints nothing.
 
 ``load_dataset`` reads .npz files with ``zipfile`` and ``numpy.lib.format``
 rather than ``numpy.load``, whose ``NpzFile`` reads members lazily (damage
@@ -39,7 +46,7 @@ import os
 import struct
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy
 from numpy.lib import format as npy
@@ -56,6 +63,16 @@ from towers.errors import UserError
 MAX_CLASSES = 1 << 20
 CHUNK_BYTES = 1 << 20  # per step of a value check, a read or a CRC pass: bounded memory, cache-sized (measured fastest)
 _INT32_MAX = int(numpy.iinfo(numpy.int32).max)
+PIXEL_SCALE = numpy.float32(1 / 255)  # uint8 pixels -> [0, 1]
+
+
+def input_scale(dtype) -> numpy.float32 | None:
+    """What examples of ``dtype`` are multiplied by on the device: 1/255 for uint8 pixels, None for floats.
+
+    The one place of the rule; staging, device-resident data, evaluation and
+    the image pipeline's normalization all ask here.
+    """
+    return PIXEL_SCALE if numpy.dtype(dtype) == numpy.uint8 else None
 
 
 @dataclass
@@ -66,6 +83,21 @@ class Dataset:
     x_test: numpy.ndarray | None = None
     y_test: numpy.ndarray | None = None
     class_names: list | None = None  # an image folder's classes, by label
+    warnings: list[str] = field(default_factory=list)  # lines about labels that train but say little
+
+    def __post_init__(self):
+        # Every construction, from_arrays or a loader's, gets the test split's checks and the warnings.
+        _check_test_split(self.x, self.x_test, "")
+        self.warnings = list(self.warnings) + _label_warnings(self.y, self.y_test)
+
+    def close(self) -> None:
+        """Stop the worker processes of examples read on demand (TFRecord records, images); idempotent.
+
+        A no-op for arrays in memory or mapped from an npz file.
+        """
+        for array in (self.x, self.x_test):
+            if hasattr(array, "submit"):  # read on demand: RecordArray, towers.data.image.array.ImageArray
+                array.close()
 
     @property
     def example_shape(self) -> tuple:
@@ -83,6 +115,7 @@ class Dataset:
         num_classes = int(y.max()) + 1
         if x_test is not None:
             x_test, y_test = _pair(_host(x_test), _host(y_test), where, names[2], names[3])
+            _check_test_split(x, x_test, f"{where}: ", names[2])
             if x_test.shape[1:] != x.shape[1:]:
                 raise UserError(
                     f"{where}: test examples have shape {x_test.shape[1:]} but training examples {x.shape[1:]}"
@@ -95,6 +128,42 @@ class Dataset:
         return cls(x, y, num_classes, x_test, y_test)
 
 
+
+
+def _check_test_split(x, x_test, where: str, key: str = "x_test") -> None:
+    """A test split must hold examples, of the training examples' dtype (``where``: a prefix for the message).
+
+    An empty one gave an accuracy of 0.0 (no example right out of none).
+    uint8 pixels are scaled by 1/255 on the device and floats are used as
+    they are, so uint8 beside float examples (float32 pixels 0..255 beside
+    uint8 ones, say) would be scaled differently at training and test time.
+    """
+    if x_test is None:
+        return
+    if len(x_test) == 0:
+        raise UserError(f"{where}the test set is empty ({key!r} has 0 examples): give test examples, or none "
+                        "at all (no x_test/y_test) to train without a test accuracy")
+    if x_test.dtype != x.dtype:
+        raise UserError(f"{where}test examples are {x_test.dtype} but training examples {x.dtype}: uint8 pixels "
+                        "are scaled by 1/255 and float examples are used as they are, so the two would be "
+                        "scaled differently; give both as uint8 pixels, or both as floats on one scale")
+
+
+def _label_warnings(y, y_test) -> list[str]:
+    """Lines about labels that train but say little: one class, labels that do not start at 0."""
+    out = []
+    low, high = (int(y.min()), int(y.max())) if len(y) else (0, 1)
+    if low == high:
+        out.append(f"the training labels hold one class only (label {low}): the model learns to answer "
+                   f"{low} whatever the input, and its accuracy is the share of {low} in the test labels; "
+                   "check `y_key` and the labels")
+    elif low > 0:
+        out.append(f"the training labels start at {low}, not 0: classes 0..{low - 1} have no examples "
+                   f"(labels are 0..C-1; for labels 1..C, subtract 1)")
+    if y_test is not None and len(y_test) > 1 and int(y_test.min()) == int(y_test.max()):
+        out.append(f"the test labels hold one class only (label {int(y_test.min())}): the accuracy measures "
+                   "that class alone")
+    return out
 
 
 def _host(a) -> numpy.ndarray:
@@ -290,9 +359,13 @@ def _pair(x, y, where: str, xk: str, yk: str):
     return x, y
 
 
-def npz_has(path: str, *keys: str) -> bool:
-    """Whether the npz file ``path`` has every one of ``keys`` (reads only its directory)."""
-    with _Npz(path, "data", "data") as npz:
+def npz_has(path: str, *keys: str, what: str = "test data", setting: str = "test_data") -> bool:
+    """Whether the npz file ``path`` has every one of ``keys`` (reads only its directory).
+
+    It picks the keys of a ``test_data`` file, so a file that cannot be read
+    is named as test data (``what``, ``setting``), not as `data`.
+    """
+    with _Npz(path, what, setting) as npz:
         return npz.has(*keys)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy
 
+from towers.data.dataset import input_scale
 from towers.devices.placement import empty_pinned
 from towers.nn import kernels
 
@@ -56,7 +57,7 @@ class DeviceData:
 
     def __init__(self, devices, streams, dataset, batch: int):
         self.devices, self.streams, self.batch = list(devices), list(streams), int(batch)
-        self.scale = numpy.float32(1.0 / 255.0) if dataset.x.dtype == numpy.uint8 else None
+        self.scale = input_scale(dataset.x.dtype)
         shape = (self.batch,) + tuple(dataset.example_shape)
         y32 = numpy.ascontiguousarray(dataset.y, dtype=numpy.int32)
         x_host = numpy.ascontiguousarray(

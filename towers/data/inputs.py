@@ -1,4 +1,4 @@
-"""Which files a data path names: a file, or a glob of shards expanded in sorted order.
+"""Which files a data path names: a file, or a glob of shards expanded in sorted order; and which reader it needs.
 
 Shared by training from TFRecord files (``towers.data.tfrecord.records``,
 ``towers.data.image.load``) and the converter's INPUT arguments
@@ -8,7 +8,30 @@ and a missing file are one-line usage errors.
 import glob
 import os
 
+from numpy.lib import format as npy
+
 from towers.data.tfrecord.schema import UsageError
+
+# Files that start with these are numpy's, never TFRecord: a zip (an npz) or a single .npy array.
+_NUMPY_MAGIC = (b"PK\x03\x04", npy.MAGIC_PREFIX)
+
+
+def is_tfrecord(path) -> bool:
+    """Whether ``path`` names TFRecord data (a glob, or a file that is neither an npz nor a .npy).
+
+    Anything numpy wrote goes to the npz loader, which names what it is (".npy
+    file (one array), not an npz") instead of a TFRecord framing error.
+    """
+    if path is None or str(path).endswith(".npz"):
+        return False
+    path = str(path)
+    if glob.has_magic(path):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return not f.read(len(npy.MAGIC_PREFIX)).startswith(_NUMPY_MAGIC)
+    except OSError:
+        return False  # missing, a directory, unreadable: the npz loader names what it is
 
 
 def expand_inputs(patterns):

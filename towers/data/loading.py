@@ -14,21 +14,25 @@ Without image settings (``decode`` NAME:image:H,W,C, an image folder,
 ``augment``, ``normalize``, ``image_size``) there are no transforms and the
 examples are the stored arrays, as before.  Either way the result is a
 validated ``Dataset``.
+
+Notices while loading (an index being built, damaged records skipped) go to
+the ``towers`` logger, which the command lines print.  The TFRecord and image
+readers (and protobuf behind them) are imported when a path needs them, so
+``import towers`` and npz data never load them.
 """
 from __future__ import annotations
 
-import sys
+import logging
 
 from towers.data.dataset import Dataset, load_npz, npz_has
 from towers.data.image.folder import is_image_folder
-from towers.data.image.load import load_images, propose
-from towers.data.tfrecord.records import is_tfrecord, load_split
+from towers.data.inputs import is_tfrecord
 from towers.data.tfrecord.schema import UsageError, parse_image_decode
 from towers.errors import UserError, render
 
 
 def _say(message):
-    print(render(message), file=sys.stderr, flush=True)
+    logging.getLogger("towers").warning(render(message))
 
 
 def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_error="stop", workers=2,
@@ -44,13 +48,19 @@ def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_err
     images = (bool(decode) and parse_image_decode(decode) is not None) or is_image_folder(path) or \
         is_image_folder(test_path) or augment != "none" or normalize is not None or image_size is not None
     if images:
+        from towers.data.image.load import load_images
+
         return load_images(path, x_key, y_key, test_path, decode, on_error, workers, augment, normalize, image_size,
                            seed, say=_say)
     try:
         return _load(path, x_key, y_key, test_path, decode, on_error, workers)
     except UsageError as e:
         records = path if is_tfrecord(path) else test_path if is_tfrecord(test_path) else None
-        hint = None if decode or records is None else propose(records)
+        if decode or records is None:
+            raise
+        from towers.data.image.load import propose
+
+        hint = propose(records)
         if hint is None:
             raise
         raise UsageError(f"{e}; these records hold encoded images: train from them with {hint}") from None
@@ -62,6 +72,8 @@ def _load(path, x_key, y_key, test_path, decode, on_error, workers):
         if decode:
             raise UserError("`decode` applies to TFRecord data; the npz arrays are used as stored")
         return load_npz(path, x_key, y_key, test_path)
+    from towers.data.tfrecord.records import load_split
+
     options = dict(x_key=x_key, y_key=y_key, decode=decode, on_error=on_error, workers=workers, say=_say)
     if is_tfrecord(path):
         x, y = load_split(path, **options)

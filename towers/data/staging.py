@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy
 
+from towers.data.dataset import input_scale
 from towers.devices.placement import empty_pinned
 
 
@@ -19,7 +20,7 @@ class Stager:
     def __init__(self, device, stream, batch: int, example_shape: tuple, x_dtype):
         self.device, self.stream = device, stream
         self.xp = device.xp
-        self.scale = numpy.float32(1.0 / 255.0) if numpy.dtype(x_dtype) == numpy.uint8 else None
+        self.scale = input_scale(x_dtype)
         shape = (batch,) + tuple(example_shape)
         with device.scope():
             self.x = self.xp.empty(shape, dtype=numpy.float32)

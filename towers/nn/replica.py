@@ -19,6 +19,7 @@ import contextlib
 
 import numpy
 
+from towers.data.dataset import input_scale
 from towers.nn import kernels
 from towers.nn.context import StepContext
 from towers.nn.layers import Sequential, Workspace
@@ -124,7 +125,8 @@ class Replica:
         for start in range(0, len(x), batch):
             xb = xp.asarray(x[start : start + batch])
             yb = xp.asarray(y[start : start + batch])
-            xb = xb * numpy.float32(1 / 255) if xb.dtype == numpy.uint8 else xb.astype(self.dtype, copy=False)
+            scale = input_scale(xb.dtype)
+            xb = xb * scale if scale is not None else xb.astype(self.dtype, copy=False)
             logits = self.forward(xb.astype(self.dtype, copy=False))
             loss, _ = softmax_cross_entropy(logits, yb, self._loss_ws, True)
             total_loss += float(loss) * len(yb)

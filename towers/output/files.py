@@ -36,7 +36,7 @@ output and no temporary file remain.  :func:`sigterm_raises` turns SIGTERM
 into :class:`Terminated`, which unwinds like ``KeyboardInterrupt`` so the same
 cleanup runs (the command-line tools exit 143 = 128 + SIGTERM, as they exit
 130 = 128 + SIGINT on Ctrl-C).  A full disk (or quota) inside either context
-becomes an :class:`OutputError` naming the output and what was being written.
+becomes a :class:`DiskError` naming the output and what was being written.
 :func:`refuse_overwriting_inputs` stops an output that is one of the inputs.
 
 npz files
@@ -51,18 +51,21 @@ output costs a few MiB of memory.  The result is an ordinary npz archive
 Members carry a fixed timestamp, so identical arrays give byte-identical files
 (checkpoints rely on it for the byte-identical resume).
 
-Write failures and the logdir lock
-----------------------------------
+Write failures and the lock
+---------------------------
 ``writing(path)`` turns an ``OSError`` (a full disk, a read-only filesystem, an
 I/O error) into a ``DiskError`` naming the file and the OS error, which the
-command line prints as one line.
+command line prints as one line.  ``DiskError`` is the one type for a failed
+write, a run's or a converter's (exit status 1).
 
-``lock_logdir(logdir)``: a logdir belongs to one live run.  The lock is an
-``flock`` on ``<logdir>/lock``, held for the run's life; the kernel drops it
-when the process dies, however it dies, so a dead run's lock file never blocks.
-The file holds the owner's pid and host, for the message a second run gets.
-The file is never deleted: unlinking a lock file lets a third process lock a
-new inode while the second still holds the old one.
+One lock file, ``lock``, proves a live owner wherever one is needed: a logdir
+(``lock_logdir``: a logdir belongs to one live run) and each owned temporary
+folder (``output_folder``: a dead writer's folder is removed).  It is an
+``flock`` held for the owner's life; the kernel drops it when the process
+dies, however it dies, so a dead owner's lock file never blocks.  The file
+holds the owner's pid and host, for the message a second run gets.  A
+logdir's lock file is never deleted: unlinking a lock file lets a third
+process lock a new inode while the second still holds the old one.
 """
 from __future__ import annotations
 
@@ -89,19 +92,10 @@ from towers.errors import TrainingError, UserError
 
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # zip's earliest date: no wall clock in the bytes
 
-_LOCK = ".owner.lock"
+LOCK = "lock"  # the one lock file (see "Write failures and the lock")
 _TAG = ".tmp-"
 _OWNED = re.compile(r"\..*\.tmp-\d+-[a-z0-9_]{8}\Z")  # mkdtemp's 8 random characters
 _FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # disk full, quota exceeded
-
-
-class OutputError(Exception):
-    """A one-line report about the output; ``status`` is the exit status a tool should use."""
-
-    def __init__(self, message, status, os_error=None):
-        super().__init__(message)
-        self.status = status
-        self.os_error = os_error  # the OSError behind a full disk
 
 
 class Terminated(BaseException):
@@ -133,7 +127,7 @@ def sigterm_raises():
 
 
 def refuse_overwriting_inputs(output, inputs):
-    """Raise :class:`OutputError` (status 2) if ``output`` is, by any path or link, one of ``inputs``.
+    """Raise a ``UserError`` (status 2) if ``output`` is, by any path or link, one of ``inputs``.
 
     Files are compared by (st_dev, st_ino) after following symlinks, so
     another spelling, a symlink, a hard link and a glob match are all caught.
@@ -146,15 +140,13 @@ def refuse_overwriting_inputs(output, inputs):
     for path in inputs:
         with contextlib.suppress(OSError):
             if os.path.samestat(os.stat(path), target):
-                raise OutputError(f"{output} is the same file as the input {path}: writing it would destroy "
-                                  "the input; choose another output path", 2)
+                raise UserError(f"{output} is the same file as the input {path}: writing it would destroy "
+                                "the input; choose another output path")
 
 
-def _full_disk(output, what, exc):
+def _full_disk(output, verb, exc):
     where = os.path.dirname(os.path.abspath(output))
-    reason = os.strerror(exc.errno)
-    return OutputError(f"{output}: {reason[0].lower() + reason[1:]} while writing {what}; free some space "
-                       f"in {where} or choose another output folder", 1, exc)
+    return DiskError(output, exc, verb, advice=f"free some space in {where} or choose another output folder")
 
 
 def remove_stale(directory):
@@ -166,19 +158,32 @@ def remove_stale(directory):
         candidates = [e.path for e in entries if _OWNED.match(e.name) and e.is_dir(follow_symlinks=False)]
     for path in candidates:
         try:  # read-write: where flock is emulated by fcntl locks (NFS) an exclusive lock needs it
-            fd = os.open(os.path.join(path, _LOCK), os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
             continue  # no lock file (not ours, or not yet locked) or not ours to open
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # held: the owner is alive
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+            if _flock(fd):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
         finally:
             os.close(fd)
     return removed
+
+
+def _flock(fd: int) -> bool:
+    """Take the exclusive lock on ``fd`` without waiting: False when a live process holds it."""
+    try:
+        if fcntl is not None:  # (Windows: no flock, so no proof of an owner)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _claim(fd: int) -> None:
+    """Write this process's pid and host into the held lock file ``fd`` (for the message a second owner gets)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
 
 
 @contextlib.contextmanager
@@ -187,7 +192,7 @@ def output_folder(output, removed=None):
 
     Dead runs' folders are removed first (their paths are appended to
     ``removed`` when a list is given).  An ENOSPC/EDQUOT raised in the body
-    becomes :class:`OutputError` naming ``output``.
+    becomes a :class:`DiskError` naming ``output``.
     """
     directory = os.path.dirname(os.path.abspath(output))
     stale = remove_stale(directory)
@@ -196,13 +201,13 @@ def output_folder(output, removed=None):
     folder = tempfile.mkdtemp(prefix=f".{os.path.basename(output)[:100]}{_TAG}{os.getpid()}-", dir=directory)
     lock = None
     try:
-        lock = os.open(os.path.join(folder, _LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        if fcntl is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        _flock(lock)  # a new folder: nobody else can hold it
+        _claim(lock)
         yield folder
     except OSError as exc:
         if exc.errno in _FULL:
-            raise _full_disk(output, "its temporary files", exc) from None
+            raise _full_disk(output, "write the temporary files of", exc) from None
         raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the lock file goes too, while still held
@@ -231,7 +236,7 @@ def atomic_path(output, folder=None):
         _fsync(os.path.dirname(os.path.abspath(output)), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError as exc:
         if exc.errno in _FULL:
-            raise _full_disk(output, "it", exc) from None
+            raise _full_disk(output, "write", exc) from None
         raise
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -288,13 +293,79 @@ class ArraySource:
         return np.frombuffer(data, self.dtype).reshape(self.shape)
 
 
+class _Cutoff:
+    """The file object a zip archive writes through; after :meth:`cut` every write goes nowhere.
+
+    A write that fails or is interrupted (Ctrl-C, SIGTERM) leaves an archive
+    that its caller throws away, but zipfile still finishes it: the open
+    member and the archive write their headers when closed or collected, and
+    ``ZipFile.close`` raises ``ValueError`` while a member is open -- which
+    replaced the KeyboardInterrupt of a signal that landed inside a member's
+    write.  Cut off, those late writes land nowhere (the position still
+    moves, so zipfile's offsets stay valid) and cannot hide the first error.
+    """
+
+    def __init__(self, f):
+        self._f, self._pos = f, 0
+
+    def write(self, data):
+        if self._f is not None:
+            return self._f.write(data)
+        n = memoryview(data).nbytes
+        self._pos += n
+        return n
+
+    def tell(self):
+        return self._f.tell() if self._f is not None else self._pos
+
+    def seek(self, offset, whence=os.SEEK_SET):
+        if self._f is not None:
+            return self._f.seek(offset, whence)
+        self._pos = offset if whence == os.SEEK_SET else self._pos + offset
+        return self._pos
+
+    def flush(self):
+        if self._f is not None:
+            self._f.flush()
+
+    def cut(self):
+        if self._f is not None:
+            with contextlib.suppress(Exception):  # a closed or failing file: the position is lost, not needed
+                self._pos = self._f.tell()
+            self._f = None
+
+
+class _Archive(zipfile.ZipFile):
+    """A ZipFile that is quiet when collected: the one on which ``write_npz`` failed is thrown away.
+
+    ``ZipFile.__del__`` closes the archive, which raises (printed as "Exception
+    ignored") when an interruption left a member open, or landed inside
+    ``ZipFile.__init__``.  A completed archive was closed already, so this
+    ``__del__`` has nothing to do for it.
+    """
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            super().__del__()
+
+
 def write_npz(path, entries, compress=False):
     """Write ``entries``, ``(key, ArraySource or array)`` pairs, to the npz file ``path`` (or file object).
 
     Members carry a fixed timestamp, so equal arrays give byte-identical files.
+    Any exception, a KeyboardInterrupt or :class:`Terminated` included,
+    leaves the write as it is raised (the file is incomplete: write through
+    :func:`atomic_path`, which removes it).
     """
+    if not hasattr(path, "write"):
+        with open(path, "wb") as f:
+            write_npz(f, entries, compress)
+        return
     method = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
-    with zipfile.ZipFile(path, "w", method, allowZip64=True) as archive:
+    out = _Cutoff(path)
+    try:
+        # Not ``with ZipFile``: its close on the way out would write (or fail) after an error.
+        archive = _Archive(out, "w", method, allowZip64=True)
         for key, source in entries:
             if not isinstance(source, ArraySource):
                 source = ArraySource.of(np.asanyarray(source))
@@ -308,6 +379,10 @@ def write_npz(path, entries, compress=False):
                 np.lib.format.write_array_header_1_0(member, header)
                 for block in source.blocks():
                     member.write(block)
+        archive.close()
+    except BaseException:
+        out.cut()
+        raise
 
 
 def atomic_write(path, write) -> None:
@@ -331,15 +406,18 @@ def atomic_write_text(path, text: str) -> None:
 class DiskError(TrainingError):
     """Writing ``path`` failed with ``error`` (an OSError): disk full, read-only, I/O error.
 
-    ``at(step, last_checkpoint)`` adds where training stopped and what is kept.
+    ``at(step, last_checkpoint)`` adds where training stopped and what is kept;
+    ``advice`` replaces the run's advice (a converter's output, say).
     """
 
     def __init__(self, path: str, error: OSError, verb: str = "write", step: int | None = None,
-                 kept: str | None = None):
+                 kept: str | None = None, advice: str | None = None):
         self.path, self.error, self.verb, self.step, self.kept = path, error, verb, step, kept
         code = errno.errorcode.get(error.errno or 0)
         what = f"cannot {verb} {path}: {error.strerror or error}" + (f" [{code}]" if code else "")
-        if step is None:
+        if advice is not None:
+            advice = "; " + advice
+        elif step is None:
             advice = "; free space on its disk or make `logdir` writable, then run again"
         else:
             keep = f"the last complete checkpoint is {kept}" if kept else "no checkpoint was written"
@@ -358,16 +436,9 @@ def writing(path: str, verb: str = "write"):
         yield
     except OSError as e:
         raise DiskError(path, e, verb) from None
-    except OutputError as e:  # the atomic writer's full-disk report
-        if e.os_error is None:
-            raise
-        raise DiskError(path, e.os_error, verb) from None
 
 
 # -- one live run per logdir ---------------------------------------------------------------
-
-LOCK = "lock"
-
 
 def lock_logdir(logdir: str) -> int:
     """Lock ``logdir`` for this process; the lock file's descriptor (close it to release).
@@ -380,15 +451,11 @@ def lock_logdir(logdir: str) -> int:
         # Not O_TRUNC: the owner's pid stays readable until the lock is ours.
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
-        try:
-            if fcntl is not None:  # (Windows: no flock; the logdir is not locked there)
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _flock(fd):
             raise UserError(f"`logdir` {logdir} is in use by another run ({_owner(fd)}, see {path}): "
-                            "wait for it to end, or choose another `logdir`") from None
+                            "wait for it to end, or choose another `logdir`")
         with writing(path):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+            _claim(fd)
     except BaseException:
         os.close(fd)
         raise

@@ -143,11 +143,17 @@ class TensorBoard:
                                              f"{socket.gethostname()}.{seq:04d}")
             with writing(self.path):
                 self._writer = RecordWriter(self.path)
-            self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
-            if purge_step is not None:
-                self._write(Event(wall_time=time.time(), step=purge_step,
-                                  session_log=SessionLog(status=SessionLog.START)))
-            self.flush()  # a disk that cannot take the file fails now, not at the first summary
+            try:
+                self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+                if purge_step is not None:
+                    self._write(Event(wall_time=time.time(), step=purge_step,
+                                      session_log=SessionLog(status=SessionLog.START)))
+                self.flush()  # a disk that cannot take the file fails now, not at the first summary
+            except BaseException:
+                # A file that could not take its first events holds nothing a reader needs; left
+                # behind, each resume on a full disk would add one more.
+                self._discard()
+                raise
         self._t, self._step = time.perf_counter(), start_step
 
     def due(self, step: int) -> bool:
@@ -191,6 +197,14 @@ class TensorBoard:
             self._summary(scalar(k, float(v)), step)
         if flush:
             self.flush()
+
+    def _discard(self) -> None:
+        """Close and remove the event file this object made (its first write failed)."""
+        writer, self._writer = self._writer, None
+        with contextlib.suppress(OSError):  # the flush of what did not fit fails again
+            writer.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
     def close(self) -> None:
         """Flush and close (idempotent; the file is closed even when the flush fails)."""

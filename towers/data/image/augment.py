@@ -44,6 +44,7 @@ import math
 
 import numpy as np
 
+from towers.data.dataset import PIXEL_SCALE
 from towers.data.image import codec
 from towers.errors import UserError
 
@@ -130,7 +131,7 @@ class Transform:
             elif self.augment == "tf-cifar10":
                 image = _tf_cifar10(image, u if train else None)
         if self.norm is not None:
-            image = (image.astype(np.float32) * np.float32(1 / 255) - self.norm[0]) / self.norm[1]
+            image = (image.astype(np.float32) * PIXEL_SCALE - self.norm[0]) / self.norm[1]
         return image
 
     def _fitted(self, example, ratio=1.0) -> np.ndarray:

@@ -36,7 +36,8 @@ from towers.data.image.workers import Workers
 from towers.data.inputs import expand_inputs
 from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
 from towers.data.tfrecord.proto import KIND_BYTES, SequenceExample
-from towers.data.tfrecord.records import _choose, index_split, is_tfrecord, load_split
+from towers.data.inputs import is_tfrecord
+from towers.data.tfrecord.records import _choose, index_split, load_split
 from towers.data.tfrecord.schema import UsageError, parse_image_decode
 from towers.errors import UserError
 

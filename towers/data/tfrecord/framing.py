@@ -174,12 +174,13 @@ class _InflateStream:
 
 
 class RecordBatch:
-    """Payloads of consecutive good records, with their indices and byte offsets."""
+    """Payloads of consecutive good records, with their indices, byte offsets and masked payload CRCs
+    (the footers: what identifies each record's bytes for a reader that indexed them)."""
 
-    __slots__ = ("payloads", "indices", "offsets")
+    __slots__ = ("payloads", "indices", "offsets", "crcs")
 
-    def __init__(self, payloads, indices, offsets):
-        self.payloads, self.indices, self.offsets = payloads, indices, offsets
+    def __init__(self, payloads, indices, offsets, crcs=None):
+        self.payloads, self.indices, self.offsets, self.crcs = payloads, indices, offsets, crcs
 
 
 class TFRecordReader:
@@ -244,7 +245,7 @@ class TFRecordReader:
             buf, base, pos = buf[pos:] + data, base + pos, 0
             end = len(buf)
             want = self.chunk_size
-            payloads, indices, offsets = [], [], []
+            payloads, indices, offsets, crcs = [], [], [], []
             while end - pos >= HEADER:
                 length, length_crc = unpack_header(buf, pos)
                 crc = crc32c(buf[pos:pos + 8])
@@ -262,7 +263,8 @@ class TFRecordReader:
                         f"{HEADER + length + FOOTER} bytes, {end - pos} left): the file is truncated; re-copy it"))
                 payload = buf[pos + HEADER:stop]
                 crc = crc32c(payload)
-                if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != unpack_crc(buf, stop)[0]:
+                footer = unpack_crc(buf, stop)[0]
+                if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != footer:
                     if not skip:
                         raise self._error(index, base + pos, PAYLOAD_CRC)
                     self.skipped += 1
@@ -270,11 +272,12 @@ class TFRecordReader:
                     payloads.append(payload)
                     indices.append(index)
                     offsets.append(base + pos)
+                    crcs.append(footer)
                 pos = stop + FOOTER
                 index += 1
             if payloads:
                 self.records += len(payloads)
-                yield RecordBatch(payloads, indices, offsets)
+                yield RecordBatch(payloads, indices, offsets, crcs)
         if stream_error:
             raise self._error(index, base + pos, stream_error)
         if pos < end:

@@ -18,7 +18,11 @@ after the first few records no record needs the parser:
    read, so files beyond the window are read with one ``os.pread`` a record,
    and the resident size does not grow with the data.
 2. **Check** (:func:`~towers.data.tfrecord.framing.framed_intact`): every
-   header and payload CRC, as ``check_record`` checks them, for the whole batch.
+   header and payload CRC, as ``check_record`` checks them, for the whole batch;
+   and, given the CRCs the index saw (``crcs``), that each footer is still the
+   one indexed: a file rewritten in another order with the same size and mtime
+   passes every integrity check, but its records would be paired with the
+   labels of others (:class:`IndexStale`).
 3. **Copy** the value of every record whose frame is known (:class:`Layouts`).
 4. **One by one**, every other record (small groups, a frame not known,
    damage, a file that shrank): ``check_record``, then its frame looked up,
@@ -73,6 +77,12 @@ CHUNK_BYTES = 8 << 20  # whole records copied at once by one gather
 _FRAME_OVERHEAD = 96  # a frame proved: a bytes object and its set slot
 _CANDIDATE_OVERHEAD = 320  # a candidate: the bytes, its key and record tuples, their ints, a dict slot
 _FAILED = object()  # a candidate whose proof failed
+STALE = ("the record is not the one indexed (its CRC differs): the file was rewritten since it was indexed "
+         "(same size and modification time, other records); run again: the index is built anew")
+
+
+class IndexStale(TFRecordError):
+    """An intact record whose CRC is not the one the index saw: the file changed after it was indexed."""
 
 
 class RecordFile:
@@ -284,17 +294,21 @@ class Gatherer:
             if errors:
                 raise errors[0]
 
-    def read(self, files, offsets, lengths, numbers):
-        """The examples of the records at ``offsets`` (of ``files``, payload ``lengths``, record ``numbers``)."""
+    def read(self, files, offsets, lengths, numbers, crcs=None):
+        """The examples of the records at ``offsets`` (of ``files``, payload ``lengths``, record ``numbers``).
+
+        ``crcs``: the records' masked payload CRCs as indexed; a record whose footer differs raises
+        :class:`IndexStale` (without them only the records' integrity is checked).
+        """
         out = np.empty((len(numbers), self.width), np.uint8)
         with self._lock:
             if len(numbers) and lengths.min() == lengths.max():  # the usual batch: no index arrays to build
-                self._read_length(out, slice(None), files, offsets, numbers, int(lengths[0]))
+                self._read_length(out, slice(None), files, offsets, numbers, int(lengths[0]), crcs)
             elif len(numbers):
-                self._read_lengths(out, files, offsets, lengths, numbers)
+                self._read_lengths(out, files, offsets, lengths, numbers, crcs)
         return out.view(self.stored).reshape((len(numbers),) + self.shape).astype(self.out_dtype, copy=False)
 
-    def _read_lengths(self, out, files, offsets, lengths, numbers) -> None:
+    def _read_lengths(self, out, files, offsets, lengths, numbers, crcs) -> None:
         """Records of several lengths: gathers for the lengths with many records and a known start, the rest one
         by one (a batch of varying lengths has many small groups, and a group costs a few NumPy calls)."""
         values, group, counts = np.unique(lengths, return_inverse=True, return_counts=True)
@@ -302,23 +316,24 @@ class Gatherer:
                if c >= BATCH_MIN and self._layouts.start(n) is not None]
         for k in big:
             rows = np.flatnonzero(group == k)
-            self._read_length(out, rows, files[rows], offsets[rows], numbers[rows], int(values[k]))
+            self._read_length(out, rows, files[rows], offsets[rows], numbers[rows], int(values[k]), _at(crcs, rows))
         rest = np.flatnonzero(~np.isin(group, big)) if big else np.arange(len(out))
-        self._records(out, rest, files[rest], offsets[rest], lengths[rest].tolist(), numbers[rest])
+        self._records(out, rest, files[rest], offsets[rest], lengths[rest].tolist(), numbers[rest],
+                      _at(crcs, rest))
 
-    def _read_length(self, out, rows, files, offsets, numbers, length) -> None:
+    def _read_length(self, out, rows, files, offsets, numbers, length, crcs) -> None:
         """Fill ``out[rows]`` (all rows as ``slice(None)``, or row numbers) with the examples of records whose
         payloads are all ``length`` bytes."""
         start, chunk = self._layouts.start(length), CHUNK_BYTES // (HEADER + length + FOOTER)
         if start is None or len(offsets) < BATCH_MIN or chunk < BATCH_MIN:
-            self._records(out, np.arange(len(out))[rows], files, offsets, itertools.repeat(length), numbers)
+            self._records(out, np.arange(len(out))[rows], files, offsets, itertools.repeat(length), numbers, crcs)
             return
         for c in range(0, len(offsets), chunk):
             part = slice(c, c + chunk)
             self._gathered(out, part if isinstance(rows, slice) else rows[part], files[part], offsets[part],
-                           numbers[part], length, start)
+                           numbers[part], length, start, _at(crcs, part))
 
-    def _gathered(self, out, rows, files, offsets, numbers, length, start) -> None:
+    def _gathered(self, out, rows, files, offsets, numbers, length, start, crcs) -> None:
         """Steps 1-3 for records of one length and a known start; the others record by record."""
         framed = self._gather(files, offsets, HEADER + length + FOOTER)
         if framed is None:  # a file shrank: record by record, which says where
@@ -326,6 +341,8 @@ class Gatherer:
         else:
             payloads = framed[:, HEADER:HEADER + length]
             fast = self._layouts.known(length, payloads) & framed_intact(framed, length)
+            if crcs is not None:  # the indexed records still: one compare of the footers (step 4 says which not)
+                fast &= np.ascontiguousarray(framed[:, HEADER + length:]).view("<u4")[:, 0] == crcs
             self._layouts.outcome(length, int(fast.sum()), len(fast))
             if fast.all():
                 out[rows] = payloads[:, start:start + self.width]
@@ -334,7 +351,8 @@ class Gatherer:
             out[rows[fast]] = payloads[fast, start:start + self.width]
         slow = np.flatnonzero(~fast)
         raws = None if framed is None else [framed[i].tobytes() for i in slow]  # read already: no second read
-        self._records(out, rows[slow], files[slow], offsets[slow], itertools.repeat(length), numbers[slow], raws)
+        self._records(out, rows[slow], files[slow], offsets[slow], itertools.repeat(length), numbers[slow],
+                      _at(crcs, slow), raws)
 
     def _gather(self, files, offsets, n):
         """The whole records (k, n) at ``offsets`` of ``files``; None if a file shrank since it was indexed."""
@@ -349,21 +367,24 @@ class Gatherer:
             framed[at] = part
         return framed
 
-    def _records(self, out, rows, files, offsets, lengths, numbers, raws=None) -> None:
+    def _records(self, out, rows, files, offsets, lengths, numbers, crcs, raws=None) -> None:
         """Step 4 for each record: ``out[rows]`` (row numbers) from the records at these positions
-        (``raws``: their bytes, when already read)."""
+        (``raws``: their bytes, when already read; ``crcs``: their CRCs as indexed, or None)."""
         batch = self._batches = self._batches + 1
-        values = [self._record(f, o, n, k, raw, batch) for f, o, n, k, raw in zip(
-            files.tolist(), offsets.tolist(), lengths, numbers.tolist(), raws or itertools.repeat(None))]
+        values = [self._record(f, o, n, k, crc, raw, batch) for f, o, n, k, crc, raw in zip(
+            files.tolist(), offsets.tolist(), lengths, numbers.tolist(),
+            itertools.repeat(None) if crcs is None else crcs.tolist(), raws or itertools.repeat(None))]
         out[rows] = np.frombuffer(b"".join(values), np.uint8).reshape(len(values), self.width)
 
-    def _record(self, f, offset, length, number, raw, batch) -> bytes:
+    def _record(self, f, offset, length, number, crc, raw, batch) -> bytes:
         """One record's example, its stored bytes: its frame looked up, else a full parse (and learned)."""
         if raw is None:
             raw = self._file(f).read(offset, HEADER + length + FOOTER, batch)
         payload = check_record(raw, length)
         if isinstance(payload, str):
             raise TFRecordError(self.paths[f], number, offset, payload)
+        if crc is not None and int.from_bytes(raw[HEADER + length:HEADER + length + FOOTER], "little") != crc:
+            raise IndexStale(self.paths[f], number, offset, STALE)
         value = self._layouts.value(payload)
         if value is None:
             value = self._value_of(payload)
@@ -385,3 +406,8 @@ class Gatherer:
         else:
             value = np.array(typed, "<f4").tobytes()
         return value if value is not None and len(value) == self.width else None
+
+
+def _at(crcs, rows):
+    """``crcs[rows]``, or None when no CRCs were given."""
+    return None if crcs is None else crcs[rows]

@@ -10,11 +10,19 @@ training from the file's ``tools.tfrecord_to_npz`` conversion.
    checks the framing and both CRCs, :class:`~towers.data.tfrecord.columns.ColumnStore`
    parses every record) records each record's byte offset and payload length,
    the statistics of every feature, and the values of every int64 feature with
-   one value per record (the label candidates: 8 bytes a record).  Memory is
+   one value per record (the label candidates: 8 bytes a record), and each
+   record's masked payload CRC (its footer, 4 bytes a record).  Memory is
    the reader's 8 MiB chunk plus those arrays; the examples stay on disk.  The
    index is cached (``.NAME.towers-index.npz`` beside the file, else under
    ``$XDG_CACHE_HOME/towers``), keyed by the file's path, size and mtime_ns and
-   by ``on_error``, and rebuilt when any of them changes.  With
+   by ``on_error``, and rebuilt when any of them changes.  Size and mtime do not
+   prove the records are the same (``cp -p``, ``touch -d``, coarse timestamps,
+   and every MNIST record is 860 bytes), so a cached index is used only when
+   the footers of ``SPOT_CHECKS`` records spread over the file are the ones it
+   holds (a few 4-byte reads), and every record read later is checked against
+   its indexed CRC too (:class:`~towers.data.tfrecord.gather.IndexStale`):
+   a record's bytes are never paired with another record's label.  A file that
+   changes while it is indexed (still being written) is a one-line error.  With
    ``on_error="skip"`` records whose payload CRC fails are left out of the
    index and counted.
 2. **Features** (:func:`load_split`): the examples are ``x_key`` (a bytes
@@ -35,15 +43,17 @@ training from the file's ``tools.tfrecord_to_npz`` conversion.
 
 Limits: gzip/zlib files cannot be read at random and are refused with a
 one-line error that says how to convert them.  Only context features are read
-(not feature lists).  A record damaged after its file was indexed (same size
-and mtime) stops the run when a batch meets it: a ``TrainingError`` with the
-converter's one-line report; ``on_error="skip"`` drops damaged records only
-when the index is built.
+(not feature lists).  A record damaged or replaced after its file was indexed
+(same size and mtime) and missed by the spot check stops the run when a batch
+meets it: a ``TrainingError`` with the converter's one-line report (for a
+replaced record the cached index is removed, so the next run indexes the
+file anew); ``on_error="skip"`` drops damaged records only when the index is
+built.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import glob
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -53,53 +63,33 @@ import threading
 import weakref
 
 import numpy as np
-from numpy.lib import format as npy
 
 from towers.data.tfrecord.columns import ColumnStats, ColumnStore
 from towers.data.inputs import expand_inputs
 from towers.data.orphans import watch_parent
-from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
-from towers.data.tfrecord.gather import Gatherer
+from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, TFRecordReader
+from towers.data.tfrecord.gather import Gatherer, IndexStale
 from towers.data.tfrecord.proto import KIND_FLOAT
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode
 from towers.errors import TrainingError, UserError
 from towers.output.files import atomic_save_npz
 
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2  # 2: the records' CRCs
 ON_ERROR = ("stop", "skip")
+SPOT_CHECKS = 64  # records whose footers a cached index must still match, spread over the file
 
-
-# Files that start with these are numpy's, never TFRecord: a zip (an npz) or a single .npy array.
-_NUMPY_MAGIC = (b"PK\x03\x04", npy.MAGIC_PREFIX)
-
-
-def is_tfrecord(path) -> bool:
-    """Whether ``path`` names TFRecord data (a glob, or a file that is neither an npz nor a .npy).
-
-    Anything numpy wrote goes to the npz loader, which names what it is (".npy
-    file (one array), not an npz") instead of a TFRecord framing error.
-    """
-    if path is None or str(path).endswith(".npz"):
-        return False
-    path = str(path)
-    if glob.has_magic(path):
-        return True
-    try:
-        with open(path, "rb") as f:
-            return not f.read(len(npy.MAGIC_PREFIX)).startswith(_NUMPY_MAGIC)
-    except OSError:
-        return False  # missing, a directory, unreadable: the npz loader names what it is
 
 
 # -- the index ---------------------------------------------------------------------------------------------
 
 
 class FileIndex:
-    """One file's records: ``offsets``, ``lengths`` (payload bytes) and ``numbers`` (record index in the file),
-    the features' :class:`ColumnStats` by name, the label candidates' values by name, and ``skipped``."""
+    """One file's records: ``offsets``, ``lengths`` (payload bytes), ``numbers`` (record index in the file) and
+    ``crcs`` (masked payload CRCs, uint32), the features' :class:`ColumnStats` by name, the label candidates'
+    values by name, and ``skipped``."""
 
-    def __init__(self, path, offsets, lengths, numbers, columns, scalars, skipped):
-        self.path, self.offsets, self.lengths, self.numbers = path, offsets, lengths, numbers
+    def __init__(self, path, offsets, lengths, numbers, crcs, columns, scalars, skipped):
+        self.path, self.offsets, self.lengths, self.numbers, self.crcs = path, offsets, lengths, numbers, crcs
         self.columns, self.scalars, self.skipped = columns, scalars, skipped
 
 
@@ -119,15 +109,17 @@ def build_index(path, on_error="stop") -> FileIndex:
             + ("gzip -dc FILE > FILE.tfrecords, or " if reader.compression == "gzip" else "")
             + "python -m tools.tfrecord_to_npz FILE -o FILE.npz --decode ... and train from the npz)")
     store = ColumnStore(None, keep_scalars=True)
-    offsets, lengths, numbers = [], [], []
+    offsets, lengths, numbers, crcs = [], [], [], []
     for batch in reader:
         store.add(batch, path)
         offsets += batch.offsets
         lengths += map(len, batch.payloads)
         numbers += batch.indices
+        crcs += batch.crcs
     kept = {name: c.values.array() for name, c in store.context.items()
             if c.values is not None and c.values.parts is not None and c.dense_shape(store.rows) == (store.rows,)}
     return FileIndex(path, np.array(offsets, np.int64), np.array(lengths, np.int64), np.array(numbers, np.int64),
+                     np.array(crcs, np.uint32),
                      {name: ColumnStats.from_dict(c.as_dict()) for name, c in store.context.items()},
                      kept, reader.skipped)
 
@@ -148,7 +140,7 @@ def _read_cached(cache, stamp):
             if meta["stamp"] != stamp:
                 return None
             scalars = {k[len("scalar/"):]: z[k] for k in z.files if k.startswith("scalar/")}
-            return FileIndex(stamp["path"], z["offsets"], z["lengths"], z["numbers"],
+            return FileIndex(stamp["path"], z["offsets"], z["lengths"], z["numbers"], z["crcs"],
                              {c["key"]: ColumnStats.from_dict(c) for c in meta["columns"]}, scalars,
                              meta["skipped"])
     except (OSError, ValueError, KeyError):
@@ -158,7 +150,7 @@ def _read_cached(cache, stamp):
 def _write_cached(index, stamp, caches) -> None:
     meta = {"stamp": stamp, "skipped": index.skipped, "columns": [c.as_dict() for c in index.columns.values()]}
     arrays = {"meta": np.array(json.dumps(meta)), "offsets": index.offsets, "lengths": index.lengths,
-              "numbers": index.numbers, **{"scalar/" + k: v for k, v in index.scalars.items()}}
+              "numbers": index.numbers, "crcs": index.crcs, **{"scalar/" + k: v for k, v in index.scalars.items()}}
     for cache in caches:
         try:
             os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -168,20 +160,70 @@ def _write_cached(index, stamp, caches) -> None:
             continue  # a read-only data folder: try the next place; without any, index every run
 
 
+def _spot_check(index) -> bool:
+    """Whether the footers of ``SPOT_CHECKS`` records spread over the file are still the index's CRCs.
+
+    One 4-byte read each: a file rewritten in another order with the same
+    size and mtime fails it (unless the records sampled did not move);
+    records changed elsewhere are caught when they are read.
+    """
+    n = len(index.offsets)
+    picks = np.unique(np.linspace(0, n - 1, min(n, SPOT_CHECKS)).astype(np.int64)) if n else []
+    fd = os.open(index.path, os.O_RDONLY)
+    try:
+        for i in picks:
+            at = int(index.offsets[i]) + HEADER + int(index.lengths[i])
+            if int.from_bytes(os.pread(fd, FOOTER, at), "little") != int(index.crcs[i]):
+                return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def forget_index(path) -> None:
+    """Remove the cached indexes of ``path`` (its records are not the ones indexed): the next run rebuilds."""
+    for cache in index_cache_paths(path):
+        with contextlib.suppress(OSError):
+            os.unlink(cache)
+
+
 def file_index(path, on_error="stop", say=None) -> FileIndex:
     """The index of ``path``, from its cache when the file has not changed since, else built (and cached)."""
     stamp = _stamp(path, on_error)
     caches = index_cache_paths(path)
     for cache in caches:
         index = _read_cached(cache, stamp)
-        if index is not None:
+        if index is not None and _spot_check(index):
             return index
+        if index is not None:
+            if say:
+                say(f"{path} holds other records than when it was indexed (same size and modification time): "
+                    "indexing it again")
+            break
     if say:
         say(f"indexing {path} ({stamp['size']:,} bytes; cached for the next runs)")
-    index = build_index(path, on_error)
+    try:
+        index = build_index(path, on_error)
+    except TFRecordError:
+        _unchanged_since(path, on_error, stamp)  # a file still being written says so, not "truncated"
+        raise
     if _stamp(path, on_error) == stamp:  # not if the file changed while it was read
         _write_cached(index, stamp, caches)
     return index
+
+
+def _unchanged_since(path, on_error, stamp) -> None:
+    """A UserError if ``path`` is no longer as ``stamp`` saw it when indexing began."""
+    try:
+        now = _stamp(path, on_error)
+    except OSError as e:
+        raise UserError(f"{path} changed while it was being indexed ({e.strerror or e}): run again once nothing "
+                        "writes it any more") from None
+    if now != stamp:
+        grew = (f"{stamp['size']:,} bytes when indexing began, {now['size']:,} now" if now["size"] != stamp["size"]
+                else "its modification time moved")
+        raise UserError(f"{path} changed while it was being indexed ({grew}): is it still being written? Run "
+                        "again once it is complete")
 
 
 # -- choosing the features ----------------------------------------------------------------------------------
@@ -307,6 +349,9 @@ class _Result:
     def result(self):
         try:
             return self._future.result()
+        except IndexStale as e:
+            forget_index(e.path)  # the next run indexes the file anew
+            raise TrainingError(f"{e}") from None
         except TFRecordError as e:
             raise TrainingError(f"{e}") from None
         except concurrent.futures.process.BrokenProcessPool:
@@ -331,6 +376,7 @@ class RecordArray:
         self._offsets = np.concatenate([i.offsets for i in indexes])
         self._lengths = np.concatenate([i.lengths for i in indexes])
         self._numbers = np.concatenate([i.numbers for i in indexes])
+        self._crcs = np.concatenate([i.crcs for i in indexes])
         self._spec = (self._paths, feature, kind, np.dtype(dtype).str, tuple(shape))
         self._reader = Gatherer(*self._spec)
         self.dtype = self._reader.out_dtype
@@ -369,7 +415,7 @@ class RecordArray:
 
     def submit(self, indices):
         idx = np.asarray(indices, np.int64)
-        args = (self._files[idx], self._offsets[idx], self._lengths[idx], self._numbers[idx])
+        args = (self._files[idx], self._offsets[idx], self._lengths[idx], self._numbers[idx], self._crcs[idx])
         if self.workers > 0:
             return _Result(self._executor().submit(_read_in_worker, *args))
         done = concurrent.futures.Future()  # read here and now, reported as a worker's read would be
@@ -398,13 +444,3 @@ class RecordArray:
                 if pool is not None:
                     self._finalizer.detach()
                     pool.shutdown(wait=True, cancel_futures=True)
-
-
-# -- the dataset ---------------------------------------------------------------------------------------------
-
-
-def close_dataset(dataset) -> None:
-    """Stop the worker processes of a dataset's TFRecord and image arrays (no-op for arrays in memory)."""
-    for array in (dataset.x, dataset.x_test):
-        if hasattr(array, "submit"):  # read on demand: RecordArray, towers.data.image.array.ImageArray
-            array.close()

@@ -13,7 +13,6 @@ import math
 
 import numpy as np
 
-from towers.data.tfrecord.proto import KIND_FLOAT
 from towers.errors import UserError
 
 
@@ -62,6 +61,8 @@ def decoded_shape(column, n, dtype, shape, spec):
     one string of a fitting fixed length in every record, or a float feature
     of the same length in every record, read as float32 of ``shape``.
     """
+    from towers.data.tfrecord.proto import KIND_FLOAT  # (protobuf: only when records are read)
+
     if column.kind == KIND_FLOAT:
         return _float_shape(column, n, dtype, shape, spec)
     width = column.fixed_bytes(n)

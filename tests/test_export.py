@@ -1,0 +1,220 @@
+"""towers.export: checkpoints to safetensors, loaded into PyTorch (and Keras where installed) and compared
+with towers' own evaluation on the same inputs.
+
+The runs are tiny (the digits, a few steps); what is compared is the function, so the weights need not
+be good.  PyTorch and Keras are test-only references: skipped when absent.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import DIGITS
+from towers import Config, Dataset, Trainer
+from towers.export import main as export_main
+from towers.output.checkpoint import latest_checkpoint, list_checkpoints
+from towers.train import main as train_main
+
+RUN = ["--devices", "cpu", "--n-gpu", "2", "--batch-size", "20", "--quiet", "--summary-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    with np.load(DIGITS) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An MLP run and a LeNet-5 run on the digits: their logdirs."""
+    out = {}
+    for model, extra in (("mlp", ["--hidden", "32"]), ("lenet5", []), ("resnet20", [])):
+        logdir = tmp_path_factory.mktemp(model)
+        assert train_main([*RUN, "--model", model, *extra, "--steps", "6", "--logdir", str(logdir)]) == 0
+        out[model] = logdir
+    return out
+
+
+def export(capsys, *args):
+    status = export_main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return status, captured.err.strip().splitlines()
+
+
+def towers_reference(logdir, digits, ema):
+    """towers' logits and Trainer.evaluate on the test digits with the run's newest checkpoint's weights."""
+    path, arrays = latest_checkpoint(str(logdir))
+    cfg = arrays["config"]
+    ds = Dataset.from_arrays(digits["x"], digits["y"], digits["x_test"], digits["y_test"])
+    with Trainer(Config(devices="cpu", n_gpu=1, model=cfg["model"], hidden=cfg["hidden"], batch_size=20),
+                 dataset=ds) as tr:
+        prefix = "ema/" if ema else "params/"
+        named = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+        named.update({k[len("buffers/"):]: v for k, v in arrays.items() if k.startswith("buffers/")})
+        tr.set_weights(named)
+        metrics = tr.evaluate(ema=False)
+        tr.synchronize()
+        logits = np.asarray(tr.replicas[0].forward(digits["x_test"] * np.float32(1 / 255)))
+    return logits, metrics
+
+
+def torch_model(torch, name, hidden=32):
+    nn = torch.nn
+    if name == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10)), \
+            ["layer1", "layer2"]
+    return nn.Sequential(  # the book's LeNet-5 as towers builds it (each ReLU after its pool: the same function)
+        nn.Conv2d(1, 32, 5, padding=2), nn.MaxPool2d(2, ceil_mode=True), nn.ReLU(),
+        nn.Conv2d(32, 64, 5, padding=2), nn.MaxPool2d(2, ceil_mode=True), nn.ReLU(),
+        nn.Flatten(), nn.Linear(2 * 2 * 64, 512), nn.ReLU(), nn.Linear(512, 10)), \
+        ["layer1-conv1", "layer3-conv2", "layer5-fc1", "layer6-fc2"]
+
+
+@pytest.mark.parametrize("model, ema", [("mlp", True), ("lenet5", False), ("lenet5", True)])
+def test_torch_layout_loads_into_pytorch_and_predicts_as_towers_does(tmp_path, capsys, runs, digits, model, ema):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    checkpoint = list_checkpoints(str(runs[model]))[0][1]
+    out = tmp_path / "w.safetensors"
+    status, err = export(capsys, checkpoint, "-o", out, "--layout", "torch", *(["--ema"] if ema else []))
+    assert status == 0, err
+    tensors = load_file(str(out))
+    net, scopes = torch_model(torch, model)
+    modules = [m for m in net if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    state = {}
+    for k, (scope, module) in enumerate(zip(scopes, modules)):
+        index = list(net).index(module)
+        state[f"{index}.weight"], state[f"{index}.bias"] = tensors[f"{scope}.weight"], tensors[f"{scope}.bias"]
+    assert set(tensors) == {f"{s}.{p}" for s in scopes for p in ("weight", "bias")}
+    net.load_state_dict(state)  # strict: every shape must be PyTorch's
+    images = torch.from_numpy(digits["x_test"] * np.float32(1 / 255))
+    with torch.no_grad():
+        logits = net(images if model == "mlp" else images[:, None]).numpy()  # NCHW for the convolutions
+    ours, metrics = towers_reference(runs[model], digits, ema)
+    np.testing.assert_allclose(logits, ours, rtol=1e-4, atol=1e-5)
+    y = torch.from_numpy(digits["y_test"].astype(np.int64))
+    loss = float(torch.nn.functional.cross_entropy(torch.from_numpy(logits), y))
+    accuracy = float((logits.argmax(1) == digits["y_test"]).mean())
+    assert accuracy == metrics["accuracy"]
+    assert loss == pytest.approx(metrics["loss"], rel=1e-5)
+
+
+def resnet20_in_torch(torch, t, images):
+    """He et al.'s resnet20 written with PyTorch's functions over the exported tensors ``t`` (NCHW images)."""
+    F = torch.nn.functional
+
+    def bn(x, scope):
+        return F.batch_norm(x, t[f"{scope}.running_mean"], t[f"{scope}.running_var"], t[f"{scope}.weight"],
+                            t[f"{scope}.bias"], training=False, eps=1e-3)
+
+    x = F.relu(bn(F.conv2d(images, t["conv1.weight"], padding=1), "bn1"))
+    for stage in (1, 2, 3):
+        for block in (1, 2, 3):
+            s = f"stage{stage}.block{block}"
+            stride = 2 if stage > 1 and block == 1 else 1
+            body = F.relu(bn(F.conv2d(x, t[f"{s}.conv1.weight"], stride=stride, padding=1), f"{s}.bn1"))
+            body = bn(F.conv2d(body, t[f"{s}.conv2.weight"], padding=1), f"{s}.bn2")
+            short = x[:, :, ::stride, ::stride]  # option A: zero channels appended
+            short = F.pad(short, (0, 0, 0, 0, 0, body.shape[1] - short.shape[1]))
+            x = F.relu(body + short)
+    return F.linear(x.mean((2, 3)), t["fc.weight"], t["fc.bias"])
+
+
+@pytest.mark.parametrize("ema", [False, True])
+def test_a_batch_norm_resnet_exports_its_moving_statistics_and_predicts_in_pytorch(tmp_path, capsys, runs, digits,
+                                                                                     ema):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    out = tmp_path / "r.safetensors"
+    status, err = export(capsys, list_checkpoints(str(runs["resnet20"]))[0][1], "-o", out, "--layout", "torch",
+                         *(["--ema"] if ema else []))
+    assert status == 0, err
+    t = load_file(str(out))
+    assert len([k for k in t if k.endswith("running_var")]) == 19  # every BatchNorm's moving statistics
+    assert not np.allclose(t["bn1.running_mean"].numpy(), 0)  # trained statistics, not the initial ones
+    with torch.no_grad():
+        logits = resnet20_in_torch(torch, t, torch.from_numpy(digits["x_test"] * np.float32(1 / 255))[:, None])
+    ours, metrics = towers_reference(runs["resnet20"], digits, ema)
+    np.testing.assert_allclose(logits.numpy(), ours, rtol=1e-4, atol=1e-4)
+    assert float((logits.numpy().argmax(1) == digits["y_test"]).mean()) == metrics["accuracy"]
+
+
+def test_towers_layout_is_the_checkpoint_as_it_is_and_final_npz_exports_too(tmp_path, capsys, runs):
+    from safetensors import safe_open
+
+    logdir = runs["lenet5"]
+    with np.load(logdir / "final.npz") as z:
+        final = {k: z[k] for k in z.files}
+    out = tmp_path / "raw.safetensors"
+    assert export(capsys, logdir / "final.npz", "-o", out)[0] == 0
+    with safe_open(str(out), "np") as f:
+        assert set(f.keys()) == {k[len("params/"):] for k in final if k.startswith("params/")}
+        for key in f.keys():
+            np.testing.assert_array_equal(f.get_tensor(key), final["params/" + key])
+        assert f.metadata()["towers.weights"] == "raw" and f.metadata()["towers.step"] == "6"
+    # --layout torch from final.npz reads the model from the checkpoint of its step beside it...
+    assert export(capsys, logdir / "final.npz", "-o", tmp_path / "t.safetensors", "--layout", "torch")[0] == 0
+    # ... and says so when it is not there.
+    alone = tmp_path / "alone" / "final.npz"
+    alone.parent.mkdir()
+    shutil.copy(logdir / "final.npz", alone)
+    status, err = export(capsys, alone, "-o", tmp_path / "u.safetensors", "--layout", "torch")
+    assert status == 2 and len(err) == 1 and "holds weights only" in err[0] and "--layout towers" in err[0], err
+    assert not (tmp_path / "u.safetensors").exists()
+
+
+def test_keras_loads_the_towers_layout(tmp_path, capsys, runs, digits):
+    keras = pytest.importorskip("keras")
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "k.safetensors"
+    assert export(capsys, list_checkpoints(str(runs["mlp"]))[0][1], "-o", out, "--ema")[0] == 0
+    w = load_file(str(out))
+    net = keras.Sequential([keras.Input(shape=(8, 8)), keras.layers.Flatten(),
+                            keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
+    net.layers[1].set_weights([w["layer1/weights"], w["layer1/biases"]])
+    net.layers[2].set_weights([w["layer2/weights"], w["layer2/biases"]])
+    logits = np.asarray(net(digits["x_test"] * np.float32(1 / 255)))
+    np.testing.assert_allclose(logits, towers_reference(runs["mlp"], digits, True)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "not npz", "not a checkpoint", "output exists",
+                                  "no such folder", "read-only folder"])
+def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, runs, case):
+    checkpoint = list_checkpoints(str(runs["mlp"]))[0][1]
+    out = tmp_path / "out" / "w.safetensors"
+    out.parent.mkdir()
+    source, expected = checkpoint, None
+    if case == "missing":
+        source, expected = tmp_path / "nope.npz", "does not exist: give a checkpoint"
+    elif case == "directory":
+        source, expected = runs["mlp"], "is a directory"
+    elif case == "not npz":
+        source = tmp_path / "notes.txt"
+        source.write_text("hello\n")
+        expected = "is not a readable npz file"
+    elif case == "not a checkpoint":
+        source, expected = DIGITS, "is not a towers checkpoint or final.npz (no params/* weights and step; keys: x, "
+    elif case == "output exists":
+        out.write_bytes(b"keep me")
+        expected = "exists: export writes no file over another"
+    elif case == "no such folder":
+        out, expected = tmp_path / "no" / "w.safetensors", "the folder"
+    elif case == "read-only folder":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only folder")
+        out.parent.chmod(0o500)
+        expected = "cannot write"
+    status, err = export(capsys, source, "-o", out, "--layout", "torch")
+    assert status == 2 and len(err) == 1 and err[0].startswith("towers.export: error: ") and expected in err[0], err
+    if case == "output exists":
+        assert out.read_bytes() == b"keep me"
+    else:
+        assert not out.exists()
+    if out.parent.exists():
+        assert [p for p in os.listdir(out.parent) if p != "w.safetensors"] == []  # no temporary left

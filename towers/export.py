@@ -1,0 +1,203 @@
+"""Weights for other frameworks: a towers checkpoint or ``final.npz`` to a safetensors file.
+
+    python -m towers.export CHECKPOINT -o OUT.safetensors [--ema] [--layout towers|torch]
+
+(``towers-export`` when installed.)  The raw weights by default, the EMA's with ``--ema``.
+
+Layouts (the README's table has the names of the built-in models):
+
+* ``towers`` (the default): every weight under its towers name and shape, as the checkpoint holds it
+  (``layer1/weights`` (in, out), a Conv2D's ``weights`` (kh, kw, in, out)).  These are Keras' and
+  TensorFlow's layouts too (a Dense kernel is (in, out), a Conv2D kernel HWIO, images NHWC).
+* ``torch``: PyTorch's, for a model built of the same layers in the same order with ``nn.Linear``,
+  ``nn.Conv2d`` (``padding=(k-1)//2`` for SAME), ``nn.BatchNorm2d(c, eps=1e-3)`` (towers' epsilon is
+  TensorFlow's), ``nn.MaxPool2d(k, ceil_mode=True)`` and ``nn.Flatten`` on NCHW images, each module
+  named as the towers scope with ``/`` -> ``.``: ``weights`` -> ``weight``, ``biases`` -> ``bias``,
+  BatchNorm's ``gamma``/``beta``/``moving_mean``/``moving_variance`` -> ``weight``/``bias``/
+  ``running_mean``/``running_var``; Dense weights transposed to (out, in); Conv2D weights (kh, kw,
+  in, out) -> (out, in, kh, kw); and the first Dense after a Flatten of (H, W, C) maps gets its inputs
+  reordered from towers' (H, W, C) order to PyTorch's (C, H, W).  This needs the model's layers, which
+  a checkpoint's settings give (``final.npz`` holds only weights: its run's checkpoint of the same
+  step, beside it, is read for them).
+
+Both layouts hold the model's buffers (BatchNorm's moving statistics) beside its weights: with ``--ema``
+the EMA's weights and the buffers, which is what towers evaluates with.
+
+Algorithm: read the npz whole (``numpy.load``, no pickles), take ``params/*`` or ``ema/*`` and ``buffers/*``, convert,
+and write with ``safetensors.numpy.save_file`` into a temporary file that becomes ``OUT`` only when
+complete (``towers.output.files.atomic_path``).  The file's metadata records the layout, which
+weights, the step and, when known, the model.
+
+Limits: the torch layout knows the weights of Dense, Conv2D and BatchNorm (every layer with weights
+that towers ships); a user layer with other weights is refused with a line saying to use ``--layout towers``.  Every weight is loaded
+in memory at once.  Bad input (a missing file, not a checkpoint, an output that exists or cannot be
+written) is one line, exit 2, and no file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from towers.cli import Parser, run_main
+from towers.errors import UserError
+from towers.output.checkpoint import checkpoint_name
+from towers.output.files import atomic_path
+from towers.state import Layout
+
+LAYOUTS = ("towers", "torch")
+
+
+def read_weights(path: str, ema: bool) -> tuple[dict, dict]:
+    """(name -> float32 array, what is known of the run: ``step`` and, for a checkpoint, ``config`` and the data's
+    ``shape`` and ``classes``) of a checkpoint or final.npz; anything else is a UserError."""
+    what = "give a checkpoint (ckpt-*.npz) or the final.npz of a towers run"
+    if os.path.isdir(path):
+        raise UserError(f"{path} is a directory: {what}")
+    if not os.path.exists(path):
+        raise UserError(f"{path} does not exist: {what}")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as e:  # not a zip, cut short, a damaged member, pickles: all "not what we read"
+        raise UserError(f"{path} is not a readable npz file ({type(e).__name__}: {e}): {what}") from None
+    prefix = "ema/" if ema else "params/"
+    named = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+    if named:  # a checkpoint keeps buffers (moving statistics) apart; final.npz has them under both prefixes
+        named.update({k[len("buffers/"):]: v for k, v in arrays.items()
+                      if k.startswith("buffers/") and k[len("buffers/"):] not in named})
+    if not named or "step" not in arrays:
+        keys = ", ".join(sorted(arrays)[:6]) or "none"
+        raise UserError(f"{path} is not a towers checkpoint or final.npz (no {prefix}* weights and step; keys: "
+                        f"{keys}): {what}")
+    run = {"step": int(arrays["step"])}
+    if "config" in arrays:
+        try:
+            run["config"] = json.loads(str(arrays["config"][()]))
+        except ValueError as e:
+            raise UserError(f"{path}: its config is not JSON ({e}); {what}") from None
+        run["shape"] = tuple(int(v) for v in arrays["data/shape"][1:])
+        run["classes"] = int(arrays["data/num_classes"])
+    return {k: np.asarray(v, np.float32) for k, v in named.items()}, run
+
+
+def _run_of_final(path: str, run: dict) -> dict:
+    """A final.npz's settings, from its run's checkpoint of the same step beside it."""
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), checkpoint_name(run["step"]))
+    if not os.path.exists(beside):
+        raise UserError(f"{path} holds weights only, and the checkpoint of its step ({beside}) is not beside it: "
+                        "--layout torch needs the model's layers; export that checkpoint, or use --layout towers")
+    found = read_weights(beside, False)[1]
+    if "config" not in found:
+        raise UserError(f"{beside} is not a checkpoint (no config): export a checkpoint, or use --layout towers")
+    return found
+
+
+def build(run: dict, path: str):
+    """The model a run trained, built from its checkpoint's settings (``towers.nn.models.build_model``)."""
+    from towers.nn.models import build_model
+
+    ck = run["config"]
+    try:
+        return build_model(ck.get("model", "mlp"), run["shape"], run["classes"], ck.get("hidden", 500))
+    except UserError as e:
+        raise UserError(f"{path}: cannot build its model for --layout torch ({e}); use --layout towers") from None
+
+
+# towers' last name component -> PyTorch's, per kind of weight (BatchNorm's buffers included).
+TORCH_NAMES = {"weights": "weight", "biases": "bias", "gamma": "weight", "beta": "bias",
+               "moving_mean": "running_mean", "moving_variance": "running_var"}
+
+
+def torch_layout(model, named: dict) -> dict:
+    """``named`` (towers names and layouts) in PyTorch's: see the module docstring."""
+    from towers.nn.layers import Flatten
+
+    out, shape, flattened = {}, model.input_shape, None
+    by_layer = {}
+    for li, name, _ in model.params:
+        by_layer.setdefault(li, []).append(name)
+    for li, layer in enumerate(model.layers):
+        next_shape = layer.build(shape)[1]  # again, for the shapes between the layers (build is pure)
+        if isinstance(layer, Flatten) and len(shape) == 3:
+            flattened = shape  # (H, W, C): PyTorch flattens (C, H, W)
+        for name in by_layer.get(li, []):
+            scope, _, last = name.rpartition("/")
+            if last not in TORCH_NAMES:
+                raise UserError(f"weight {name!r} ({type(layer).__name__}) has no PyTorch layout here: export it "
+                                "with --layout towers and convert its weights yourself")
+            a = named[name]
+            if last == "weights" and a.ndim == 4:  # Conv2D: (kh, kw, in, out) -> (out, in, kh, kw)
+                a = a.transpose(3, 2, 0, 1)
+            elif last == "weights" and a.ndim == 2:  # Dense: (in, out) -> (out, in)
+                if flattened is not None:
+                    h, wd, c = flattened
+                    a = a.reshape(h, wd, c, -1).transpose(2, 0, 1, 3).reshape(h * wd * c, -1)
+                    flattened = None
+                a = a.T
+            out[f"{scope.replace('/', '.')}.{TORCH_NAMES[last]}"] = np.ascontiguousarray(a)
+        shape = next_shape
+    return out
+
+
+def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> dict:
+    """Write the weights of the checkpoint or final.npz ``path`` to the safetensors file ``out``; return
+    name -> shape of what was written.  Every problem is a UserError, and then ``out`` is not written."""
+    if layout not in LAYOUTS:
+        raise UserError(f"--layout {layout!r} is unknown: use one of {', '.join(LAYOUTS)}")
+    if os.path.lexists(out):
+        raise UserError(f"{out} exists: export writes no file over another; remove it or choose another -o")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise UserError(f"cannot write {out}: the folder {folder} does not exist")
+    named, run = read_weights(path, ema)
+    metadata = {"format": "pt" if layout == "torch" else "np", "towers.layout": layout,
+                "towers.weights": "ema" if ema else "raw", "towers.step": str(run["step"])}
+    if layout == "torch":
+        if "config" not in run:
+            run = dict(_run_of_final(path, run), step=run["step"])
+        model = build(run, path)
+        Layout(model.layout() + model.buffer_layout()).check(named, f"{path} does not fit its own settings' model")
+        tensors = torch_layout(model, named)
+    else:
+        tensors = named
+    if "config" in run:
+        metadata.update({"towers.model": str(run["config"].get("model", "mlp")),
+                         "towers.input_shape": json.dumps(list(run["shape"])), "towers.classes": str(run["classes"])})
+    from safetensors.numpy import save_file
+
+    try:
+        with atomic_path(out) as partial:
+            save_file(tensors, partial, metadata=metadata)
+    except OSError as e:  # a folder we may not write in, a read-only file system
+        raise UserError(f"cannot write {out}: {e.strerror or e}; choose another -o") from None
+    return {k: tuple(v.shape) for k, v in tensors.items()}
+
+
+def build_parser(prog: str = "python -m towers.export") -> Parser:
+    ap = Parser(prog=prog, description="A towers checkpoint or final.npz to a safetensors file.")
+    ap.add_argument("checkpoint", metavar="CHECKPOINT", help="a ckpt-*.npz or the final.npz of a run")
+    ap.add_argument("-o", "--output", required=True, metavar="OUT.safetensors", help="the file to write (not over "
+                    "an existing one)")
+    ap.add_argument("--ema", action="store_true", help="the EMA weights (default: the raw ones)")
+    ap.add_argument("--layout", choices=LAYOUTS, default="towers",
+                    help="towers: names and shapes as towers (and Keras) keep them; torch: PyTorch's names and "
+                         "shapes (see the README)")
+    return ap
+
+
+def main(argv=None, prog: str = "towers-export") -> int:
+    args = build_parser(prog).parse_args(argv)
+
+    def body():
+        shapes = export(args.checkpoint, args.output, args.ema, args.layout)
+        print(f"wrote {args.output}: {len(shapes)} tensors ({'EMA' if args.ema else 'raw'} weights, "
+              f"{args.layout} layout)", flush=True)
+
+    return run_main("towers.export", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m towers.export"))
