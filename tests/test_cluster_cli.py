@@ -67,6 +67,9 @@ def test_command_and_library_give_the_same_weights(tmp_path, local_ray):
 
     p = run_cli("--hosts", "2", *SMALL, "--steps", "12", "--logdir", str(tmp_path / "cli"))
     assert p.returncode == 0, p.stderr
+    cores = os.cpu_count()  # (the test machine's affinity is all of its cores)
+    assert (f"2 hosts share one machine's {cores} cores and each host's BLAS uses all of them: "
+            f"--blas-threads {max(1, cores // 2)} gives each host its share") in p.stderr, p.stderr
     cfg = towers.Config(hosts=2, devices="cpu", hidden=16, quiet=True, summary_every=0, steps=12,
                         logdir=str(tmp_path / "api"))
     with towers.ClusterTrainer(cfg) as t:

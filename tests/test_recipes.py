@@ -121,3 +121,18 @@ def test_nesterov_matches_hand_computation_and_its_ema():
     plain.step(numpy.ones(50, numpy.float32), 0.1, 0)
     assert not numpy.allclose(plain.params, p0 - 0.1 * (1 + 0.9))  # plain momentum steps by v alone
     assert "g + mu * momentum" in SGD(p0.copy(), 0.9, nesterov=True).GPU_BODY
+
+
+def test_the_settings_line_names_the_recipe_and_the_default_line_is_unchanged():
+    from towers.extensions import settings_line
+
+    assert settings_line(Config().resolved(), 397510) == (
+        "settings: model mlp (397,510 trainable parameters), optimizer sgd, lr 0.8, lr_decay 0.99, momentum 0, "
+        "batch 100/tower, l2 0.0001, ema_decay 0.99, steps 2000, sync grads")
+    line = settings_line(Config(model="resnet20", nesterov=True, warmup_steps=5, label_smoothing=0.1, sync_bn=True,
+                                lr_boundaries="100,200").resolved(), 269722)
+    for part in ("model resnet20 (269,722 trainable parameters)", "lr_schedule piecewise 100,200 -> 0.1,0.01,0.001",
+                 "warmup_steps 5", "nesterov", "label_smoothing 0.1", "sync_bn"):
+        assert part in line, (part, line)
+    assert "lr_decay" not in line
+    assert "lr_schedule cosine" in settings_line(Config(model="resnet20", lr_schedule="cosine").resolved())

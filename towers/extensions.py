@@ -39,6 +39,7 @@ import numpy
 
 from towers.errors import UserError, render
 from towers.output import checkpoint
+from towers.optim.schedule import piecewise_values
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, lock_logdir, writing
 from towers.output.summaries import Reporter, TensorBoard, trim_metrics
 
@@ -319,15 +320,30 @@ class Run:
 
 
 def settings_line(cfg, n_params: int | None = None) -> str:
-    """The settings in effect, first line of a run: the model (and its trainable parameters), the optimizer's."""
+    """The settings in effect, first line of a run: the model (and its trainable parameters), the optimizer's,
+    the learning-rate schedule and the recipe's options when they are on (nesterov, warm-up, label smoothing,
+    sync-BN); the default job's line is the one it always was."""
     model = f"model {cfg.model}" + (f" ({n_params:,} trainable parameters)" if n_params is not None else "")
-    parts = [model, f"optimizer {cfg.optimizer}", f"lr {cfg.lr:g}", f"lr_decay {cfg.lr_decay:g}"]
+    parts = [model, f"optimizer {cfg.optimizer}", f"lr {cfg.lr:g}"]
+    if cfg.lr_schedule in (None, "exponential"):
+        parts.append(f"lr_decay {cfg.lr_decay:g}")
+    elif cfg.lr_schedule == "piecewise":
+        bounds, values = piecewise_values(cfg)
+        parts.append(f"lr_schedule piecewise {','.join(map(str, bounds))} -> {','.join(f'{v:g}' for v in values)}")
+    else:
+        parts.append(f"lr_schedule {cfg.lr_schedule}")
+    if cfg.warmup_steps:
+        parts.append(f"warmup_steps {cfg.warmup_steps}")
     if cfg.optimizer == "sgd":
-        parts.append(f"momentum {cfg.momentum:g}")
+        parts.append(f"momentum {cfg.momentum:g}" + (" nesterov" if cfg.nesterov else ""))
     else:
         parts.append(f"beta1 {cfg.beta1:g} beta2 {cfg.beta2:g} epsilon {cfg.epsilon:g}")
-    parts += [f"batch {cfg.batch_size}/tower", f"l2 {cfg.l2:g}", f"ema_decay {cfg.ema_decay:g}",
-              f"steps {cfg.steps}", f"sync {cfg.sync}"]
+    parts += [f"batch {cfg.batch_size}/tower", f"l2 {cfg.l2:g}"]
+    if cfg.label_smoothing:
+        parts.append(f"label_smoothing {cfg.label_smoothing:g}")
+    if cfg.sync_bn:
+        parts.append("sync_bn")
+    parts += [f"ema_decay {cfg.ema_decay:g}", f"steps {cfg.steps}", f"sync {cfg.sync}"]
     return "settings: " + ", ".join(parts)
 
 

@@ -123,12 +123,19 @@ def run(cfg: Config) -> dict:
         return trainer.fit()
 
 
+class _Notice(logging.Formatter):
+    """A notice as its message alone, its `settings` shown as flags."""
+
+    def format(self, record) -> str:
+        return render(record.getMessage())
+
+
 def show_notices() -> None:
     """The library's notices (the ``towers`` logger: soft placement, ...) as plain lines on stderr."""
     log = logging.getLogger("towers")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.setFormatter(_Notice())
         log.addHandler(handler)
         log.propagate = False
 

@@ -37,6 +37,7 @@ from towers.cluster.reduce import BoardMean, ObjectStoreMean
 from towers.cluster.session import same_priority
 from towers.cluster.state import cluster_state, towers_per_update
 from towers.data.batches import BatchSource, InputPosition
+from towers.devices.cpu_threads import cpu_count
 from towers.devices.placement import resolve, to_host
 from towers.parallel.reducers import make_reducer
 from towers.trainer import Trainer
@@ -95,7 +96,8 @@ class Host:
         ranks = len(self.placement.groups) if any(d.is_gpu for d in towers) or self.nccl is not None else 0
         return {"towers": len(towers), "ranks": ranks, "devices": [str(d) for d in towers],
                 "notice": self.placement.notice, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(), "cores": cpu_count(),
+                "cpu": not any(d.is_gpu for d in towers)}
 
     def unique_id(self) -> bytes:
         """The NCCL id of the cross-host communicator (asked of host 0 only)."""

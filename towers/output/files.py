@@ -202,8 +202,7 @@ def output_folder(output, removed=None):
     lock = None
     try:
         lock = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        _flock(lock)  # a new folder: nobody else can hold it
-        _claim(lock)
+        _flock(lock)  # a new folder: nobody else can hold it (nobody asks who holds it: no pid written)
         yield folder
     except OSError as exc:
         if exc.errno in _FULL:
