@@ -23,14 +23,14 @@ Layouts (the README's table has the names of the built-in models):
 Both layouts hold the model's buffers (BatchNorm's moving statistics) beside its weights: with ``--ema``
 the EMA's weights and the buffers, which is what towers evaluates with.
 
-Algorithm: read the npz whole (``numpy.load``, no pickles), take ``params/*`` or ``ema/*`` and ``buffers/*``, convert,
-and write with ``safetensors.numpy.save_file`` into a temporary file that becomes ``OUT`` only when
-complete (``towers.output.files.atomic_path``).  The file's metadata records the layout, which
-weights, the step and, when known, the model.
+Algorithm: read the npz whole (``numpy.load``, no pickles), take ``params/*`` or ``ema/*`` and
+``buffers/*``, convert, and write with ``safetensors.numpy.save_file`` into a temporary file that
+becomes ``OUT`` only when complete (``towers.output.files.atomic_path``).  The file's metadata
+records the layout, which weights, the step and, when known, the model.
 
 Limits: the torch layout knows the weights of Dense, Conv2D and BatchNorm (every layer with weights
-that towers ships); a user layer with other weights is refused with a line saying to use ``--layout towers``.  Every weight is loaded
-in memory at once.  Bad input (a missing file, not a checkpoint, an output that exists or cannot be
+that towers ships); a user layer with other weights is refused with a line saying to use
+``--layout towers``.  Every weight is loaded in memory at once.  Bad input (a missing file, not a checkpoint, an output that exists or cannot be
 written) is one line, exit 2, and no file.
 """
 from __future__ import annotations
