@@ -30,8 +30,8 @@ records the layout, which weights, the step and, when known, the model.
 
 Limits: the torch layout knows the weights of Dense, Conv2D and BatchNorm (every layer with weights
 that towers ships); a user layer with other weights is refused with a line saying to use
-``--layout towers``.  Every weight is loaded in memory at once.  Bad input (a missing file, not a checkpoint, an output that exists or cannot be
-written) is one line, exit 2, and no file.
+``--layout towers``.  Every weight is loaded in memory at once.  Bad input (a missing file, not a
+checkpoint, an output that exists or cannot be written) is one line, exit 2, and no file.
 """
 from __future__ import annotations
 
