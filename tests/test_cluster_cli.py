@@ -18,6 +18,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from towers.cluster.watchdog import children_of
+from towers.devices.cpu_threads import cpu_count
 
 pytest.importorskip("ray")
 SMALL = ["--devices", "cpu", "--hidden", "16", "--quiet", "--summary-every", "0"]
@@ -67,7 +68,7 @@ def test_command_and_library_give_the_same_weights(tmp_path, local_ray):
 
     p = run_cli("--hosts", "2", *SMALL, "--steps", "12", "--logdir", str(tmp_path / "cli"))
     assert p.returncode == 0, p.stderr
-    cores = os.cpu_count()  # (the test machine's affinity is all of its cores)
+    cores = cpu_count()  # the cores this process may use, as the hosts count them
     assert (f"2 hosts share one machine's {cores} cores and each host's BLAS uses all of them: "
             f"--blas-threads {max(1, cores // 2)} gives each host its share") in p.stderr, p.stderr
     cfg = towers.Config(hosts=2, devices="cpu", hidden=16, quiet=True, summary_every=0, steps=12,

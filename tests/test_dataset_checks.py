@@ -78,6 +78,21 @@ def test_float_test_pixels_beside_uint8_training_pixels_are_refused(digits):
     assert ds.x.dtype == ds.x_test.dtype == np.float32
 
 
+def test_a_test_files_mistake_names_the_test_file(tmp_path, capsys, digits):
+    # Before: the message named the training file (npz) or no file at all (TFRecord training data).
+    x, y = digits["x"], digits["y"]
+    train = save(tmp_path / "train.npz", x=x, y=y)
+    test = save(tmp_path / "test.npz", x_test=digits["x_test"].astype(np.float32), y_test=digits["y_test"])
+    records = tmp_path / "train.tfrecords"
+    from_npz.write_examples(records, x, y, "none")
+    for data, decode in ((train, []), (records, ["--x-key", "image_raw", "--y-key", "label", "--decode",
+                                                 "image_raw:uint8:8,8"])):
+        status, err = cli(train_main, capsys, *RUN, "--logdir", tmp_path / "run", "--steps", "2", "--data", data,
+                          "--test-data", test, *decode)
+        assert status == 2 and err[-1].startswith(f"towers.train: error: {test}: test examples are float32 but "
+                                                  "training examples uint8"), err
+
+
 # -- labels that train but say little -----------------------------------------------------------------
 
 

@@ -218,3 +218,28 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, runs, case):
         assert not out.exists()
     if out.parent.exists():
         assert [p for p in os.listdir(out.parent) if p != "w.safetensors"] == []  # no temporary left
+
+
+def test_a_failed_write_is_one_line_exit_1_and_no_file(tmp_path, runs):
+    """A file-size limit makes the write fail as a full disk would (EFBIG instead of ENOSPC).
+
+    Before: safetensors' own error type escaped as a traceback.
+    """
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    out = tmp_path / "out" / "w.safetensors"
+    out.parent.mkdir()
+    p = subprocess.run([sys.executable, "-m", "towers.export", list_checkpoints(str(runs["lenet5"]))[0][1], "-o",
+                        str(out)], capture_output=True, text=True, preexec_fn=limit, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(err) == 1, p.stderr
+    assert err[0].startswith(f"towers.export: error: cannot write {out}: File too large"), err
+    assert os.listdir(out.parent) == []

@@ -1,4 +1,5 @@
-"""What the command lines share: turning an exception into one line and an exit status.
+"""What the command lines share: turning an exception into one line and an exit status, and printing
+the library's notices and a dataset's warnings (the library itself prints nothing).
 
 Every entry point (``towers.train``, ``towers.eval``, the converters, the
 fetcher) ends the same way: a mistake in the input is one line and status 2,
@@ -8,9 +9,10 @@ SIGTERM 143, and anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
-from towers.errors import TrainingError, UserError
+from towers.errors import TrainingError, UserError, render
 from towers.output.files import Terminated
 
 
@@ -62,3 +64,25 @@ def run_main(prog: str, body, more: dict | None = None, interrupted: str | None 
             line = terminated
         print(f"{prog}: {line}", file=sys.stderr, flush=True)
         return status
+
+
+def show_notices() -> None:
+    """The library's notices (the ``towers`` logger: soft placement, an index being built, ...) as plain
+    lines on stderr (idempotent)."""
+    log = logging.getLogger("towers")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))  # rendered when said (towers.errors.notice)
+        log.addHandler(handler)
+        log.propagate = False
+
+
+def warn(prog: str, line: str) -> None:
+    """``prog: warning: line`` on stderr, its `settings` shown as flags."""
+    print(f"{prog}: warning: {render(line)}", file=sys.stderr, flush=True)
+
+
+def warn_about(dataset, prog: str) -> None:
+    """Print the dataset's warnings (labels that train but say little) on stderr, one line each."""
+    for line in dataset.warnings:
+        warn(prog, line)

@@ -9,6 +9,7 @@ the one place where settings become flags.  Notes a run prints go through
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 
 _SETTING = re.compile(r"`([a-z][a-z0-9_]*)`")
@@ -38,6 +39,13 @@ def flags_in_messages():
 def render(text: str) -> str:
     """A message with its `settings` shown as names, or as flags inside ``flags_in_messages()``."""
     return _SETTING.sub(lambda m: flag(m.group(1)) if _as_flags else _NAMES.get(m.group(1), m.group(1)), text)
+
+
+def notice(text: str, level: int = logging.WARNING) -> None:
+    """Say ``text`` to the user through the ``towers`` logger, its `settings` rendered now (within a command
+    line's ``flags_in_messages()``: as flags).  The command lines print these (``towers.cli.show_notices``);
+    a Python program sees them through ``logging``."""
+    logging.getLogger("towers").log(level, render(text))
 
 
 class _Message(Exception):

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from towers.cli import Parser, run_main
+from towers.cli import Parser, run_main, show_notices, warn_about
 from towers.errors import UserError, flags_in_messages
 from towers.output.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, \
     model_weights, named_to_flat
@@ -26,7 +26,6 @@ from towers.nn.replica import Replica
 from towers.state import Layout, under
 from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import resolve
-from towers.train import show_notices, warn_about
 
 
 MAX_INTERVAL = 86400  # seconds between --watch polls; a longer wait is a typo, not a schedule
@@ -107,7 +106,7 @@ class Evaluator:
 
 
 def _warn(line: str) -> None:
-    print(f"towers.eval: {line}", file=sys.stderr, flush=True)
+    print(f"towers.eval: {line}", file=sys.stderr, flush=True)  # (a skipped checkpoint: not a "warning:" line)
 
 
 def newest_readable(logdir: str, warn) -> tuple[str, dict] | None:

@@ -24,14 +24,17 @@ Both layouts hold the model's buffers (BatchNorm's moving statistics) beside its
 the EMA's weights and the buffers, which is what towers evaluates with.
 
 Algorithm: read the npz whole (``numpy.load``, no pickles), take ``params/*`` or ``ema/*`` and
-``buffers/*``, convert, and write with ``safetensors.numpy.save_file`` into a temporary file that
-becomes ``OUT`` only when complete (``towers.output.files.atomic_path``).  The file's metadata
+``buffers/*``, convert, serialize with ``safetensors.numpy.save`` (bytes) and write those into a
+temporary file that becomes ``OUT`` only when complete (``towers.output.files.atomic_write``; not
+``save_file``, whose own temporary file and rename would bypass it and whose I/O errors are not
+``OSError``).  The file's metadata
 records the layout, which weights, the step and, when known, the model.
 
 Limits: the torch layout knows the weights of Dense, Conv2D and BatchNorm (every layer with weights
 that towers ships); a user layer with other weights is refused with a line saying to use
 ``--layout towers``.  Every weight is loaded in memory at once.  Bad input (a missing file, not a
-checkpoint, an output that exists or cannot be written) is one line, exit 2, and no file.
+checkpoint, an output that exists or may not be written) is one line, exit 2, and no file; a failed
+write (a full disk) one line, exit 1, and no file.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ import numpy as np
 from towers.cli import Parser, run_main
 from towers.errors import UserError
 from towers.output.checkpoint import checkpoint_name
-from towers.output.files import atomic_path
+from towers.output.files import DiskError, atomic_write
 from towers.state import Layout
 
 LAYOUTS = ("towers", "torch")
@@ -144,7 +147,8 @@ def torch_layout(model, named: dict) -> dict:
 
 def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> dict:
     """Write the weights of the checkpoint or final.npz ``path`` to the safetensors file ``out``; return
-    name -> shape of what was written.  Every problem is a UserError, and then ``out`` is not written."""
+    name -> shape of what was written.  A bad input or output path is a UserError, a failed write (full
+    disk, I/O error) a DiskError; either way ``out`` is not written."""
     if layout not in LAYOUTS:
         raise UserError(f"--layout {layout!r} is unknown: use one of {', '.join(LAYOUTS)}")
     if os.path.lexists(out):
@@ -166,13 +170,15 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
     if "config" in run:
         metadata.update({"towers.model": str(run["config"].get("model", "mlp")),
                          "towers.input_shape": json.dumps(list(run["shape"])), "towers.classes": str(run["classes"])})
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
+    data = save(tensors, metadata=metadata)
     try:
-        with atomic_path(out) as partial:
-            save_file(tensors, partial, metadata=metadata)
-    except OSError as e:  # a folder we may not write in, a read-only file system
+        atomic_write(out, lambda f: f.write(data))
+    except PermissionError as e:  # a folder we may not write in: the user's choice of -o
         raise UserError(f"cannot write {out}: {e.strerror or e}; choose another -o") from None
+    except OSError as e:  # an I/O error, a read-only file system (a full disk is already a DiskError)
+        raise DiskError(out, e, advice="free space or choose another -o") from None
     return {k: tuple(v.shape) for k, v in tensors.items()}
 
 

@@ -8,13 +8,12 @@ Library messages name settings; inside ``flags_in_messages`` they show as flags.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import fields
 
-from towers.cli import Parser, run_main
+from towers.cli import Parser, run_main, show_notices, warn_about
 from towers.config import Config
-from towers.errors import flag, flags_in_messages, render
+from towers.errors import flag, flags_in_messages
 from towers.output.files import sigterm_raises
 from towers.trainer import Trainer
 
@@ -121,29 +120,6 @@ def run(cfg: Config) -> dict:
         if trainer.cfg.log_placement:
             print(trainer.placement.table(), flush=True)
         return trainer.fit()
-
-
-class _Notice(logging.Formatter):
-    """A notice as its message alone, its `settings` shown as flags."""
-
-    def format(self, record) -> str:
-        return render(record.getMessage())
-
-
-def show_notices() -> None:
-    """The library's notices (the ``towers`` logger: soft placement, ...) as plain lines on stderr."""
-    log = logging.getLogger("towers")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(_Notice())
-        log.addHandler(handler)
-        log.propagate = False
-
-
-def warn_about(dataset, prog: str) -> None:
-    """Print the dataset's warnings (labels that train but say little) on stderr, one line each."""
-    for line in dataset.warnings:
-        print(f"{prog}: warning: {render(line)}", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:

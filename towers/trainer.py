@@ -23,7 +23,6 @@ per host and has the same public API.
 """
 from __future__ import annotations
 
-import logging
 
 import numpy
 
@@ -34,7 +33,7 @@ from towers.data.device_data import DeviceData, fits_on
 from towers.data.loading import load_dataset
 from towers.devices.cpu_threads import cpu_count, input_workers, set_blas_threads
 from towers.devices.placement import Placement, resolve
-from towers.errors import UserError
+from towers.errors import UserError, notice
 from towers.nn import kernels
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
@@ -47,7 +46,6 @@ from towers.profiling import PhaseTimer
 from towers.step.engine import StepEngine, check_indices
 from towers.step.tower import ModelState, build_towers
 
-log = logging.getLogger("towers")
 
 
 class Trainer:
@@ -80,7 +78,7 @@ class Trainer:
         # -- placement: decided (and validated) before any device memory or NCCL.
         self.placement = placement or resolve(cfg.n_gpu, cfg.devices, cfg.soft_placement)
         if self.placement.notice:
-            log.warning(self.placement.notice)
+            notice(self.placement.notice)
         # -- data (host): validated like a file, whatever its origin.
         if dataset is None:
             cpu_towers = sum(not d.is_gpu for d in self.placement.towers)

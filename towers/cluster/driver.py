@@ -43,6 +43,7 @@ from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset
 from towers.devices.cpu_threads import input_workers
 from towers.errors import TrainingError, UserError
+from towers.errors import notice as say_notice
 from towers.nn.models import build_model
 from towers.optim.schedule import learning_rate
 from towers.parallel.allreduce import world_layout
@@ -132,11 +133,9 @@ class ClusterTrainer:
         notice = self.host_info[0]["notice"]
         if gpus == 0 and int(ray.cluster_resources().get("GPU", 0)) and cfg.devices != "cpu":
             notice = f"{n} hosts x {towers} GPUs asked for, the Ray cluster has fewer GPUs: hosts run on the CPU"
-        import logging
-
         for line in (notice, shared_cores_notice(self.host_info, cfg.blas_threads)):
             if line:  # the same notices one host gives, through the same logger
-                logging.getLogger("towers").warning(line)
+                say_notice(line)
         self.towers_per_host = [i["towers"] for i in self.host_info]
         here = ray.get_runtime_context().get_node_id()
         one_node = all(i["node_id"] == here for i in self.host_info)

@@ -87,7 +87,7 @@ class Dataset:
 
     def __post_init__(self):
         # Every construction, from_arrays or a loader's, gets the test split's checks and the warnings.
-        _check_test_split(self.x, self.x_test, "")
+        check_test_split(self.x, self.x_test, "")
         self.warnings = list(self.warnings) + _label_warnings(self.y, self.y_test)
 
     def close(self) -> None:
@@ -105,8 +105,13 @@ class Dataset:
 
     @classmethod
     def from_arrays(cls, x, y, x_test=None, y_test=None, names=("x", "y", "x_test", "y_test"),
-                    where: str = "Dataset.from_arrays") -> "Dataset":
-        """A validated dataset from host arrays (uint8 or float examples, integer labels)."""
+                    where: str = "Dataset.from_arrays", test_where: str | None = None) -> "Dataset":
+        """A validated dataset from host arrays (uint8 or float examples, integer labels).
+
+        ``where`` prefixes the messages about the training arrays, ``test_where``
+        (default: ``where``) those about the test arrays (their file, say).
+        """
+        test_where = test_where or where
         if (x_test is None) != (y_test is None):
             raise UserError(f"{where}: give both {names[2]} and {names[3]}, or neither")
         x, y = _pair(_host(x), _host(y), where, names[0], names[1])
@@ -114,15 +119,15 @@ class Dataset:
             raise UserError(f"{where}: the dataset is empty ({names[0]!r} has 0 examples)")
         num_classes = int(y.max()) + 1
         if x_test is not None:
-            x_test, y_test = _pair(_host(x_test), _host(y_test), where, names[2], names[3])
-            _check_test_split(x, x_test, f"{where}: ", names[2])
+            x_test, y_test = _pair(_host(x_test), _host(y_test), test_where, names[2], names[3])
+            check_test_split(x, x_test, f"{test_where}: ", names[2])
             if x_test.shape[1:] != x.shape[1:]:
                 raise UserError(
-                    f"{where}: test examples have shape {x_test.shape[1:]} but training examples {x.shape[1:]}"
+                    f"{test_where}: test examples have shape {x_test.shape[1:]} but training examples {x.shape[1:]}"
                 )
             if len(y_test) and int(y_test.max()) >= num_classes:
                 raise UserError(
-                    f"{where}: test label {int(y_test.max())} is out of range: "
+                    f"{test_where}: test label {int(y_test.max())} is out of range: "
                     f"training labels are 0..{num_classes - 1}"
                 )
         return cls(x, y, num_classes, x_test, y_test)
@@ -130,7 +135,7 @@ class Dataset:
 
 
 
-def _check_test_split(x, x_test, where: str, key: str = "x_test") -> None:
+def check_test_split(x, x_test, where: str, key: str = "x_test") -> None:
     """A test split must hold examples, of the training examples' dtype (``where``: a prefix for the message).
 
     An empty one gave an accuracy of 0.0 (no example right out of none).
@@ -386,4 +391,4 @@ def load_npz(path: str, x_key: str = "x", y_key: str = "y", test_path: str | Non
                 tx, ty = tnpz.array(tkx), tnpz.array(tky)
         elif npz.has("x_test", "y_test"):
             tx, ty = npz.array("x_test"), npz.array("y_test")
-    return Dataset.from_arrays(x, y, tx, ty, names=(x_key, y_key, tkx, tky), where=path)
+    return Dataset.from_arrays(x, y, tx, ty, names=(x_key, y_key, tkx, tky), where=path, test_where=test_path)

@@ -38,9 +38,9 @@ import zlib
 import numpy as np
 
 from towers.cli import Parser, run_main
+from towers.errors import notice
 from towers.output.files import ArraySource, atomic_path, write_npz
 
-PROG = "fetch_data"
 RETRIES = 1  # more tries of a failed download; pooch waits 1 s before the first
 TIMEOUT_S = 60  # seconds without a byte from the server before a download fails
 _IDX_FILES = {"x": "train-images-idx3-ubyte.gz", "y": "train-labels-idx1-ubyte.gz",
@@ -108,7 +108,8 @@ DATASETS = {
 
 
 def _say(message):
-    print(f"{PROG}: {message}", file=sys.stderr)
+    """The library's default: the ``towers`` logger (the command line prints its lines itself)."""
+    notice(message, logging.INFO)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -305,7 +306,10 @@ def main(argv=None, prog="towers-fetch-data"):
         parser.error("-o must name a folder (it is empty); for example -o data")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         parser.error(f"-o {args.out_dir}: this is a file, not a folder; give a folder for the output")
-    return run_main(PROG, lambda: fetch(args.dataset, args.out_dir, base_url=args.mirror) and 0,
+    def say(message):
+        print(f"{prog}: {message}", file=sys.stderr)
+
+    return run_main(prog, lambda: fetch(args.dataset, args.out_dir, base_url=args.mirror, say=say) and 0,
                     more={FetchError: 1},
                     interrupted=f"interrupted: no output written; the files already verified in "
                                 f"{os.path.join(args.out_dir, 'raw')} are kept and not downloaded again")

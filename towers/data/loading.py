@@ -22,17 +22,16 @@ readers (and protobuf behind them) are imported when a path needs them, so
 """
 from __future__ import annotations
 
-import logging
 
-from towers.data.dataset import Dataset, load_npz, npz_has
+from towers.data.dataset import Dataset, check_test_split, load_npz, npz_has
 from towers.data.image.folder import is_image_folder
 from towers.data.inputs import is_tfrecord
 from towers.data.tfrecord.schema import UsageError, parse_image_decode
-from towers.errors import UserError, render
+from towers.errors import UserError, notice
 
 
 def _say(message):
-    logging.getLogger("towers").warning(render(message))
+    notice(message)
 
 
 def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_error="stop", workers=2,
@@ -89,6 +88,7 @@ def _load(path, x_key, y_key, test_path, decode, on_error, workers):
         tx, ty = test.x, test.y
     num_classes = int(y.max()) + 1
     if tx is not None:
+        check_test_split(x, tx, f"{test_path}: ", "x_test")
         if tuple(tx.shape[1:]) != tuple(x.shape[1:]):
             raise UserError(f"{test_path}: test examples have shape {tuple(tx.shape[1:])} but training examples "
                             f"{tuple(x.shape[1:])}")

@@ -62,9 +62,10 @@ One lock file, ``lock``, proves a live owner wherever one is needed: a logdir
 (``lock_logdir``: a logdir belongs to one live run) and each owned temporary
 folder (``output_folder``: a dead writer's folder is removed).  It is an
 ``flock`` held for the owner's life; the kernel drops it when the process
-dies, however it dies, so a dead owner's lock file never blocks.  The file
-holds the owner's pid and host, for the message a second run gets.  A
-logdir's lock file is never deleted: unlinking a lock file lets a third
+dies, however it dies, so a dead owner's lock file never blocks.  A
+logdir's lock file holds the owner's pid and host, for the message a second
+run gets (a folder's holds nothing: nobody asks).  A logdir's lock file is
+never deleted: unlinking a lock file lets a third
 process lock a new inode while the second still holds the old one.
 """
 from __future__ import annotations
@@ -157,14 +158,21 @@ def remove_stale(directory):
     with os.scandir(directory) as entries:
         candidates = [e.path for e in entries if _OWNED.match(e.name) and e.is_dir(follow_symlinks=False)]
     for path in candidates:
-        try:  # read-write: where flock is emulated by fcntl locks (NFS) an exclusive lock needs it
-            fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:
-            continue  # no lock file (not ours, or not yet locked) or not ours to open
+        fd = None
+        for name in (LOCK, ".owner.lock"):  # (.owner.lock: the name before version 0.2's one lock file)
+            try:  # read-write: where flock is emulated by fcntl locks (NFS) an exclusive lock needs it
+                fd = os.open(os.path.join(path, name), os.O_RDWR | os.O_NOFOLLOW)
+                break
+            except OSError:
+                continue  # no lock file (not ours, or not yet locked) or not ours to open
+        if fd is None:
+            continue
         try:
             if _flock(fd):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
+        except OSError:
+            pass  # no locks on this file system (ENOLCK): no proof the owner is dead, keep the folder
         finally:
             os.close(fd)
     return removed

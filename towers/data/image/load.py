@@ -33,10 +33,9 @@ from towers.data.image.array import ImageArray
 from towers.data.image.augment import Transform, parse_image_size
 from towers.data.image.sources import ArraySource, FileSource, RecordSource
 from towers.data.image.workers import Workers
-from towers.data.inputs import expand_inputs
 from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
 from towers.data.tfrecord.proto import KIND_BYTES, SequenceExample
-from towers.data.inputs import is_tfrecord
+from towers.data.inputs import expand_inputs, is_tfrecord
 from towers.data.tfrecord.records import _choose, index_split, load_split
 from towers.data.tfrecord.schema import UsageError, parse_image_decode
 from towers.errors import UserError

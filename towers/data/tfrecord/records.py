@@ -72,7 +72,7 @@ from towers.data.tfrecord.gather import Gatherer, IndexStale
 from towers.data.tfrecord.proto import KIND_FLOAT
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode
 from towers.errors import TrainingError, UserError
-from towers.output.files import atomic_save_npz
+from towers.output.files import DiskError, atomic_save_npz
 
 INDEX_FORMAT = 2  # 2: the records' CRCs
 ON_ERROR = ("stop", "skip")
@@ -156,8 +156,8 @@ def _write_cached(index, stamp, caches) -> None:
             os.makedirs(os.path.dirname(cache), exist_ok=True)
             atomic_save_npz(cache, arrays)
             return
-        except OSError:
-            continue  # a read-only data folder: try the next place; without any, index every run
+        except (OSError, DiskError):  # DiskError: a full disk, reported by the atomic writer
+            continue  # a read-only or full data folder: try the next place; without any, index every run
 
 
 def _spot_check(index) -> bool:
