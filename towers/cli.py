@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from towers.errors import TrainingError, UserError, render
+from towers.errors import TrainingError, UserError, flags_in_messages, render
 from towers.output.files import Terminated
 
 
@@ -49,8 +49,14 @@ def run_main(prog: str, body, more: dict | None = None, interrupted: str | None 
     """Call ``body()``; print a user-caused exception as ``prog: message`` on stderr; return the status.
 
     ``interrupted``/``terminated`` replace the Ctrl-C / SIGTERM lines (say what
-    was kept, for instance).
+    was kept, for instance).  Within it, messages name settings as flags
+    (``towers.errors.flags_in_messages``): every command line does.
     """
+    with flags_in_messages():
+        return _run(prog, body, more, interrupted, terminated)
+
+
+def _run(prog, body, more, interrupted, terminated) -> int:
     try:
         return body() or 0
     except BaseException as exc:

@@ -27,10 +27,10 @@ def parse_image_decode(spec):
         return None
     if parts[-1] == "image" or len(parts[-1].split(",")) != 3 or \
             not all(p.strip().isdigit() for p in parts[-1].split(",")):
-        raise UsageError(f"--decode {spec!r}: encoded images take NAME:image:H,W,C, e.g. image/encoded:image:224,224,3")
+        raise UsageError(f"`decode` {spec!r}: encoded images take NAME:image:H,W,C, e.g. image/encoded:image:224,224,3")
     h, w, c = (int(p) for p in parts[-1].split(","))
     if min(h, w) < 1 or c not in (1, 3):
-        raise UsageError(f"--decode {spec!r}: H and W must be >= 1 and C 1 (grey) or 3 (RGB)")
+        raise UsageError(f"`decode` {spec!r}: H and W must be >= 1 and C 1 (grey) or 3 (RGB)")
     return ":".join(parts[:-2]), (h, w, c)
 
 
@@ -41,14 +41,14 @@ def parse_decode(spec):
     if len(parts) >= 3 and all(p.strip().isdigit() for p in parts[-1].split(",")):
         shape = tuple(int(p) for p in parts.pop().split(","))
     if len(parts) < 2 or not parts[-1]:
-        raise UsageError(f"--decode {spec!r}: expected NAME:DTYPE[:SHAPE], e.g. image_raw:uint8:28,28")
+        raise UsageError(f"`decode` {spec!r}: expected NAME:DTYPE[:SHAPE], e.g. image_raw:uint8:28,28")
     name, dtype_name = ":".join(parts[:-1]), parts[-1]
     try:
         dtype = np.dtype(dtype_name)
     except TypeError:
-        raise UsageError(f"--decode {spec!r}: {dtype_name!r} is not a NumPy dtype (e.g. uint8, float32)") from None
+        raise UsageError(f"`decode` {spec!r}: {dtype_name!r} is not a NumPy dtype (e.g. uint8, float32)") from None
     if dtype.kind not in "biufc":
-        raise UsageError(f"--decode {spec!r}: {dtype_name!r} is not a numeric dtype")
+        raise UsageError(f"`decode` {spec!r}: {dtype_name!r} is not a numeric dtype")
     if dtype.byteorder == "=":
         dtype = dtype.newbyteorder("<")  # TFRecord writers store raw bytes little-endian in practice
     return name, dtype, shape
@@ -69,8 +69,8 @@ def decoded_shape(column, n, dtype, shape, spec):
     per_record = None if shape is None else math.prod(shape) * dtype.itemsize
     if width is None or (per_record is not None and width != per_record) or width % dtype.itemsize:
         want = f"{per_record} bytes" if per_record is not None else f"a multiple of {dtype.itemsize} bytes"
-        raise UsageError(f"--decode {spec}: needs one string of {want} in every record, but "
-                         f"{column.key!r} is {column.describe(n)}; fix the DTYPE/SHAPE or drop --decode")
+        raise UsageError(f"`decode` {spec}: needs one string of {want} in every record, but "
+                         f"{column.key!r} is {column.describe(n)}; fix the DTYPE/SHAPE or drop `decode`")
     return shape if shape is not None else (width // dtype.itemsize,)
 
 
@@ -80,6 +80,6 @@ def _float_shape(column, n, dtype, shape, spec):
     count = None if dense is None else math.prod(dense[1:])
     if count is None or dtype != np.dtype("<f4") or (shape is not None and math.prod(shape) != count):
         want = "float32" if dtype != np.dtype("<f4") else f"a shape of {count} values"
-        raise UsageError(f"--decode {spec}: {column.key!r} is {column.describe(n)}; a float feature of one length "
+        raise UsageError(f"`decode` {spec}: {column.key!r} is {column.describe(n)}; a float feature of one length "
                          f"in every record reads as float32 of a shape with that many values, so give {want}")
     return shape if shape is not None else (count,)
