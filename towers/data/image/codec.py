@@ -133,19 +133,16 @@ def resize(image: np.ndarray, height: int, width: int, box=None, flip: bool = Fa
     return np.asarray(out).reshape(height, width, c)
 
 
-_CV2 = []  # the cv2 module once imported (and set to one thread), or None when it is not installed
+_CV2 = []  # the cv2 module once imported and set to one thread
 
 
 def _cv2():
     if not _CV2:
-        try:
-            import cv2  # lazily: only the imagenet augmentation uses it
-        except ImportError:
-            cv2 = None
-        else:
-            # One thread: each input worker is already one of several processes sharing the cores, and
-            # OpenCV's pool would oversubscribe them (and start threads in every worker).
-            cv2.setNumThreads(1)
+        import cv2  # lazily: only the imagenet augmentation uses it
+
+        # One thread: each input worker is already one of several processes sharing the cores, and
+        # OpenCV's pool would oversubscribe them (and start threads in every worker).
+        cv2.setNumThreads(1)
         _CV2.append(cv2)
     return _CV2[0]
 
@@ -159,16 +156,15 @@ def crop_resize(image: np.ndarray, height: int, width: int, box, flip: bool = Fa
     Pillow and torchvision (pixel centers at half-integers, two taps; antialiasing only matters when
     shrinking) in fixed point, bit-exact on every CPU, and SIMD: 0.15 ms for a 224 x 224 example where
     Pillow takes 0.7 ms with its conversions.  The box is cut out first, so the pixels past its edges
-    repeat its border, as torchvision's crop-then-resize does (Pillow's ``box=`` reads past the box: at
-    most 5 levels apart on the outer ring of pixels).  Every other box (one that shrinks a side, fractional
-    coordinates from a DCT-scaled decode) and any install without ``cv2`` go to :func:`resize`, whose
-    Pillow filter widens with the shrink factor (antialiasing); OpenCV has no such bilinear.
+    repeat its border, as torchvision's crop-then-resize does (Pillow's ``box=`` reads past the box: up to
+    10 levels apart on the outer ring of pixels, 0.25 on average).  Every other box (one that shrinks a
+    side, fractional coordinates from a DCT-scaled decode) goes to :func:`resize`, whose Pillow filter
+    widens with the shrink factor (antialiasing); OpenCV has no such bilinear.
     """
     top, left, bottom, right = box
-    cv2 = _cv2()
-    whole = all(float(v).is_integer() for v in box)
-    if cv2 is None or not whole or bottom - top > height or right - left > width:
+    if not all(float(v).is_integer() for v in box) or bottom - top > height or right - left > width:
         return resize(image, height, width, box, flip)
+    cv2 = _cv2()
     c = image.shape[2]
     crop = image[int(top):int(bottom), int(left):int(right)]
     out = cv2.resize(crop, (width, height), interpolation=cv2.INTER_LINEAR_EXACT)
