@@ -386,3 +386,25 @@ def test_sigterm_stops_the_workers_and_frees_their_shared_memory(tmp_path):
         _, err = run.communicate(timeout=60)
     assert run.returncode == 143 and "terminated (SIGTERM)" in err
     assert not blocks & set(os.listdir("/dev/shm"))
+
+
+def test_crop_resize_is_the_bilinear_of_the_cut_out_box():
+    """Enlarging boxes go to OpenCV: within 1 level of Pillow's bilinear of the same cut-out box (fixed-point
+    rounding), flipped exactly; shrinking or fractional boxes take Pillow's antialiased path unchanged."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    small = rng.integers(0, 256, (8, 10, 3), np.uint8)
+    photo = np.asarray(Image.fromarray(small).resize((80, 60), Image.BILINEAR))  # smooth, 60 x 80
+    for box, size in (((5, 7, 25, 37), (32, 40)), ((0, 0, 60, 80), (60, 80)), ((10, 3, 11, 4), (7, 5))):
+        top, left, bottom, right = box
+        pil = np.asarray(Image.fromarray(photo[top:bottom, left:right]).resize(size[::-1], Image.BILINEAR))
+        ours = codec.crop_resize(photo, *size, box)
+        assert ours.shape == size + (3,) and ours.dtype == np.uint8
+        assert np.abs(ours.astype(int) - pil).max() <= 1
+        assert np.array_equal(codec.crop_resize(photo, *size, box, flip=True), ours[:, ::-1])
+    grey = photo[:, :, :1]
+    assert codec.crop_resize(grey, 16, 16, (0, 0, 8, 8)).shape == (16, 16, 1)
+    for box in ((0, 0, 40, 70), (0.5, 1, 20.5, 31)):  # shrinks a side; fractional
+        assert np.array_equal(codec.crop_resize(photo, 30, 30, box, flip=True),
+                              codec.resize(photo, 30, 30, box, flip=True))

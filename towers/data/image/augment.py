@@ -2,8 +2,8 @@
 
 A :class:`Transform` turns one example (encoded bytes, or a uint8 (H, W, C)
 array) into the array the towers get.  It runs in the input workers
-(``towers.data.image.workers``), one example at a time, so it is plain NumPy
-and Pillow on small arrays.
+(``towers.data.image.workers``), one example at a time, so it is plain NumPy,
+Pillow and OpenCV on small arrays.
 
 **Random draws.**  Every random number of an example comes from
 :func:`uniforms`, a counter-based hash (splitmix64) of (seed, epoch, example
@@ -154,7 +154,7 @@ class Transform:
         else:  # decode at the smallest DCT scale that keeps the crop at least H x W
             image = codec.decode(example, c, (math.ceil(ih * h / ch), math.ceil(iw * w / cw)))
             k = image.shape[0] / ih
-        return codec.resize(image, h, w, (top * k, left * k, (top + ch) * k, (left + cw) * k), flip=u[40] < 0.5)
+        return codec.crop_resize(image, h, w, (top * k, left * k, (top + ch) * k, (left + cw) * k), flip=u[40] < 0.5)
 
 
 def random_resized_crop(h: int, w: int, u) -> tuple[int, int, int, int]:

@@ -133,6 +133,46 @@ def resize(image: np.ndarray, height: int, width: int, box=None, flip: bool = Fa
     return np.asarray(out).reshape(height, width, c)
 
 
+_CV2 = []  # the cv2 module once imported and set to one thread
+
+
+def _cv2():
+    if not _CV2:
+        import cv2  # lazily: only the imagenet augmentation uses it
+
+        # One thread: each input worker is already one of several processes sharing the cores, and
+        # OpenCV's pool would oversubscribe them (and start threads in every worker).
+        cv2.setNumThreads(1)
+        _CV2.append(cv2)
+    return _CV2[0]
+
+
+def crop_resize(image: np.ndarray, height: int, width: int, box, flip: bool = False) -> np.ndarray:
+    """The ``box`` = (top, left, bottom, right) of ``image`` resized to (height, width), bilinear, antialiased
+    when shrinking, and mirrored left-right when ``flip``: the random-resized-crop step.
+
+    A box of whole pixels that shrinks neither side (the target is at least the box's height and width) is
+    cut out and enlarged by OpenCV's ``cv2.resize`` with ``INTER_LINEAR_EXACT``: the bilinear filter of
+    Pillow and torchvision (pixel centers at half-integers, two taps; antialiasing only matters when
+    shrinking) in fixed point, bit-exact on every CPU, and SIMD: 0.15 ms for a 224 x 224 example where
+    Pillow takes 0.7 ms with its conversions.  The box is cut out first, so the pixels past its edges
+    repeat its border, as torchvision's crop-then-resize does (Pillow's ``box=`` reads past the box: up to
+    10 levels apart on the outer ring of pixels, 0.25 on average).  Every other box (one that shrinks a
+    side, fractional coordinates from a DCT-scaled decode) goes to :func:`resize`, whose Pillow filter
+    widens with the shrink factor (antialiasing); OpenCV has no such bilinear.
+    """
+    top, left, bottom, right = box
+    if not all(float(v).is_integer() for v in box) or bottom - top > height or right - left > width:
+        return resize(image, height, width, box, flip)
+    cv2 = _cv2()
+    c = image.shape[2]
+    crop = image[int(top):int(bottom), int(left):int(right)]
+    out = cv2.resize(crop, (width, height), interpolation=cv2.INTER_LINEAR_EXACT)
+    if flip:
+        out = cv2.flip(out, 1)  # 0.015 ms (NumPy's copy of a reversed view of interleaved channels: 0.5 ms)
+    return out.reshape(height, width, c)  # cv2 drops a single channel's axis
+
+
 def center_box(h: int, w: int, height: int, width: int, ratio: float = 1.0):
     """The (top, left, bottom, right) box of an (h, w) image that, resized by the factor making its shorter
     side ``round(min side / ratio)`` of the target, gives the center (height, width) crop.
