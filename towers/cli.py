@@ -76,11 +76,24 @@ def show_notices() -> None:
     """The library's notices (the ``towers`` logger: soft placement, an index being built, ...) as plain
     lines on stderr (idempotent)."""
     log = logging.getLogger("towers")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))  # rendered when said (towers.errors.notice)
-        log.addHandler(handler)
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        log.addHandler(_Stderr())
         log.propagate = False
+
+
+class _Stderr(logging.Handler):
+    """Each record's message (rendered when said, ``towers.errors.notice``) on the *current* ``sys.stderr``.
+
+    Not a ``StreamHandler``, which keeps the stream it was made with: a caller
+    that swaps ``sys.stderr`` later (a test's capture, a redirect) would miss
+    the lines.
+    """
+
+    def emit(self, record) -> None:
+        try:
+            print(record.getMessage(), file=sys.stderr, flush=True)
+        except Exception:  # logging's rule: a failed notice never stops the program
+            self.handleError(record)
 
 
 def warn(prog: str, line: str) -> None:
