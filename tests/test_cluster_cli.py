@@ -26,7 +26,9 @@ SMALL = ["--devices", "cpu", "--hidden", "16", "--quiet", "--summary-every", "0"
 
 def start(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "towers.train", "--hosts", "2", *SMALL, *args], cwd=REPO, env=env,
+    # --blas-threads 1: the hosts share this machine's cores (and then no notice says so: these tests read every line)
+    return subprocess.Popen([sys.executable, "-m", "towers.train", "--hosts", "2", *SMALL, "--blas-threads", "1", *args],
+                            cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
