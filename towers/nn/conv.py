@@ -13,7 +13,7 @@ of zero pixels on every side; optional bias) is im2col + matmuls:
   kernel at stride 1) turns it into ``cols`` of shape (N*Ho*Wo, kh*kw*C) (row
   = output pixel, column = (i, j, c) tap, the order of a TF (kh, kw, C, F)
   kernel); ``y = cols @ W`` is then already NHWC (N*Ho*Wo, F);
-* backward: ``dW = cols.T @ dy``, ``db = sum(dy)``, and the input gradient.
+* backward: ``db = sum(dy)``, ``dW`` and the input gradient (below).
 
 Two algorithms, ``algorithm=``:
 
@@ -22,11 +22,16 @@ Two algorithms, ``algorithm=``:
   im2col'd again in backward instead of kept: a ResNet's 16-channel layer
   reads a 38 MB ``cols`` at batch 64 otherwise, and its thin GEMMs (16 output
   columns) are bound by that memory traffic, not by arithmetic (forward 19 ms
-  whole, 10 ms in chunks).  At stride 1 the input gradient is the forward
-  convolution of ``dy`` with the kernel turned 180 degrees and its channels
-  swapped (im2col of ``dy`` + one matmul: 10 ms against 49 ms for col2im's
-  strided adds on that layer); at other strides ``dcols = dy @ W.T`` and
-  col2im.  On a GPU: one chunk, the whole batch.
+  whole, 10 ms in chunks).  At stride 1 backward makes ONE im2col, of ``dy``
+  padded by k-1-pad (row = input pixel), and both gradients come from it:
+  the input gradient is the forward convolution of ``dy`` with the kernel
+  turned 180 degrees and its channels swapped (10 ms against 49 ms for
+  col2im's strided adds on that layer), and ``dW`` is ``x^T @ dcols`` with
+  the taps turned back (no second im2col of ``x``: the 16-channel layer's
+  backward 19 ms -> 14 ms).  At other strides, and for the first layer
+  (no input gradient, and a narrow ``x``), ``dW = cols.T @ dy`` from
+  ``x``'s im2col, and ``dcols = dy @ W.T`` and col2im.  On a GPU: one
+  chunk, the whole batch.
 * ``"whole"``: the batch's ``cols`` in one piece, kept for backward; the input
   gradient by ``dcols = dy @ W.T`` and col2im (kh*kw strided adds into a padded
   buffer on the CPU, one gathering kernel on a GPU).  ``lenet5`` keeps it: its
@@ -98,13 +103,17 @@ class Conv2D(Layer):
         kernels.im2col(x.reshape(n, h, w, c), cols, self.pad, ws, self.stride)
         return cols.reshape(n * ho * wo, k * k * c)
 
-    def _chunks(self, x):
-        """Image ranges [b0, b1) of the batch: cache-sized on the CPU, the whole batch on a GPU."""
+    def _chunks(self, x, channels=None):
+        """Image ranges [b0, b1) of the batch: cache-sized on the CPU, the whole batch on a GPU.
+
+        The size is that of the forward's im2col of ``x``, or with ``channels``
+        that of the input-sized im2col of ``dy`` (``_backward_as_conv``).
+        """
         n = x.shape[0]
         if self.algorithm == "whole" or not kernels.on_host(x):
             return [(0, n)]
-        ho, wo = self.out_hw
-        per_image = ho * wo * self.k * self.k * self.in_hwc[2] * x.dtype.itemsize
+        hw = self.in_hwc[:2] if channels else self.out_hw
+        per_image = hw[0] * hw[1] * self.k * self.k * (channels or self.in_hwc[2]) * x.dtype.itemsize
         step = max(1, CHUNK_BYTES // per_image)
         return [(b, min(b + step, n)) for b in range(0, n, step)]
 
@@ -123,8 +132,12 @@ class Conv2D(Layer):
 
     def backward(self, p, g, dy, ws, need_dx):
         x, f = ws.saved["x"], self.filters
-        chunks = self._chunks(x)
         dy2 = dy.reshape(-1, f)  # dy is a contiguous NHWC buffer: a view
+        if self.bias is not None:
+            kernels.bias_grad(dy2, g["biases"], ws)
+        if need_dx and self._dx_conv:
+            return self._backward_as_conv(p["weights"], g["weights"].reshape(-1, f), x, dy, ws)
+        chunks = self._chunks(x)
         gw = g["weights"].reshape(-1, f)
         rows = dy2.shape[0] // x.shape[0]
         if len(chunks) == 1:  # the forward's im2col is still in the workspace
@@ -137,8 +150,6 @@ class Conv2D(Layer):
                              trans_a=True)
                 if i:
                     gw += part
-        if self.bias is not None:
-            kernels.bias_grad(dy2, g["biases"], ws)
         if not need_dx:
             return None
         n = dy.shape[0]
@@ -155,27 +166,44 @@ class Conv2D(Layer):
         return (n,) + self.out_hw + (self.k, self.k, self.in_hwc[2])
 
     def _dx(self, weights, dy, ws):
-        """The input gradient of the images of ``dy`` (n, Ho, Wo, F)."""
+        """The input gradient of the images of ``dy`` (n, Ho, Wo, F) by ``dcols = dy @ W.T`` and col2im."""
         k, f = self.k, self.filters
         n = dy.shape[0]
         h, w, c = self.in_hwc
         ho, wo = self.out_hw
-        if self._dx_conv:
-            return self._dx_as_conv(weights, dy.reshape(n, ho, wo, f), ws)
         dcols = ws.array("dcols", (n, ho, wo, k, k, c), dy.dtype)
         kernels.gemm(dy.reshape(-1, f), weights.reshape(-1, f), dcols.reshape(n * ho * wo, k * k * c), trans_b=True)
         # col2im: each tap (i, j) adds its slice back where it was read from.
         return kernels.col2im(dcols, (h, w), self.pad, ws, self.stride)
 
-    def _dx_as_conv(self, weights, dy, ws):
-        """dx[i] = sum_a dy[i + top - a] W[a]: dy, padded by k-1-top, convolved with W turned 180 degrees."""
+    def _backward_as_conv(self, weights, gw, x, dy, ws):
+        """Stride 1: both gradients from ONE im2col of ``dy``, padded by k-1-top (``dcols``, row = input pixel).
+
+        ``dcols[q, a'] = dy[q + top - a]`` for the tap a' = k-1-a, so
+        ``dx = dcols @ W`` turned 180 degrees with its channels swapped (the
+        forward convolution of dy), and ``dW[a] = sum_q x[q]^T dcols[q, a']``,
+        i.e. ``x^T @ dcols`` (C, k*k*F), taps turned back.  Chunked as the
+        forward; ``dx`` is written in place, chunk by chunk.
+        """
         k, f = self.k, self.filters
         n = dy.shape[0]
         h, w, c = self.in_hwc
-        w_rot = ws.array("w_rot", (k, k, f, c), weights.dtype)
-        w_rot[...] = weights[::-1, ::-1].transpose(0, 1, 3, 2)
-        dcols = ws.array("dy_cols", (n, h, w, k, k, f), dy.dtype)
-        kernels.im2col(dy, dcols, (k - 1 - self.pad[0], k - 1 - self.pad[1]), ws.child(0))
+        w_rot = ws.array("w_rot", (k * k * f, c), weights.dtype)
+        w_rot.reshape(k, k, f, c)[...] = weights[::-1, ::-1].transpose(0, 1, 3, 2)
+        dw_rot = ws.array("dw_rot", (c, k * k * f), gw.dtype)
+        x2 = x.reshape(-1, c)
         dx = ws.array("dx", (n, h, w, c), dy.dtype)
-        kernels.gemm(dcols.reshape(n * h * w, k * k * f), w_rot.reshape(k * k * f, c), dx.reshape(-1, c))
-        return dx
+        dx2 = dx.reshape(-1, c)
+        pad = (k - 1 - self.pad[0], k - 1 - self.pad[1])
+        for i, (b0, b1) in enumerate(self._chunks(x, f)):
+            dcols = ws.array("dy_cols", (b1 - b0, h, w, k, k, f), dy.dtype)
+            kernels.im2col(dy[b0:b1], dcols, pad, ws.child(0))
+            dcols = dcols.reshape(-1, k * k * f)
+            r0, r1 = b0 * h * w, b1 * h * w
+            kernels.gemm(dcols, w_rot, dx2[r0:r1])
+            part = dw_rot if i == 0 else ws.array("dw_part", dw_rot.shape, gw.dtype)
+            kernels.gemm(x2[r0:r1], dcols, part, trans_a=True)
+            if i:
+                dw_rot += part
+        gw.reshape(k, k, c, f)[...] = dw_rot.reshape(c, k, k, f)[:, ::-1, ::-1].transpose(1, 2, 0, 3)
+        return dx.reshape(ws.saved["x_shape"])
