@@ -281,12 +281,34 @@ def bias_add(y, b) -> None:
 
 
 def relu(x, y) -> None:
-    """``y = maximum(x, 0)`` (NaN passes through, as NumPy's maximum)."""
-    if on_host(x) or x.size > _INT_MAX:
+    """``y = maximum(x, 0)`` (NaN passes through, as NumPy's maximum).
+
+    NumPy: against an array of zeros, not the scalar 0: the same values, but
+    its array-array loop is SIMD and 2-3x faster than the array-scalar one
+    (0.30 against 0.72 ms on a 4 MB activation).
+    """
+    if on_host(x):
+        numpy.maximum(x, host_zeros(x.shape, x.dtype), out=y)
+        return
+    if x.size > _INT_MAX:
         array_module(x).maximum(x, 0, out=y)
         return
     _check(x)
     _launch("relu", x.size, x, y, _i(x.size))
+
+
+_HOST_ZEROS: dict = {}  # dtype -> a read-only vector of zeros, grown as needed (shared by all towers' threads)
+
+
+def host_zeros(shape: tuple, dtype):
+    """A read-only NumPy array of zeros shaped ``shape``: a view of one vector per dtype, made once."""
+    size = int(numpy.prod(shape))
+    z = _HOST_ZEROS.get(numpy.dtype(dtype))
+    if z is None or z.size < size:
+        z = numpy.zeros(max(size, 1 << 16), dtype)
+        z.flags.writeable = False
+        _HOST_ZEROS[numpy.dtype(dtype)] = z  # a thread that grew it concurrently just made one more
+    return z[:size].reshape(shape)
 
 
 def relu_backward(y, dy, mask=None) -> None:
