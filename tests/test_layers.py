@@ -123,6 +123,17 @@ def test_residual_block_gradients(shortcut):
     assert ("block/shortcut/weights" in names) == (shortcut == "projection")
 
 
+@pytest.mark.parametrize("last", [ReLU, BatchNorm])
+def test_residual_body_that_may_overwrite_its_gradient(last):
+    # ReLU's backward masks dy in place (keeps_dy False): the body must get a copy, or the
+    # identity shortcut would read the masked gradient; BatchNorm's only reads it (no copy).
+    tail = last() if last is ReLU else last("bn")
+    assert tail.keeps_dy == (last is BatchNorm)
+    block = Residual([Conv2D("c1", 2, 3, padding=1, bias=False), tail], scope="block")
+    model = Sequential([Conv2D("c0", 2, 3, padding="same"), block, GlobalAvgPool(), Dense("fc", 3)]).build((5, 5))
+    check_grads(model, *_data((5, 5)))
+
+
 def test_residual_output_is_relu_of_body_plus_shortcut():
     x = numpy.random.default_rng(0).normal(size=(2, 4, 4, 2))
     body = [Conv2D("c", 4, 3, padding=1, stride=2)]

@@ -66,6 +66,8 @@ class Conv2D(Layer):
     ``algorithm``: ``"chunked"`` (default) or ``"whole"`` (module doc).
     """
 
+    keeps_dy = True  # backward reads dy only
+
     def __init__(self, scope: str, filters: int, ksize: int = 5, padding="SAME", stddev=0.1, bias=0.0,
                  regularize: bool = False, stride: int = 1, algorithm: str = "chunked"):
         self.padding = check_padding(padding, scope)
