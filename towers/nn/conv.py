@@ -96,14 +96,41 @@ class Conv2D(Layer):
 
     # -- both algorithms
 
-    def _cols(self, x, ws, key="cols"):
-        """im2col: (n, H, W[, C]) -> (n*Ho*Wo, kh*kw*C) in the workspace."""
-        k, n = self.k, x.shape[0]
-        h, w, c = self.in_hwc
-        ho, wo = self.out_hw
-        cols = ws.array(key, (n, ho, wo, k, k, c), x.dtype)
-        kernels.im2col(x.reshape(n, h, w, c), cols, self.pad, ws, self.stride)
-        return cols.reshape(n * ho * wo, k * k * c)
+    def _im2col_chunks(self, a, ws, of_dy=False):
+        """Yield ``((b0, b1), cols)`` per chunk of the batch (``_chunks``), each chunk's im2col made just before.
+
+        ``cols`` (rows, k*k*C) is the im2col of ``a``, x (row = output pixel),
+        or with ``of_dy`` of dy padded by k-1-pad (row = input pixel,
+        ``_backward_as_conv``; its padded buffer in ``ws.child(0)``, as its pad
+        may differ).  On the CPU from ``kernels.im2col_plan``'s views, kept
+        while ``a`` is the same array: ``Conv2D`` is handed the same buffers
+        step after step, and backward's im2col of x reuses the forward's plan.
+        """
+        k = self.k
+        if of_dy:
+            (h, w), c, out_hw, stride = self.out_hw, self.filters, self.in_hwc[:2], 1
+            pad, key, pad_ws = (k - 1 - self.pad[0], k - 1 - self.pad[1]), "dy_cols", ws.child(0)
+        else:
+            (h, w, c), out_hw, stride, pad, key, pad_ws = self.in_hwc, self.out_hw, self.stride, self.pad, "cols", ws
+        n = a.shape[0]
+        a4 = a.reshape(n, h, w, c)
+
+        def cols_of(m):
+            return ws.array(key, (m,) + out_hw + (k, k, c), a.dtype)
+
+        chunks = self._chunks(a, c if of_dy else None)
+        if not (kernels.on_host(a) and a4.flags.c_contiguous):
+            for b0, b1 in chunks:
+                cols = cols_of(b1 - b0)
+                kernels.im2col(a4[b0:b1], cols, pad, pad_ws, stride)
+                yield (b0, b1), cols.reshape(-1, k * k * c)
+            return
+        plan = ws.saved.get(key + "_plan")
+        if plan is None or plan[0] is not a or plan[1] != chunks:
+            plan = ws.saved[key + "_plan"] = (a, chunks, kernels.im2col_plan(a4, cols_of, pad, pad_ws, stride, chunks))
+        for chunk, step in zip(chunks, plan[2]):
+            kernels.run_im2col(step)
+            yield chunk, step[-1]
 
     def _chunks(self, x, channels=None):
         """Image ranges [b0, b1) of the batch: cache-sized on the CPU, the whole batch on a GPU.
@@ -123,9 +150,9 @@ class Conv2D(Layer):
         n, f = x.shape[0], self.filters
         ho, wo = self.out_hw
         y = ws.array("y", (n, ho, wo, f), x.dtype)
-        w2 = p["weights"].reshape(-1, f)
-        for b0, b1 in self._chunks(x):
-            kernels.gemm(self._cols(x[b0:b1], ws), w2, y[b0:b1].reshape(-1, f))
+        w2, y2, rows = p["weights"].reshape(-1, f), y.reshape(-1, f), ho * wo
+        for (b0, b1), cols in self._im2col_chunks(x, ws):
+            kernels.gemm(cols, w2, y2[b0 * rows: b1 * rows])
         if self.bias is not None:
             kernels.bias_add(y.reshape(-1, f), p["biases"])
         # "whole" keeps the batch's im2col for backward (one chunk); "chunked" recomputes it there.
@@ -147,9 +174,8 @@ class Conv2D(Layer):
                          trans_a=True)
         else:
             part = ws.array("dw_part", gw.shape, gw.dtype)
-            for i, (b0, b1) in enumerate(chunks):
-                kernels.gemm(self._cols(x[b0:b1], ws), dy2[b0 * rows: b1 * rows], gw if i == 0 else part,
-                             trans_a=True)
+            for i, ((b0, b1), cols) in enumerate(self._im2col_chunks(x, ws)):
+                kernels.gemm(cols, dy2[b0 * rows: b1 * rows], gw if i == 0 else part, trans_a=True)
                 if i:
                     gw += part
         if not need_dx:
@@ -196,11 +222,7 @@ class Conv2D(Layer):
         x2 = x.reshape(-1, c)
         dx = ws.array("dx", (n, h, w, c), dy.dtype)
         dx2 = dx.reshape(-1, c)
-        pad = (k - 1 - self.pad[0], k - 1 - self.pad[1])
-        for i, (b0, b1) in enumerate(self._chunks(x, f)):
-            dcols = ws.array("dy_cols", (b1 - b0, h, w, k, k, f), dy.dtype)
-            kernels.im2col(dy[b0:b1], dcols, pad, ws.child(0))
-            dcols = dcols.reshape(-1, k * k * f)
+        for i, ((b0, b1), dcols) in enumerate(self._im2col_chunks(dy, ws, of_dy=True)):
             r0, r1 = b0 * h * w, b1 * h * w
             kernels.gemm(dcols, w_rot, dx2[r0:r1])
             part = dw_rot if i == 0 else ws.array("dw_part", dw_rot.shape, gw.dtype)
