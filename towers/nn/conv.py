@@ -103,8 +103,9 @@ class Conv2D(Layer):
         or with ``of_dy`` of dy padded by k-1-pad (row = input pixel,
         ``_backward_as_conv``; its padded buffer in ``ws.child(0)``, as its pad
         may differ).  On the CPU from ``kernels.im2col_plan``'s views, kept
-        while ``a`` is the same array: ``Conv2D`` is handed the same buffers
-        step after step, and backward's im2col of x reuses the forward's plan.
+        while ``a`` is the same memory (address, shape, strides): ``Conv2D`` is
+        handed the same buffers step after step, and backward's im2col of x
+        reuses the forward's plan.
         """
         k = self.k
         if of_dy:
@@ -125,9 +126,12 @@ class Conv2D(Layer):
                 kernels.im2col(a4[b0:b1], cols, pad, pad_ws, stride)
                 yield (b0, b1), cols.reshape(-1, k * k * c)
             return
+        # The same memory, not just the same object: a layer's backward returns a new view of its
+        # buffer each step.  The plan holds ``a``, so no other array can take over its address.
+        where = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype, chunks)
         plan = ws.saved.get(key + "_plan")
-        if plan is None or plan[0] is not a or plan[1] != chunks:
-            plan = ws.saved[key + "_plan"] = (a, chunks, kernels.im2col_plan(a4, cols_of, pad, pad_ws, stride, chunks))
+        if plan is None or plan[1] != where:
+            plan = ws.saved[key + "_plan"] = (a, where, kernels.im2col_plan(a4, cols_of, pad, pad_ws, stride, chunks))
         for chunk, step in zip(chunks, plan[2]):
             kernels.run_im2col(step)
             yield chunk, step[-1]
