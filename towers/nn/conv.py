@@ -9,10 +9,12 @@ Conv2D (any stride; padding ``same`` as TensorFlow's, ``valid``, or a number
 of zero pixels on every side; optional bias) is im2col + matmuls:
 
 * forward: im2col (``towers.nn.kernels.im2col``: on the CPU the input is
-  copied into a zero-bordered buffer and ONE strided copy, on a GPU one
-  kernel at stride 1) turns it into ``cols`` of shape (N*Ho*Wo, kh*kw*C) (row
-  = output pixel, column = (i, j, c) tap, the order of a TF (kh, kw, C, F)
-  kernel); ``y = cols @ W`` is then already NHWC (N*Ho*Wo, F);
+  copied into a zero-bordered buffer and ONE strided copy of whole window
+  rows, on a GPU one kernel at stride 1) turns it into ``cols`` of shape
+  (N*Ho*Wo, kh*kw*C) (row = output pixel, column = (i, j, c) tap, the order
+  of a TF (kh, kw, C, F) kernel); ``y = cols @ W`` is then already NHWC
+  (N*Ho*Wo, F).  On the CPU the copies' views are planned once per input
+  buffer (``kernels.im2col_plan``), so a chunk costs its copies and GEMMs;
 * backward: ``db = sum(dy)``, ``dW`` and the input gradient (below).
 
 Two algorithms, ``algorithm=``:
