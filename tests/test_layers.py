@@ -123,6 +123,17 @@ def test_residual_block_gradients(shortcut):
     assert ("block/shortcut/weights" in names) == (shortcut == "projection")
 
 
+@pytest.mark.parametrize("last", [ReLU, BatchNorm])
+def test_residual_body_that_may_overwrite_its_gradient(last):
+    # ReLU's backward masks dy in place (keeps_dy False): the body must get a copy, or the
+    # identity shortcut would read the masked gradient; BatchNorm's only reads it (no copy).
+    tail = last() if last is ReLU else last("bn")
+    assert tail.keeps_dy == (last is BatchNorm)
+    block = Residual([Conv2D("c1", 2, 3, padding=1, bias=False), tail], scope="block")
+    model = Sequential([Conv2D("c0", 2, 3, padding="same"), block, GlobalAvgPool(), Dense("fc", 3)]).build((5, 5))
+    check_grads(model, *_data((5, 5)))
+
+
 def test_residual_output_is_relu_of_body_plus_shortcut():
     x = numpy.random.default_rng(0).normal(size=(2, 4, 4, 2))
     body = [Conv2D("c", 4, 3, padding=1, stride=2)]
@@ -221,6 +232,27 @@ def test_chunked_convolution_equals_the_whole_batch_algorithm(shape, stride):
         out.append((r.params.copy(), y, dx, r.grads.copy()))
     for a, b in zip(out[0][1:], out[1][1:]):
         numpy.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_convolution_im2col_plans_follow_the_input_memory():
+    # The CPU's chunked im2col keeps its views while the input is the same memory: a new
+    # array, new contents in the same array, or a new view of it must all give fresh results.
+    rng = numpy.random.default_rng(6)
+    chunked, whole = (Conv2D("c", 4, 3, padding="same", algorithm=a) for a in ("chunked", "whole"))
+    rs = [Replica(Sequential([conv]).build((40, 40, 16)), numpy, dtype=numpy.float64) for conv in (chunked, whole)]
+    for r in rs:
+        r.set_params(rng.normal(size=r.params.size) if r is rs[0] else rs[0].params)
+    x = rng.normal(size=(9, 40, 40, 16))
+    assert len(chunked._chunks(x)) > 1
+    for feed in (x, rng.normal(size=x.shape), x, x.reshape(9, 40, 640).reshape(x.shape)):
+        if feed is x:
+            x[...] = rng.normal(size=x.shape)  # same array, new contents
+        got, want = (r.forward(feed, training=True).copy() for r in rs)
+        numpy.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+        dy = rng.normal(size=got.shape)
+        dxs = [r.model.layers[0].backward(r._local[0][0], r._local[0][1], dy.copy(), r._local[0][2], True).copy()
+               for r in rs]
+        numpy.testing.assert_allclose(dxs[0], dxs[1], rtol=1e-10, atol=1e-12)
 
 
 def test_lrn_matches_tensorflow_formula_and_its_gradients():

@@ -9,11 +9,13 @@ Conv2D (any stride; padding ``same`` as TensorFlow's, ``valid``, or a number
 of zero pixels on every side; optional bias) is im2col + matmuls:
 
 * forward: im2col (``towers.nn.kernels.im2col``: on the CPU the input is
-  copied into a zero-bordered buffer and ONE strided copy, on a GPU one
-  kernel at stride 1) turns it into ``cols`` of shape (N*Ho*Wo, kh*kw*C) (row
-  = output pixel, column = (i, j, c) tap, the order of a TF (kh, kw, C, F)
-  kernel); ``y = cols @ W`` is then already NHWC (N*Ho*Wo, F);
-* backward: ``dW = cols.T @ dy``, ``db = sum(dy)``, and the input gradient.
+  copied into a zero-bordered buffer and ONE strided copy of whole window
+  rows, on a GPU one kernel at stride 1) turns it into ``cols`` of shape
+  (N*Ho*Wo, kh*kw*C) (row = output pixel, column = (i, j, c) tap, the order
+  of a TF (kh, kw, C, F) kernel); ``y = cols @ W`` is then already NHWC
+  (N*Ho*Wo, F).  On the CPU the copies' views are planned once per input
+  buffer (``kernels.im2col_plan``), so a chunk costs its copies and GEMMs;
+* backward: ``db = sum(dy)``, ``dW`` and the input gradient (below).
 
 Two algorithms, ``algorithm=``:
 
@@ -22,11 +24,16 @@ Two algorithms, ``algorithm=``:
   im2col'd again in backward instead of kept: a ResNet's 16-channel layer
   reads a 38 MB ``cols`` at batch 64 otherwise, and its thin GEMMs (16 output
   columns) are bound by that memory traffic, not by arithmetic (forward 19 ms
-  whole, 10 ms in chunks).  At stride 1 the input gradient is the forward
-  convolution of ``dy`` with the kernel turned 180 degrees and its channels
-  swapped (im2col of ``dy`` + one matmul: 10 ms against 49 ms for col2im's
-  strided adds on that layer); at other strides ``dcols = dy @ W.T`` and
-  col2im.  On a GPU: one chunk, the whole batch.
+  whole, 10 ms in chunks).  At stride 1 backward makes ONE im2col, of ``dy``
+  padded by k-1-pad (row = input pixel), and both gradients come from it:
+  the input gradient is the forward convolution of ``dy`` with the kernel
+  turned 180 degrees and its channels swapped (10 ms against 49 ms for
+  col2im's strided adds on that layer), and ``dW`` is ``x^T @ dcols`` with
+  the taps turned back (no second im2col of ``x``: the 16-channel layer's
+  backward 19 ms -> 14 ms).  At other strides, and for the first layer
+  (no input gradient, and a narrow ``x``), ``dW = cols.T @ dy`` from
+  ``x``'s im2col, and ``dcols = dy @ W.T`` and col2im.  On a GPU: one
+  chunk, the whole batch.
 * ``"whole"``: the batch's ``cols`` in one piece, kept for backward; the input
   gradient by ``dcols = dy @ W.T`` and col2im (kh*kw strided adds into a padded
   buffer on the CPU, one gathering kernel on a GPU).  ``lenet5`` keeps it: its
@@ -61,6 +68,8 @@ class Conv2D(Layer):
     ``algorithm``: ``"chunked"`` (default) or ``"whole"`` (module doc).
     """
 
+    keeps_dy = True  # backward reads dy only
+
     def __init__(self, scope: str, filters: int, ksize: int = 5, padding="SAME", stddev=0.1, bias=0.0,
                  regularize: bool = False, stride: int = 1, algorithm: str = "chunked"):
         self.padding = check_padding(padding, scope)
@@ -89,22 +98,57 @@ class Conv2D(Layer):
 
     # -- both algorithms
 
-    def _cols(self, x, ws, key="cols"):
-        """im2col: (n, H, W[, C]) -> (n*Ho*Wo, kh*kw*C) in the workspace."""
-        k, n = self.k, x.shape[0]
-        h, w, c = self.in_hwc
-        ho, wo = self.out_hw
-        cols = ws.array(key, (n, ho, wo, k, k, c), x.dtype)
-        kernels.im2col(x.reshape(n, h, w, c), cols, self.pad, ws, self.stride)
-        return cols.reshape(n * ho * wo, k * k * c)
+    def _im2col_chunks(self, a, ws, of_dy=False):
+        """Yield ``((b0, b1), cols)`` per chunk of the batch (``_chunks``), each chunk's im2col made just before.
 
-    def _chunks(self, x):
-        """Image ranges [b0, b1) of the batch: cache-sized on the CPU, the whole batch on a GPU."""
+        ``cols`` (rows, k*k*C) is the im2col of ``a``, x (row = output pixel),
+        or with ``of_dy`` of dy padded by k-1-pad (row = input pixel,
+        ``_backward_as_conv``; its padded buffer in ``ws.child(0)``, as its pad
+        may differ).  On the CPU from ``kernels.im2col_plan``'s views, kept
+        while ``a`` is the same memory (address, shape, strides): ``Conv2D`` is
+        handed the same buffers step after step, and backward's im2col of x
+        reuses the forward's plan.
+        """
+        k = self.k
+        if of_dy:
+            (h, w), c, out_hw, stride = self.out_hw, self.filters, self.in_hwc[:2], 1
+            pad, key, pad_ws = (k - 1 - self.pad[0], k - 1 - self.pad[1]), "dy_cols", ws.child(0)
+        else:
+            (h, w, c), out_hw, stride, pad, key, pad_ws = self.in_hwc, self.out_hw, self.stride, self.pad, "cols", ws
+        n = a.shape[0]
+        a4 = a.reshape(n, h, w, c)
+
+        def cols_of(m):
+            return ws.array(key, (m,) + out_hw + (k, k, c), a.dtype)
+
+        chunks = self._chunks(a, c if of_dy else None)
+        if not (kernels.on_host(a) and a4.flags.c_contiguous):
+            for b0, b1 in chunks:
+                cols = cols_of(b1 - b0)
+                kernels.im2col(a4[b0:b1], cols, pad, pad_ws, stride)
+                yield (b0, b1), cols.reshape(-1, k * k * c)
+            return
+        # The same memory, not just the same object: a layer's backward returns a new view of its
+        # buffer each step.  The plan holds ``a``, so no other array can take over its address.
+        where = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype, chunks)
+        plan = ws.saved.get(key + "_plan")
+        if plan is None or plan[1] != where:
+            plan = ws.saved[key + "_plan"] = (a, where, kernels.im2col_plan(a4, cols_of, pad, pad_ws, stride, chunks))
+        for chunk, step in zip(chunks, plan[2]):
+            kernels.run_im2col(step)
+            yield chunk, step[-1]
+
+    def _chunks(self, x, channels=None):
+        """Image ranges [b0, b1) of the batch: cache-sized on the CPU, the whole batch on a GPU.
+
+        The size is that of the forward's im2col of ``x``, or with ``channels``
+        that of the input-sized im2col of ``dy`` (``_backward_as_conv``).
+        """
         n = x.shape[0]
         if self.algorithm == "whole" or not kernels.on_host(x):
             return [(0, n)]
-        ho, wo = self.out_hw
-        per_image = ho * wo * self.k * self.k * self.in_hwc[2] * x.dtype.itemsize
+        hw = self.in_hwc[:2] if channels else self.out_hw
+        per_image = hw[0] * hw[1] * self.k * self.k * (channels or self.in_hwc[2]) * x.dtype.itemsize
         step = max(1, CHUNK_BYTES // per_image)
         return [(b, min(b + step, n)) for b in range(0, n, step)]
 
@@ -112,9 +156,9 @@ class Conv2D(Layer):
         n, f = x.shape[0], self.filters
         ho, wo = self.out_hw
         y = ws.array("y", (n, ho, wo, f), x.dtype)
-        w2 = p["weights"].reshape(-1, f)
-        for b0, b1 in self._chunks(x):
-            kernels.gemm(self._cols(x[b0:b1], ws), w2, y[b0:b1].reshape(-1, f))
+        w2, y2, rows = p["weights"].reshape(-1, f), y.reshape(-1, f), ho * wo
+        for (b0, b1), cols in self._im2col_chunks(x, ws):
+            kernels.gemm(cols, w2, y2[b0 * rows: b1 * rows])
         if self.bias is not None:
             kernels.bias_add(y.reshape(-1, f), p["biases"])
         # "whole" keeps the batch's im2col for backward (one chunk); "chunked" recomputes it there.
@@ -123,8 +167,12 @@ class Conv2D(Layer):
 
     def backward(self, p, g, dy, ws, need_dx):
         x, f = ws.saved["x"], self.filters
-        chunks = self._chunks(x)
         dy2 = dy.reshape(-1, f)  # dy is a contiguous NHWC buffer: a view
+        if self.bias is not None:
+            kernels.bias_grad(dy2, g["biases"], ws)
+        if need_dx and self._dx_conv:
+            return self._backward_as_conv(p["weights"], g["weights"].reshape(-1, f), x, dy, ws)
+        chunks = self._chunks(x)
         gw = g["weights"].reshape(-1, f)
         rows = dy2.shape[0] // x.shape[0]
         if len(chunks) == 1:  # the forward's im2col is still in the workspace
@@ -132,13 +180,10 @@ class Conv2D(Layer):
                          trans_a=True)
         else:
             part = ws.array("dw_part", gw.shape, gw.dtype)
-            for i, (b0, b1) in enumerate(chunks):
-                kernels.gemm(self._cols(x[b0:b1], ws), dy2[b0 * rows: b1 * rows], gw if i == 0 else part,
-                             trans_a=True)
+            for i, ((b0, b1), cols) in enumerate(self._im2col_chunks(x, ws)):
+                kernels.gemm(cols, dy2[b0 * rows: b1 * rows], gw if i == 0 else part, trans_a=True)
                 if i:
                     gw += part
-        if self.bias is not None:
-            kernels.bias_grad(dy2, g["biases"], ws)
         if not need_dx:
             return None
         n = dy.shape[0]
@@ -155,27 +200,40 @@ class Conv2D(Layer):
         return (n,) + self.out_hw + (self.k, self.k, self.in_hwc[2])
 
     def _dx(self, weights, dy, ws):
-        """The input gradient of the images of ``dy`` (n, Ho, Wo, F)."""
+        """The input gradient of the images of ``dy`` (n, Ho, Wo, F) by ``dcols = dy @ W.T`` and col2im."""
         k, f = self.k, self.filters
         n = dy.shape[0]
         h, w, c = self.in_hwc
         ho, wo = self.out_hw
-        if self._dx_conv:
-            return self._dx_as_conv(weights, dy.reshape(n, ho, wo, f), ws)
         dcols = ws.array("dcols", (n, ho, wo, k, k, c), dy.dtype)
         kernels.gemm(dy.reshape(-1, f), weights.reshape(-1, f), dcols.reshape(n * ho * wo, k * k * c), trans_b=True)
         # col2im: each tap (i, j) adds its slice back where it was read from.
         return kernels.col2im(dcols, (h, w), self.pad, ws, self.stride)
 
-    def _dx_as_conv(self, weights, dy, ws):
-        """dx[i] = sum_a dy[i + top - a] W[a]: dy, padded by k-1-top, convolved with W turned 180 degrees."""
+    def _backward_as_conv(self, weights, gw, x, dy, ws):
+        """Stride 1: both gradients from ONE im2col of ``dy``, padded by k-1-top (``dcols``, row = input pixel).
+
+        ``dcols[q, a'] = dy[q + top - a]`` for the tap a' = k-1-a, so
+        ``dx = dcols @ W`` turned 180 degrees with its channels swapped (the
+        forward convolution of dy), and ``dW[a] = sum_q x[q]^T dcols[q, a']``,
+        i.e. ``x^T @ dcols`` (C, k*k*F), taps turned back.  Chunked as the
+        forward; ``dx`` is written in place, chunk by chunk.
+        """
         k, f = self.k, self.filters
         n = dy.shape[0]
         h, w, c = self.in_hwc
-        w_rot = ws.array("w_rot", (k, k, f, c), weights.dtype)
-        w_rot[...] = weights[::-1, ::-1].transpose(0, 1, 3, 2)
-        dcols = ws.array("dy_cols", (n, h, w, k, k, f), dy.dtype)
-        kernels.im2col(dy, dcols, (k - 1 - self.pad[0], k - 1 - self.pad[1]), ws.child(0))
+        w_rot = ws.array("w_rot", (k * k * f, c), weights.dtype)
+        w_rot.reshape(k, k, f, c)[...] = weights[::-1, ::-1].transpose(0, 1, 3, 2)
+        dw_rot = ws.array("dw_rot", (c, k * k * f), gw.dtype)
+        x2 = x.reshape(-1, c)
         dx = ws.array("dx", (n, h, w, c), dy.dtype)
-        kernels.gemm(dcols.reshape(n * h * w, k * k * f), w_rot.reshape(k * k * f, c), dx.reshape(-1, c))
-        return dx
+        dx2 = dx.reshape(-1, c)
+        for i, ((b0, b1), dcols) in enumerate(self._im2col_chunks(dy, ws, of_dy=True)):
+            r0, r1 = b0 * h * w, b1 * h * w
+            kernels.gemm(dcols, w_rot, dx2[r0:r1])
+            part = dw_rot if i == 0 else ws.array("dw_part", dw_rot.shape, gw.dtype)
+            kernels.gemm(x2[r0:r1], dcols, part, trans_a=True)
+            if i:
+                dw_rot += part
+        gw.reshape(k, k, c, f)[...] = dw_rot.reshape(c, k, k, f)[:, ::-1, ::-1].transpose(1, 2, 0, 3)
+        return dx.reshape(ws.saved["x_shape"])

@@ -281,23 +281,47 @@ def bias_add(y, b) -> None:
 
 
 def relu(x, y) -> None:
-    """``y = maximum(x, 0)`` (NaN passes through, as NumPy's maximum)."""
-    if on_host(x) or x.size > _INT_MAX:
+    """``y = maximum(x, 0)`` (NaN passes through, as NumPy's maximum).
+
+    NumPy: against an array of zeros, not the scalar 0: the same values, but
+    its array-array loop is SIMD and 2-3x faster than the array-scalar one
+    (0.30 against 0.72 ms on a 4 MB activation).
+    """
+    if on_host(x):
+        numpy.maximum(x, host_zeros(x.shape, x.dtype), out=y)
+        return
+    if x.size > _INT_MAX:
         array_module(x).maximum(x, 0, out=y)
         return
     _check(x)
     _launch("relu", x.size, x, y, _i(x.size))
 
 
+_HOST_ZEROS: dict = {}  # dtype -> a read-only vector of zeros, grown as needed (shared by all towers' threads)
+
+
+def host_zeros(shape: tuple, dtype):
+    """A read-only NumPy array of zeros shaped ``shape``: a view of one vector per dtype, made once."""
+    size = int(numpy.prod(shape))
+    z = _HOST_ZEROS.get(numpy.dtype(dtype))
+    if z is None or z.size < size:
+        z = numpy.zeros(max(size, 1 << 16), dtype)
+        z.flags.writeable = False
+        _HOST_ZEROS[numpy.dtype(dtype)] = z  # a thread that grew it concurrently just made one more
+    return z[:size].reshape(shape)
+
+
 def relu_backward(y, dy, mask=None) -> None:
     """In place: ``dy *= (y > 0)`` (as 1.0 / 0.0, so signs and NaN follow the multiply).
 
-    ``mask`` is the NumPy path's scratch, shaped like ``y``.
+    ``mask`` is the NumPy path's scratch: a bool array shaped like ``y``
+    (a quarter of a float mask's memory traffic: the two passes take 0.63
+    instead of 0.90 ms on a 4 MB activation, with the same products).
     """
     if on_host(y) or y.size > _INT_MAX:
         xp = array_module(y)
-        mask = mask if mask is not None else xp.empty_like(y)
-        xp.greater(y, 0, out=mask)  # 1.0 / 0.0 in the float dtype: no bool temp
+        mask = mask if mask is not None else xp.empty(y.shape, dtype=bool)
+        xp.greater(y, 0, out=mask)
         xp.multiply(dy, mask, out=dy)
         return
     _check(dy)
@@ -494,21 +518,66 @@ def im2col(x, cols, pad: tuple, ws, stride: int = 1) -> None:
     stride - left); taps outside the image read 0.  NumPy (and CuPy for
     ``stride`` > 1): the input is copied into a zero-bordered workspace buffer
     (zeroed once; only its interior is rewritten), then ONE strided copy of its
-    window view (each (j, c) run of a tap row is contiguous in the buffer).
+    window view (each (j, c) run of a tap row is contiguous in the buffer; on
+    the CPU each run moves as one element of a void dtype, a memcpy).
     """
     n, ho, wo, k, _, c = cols.shape
     h, w = x.shape[1:3]
     if on_host(x) or stride != 1 or max(x.size, cols.size) > _INT_MAX:
-        xp = ws.xp
         src = padded(ws, "xpad", x, pad, ((ho - 1) * stride + k, (wo - 1) * stride + k), 0)
+        if on_host(src):
+            dst, win = _window_rows(src, cols, stride)
+            dst[...] = win
+            return
         s = src.strides
-        win = xp.lib.stride_tricks.as_strided(src, shape=(n, ho, wo, k, k, c),
-                                              strides=(s[0], s[1] * stride, s[2] * stride, s[1], s[2], s[3]))
-        cols[...] = win
+        cols[...] = ws.xp.lib.stride_tricks.as_strided(
+            src, shape=(n, ho, wo, k, k, c), strides=(s[0], s[1] * stride, s[2] * stride, s[1], s[2], s[3]))
         return
     _check(x)  # the layer input: a user's layer may hand in a strided view, which the kernel would misread
     _launch("im2col", cols.size, x, cols, _i(cols.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k),
             _i(pad[0]), _i(pad[1]))
+
+
+def _window_rows(src, cols, stride: int):
+    """(dst, win): NumPy ``cols (n, ho, wo, k, k, c)`` and the windows of the padded ``src``, as arrays of rows.
+
+    A window row (k taps x c channels) is one contiguous run in both arrays, so
+    each is ONE element of a k*c-float void dtype: ``dst[...] = win`` is
+    im2col's copy, a memcpy a row (15-25% faster than k*c floats at a time).
+    """
+    n, ho, wo, k, _, c = cols.shape
+    s = src.strides
+    row = numpy.dtype((numpy.void, k * c * src.itemsize))
+    return (cols.reshape(n, ho, wo, k, k * c).view(row)[..., 0],
+            numpy.ndarray((n, ho, wo, k), row, src, 0, (s[0], s[1] * stride, s[2] * stride, s[1])))
+
+
+def im2col_plan(x, cols_of, pad: tuple, ws, stride: int, chunks) -> list:
+    """The CPU's im2col of ``x (n, h, w, c)`` chunk by chunk, as views made once; ``run_im2col`` runs a chunk's.
+
+    Per chunk [b0, b1): (interior, images, dst, win, cols) -- ``padded``'s copy
+    and ``im2col``'s as views, and the chunk's cols (rows, k*k*c), from
+    ``cols_of(m)`` (an m-image chunk's (m, ho, wo, k, k, c) buffer).  A chunk
+    then costs two NumPy calls and no Python bookkeeping (with a chunk an image,
+    that bookkeeping was a fifth of a 16-channel layer's forward).  The views
+    stay valid while ``x`` (C-contiguous) and the workspace buffers are the same
+    arrays, as a layer's input and buffers are from step to step.
+    """
+    plan = []
+    for b0, b1 in chunks:
+        cols = cols_of(b1 - b0)
+        _, ho, wo, k, _, c = cols.shape
+        src, interior, images = _pad_views(ws, "xpad", x[b0:b1], pad, ((ho - 1) * stride + k, (wo - 1) * stride + k), 0)
+        plan.append((interior, images) + _window_rows(src, cols, stride) + (cols.reshape(-1, k * k * c),))
+    return plan
+
+
+def run_im2col(step) -> None:
+    """One chunk of an ``im2col_plan``: its images into the padded buffer, then its window rows into cols."""
+    interior, images, dst, win, _ = step
+    if interior is not None:
+        interior[...] = images
+    dst[...] = win
 
 
 def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1):
@@ -545,14 +614,24 @@ def padded(ws, key: str, x, pad: tuple, hw: tuple, fill: float):
     calls rewrite the interior only.  Without padding, and with every window
     inside the input, ``x`` itself is returned (read in place).
     """
+    src, interior, images = _pad_views(ws, key, x, pad, hw, fill)
+    if interior is not None:
+        interior[...] = images
+    return src
+
+
+def _pad_views(ws, key: str, x, pad: tuple, hw: tuple, fill: float):
+    """(buffer, interior, images): ``padded``'s buffer and its copy as views (``interior[...] = images``).
+
+    (x, None, None) where x is read in place (C-contiguous; a copy otherwise).
+    """
     n, h, w, c = x.shape
     (t, l), (hp, wp) = pad, hw
     if (t, l) == (0, 0) and hp <= h and wp <= w:
-        return x if x.flags.c_contiguous else ws.xp.ascontiguousarray(x)
+        return (x if x.flags.c_contiguous else ws.xp.ascontiguousarray(x)), None, None
     src = zeroed(ws, key, (n, hp, wp, c), x.dtype, fill)
     hh, ww = min(h, hp - t), min(w, wp - l)
-    src[:, t: t + hh, l: l + ww, :] = x[:, :hh, :ww, :]
-    return src
+    return src, src[:, t: t + hh, l: l + ww, :], x[:, :hh, :ww, :]
 
 
 def crop(ws, dpad, pad: tuple, hw: tuple):

@@ -89,9 +89,15 @@ class Workspace:
 
 
 class Layer:
-    """Base class: a layer without parameters that passes its input through."""
+    """Base class: a layer without parameters that passes its input through.
+
+    ``keeps_dy``: True where ``backward`` only reads ``dy`` (never writes into
+    it), so a container may hand the same ``dy`` to another layer afterwards
+    (``Residual``: body and shortcut) instead of a copy.
+    """
 
     scope: str | None = None
+    keeps_dy: bool = False
 
     def build(self, in_shape: tuple) -> tuple[list[Param], tuple]:
         return [], tuple(in_shape)
@@ -166,7 +172,7 @@ class ReLU(Layer):
         if not need_dx:
             return None
         y = ws.saved["y"]
-        mask = ws.array("mask", y.shape, y.dtype) if kernels.on_host(y) else None
+        mask = ws.array("mask", y.shape, bool) if kernels.on_host(y) else None
         kernels.relu_backward(y, dy, mask)  # dy is the next layer's scratch: safe in place
         return dy
 

@@ -71,6 +71,8 @@ class BatchNorm(Layer):
     beta (e.g. before a ReLU, where gamma is redundant with the next layer).
     """
 
+    keeps_dy = True  # backward reads dy only
+
     def __init__(self, scope: str, momentum: float = 0.99, epsilon: float = 1e-3,
                  scale: bool = True, center: bool = True):
         if not 0 <= momentum < 1 or not epsilon > 0:

@@ -14,8 +14,9 @@ Its layers are built, named and run by the block: a nested layer's
 parameters are named ``<block scope>/<layer scope>/<name>`` and each nested
 layer has its own workspace (``ws.child(i)``), so nested layers follow the
 layer API unchanged.  Backward: the ReLU's mask is applied to the incoming
-gradient twice, once into a buffer for the body (which may overwrite it) and
-once in place for the shortcut; the input gradient is their sum.
+gradient in place; the body and then the shortcut take it (the body a copy
+when its last layer may write into its ``dy``: not ``keeps_dy``); the input
+gradient is their sum.
 """
 from __future__ import annotations
 
@@ -144,15 +145,15 @@ class Residual(Layer):
         return y
 
     def backward(self, p, g, dy, ws, need_dx):
-        xp, nb = ws.xp, len(self.body)
+        nb = len(self.body)
         pp, gp = self._parts(p, ws, "p_parts"), self._parts(g, ws, "g_parts")
         y = ws.saved["y"]
-        mask = ws.array("mask", y.shape, y.dtype)
-        xp.greater(y, 0, out=mask)  # 1.0 / 0.0: no bool temporary
-        d_body = ws.array("d_body", y.shape, y.dtype)
-        xp.multiply(dy, mask, out=d_body)
-        dy *= mask  # dy is the next layer's scratch: safe in place
-        d = d_body
+        mask = ws.array("mask", y.shape, bool) if kernels.on_host(y) else None
+        kernels.relu_backward(y, dy, mask)  # dy is the next layer's scratch: safe in place
+        d = dy
+        if not self.body[-1].keeps_dy:  # it may write into its dy, which the shortcut reads after it
+            d = ws.array("d_body", y.shape, y.dtype)
+            d[...] = dy
         for i in range(nb - 1, -1, -1):
             d = self.body[i].backward(pp[i], gp[i], d, ws.child(i), need_dx or i > 0)
         ds = dy
