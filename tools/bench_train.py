@@ -313,6 +313,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--batch-size", type=int, default=100)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--only-resnet", action="store_true", help="measure the ResNet-20 rows alone")
     a = ap.parse_args(argv)
     if a.worker:
         print(json.dumps({"samples_per_sec": WORKERS[a.worker](a)}), flush=True)
@@ -333,7 +334,9 @@ def main(argv=None) -> int:
         "towers 1 tower, batch 100 (bare step)": ("towers-bare", dict(towers=1, steps=s)),
         "input pipeline alone, global 200": ("pipeline", dict(towers=2)),
     }
-    if not a.no_torch and _have("torch"):
+    if a.only_resnet:  # the ResNet-20 rows alone (issue 18's target), without the MLP's and LeNet-5's
+        plan, a.no_tf, a.no_lenet = {}, True, True
+    if not a.no_torch and _have("torch") and plan:
         plan["PyTorch eager, batch 100"] = ("torch", dict(global_batch=100, steps=s))
         plan["PyTorch eager, batch 200"] = ("torch", dict(global_batch=200, steps=s))
     if not a.no_tf and _have("tensorflow"):
