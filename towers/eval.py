@@ -15,7 +15,7 @@ import sys
 import time
 
 from towers.cli import Parser, run_main, show_notices, warn_about
-from towers.errors import UserError, flags_in_messages
+from towers.errors import UserError
 from towers.output.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, \
     model_weights, named_to_flat
 from towers.data.image.load import describe_classes
@@ -175,11 +175,6 @@ def _run(args, ev: "Evaluator") -> None:
 
 
 def main(argv=None) -> int:
-    with flags_in_messages():  # the loader's messages name flags (--test-data), as in towers.train
-        return _main(argv)
-
-
-def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     show_notices()  # the loader's notices (an index being built, records skipped)
 

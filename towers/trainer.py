@@ -23,7 +23,6 @@ per host and has the same public API.
 """
 from __future__ import annotations
 
-
 import numpy
 
 from towers.config import Config
@@ -45,7 +44,6 @@ from towers.parallel.reducers import Reducer, make_reducer
 from towers.profiling import PhaseTimer
 from towers.step.engine import StepEngine, check_indices
 from towers.step.tower import ModelState, build_towers
-
 
 
 class Trainer:

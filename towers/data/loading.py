@@ -22,16 +22,11 @@ readers (and protobuf behind them) are imported when a path needs them, so
 """
 from __future__ import annotations
 
-
 from towers.data.dataset import Dataset, check_test_split, load_npz, npz_has
 from towers.data.image.folder import is_image_folder
 from towers.data.inputs import is_tfrecord
 from towers.data.tfrecord.schema import UsageError, parse_image_decode
 from towers.errors import UserError, notice
-
-
-def _say(message):
-    notice(message)
 
 
 def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_error="stop", workers=2,
@@ -50,7 +45,7 @@ def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_err
         from towers.data.image.load import load_images
 
         return load_images(path, x_key, y_key, test_path, decode, on_error, workers, augment, normalize, image_size,
-                           seed, say=_say)
+                           seed, say=notice)
     try:
         return _load(path, x_key, y_key, test_path, decode, on_error, workers)
     except UsageError as e:
@@ -73,7 +68,7 @@ def _load(path, x_key, y_key, test_path, decode, on_error, workers):
         return load_npz(path, x_key, y_key, test_path)
     from towers.data.tfrecord.records import load_split
 
-    options = dict(x_key=x_key, y_key=y_key, decode=decode, on_error=on_error, workers=workers, say=_say)
+    options = dict(x_key=x_key, y_key=y_key, decode=decode, on_error=on_error, workers=workers, say=notice)
     if is_tfrecord(path):
         x, y = load_split(path, **options)
     else:
