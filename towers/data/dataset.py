@@ -75,6 +75,26 @@ def input_scale(dtype) -> numpy.float32 | None:
     return PIXEL_SCALE if numpy.dtype(dtype) == numpy.uint8 else None
 
 
+class OnDemand:
+    """NumPy-style reads of examples made on demand (TFRecord records, decoded images): ``x[i]``,
+    ``x[a:b]`` and ``x[rows]`` through the subclass's ``submit(rows).result()``; ``rows`` names them in
+    an IndexError.  ``Dataset.close`` stops what such arrays run."""
+
+    rows = "examples"
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return self.submit(numpy.arange(len(self))[key]).result()
+        if numpy.ndim(key) == 0:
+            if not -len(self) <= key < len(self):
+                raise IndexError(f"index {key} is out of range for {len(self)} {self.rows}")
+            return self.submit(numpy.array([key]) % len(self)).result()[0]
+        return self.submit(numpy.asarray(key)).result()
+
+
 @dataclass
 class Dataset:
     x: numpy.ndarray  # (N, ...) uint8 or float32
@@ -96,7 +116,7 @@ class Dataset:
         A no-op for arrays in memory or mapped from an npz file.
         """
         for array in (self.x, self.x_test):
-            if hasattr(array, "submit"):  # read on demand: RecordArray, towers.data.image.array.ImageArray
+            if isinstance(array, OnDemand):  # RecordArray, towers.data.image.array.ImageArray
                 array.close()
 
     @property

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy
 
-from towers.data.dataset import input_scale
+from towers.data.dataset import OnDemand, input_scale
 from towers.devices.placement import empty_pinned
 from towers.nn import kernels
 
@@ -33,7 +33,7 @@ def fits_on(devices, dataset) -> bool:
     """Whether the training set may live on every (GPU) device of ``devices``."""
     if not devices or not all(d.is_gpu for d in devices):
         return False
-    if hasattr(dataset.x, "submit"):  # read (and augmented) on demand by the input workers: stays on the host
+    if isinstance(dataset.x, OnDemand):  # read (and augmented) on demand by the input workers: stays on the host
         return False
     import cupy
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from towers.data.dataset import OnDemand
 from towers.data.image.workers import WorkerDied, transform_rows
 from towers.data.tfrecord.framing import TFRecordError
 from towers.errors import TrainingError
@@ -30,7 +31,7 @@ from towers.errors import TrainingError
 REPORTED = 10
 
 
-class ImageArray:
+class ImageArray(OnDemand):
     """``len(source)`` examples of ``transform.shape`` made by ``workers`` from ``source``."""
 
     augments = True  # BatchSource passes the examples' epochs to submit
@@ -49,18 +50,6 @@ class ImageArray:
 
     def __len__(self):
         return self.shape[0]
-
-    def __repr__(self):
-        return f"ImageArray({self.name!r}, shape={self.shape}, dtype={self.dtype})"
-
-    def __getitem__(self, key):
-        if isinstance(key, slice):
-            return self.submit(np.arange(len(self))[key]).result()
-        if np.ndim(key) == 0:
-            if not -len(self) <= key < len(self):
-                raise IndexError(f"index {key} is out of range for {len(self)} examples")
-            return self.submit(np.array([key]) % len(self)).result()[0]
-        return self.submit(np.asarray(key)).result()
 
     def submit(self, rows, epochs=None) -> "_Batch":
         rows = np.asarray(rows, np.int64)

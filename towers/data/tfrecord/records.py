@@ -64,6 +64,7 @@ import weakref
 
 import numpy as np
 
+from towers.data.dataset import OnDemand
 from towers.data.tfrecord.columns import ColumnStats, ColumnStore
 from towers.data.inputs import expand_inputs
 from towers.data.orphans import watch_parent
@@ -359,7 +360,9 @@ class _Result:
                                 "resume from the last checkpoint with `resume`") from None
 
 
-class RecordArray:
+class RecordArray(OnDemand):
+    rows = "records"
+
     """The examples of TFRecord files, read on demand: ``shape``, ``dtype``, ``len``, ``x[indices]``, ``x[a:b]``.
 
     ``submit(indices)`` starts reading those records (global row numbers, any
@@ -400,18 +403,6 @@ class RecordArray:
         self.__dict__.update(state)
         self._reader = Gatherer(*self._spec)
         self._pool_lock = threading.Lock()
-
-    def __repr__(self):
-        return f"RecordArray({self.name!r}, shape={self.shape}, dtype={self.dtype})"
-
-    def __getitem__(self, key):
-        if isinstance(key, slice):
-            return self.submit(np.arange(len(self))[key]).result()
-        if np.ndim(key) == 0:
-            if not -len(self) <= key < len(self):
-                raise IndexError(f"index {key} is out of range for {len(self)} records")
-            return self.submit(np.array([key]) % len(self)).result()[0]
-        return self.submit(np.asarray(key)).result()
 
     def submit(self, indices):
         idx = np.asarray(indices, np.int64)
