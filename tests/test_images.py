@@ -219,6 +219,25 @@ def test_augmented_training_does_not_depend_on_workers_and_resumes_exactly(tmp_p
     assert _md5(tmp_path / "plain" / "final.npz") != whole  # the augmentation did something
 
 
+def test_a_cluster_hosts_slices_are_augmented_as_the_one_process_batches(tmp_path):
+    from towers.cluster.hosts import HostBatches
+    from towers.data.batches import BatchSource
+
+    x, y = _images()
+    ds = load_dataset(_records(tmp_path / "d.tfrecords", x, y), "image/encoded", "image/class/label",
+                      decode=DECODE, workers=2, augment="cifar")
+    try:
+        whole, hosts = BatchSource(ds, 20, seed=3), [HostBatches(ds, 20, 3, 0, 12), HostBatches(ds, 20, 3, 12, 20)]
+        for _ in range(4):  # 80 examples: into the second epoch
+            xb, yb = whole.next_batch()
+            parts = [host.next_batch() for host in hosts]
+            assert np.array_equal(np.concatenate([p[0] for p in parts]), xb)
+            assert np.array_equal(np.concatenate([p[1] for p in parts]), yb)
+        assert not np.array_equal(xb, ds.x[whole.next_indices()])  # augmented, not the evaluation path
+    finally:
+        ds.close()
+
+
 # -- damaged images, killed runs --------------------------------------------------------------------------
 
 
@@ -245,6 +264,33 @@ def test_an_image_that_does_not_decode_mid_run_stops_or_is_skipped(tmp_path):
         assert batch.shape == (2, 12, 12, 1) and ds.x.skipped == 1  # 17 replaced by 20, the next of its class
     finally:
         ds.close()
+
+
+def test_a_damaged_record_or_a_dead_worker_mid_run_is_one_line(tmp_path):
+    import multiprocessing
+
+    x, y = _images()
+    path = _records(tmp_path / "d.tfrecords", x, y)
+    ds = load_dataset(path, "image/encoded", "image/class/label", decode=DECODE, workers=2, augment="cifar")
+    rows, epochs = np.arange(20), np.zeros(20, np.int64)
+    try:
+        ds.x.submit(rows, epochs).result()
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0xFF  # a record's payload no longer matches its CRC
+        open(path, "wb").write(bytes(data))
+        with pytest.raises(TrainingError, match=f"{path}: record [0-9]+ at byte offset"):
+            for start in range(0, 60, 20):  # both workers, every record
+                ds.x.submit(rows + start, epochs).result()
+                ds.x.submit(rows + start, epochs).result()
+        workers = multiprocessing.active_children()
+        assert len(workers) == 2
+        os.kill(workers[0].pid, signal.SIGKILL)
+        with pytest.raises(TrainingError, match="an input worker process died.*resume"):
+            for _ in range(2):  # one batch each
+                ds.x.submit(rows, epochs).result()
+    finally:
+        ds.close()
+    assert not multiprocessing.active_children()
 
 
 _DRIVER = """

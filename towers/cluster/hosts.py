@@ -36,7 +36,7 @@ from towers.cluster.ps import HostSide
 from towers.cluster.reduce import BoardMean, ObjectStoreMean
 from towers.cluster.session import same_priority
 from towers.cluster.state import cluster_state, towers_per_update
-from towers.data.batches import BatchSource, InputPosition
+from towers.data.batches import BatchSource, InputPosition, start_batch
 from towers.devices.cpu_threads import cpu_count
 from towers.devices.placement import resolve, to_host
 from towers.parallel.reducers import make_reducer
@@ -63,9 +63,8 @@ class HostBatches:
         self.x, self.y, self.lo, self.hi = dataset.x, dataset.y, lo, hi
 
     def next_batch(self):
-        idx = self.source.next_indices()[self.lo: self.hi]
-        submit = getattr(self.x, "submit", None)  # TFRecord records: read by their workers
-        return (self.x[idx] if submit is None else submit(idx).result()), self.y[idx]
+        idx, epochs = self.source.next_positions()
+        return start_batch(self.x, self.y, idx[self.lo: self.hi], epochs[self.lo: self.hi]).result()
 
 
 def _losses(losses) -> list[float] | None:

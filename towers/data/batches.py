@@ -68,19 +68,23 @@ class BatchSource:
         return self.submit_batch().result()
 
     def submit_batch(self) -> "_Batch":
-        """The next global batch, started: ``result()`` gives (x, y).
+        """The next global batch, started: ``result()`` gives (x, y)."""
+        return start_batch(self.x, self.y, *self.next_positions())
 
-        Examples with a ``submit`` method (TFRecord records,
-        ``towers.data.tfrecord.records``; images, ``towers.data.image.array``)
-        are read by their worker processes meanwhile; arrays in memory are
-        gathered here and now.  Arrays that augment (``augments``) also get
-        each example's epoch: its random draws come from (seed, epoch, index).
-        """
-        idx, epochs = self.next_positions()
-        submit = getattr(self.x, "submit", None)
-        if submit is None:
-            return _Batch(self.x[idx], self.y[idx])
-        return _Batch(submit(idx, epochs) if getattr(self.x, "augments", False) else submit(idx), self.y[idx])
+
+def start_batch(x, y, idx, epochs) -> "_Batch":
+    """The examples ``idx`` (drawn in ``epochs``) of ``x`` and ``y``, started: ``result()`` gives (x, y).
+
+    Examples with a ``submit`` method (TFRecord records,
+    ``towers.data.tfrecord.records``; images, ``towers.data.image.array``)
+    are read by their worker processes meanwhile; arrays in memory are
+    gathered here and now.  Arrays that augment (``augments``) also get each
+    example's epoch: its random draws come from (seed, epoch, index).
+    """
+    submit = getattr(x, "submit", None)
+    if submit is None:
+        return _Batch(x[idx], y[idx])
+    return _Batch(submit(idx, epochs) if getattr(x, "augments", False) else submit(idx), y[idx])
 
 
 class InputPosition:

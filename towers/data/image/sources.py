@@ -48,14 +48,14 @@ class RecordSource:
         return len(self._pos)
 
     def refs(self, rows):
-        return self._pos[np.asarray(rows, np.int64)].tolist()  # lists: cheaper to pickle and unpack
+        return np.asarray(rows, np.int64)  # a worker has the positions: only row numbers travel
 
     def where(self, ref) -> str:
-        f, offset, _, number = ref
+        f, offset, _, number = self._pos[ref].tolist()
         return f"{self.paths[f]}: record {number} at byte offset {offset}: feature {self.feature!r}"
 
     def read(self, ref) -> bytes:
-        f, offset, length, number = ref
+        f, offset, length, number = self._pos[ref].tolist()
         file = self._open.get(f)
         if file is None:
             file = self._open[f] = RecordFile(self.paths[f], mapped=False)
@@ -89,17 +89,17 @@ class FileSource:
         return len(self.paths)
 
     def refs(self, rows):
-        return [self.paths[i] for i in np.asarray(rows).tolist()]
+        return np.asarray(rows, np.int64)  # a worker has the paths: only row numbers travel
 
     def where(self, ref) -> str:
-        return str(ref)
+        return str(self.paths[ref])
 
     def read(self, ref) -> bytes:
         try:
-            with open(ref, "rb") as f:
+            with open(self.paths[ref], "rb") as f:
                 return f.read()
         except OSError as e:
-            raise SourceError(f"{ref}: cannot be read ({e.strerror or e})") from None
+            raise SourceError(f"{self.paths[ref]}: cannot be read ({e.strerror or e})") from None
 
     def close(self) -> None:
         pass

@@ -1,13 +1,27 @@
 """Input worker processes: per-example transforms run in parallel, batches come back through shared memory.
 
 A :class:`Workers` pool serves every image array of a data set (training and
-test share it).  ``start(sid, rows...)`` splits a batch into one chunk per
-worker; each worker reads its rows from the source, transforms them
+test share it).  ``start(sid, rows...)`` hands a batch to the workers as
+chunks of rows; a worker reads its rows from the source, transforms them
 (``towers.data.image.augment.Transform``) and writes the results straight into
 a shared-memory block that the main process allocated for the whole batch, so
-only row references travel to the workers and only a list of failures comes
-back (no pickled arrays).  ``workers=0`` runs the chunk in the calling thread
-(the input thread), into ordinary memory.
+only row numbers travel to the workers and only a list of failures comes back
+(no pickled arrays).  ``workers=0`` runs the chunk in the calling thread (the
+input thread), into ordinary memory.
+
+Chunks: a training batch (``epochs`` given) is one chunk, for the next worker
+in turn: the batch thread keeps at least two batches per worker in flight, so
+every worker stays busy, and the main process pays one hand-off per batch.  A
+batch read once (evaluation, indexing) is split into one chunk per worker, as
+nothing else keeps the other workers busy meanwhile.
+
+Hand-offs: each worker has its own pipe; chunks go down it in order and their
+answers come back in the same order, read by whichever thread waits for one.
+Not ``concurrent.futures.ProcessPoolExecutor``: its hand-off passes through
+two more threads of the main process (the executor's manager and its queue's
+feeder), and on 2 cores, with both cores decoding, those threads' wake-ups
+held 2 workers to 1.1-1.5x one worker on 32x32 JPEGs (``tools/bench_input.py
+--images``); direct pipes and whole-batch chunks measured 1.7-1.9x.
 
 Order and memory: the caller (``towers.data.batches.Prefetcher``) keeps a
 bounded number of batches in flight and takes them in order.  A block is
@@ -16,11 +30,12 @@ and reused for the next batch of the same size, so the blocks in use are the
 batches in flight plus those the trainer still holds.
 
 Cleanup: :meth:`Workers.close` (the trainer's ``close``: normal exit, Ctrl-C,
-SIGTERM) stops the workers and unlinks every block.  A worker watches its
-parent (``towers.data.orphans``) and exits as soon as the parent is gone
-(``kill -9``, the OOM killer), so no worker outlives a dead run; the blocks
-are registered with multiprocessing's resource tracker, which unlinks them
-once the main process and the workers that hold its pipe have all exited.
+SIGTERM) stops the workers and unlinks every block.  A worker ends when its
+pipe closes and watches its parent (``towers.data.orphans``), so it exits as
+soon as the parent is gone (``kill -9``, the OOM killer) even mid-chunk and no
+worker outlives a dead run; the blocks are registered with multiprocessing's
+resource tracker, which unlinks them once the main process and the workers
+that hold its pipe have all exited.
 
 Sync points: ``_Chunks.wait`` waits for a batch's chunks (the caller's only
 wait).  Limits: workers are spawned (not forked: the trainer's threads must
@@ -29,7 +44,6 @@ read; a worker keeps at most ``ATTACHED`` blocks mapped.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import multiprocessing
 import os
@@ -89,12 +103,28 @@ def _keep_heap() -> None:
         pass  # not glibc: its allocator's defaults
 
 
-def _start_worker(sources, parent: int) -> None:
+def _serve(conn, sources, parent: int) -> None:
+    """A worker's life: chunks from ``conn``, each answered in turn with ("ok", failures) or ("error", exception)."""
     _keep_heap()
     _SOURCES[:] = sources
     # Ctrl-C reaches the whole process group: the main process stops the run and then these workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_parent(parent)
+    while True:
+        try:
+            chunk = conn.recv()
+        except EOFError:  # the main process closed the pipe (or is gone)
+            return
+        try:
+            answer = ("ok", _run_chunk(*chunk))
+        except Exception as e:  # a damaged record (TFRecordError): raised where the batch is waited for
+            answer = ("error", e)
+        try:
+            conn.send(answer)
+        except OSError:  # the main process is gone
+            return
+        except Exception:  # an exception that does not pickle (the pipe is untouched): its text instead
+            conn.send(("error", RuntimeError(f"in an input worker: {answer[1]!r}")))
 
 
 def _block(name: str):
@@ -120,22 +150,79 @@ def _run_chunk(sid, name, offset, shape, dtype, refs, epochs, indices):
 class _Chunks:
     """A batch being made: ``wait()`` returns (the batch array, failures as (row, message))."""
 
-    def __init__(self, out, futures, bounds):
-        self.out, self._futures, self._bounds = out, futures, bounds
+    def __init__(self, out, tickets, bounds):
+        self.out, self._tickets, self._bounds = out, tickets, bounds
 
     def wait(self):
         failed = []
-        try:
-            for (start, _), future in zip(self._bounds, self._futures):
-                failed += [(start + k, message) for k, message in future.result()]
-        except concurrent.futures.process.BrokenProcessPool:
-            raise WorkerDied("an input worker process died (out of memory? killed?); resume from the last "
-                             "checkpoint with `resume`") from None
+        for (start, _), ticket in zip(self._bounds, self._tickets):
+            failed += [(start + k, message) for k, message in ticket.result()]
         return self.out, failed
 
 
 class WorkerDied(Exception):
     """The pool lost a worker."""
+
+
+class _Ticket:
+    """A chunk's answer: number ``number`` of ``worker``'s, or ``failures`` when the chunk was made here."""
+
+    def __init__(self, worker=None, number=0, failures=()):
+        self._worker, self._number, self._failures = worker, number, failures
+
+    def result(self):
+        return self._failures if self._worker is None else self._worker.answer(self._number)
+
+
+class _Worker:
+    """One worker process and its pipe: chunks go down in order and their answers come back in that order.
+
+    Whoever waits for an answer reads the pipe, keeping the answers that come
+    first for their own waiters (the input thread and an evaluation in the
+    main thread may wait at once).  ``send`` is called under ``Workers``'s lock.
+    """
+
+    def __init__(self, context, sources, parent: int):
+        self._conn, theirs = context.Pipe()
+        self.process = context.Process(target=_serve, args=(theirs, sources, parent), daemon=True,
+                                       name="towers-input-worker")
+        self.process.start()
+        theirs.close()  # the worker's exit then reads here as the end of the pipe
+        self._sent = self._read = 0
+        self._answers: dict[int, tuple] = {}
+        self._reading = threading.Lock()
+
+    def send(self, chunk) -> _Ticket:
+        try:
+            self._conn.send(chunk)
+        except OSError:
+            raise _died() from None
+        self._sent += 1
+        return _Ticket(self, self._sent - 1)
+
+    def answer(self, number: int):
+        with self._reading:
+            while number not in self._answers:
+                try:
+                    self._answers[self._read] = self._conn.recv()
+                except (EOFError, OSError):
+                    raise _died() from None
+                self._read += 1
+            kind, value = self._answers.pop(number)
+        if kind == "error":
+            raise value
+        return value
+
+    def stop(self) -> None:
+        """End the process now (chunks still queued are not wanted) and close the pipe."""
+        self.process.terminate()
+        self.process.join()
+        self._conn.close()
+
+
+def _died() -> WorkerDied:
+    return WorkerDied("an input worker process died (out of memory? killed?); resume from the last checkpoint "
+                      "with `resume`")
 
 
 class Workers:
@@ -144,7 +231,8 @@ class Workers:
     def __init__(self, n: int):
         self.n = int(n)
         self._sources: list = []
-        self._pool = None
+        self._pool = None  # a _Worker per process, once started
+        self._turn = 0  # the worker that gets the next chunk
         self._free: dict[int, list] = {}  # block size -> blocks not in use
         self._blocks: list = []  # every block made, for close
         # The input thread and the main thread (evaluation) both start batches; re-entrant because a batch
@@ -169,16 +257,18 @@ class Workers:
         return len(self._sources) - 1
 
     def start(self, sid: int, rows, epochs=None) -> _Chunks:
-        """Start making the examples ``rows`` (row numbers of source ``sid``; ``epochs``: training draws)."""
+        """Start making the examples ``rows`` (row numbers of source ``sid``; ``epochs``: training draws).
+
+        A training batch (``epochs``) is one chunk; other reads, one chunk per worker.
+        """
         source, transform = self._sources[sid]
         rows = np.asarray(rows, np.int64)
         shape, dtype = (len(rows),) + transform.shape, transform.dtype
         if self.n == 0 or len(rows) == 0:
             out = np.empty(shape, dtype)
-            done = concurrent.futures.Future()
-            done.set_result(transform_rows(source, transform, source.refs(rows), epochs, rows, out))
-            return _Chunks(out, [done], [(0, len(rows))])
-        per = -(-len(rows) // self.n)
+            failures = transform_rows(source, transform, source.refs(rows), epochs, rows, out)
+            return _Chunks(out, [_Ticket(failures=failures)], [(0, len(rows))])
+        per = len(rows) if epochs is not None else -(-len(rows) // self.n)
         bounds = [(a, min(a + per, len(rows))) for a in range(0, len(rows), per)]
         row_bytes = int(np.prod(transform.shape)) * dtype.itemsize
         with self._lock:
@@ -187,11 +277,14 @@ class Workers:
             block = self._take(len(rows) * row_bytes)
             out = np.asarray(_Lease(block, shape, dtype))
             weakref.finalize(out.base, self._give_back, block)
-            pool = self._executor()
-            futures = [pool.submit(_run_chunk, sid, block.name, a * row_bytes, transform.shape, dtype.str,
-                                   source.refs(rows[a:b]), None if epochs is None else epochs[a:b], rows[a:b])
-                       for a, b in bounds]
-        return _Chunks(out, futures, bounds)
+            workers = self._started()
+            tickets = []
+            for a, b in bounds:
+                tickets.append(workers[self._turn].send(
+                    (sid, block.name, a * row_bytes, transform.shape, dtype.str, source.refs(rows[a:b]),
+                     None if epochs is None else epochs[a:b], rows[a:b])))
+                self._turn = (self._turn + 1) % self.n
+        return _Chunks(out, tickets, bounds)
 
     def _take(self, nbytes: int):
         free = self._free.get(max(nbytes, 1))
@@ -210,11 +303,12 @@ class Workers:
             else:
                 self._free.setdefault(block.size, []).append(block)
 
-    def _executor(self):
+    def _started(self) -> list:
+        """The workers, started on first use (after the first block: they share its resource tracker)."""
         if self._pool is None:
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                self.n, multiprocessing.get_context("spawn"), _start_worker, (self._sources, os.getpid()))
-            # A pool never closed (a Python user without close()) still ends, and its blocks are unlinked,
+            context = multiprocessing.get_context("spawn")
+            self._pool = [_Worker(context, self._sources, os.getpid()) for _ in range(self.n)]
+            # Workers never closed (a Python user without close()) still end, and their blocks are unlinked,
             # when this object is collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, _release, self._pool, self._blocks)
         return self._pool
@@ -238,9 +332,9 @@ class Workers:
 
 
 def _release(pool, blocks) -> None:
-    """Stop ``pool`` (if any) and unlink ``blocks``."""
-    if pool is not None:
-        pool.shutdown(wait=True, cancel_futures=True)
+    """Stop the workers of ``pool`` (if any), then unlink ``blocks`` (no worker can attach one again)."""
+    for worker in pool or ():
+        worker.stop()
     for block in blocks:
         try:
             block.unlink()
