@@ -271,26 +271,111 @@ def test_a_damaged_record_or_a_dead_worker_mid_run_is_one_line(tmp_path):
 
     x, y = _images()
     path = _records(tmp_path / "d.tfrecords", x, y)
-    ds = load_dataset(path, "image/encoded", "image/class/label", decode=DECODE, workers=2, augment="cifar")
     rows, epochs = np.arange(20), np.zeros(20, np.int64)
-    try:
+
+    def opened():
+        ds = load_dataset(path, "image/encoded", "image/class/label", decode=DECODE, workers=2, augment="cifar")
         ds.x.submit(rows, epochs).result()
+        return ds, multiprocessing.active_children()
+
+    ds, workers = opened()
+    try:  # a worker killed with a chunk in it: its answer never comes
+        started = ds.x.submit(rows, epochs)  # nothing waits: one chunk per worker
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join()
+        with pytest.raises(TrainingError, match="an input worker process died.*resume"):
+            started.result()
+    finally:
+        ds.close()
+    ds, workers = opened()
+    try:  # a worker killed between batches: the next chunk for it cannot be sent
+        os.kill(workers[0].pid, signal.SIGKILL)
+        workers[0].join()
+        with pytest.raises(TrainingError, match="an input worker process died.*resume"):
+            for _ in range(2):  # a chunk for each worker
+                ds.x.submit(rows, epochs)
+    finally:
+        ds.close()
+    assert not multiprocessing.active_children()
+    ds, _ = opened()
+    try:
         data = bytearray(open(path, "rb").read())
         data[len(data) // 2] ^= 0xFF  # a record's payload no longer matches its CRC
         open(path, "wb").write(bytes(data))
         with pytest.raises(TrainingError, match=f"{path}: record [0-9]+ at byte offset"):
-            for start in range(0, 60, 20):  # both workers, every record
-                ds.x.submit(rows + start, epochs).result()
-                ds.x.submit(rows + start, epochs).result()
-        workers = multiprocessing.active_children()
-        assert len(workers) == 2
-        os.kill(workers[0].pid, signal.SIGKILL)
-        with pytest.raises(TrainingError, match="an input worker process died.*resume"):
-            for _ in range(2):  # one batch each
-                ds.x.submit(rows, epochs).result()
+            ds.x.submit(np.arange(60), np.zeros(60, np.int64)).result()
     finally:
         ds.close()
-    assert not multiprocessing.active_children()
+
+
+def test_a_batch_dropped_unread_does_not_write_into_a_later_one(tmp_path):
+    x, y = _images()
+    ds = load_dataset(_records(tmp_path / "d.tfrecords", x, y), "image/encoded", "image/class/label",
+                      decode=DECODE, workers=2, augment="cifar")
+    reference = load_dataset(_records(tmp_path / "r.tfrecords", x, y), "image/encoded", "image/class/label",
+                             decode=DECODE, workers=0, augment="cifar")
+    long, small = np.arange(6000) % 60, np.arange(20)
+    zero = np.zeros(6000, np.int64)
+    try:
+        first = ds.x.submit(long, zero)  # split: worker 0 and worker 1 busy
+        second = ds.x.submit(long, zero)  # whole, for worker 0: it stays busy long after worker 1
+        third = ds.x.submit(small + 20, zero[:20])  # whole, for worker 1
+        dropped = ds.x.submit(small + 40, zero[:20])  # whole, for worker 0, after `second`
+        del dropped  # its block is free, but worker 0 will write into it
+        kept = ds.x.submit(small, zero[:20])  # whole, for worker 1: made before `dropped` is
+        got = kept.result().copy()
+        for batch in (first, second, third):
+            batch.result()
+        ds.x.submit(small, zero[:20]).result()  # one chunk each: worker 0 has now made `dropped`
+        assert np.array_equal(kept.result(), got)
+        assert np.array_equal(got, reference.x.submit(small, zero[:20]).result())
+    finally:
+        ds.close()
+        reference.close()
+
+
+class _Odd(Exception):
+    def __init__(self, a, b):  # pickles, but cannot be made again from its one message
+        super().__init__(f"{a} {b}")
+
+
+class _OddSource:
+    """Rows of zeros, except row 0, which raises _Odd."""
+
+    encoded = False
+
+    def __len__(self):
+        return 4
+
+    def refs(self, rows):
+        return np.asarray(rows)
+
+    def read(self, ref):
+        if ref == 0:
+            raise _Odd(1, 2)
+        return np.zeros((2, 2, 1), np.uint8)
+
+    def close(self):
+        pass
+
+
+def test_an_answer_that_cannot_be_read_does_not_shift_the_next():
+    import concurrent.futures
+
+    from towers.data.image.workers import Workers
+
+    workers = Workers(1)
+    sid = workers.add(_OddSource(), Transform((2, 2, 1), "none", encoded=False))
+    try:
+        bad, good = workers.start(sid, [0, 1]), workers.start(sid, [1, 2])
+        with pytest.raises(RuntimeError, match="answer cannot be read"):
+            bad.wait()
+        with concurrent.futures.ThreadPoolExecutor(1) as waiter:  # a shifted answer would never come
+            out, failed = waiter.submit(good.wait).result(timeout=30)
+        assert failed == [] and out.shape == (2, 2, 2, 1)
+    finally:
+        workers.close()
 
 
 _DRIVER = """

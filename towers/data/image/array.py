@@ -56,7 +56,7 @@ class ImageArray(OnDemand):
         epochs = None if epochs is None else np.asarray(epochs, np.int64)
         try:
             return _Batch(self, rows, epochs, self._workers.start(self._sid, rows, epochs))
-        except TFRecordError as e:  # only when the calling thread makes the batch
+        except (TFRecordError, WorkerDied) as e:  # made in the calling thread; a worker gone before the send
             raise TrainingError(str(e)) from None
 
     def close(self) -> None:
@@ -88,19 +88,20 @@ class ImageArray(OnDemand):
 
 
 class _Batch:
-    """A batch being made; ``result()`` waits for it, then replaces or reports what could not be made."""
+    """A batch being made; ``result()`` waits for it, then replaces or reports what could not be made (once)."""
 
     def __init__(self, array, rows, epochs, chunks):
         self._array, self._rows, self._epochs, self._chunks = array, rows, epochs, chunks
+        self._out = None
 
     def result(self) -> np.ndarray:
-        try:
-            out, failed = self._chunks.wait()
-        except TFRecordError as e:
-            raise TrainingError(str(e)) from None
-        except WorkerDied as e:
-            raise TrainingError(str(e)) from None
-        if failed:
-            self._array._replace(out, self._rows, self._epochs, failed)
-        return out
+        if self._out is None:
+            try:
+                out, failed = self._chunks.wait()
+            except (TFRecordError, WorkerDied) as e:
+                raise TrainingError(str(e)) from None
+            if failed:
+                self._array._replace(out, self._rows, self._epochs, failed)
+            self._out = out
+        return self._out
 

@@ -5,22 +5,26 @@ test share it).  ``start(sid, rows...)`` hands a batch to the workers as
 chunks of rows; a worker reads its rows from the source, transforms them
 (``towers.data.image.augment.Transform``) and writes the results straight into
 a shared-memory block that the main process allocated for the whole batch, so
-only row numbers travel to the workers and only a list of failures comes back
-(no pickled arrays).  ``workers=0`` runs the chunk in the calling thread (the
-input thread), into ordinary memory.
+only row numbers travel to the workers (the rows themselves from an array in
+memory) and only a list of failures comes back (no pickled arrays).
+``workers=0`` runs the chunk in the calling thread (the input thread), into
+ordinary memory.
 
-Chunks: a training batch (``epochs`` given) is one chunk, for the next worker
-in turn: the batch thread keeps at least two batches per worker in flight, so
-every worker stays busy, and the main process pays one hand-off per batch.  A
-batch read once (evaluation, indexing) is split into one chunk per worker, as
-nothing else keeps the other workers busy meanwhile.
+Chunks: while at least as many chunks wait as there are workers (training:
+the batch thread keeps two batches per worker in flight), a batch is one
+chunk, for the next worker in turn, and the main process pays one hand-off
+per batch.  Otherwise (a batch read once: evaluation, indexing, a cluster
+host's slice) it is split into one chunk per worker, as nothing else would
+keep the other workers busy.  A block is reused only once every chunk written
+into it has been answered: a batch dropped unread (a run stopped early) may
+still be written by its workers.
 
 Hand-offs: each worker has its own pipe; chunks go down it in order and their
 answers come back in the same order, read by whichever thread waits for one.
 Not ``concurrent.futures.ProcessPoolExecutor``: its hand-off passes through
 two more threads of the main process (the executor's manager and its queue's
 feeder), and on 2 cores, with both cores decoding, those threads' wake-ups
-held 2 workers to 1.1-1.5x one worker on 32x32 JPEGs (``tools/bench_input.py
+held 2 workers to 1.1-1.55x one worker on 32x32 JPEGs (``tools/bench_input.py
 --images``); direct pipes and whole-batch chunks measured 1.7-1.9x.
 
 Order and memory: the caller (``towers.data.batches.Prefetcher``) keeps a
@@ -38,15 +42,18 @@ resource tracker, which unlinks them once the main process and the workers
 that hold its pipe have all exited.
 
 Sync points: ``_Chunks.wait`` waits for a batch's chunks (the caller's only
-wait).  Limits: workers are spawned (not forked: the trainer's threads must
-not be forked mid-flight), which costs about a second when the first batch is
-read; a worker keeps at most ``ATTACHED`` blocks mapped.
+wait); ``start`` blocks while a worker's pipe is full (chunks that carry their
+pixels: an npz to augment).  Limits: workers are spawned (not forked: the
+trainer's threads must not be forked mid-flight), which costs about a second
+when the first batch is read; a worker keeps at most ``ATTACHED`` blocks
+mapped.
 """
 from __future__ import annotations
 
 import ctypes
 import multiprocessing
 import os
+import pickle
 import secrets
 import signal
 import threading
@@ -165,21 +172,35 @@ class WorkerDied(Exception):
 
 
 class _Ticket:
-    """A chunk's answer: number ``number`` of ``worker``'s, or ``failures`` when the chunk was made here."""
+    """A chunk's answer: number ``number`` of ``worker``'s, or ``failures`` when the chunk was made here.
+
+    ``result()`` gives the failures or raises the worker's exception, as often as asked.
+    """
 
     def __init__(self, worker=None, number=0, failures=()):
-        self._worker, self._number, self._failures = worker, number, failures
+        self._worker, self._number = worker, number
+        self._answer = ("ok", failures) if worker is None else None
 
     def result(self):
-        return self._failures if self._worker is None else self._worker.answer(self._number)
+        if self._answer is None:
+            self._answer = self._worker.answer(self._number)  # read from the pipe once
+        kind, value = self._answer
+        if kind == "error":
+            raise value
+        return value
+
+    @property
+    def answered(self) -> bool:
+        """Whether the worker is done with the chunk (its answer has been read): its block may be reused."""
+        return self._worker is None or self._worker.read > self._number
 
 
 class _Worker:
     """One worker process and its pipe: chunks go down in order and their answers come back in that order.
 
     Whoever waits for an answer reads the pipe, keeping the answers that come
-    first for their own waiters (the input thread and an evaluation in the
-    main thread may wait at once).  ``send`` is called under ``Workers``'s lock.
+    first for their own waiters (an evaluation and the batches of training may
+    be waited for from different threads).
     """
 
     def __init__(self, context, sources, parent: int):
@@ -188,30 +209,41 @@ class _Worker:
                                        name="towers-input-worker")
         self.process.start()
         theirs.close()  # the worker's exit then reads here as the end of the pipe
-        self._sent = self._read = 0
+        self.sent = self.read = 0
         self._answers: dict[int, tuple] = {}
-        self._reading = threading.Lock()
+        self._sending, self._reading = threading.Lock(), threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        """Chunks sent whose answers have not been read."""
+        return self.sent - self.read
 
     def send(self, chunk) -> _Ticket:
-        try:
-            self._conn.send(chunk)
-        except OSError:
-            raise _died() from None
-        self._sent += 1
-        return _Ticket(self, self._sent - 1)
+        """Queue ``chunk``; blocks while the pipe is full (a chunk that carries its rows' pixels)."""
+        with self._sending:
+            try:
+                self._conn.send(chunk)
+            except OSError:
+                raise _died() from None
+            self.sent += 1
+            return _Ticket(self, self.sent - 1)
 
-    def answer(self, number: int):
+    def answer(self, number: int) -> tuple:
+        """("ok", failures) or ("error", exception) of chunk ``number``, read once."""
         with self._reading:
             while number not in self._answers:
                 try:
-                    self._answers[self._read] = self._conn.recv()
+                    data = self._conn.recv_bytes()
                 except (EOFError, OSError):
                     raise _died() from None
-                self._read += 1
-            kind, value = self._answers.pop(number)
-        if kind == "error":
-            raise value
-        return value
+                try:
+                    answer = pickle.loads(data)
+                except Exception as e:  # e.g. an exception type that pickles but cannot be rebuilt here
+                    answer = ("error", RuntimeError(f"an input worker's answer cannot be read: {e!r}"))
+                # Counted even when unreadable: the next answer must keep its own number.
+                self._answers[self.read] = answer
+                self.read += 1
+            return self._answers.pop(number)
 
     def stop(self) -> None:
         """End the process now (chunks still queued are not wanted) and close the pipe."""
@@ -233,7 +265,7 @@ class Workers:
         self._sources: list = []
         self._pool = None  # a _Worker per process, once started
         self._turn = 0  # the worker that gets the next chunk
-        self._free: dict[int, list] = {}  # block size -> blocks not in use
+        self._free: dict[int, list] = {}  # block size -> (block, its last batch's tickets) not in use
         self._blocks: list = []  # every block made, for close
         # The input thread and the main thread (evaluation) both start batches; re-entrant because a batch
         # collected by the garbage collector inside `start` gives its block back under the same lock.
@@ -259,7 +291,10 @@ class Workers:
     def start(self, sid: int, rows, epochs=None) -> _Chunks:
         """Start making the examples ``rows`` (row numbers of source ``sid``; ``epochs``: training draws).
 
-        A training batch (``epochs``) is one chunk; other reads, one chunk per worker.
+        One chunk for the next worker in turn while at least as many chunks
+        wait as there are workers (the batch thread keeps them busy); else
+        (a read made once, evaluation, a cluster host's slice) one chunk per
+        worker.  Blocks while a worker's pipe is full.
         """
         source, transform = self._sources[sid]
         rows = np.asarray(rows, np.int64)
@@ -268,40 +303,45 @@ class Workers:
             out = np.empty(shape, dtype)
             failures = transform_rows(source, transform, source.refs(rows), epochs, rows, out)
             return _Chunks(out, [_Ticket(failures=failures)], [(0, len(rows))])
-        per = len(rows) if epochs is not None else -(-len(rows) // self.n)
-        bounds = [(a, min(a + per, len(rows))) for a in range(0, len(rows), per)]
         row_bytes = int(np.prod(transform.shape)) * dtype.itemsize
+        tickets: list = []  # filled below; the block goes back to the free list with them
         with self._lock:
             if self._closed:
                 raise RuntimeError("the input workers are closed")
             block = self._take(len(rows) * row_bytes)
             out = np.asarray(_Lease(block, shape, dtype))
-            weakref.finalize(out.base, self._give_back, block)
+            weakref.finalize(out.base, self._give_back, block, tickets)
             workers = self._started()
-            tickets = []
-            for a, b in bounds:
-                tickets.append(workers[self._turn].send(
-                    (sid, block.name, a * row_bytes, transform.shape, dtype.str, source.refs(rows[a:b]),
-                     None if epochs is None else epochs[a:b], rows[a:b])))
-                self._turn = (self._turn + 1) % self.n
+            busy = sum(worker.pending for worker in workers) >= self.n
+            per = len(rows) if busy else -(-len(rows) // self.n)
+            bounds = [(a, min(a + per, len(rows))) for a in range(0, len(rows), per)]
+            turns = [workers[(self._turn + k) % self.n] for k in range(len(bounds))]
+            self._turn = (self._turn + len(bounds)) % self.n
+        # Sent outside the lock: a full pipe must not hold up the other thread's batches or a block's return.
+        for worker, (a, b) in zip(turns, bounds):
+            tickets.append(worker.send((sid, block.name, a * row_bytes, transform.shape, dtype.str,
+                                        source.refs(rows[a:b]), None if epochs is None else epochs[a:b], rows[a:b])))
         return _Chunks(out, tickets, bounds)
 
     def _take(self, nbytes: int):
-        free = self._free.get(max(nbytes, 1))
-        if free:
-            return free.pop()
+        """A block of ``nbytes``: a free one whose chunks are all answered (a batch dropped unread may still
+        be written by its workers), else a new one."""
+        free = self._free.get(max(nbytes, 1), [])
+        for k, (block, tickets) in enumerate(free):
+            if all(ticket.answered for ticket in tickets):
+                return free.pop(k)[0]
         # Named after this process, so that a block in /dev/shm says whose it is.
         block = shared_memory.SharedMemory(f"towers-{os.getpid()}-{secrets.token_hex(4)}", create=True,
                                            size=max(nbytes, 1))
         self._blocks.append(block)
         return block
 
-    def _give_back(self, block) -> None:
+    def _give_back(self, block, tickets) -> None:
         with self._lock:
             if self._closed:
                 block.close()
             else:
-                self._free.setdefault(block.size, []).append(block)
+                self._free.setdefault(block.size, []).append((block, tickets))
 
     def _started(self) -> list:
         """The workers, started on first use (after the first block: they share its resource tracker)."""
@@ -320,7 +360,7 @@ class Workers:
                 return
             self._closed = True
             pool, self._pool = self._pool, None
-            free = [b for blocks in self._free.values() for b in blocks]
+            free = [block for entries in self._free.values() for block, _ in entries]
             self._free = {}
         if pool is not None:
             self._finalizer.detach()
