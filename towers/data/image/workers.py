@@ -25,7 +25,8 @@ Not ``concurrent.futures.ProcessPoolExecutor``: its hand-off passes through
 two more threads of the main process (the executor's manager and its queue's
 feeder), and on 2 cores, with both cores decoding, those threads' wake-ups
 held 2 workers to 1.1-1.55x one worker on 32x32 JPEGs (``tools/bench_input.py
---images``); direct pipes and whole-batch chunks measured 1.7-1.9x.
+--images``); direct pipes and whole-batch chunks measure 1.63-1.90x, two
+processes that share nothing 1.7-2.0x.
 
 Order and memory: the caller (``towers.data.batches.Prefetcher``) keeps a
 bounded number of batches in flight and takes them in order.  A block is
