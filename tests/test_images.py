@@ -280,6 +280,8 @@ def test_a_damaged_record_or_a_dead_worker_mid_run_is_one_line(tmp_path):
 
     ds, workers = opened()
     try:  # a worker killed with a chunk in it: its answer never comes
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGSTOP)  # so that no chunk can be made before the kill
         started = ds.x.submit(rows, epochs)  # nothing waits: one chunk per worker
         for worker in workers:
             os.kill(worker.pid, signal.SIGKILL)
@@ -367,15 +369,33 @@ def test_an_answer_that_cannot_be_read_does_not_shift_the_next():
 
     workers = Workers(1)
     sid = workers.add(_OddSource(), Transform((2, 2, 1), "none", encoded=False))
+    waiter = concurrent.futures.ThreadPoolExecutor(1)
     try:
         bad, good = workers.start(sid, [0, 1]), workers.start(sid, [1, 2])
         with pytest.raises(RuntimeError, match="answer cannot be read"):
             bad.wait()
-        with concurrent.futures.ThreadPoolExecutor(1) as waiter:  # a shifted answer would never come
-            out, failed = waiter.submit(good.wait).result(timeout=30)
+        out, failed = waiter.submit(good.wait).result(timeout=30)  # a shifted answer would never come
         assert failed == [] and out.shape == (2, 2, 2, 1)
     finally:
-        workers.close()
+        workers.close()  # ends a wait that is still reading (the pipe closes)
+        waiter.shutdown()
+
+
+def test_workers_spawned_while_sigterm_is_ignored_still_stop(tmp_path):
+    import multiprocessing
+
+    x, y = _images()
+    ds = load_dataset(_records(tmp_path / "d.tfrecords", x, y), "image/encoded", "image/class/label",
+                      decode=DECODE, workers=2, augment="cifar")
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as during a run's SIGTERM handling
+    try:
+        ds.x[0:4]  # the workers start now and inherit SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    workers = multiprocessing.active_children()
+    assert len(workers) == 2
+    ds.close()
+    assert [w.exitcode for w in workers] == [-signal.SIGTERM] * 2  # SIGTERM ended them, not the SIGKILL after it
 
 
 _DRIVER = """

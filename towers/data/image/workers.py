@@ -10,8 +10,9 @@ memory) and only a list of failures comes back (no pickled arrays).
 ``workers=0`` runs the chunk in the calling thread (the input thread), into
 ordinary memory.
 
-Chunks: while at least as many chunks wait as there are workers (training:
-the batch thread keeps two batches per worker in flight), a batch is one
+Chunks: while at least as many chunks are queued or being made as there are
+workers (training: the batch thread keeps two batches per worker in flight;
+answers already in the pipes are read first to tell), a batch is one
 chunk, for the next worker in turn, and the main process pays one hand-off
 per batch.  Otherwise (a batch read once: evaluation, indexing, a cluster
 host's slice) it is split into one chunk per worker, as nothing else would
@@ -70,6 +71,7 @@ from towers.data.image.sources import SourceError
 from towers.data.orphans import watch_parent
 
 ATTACHED = 16  # blocks a worker keeps mapped (batch and test-chunk sizes)
+STOP_SECONDS = 5  # how long a worker has to end on SIGTERM before SIGKILL
 
 
 def transform_rows(source, transform, refs, epochs, indices, out) -> list[tuple[int, str]]:
@@ -117,6 +119,8 @@ def _serve(conn, sources, parent: int) -> None:
     _SOURCES[:] = sources
     # Ctrl-C reaches the whole process group: the main process stops the run and then these workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A worker spawned while the run handles SIGTERM would inherit SIG_IGN: stop() must still end it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     watch_parent(parent)
     while True:
         try:
@@ -181,10 +185,12 @@ class _Ticket:
     def __init__(self, worker=None, number=0, failures=()):
         self._worker, self._number = worker, number
         self._answer = ("ok", failures) if worker is None else None
+        self._fetching = threading.Lock()  # two threads may wait for the same batch
 
     def result(self):
-        if self._answer is None:
-            self._answer = self._worker.answer(self._number)  # read from the pipe once
+        with self._fetching:
+            if self._answer is None:
+                self._answer = self._worker.answer(self._number)  # read from the pipe once
         kind, value = self._answer
         if kind == "error":
             raise value
@@ -216,12 +222,14 @@ class _Worker:
 
     @property
     def pending(self) -> int:
-        """Chunks sent whose answers have not been read."""
+        """Chunks sent whose answers have not been read (after ``collect``: the chunks not yet made)."""
         return self.sent - self.read
 
     def send(self, chunk) -> _Ticket:
         """Queue ``chunk``; blocks while the pipe is full (a chunk that carries its rows' pixels)."""
         with self._sending:
+            if self._conn.closed:
+                raise RuntimeError("the input workers are closed")
             try:
                 self._conn.send(chunk)
             except OSError:
@@ -229,28 +237,47 @@ class _Worker:
             self.sent += 1
             return _Ticket(self, self.sent - 1)
 
+    def collect(self) -> None:
+        """Read the answers already in the pipe, without waiting (and not while another thread reads)."""
+        if self._reading.acquire(blocking=False):
+            try:
+                while self._conn.poll():
+                    self._receive()
+            except (EOFError, OSError):
+                pass  # a dead worker: said to whoever waits for its answers
+            finally:
+                self._reading.release()
+
     def answer(self, number: int) -> tuple:
         """("ok", failures) or ("error", exception) of chunk ``number``, read once."""
         with self._reading:
             while number not in self._answers:
                 try:
-                    data = self._conn.recv_bytes()
+                    self._receive()
                 except (EOFError, OSError):
                     raise _died() from None
-                try:
-                    answer = pickle.loads(data)
-                except Exception as e:  # e.g. an exception type that pickles but cannot be rebuilt here
-                    answer = ("error", RuntimeError(f"an input worker's answer cannot be read: {e!r}"))
-                # Counted even when unreadable: the next answer must keep its own number.
-                self._answers[self.read] = answer
-                self.read += 1
             return self._answers.pop(number)
+
+    def _receive(self) -> None:
+        data = self._conn.recv_bytes()
+        try:
+            answer = pickle.loads(data)
+        except Exception as e:  # e.g. an exception type that pickles but cannot be rebuilt here
+            answer = ("error", RuntimeError(f"an input worker's answer cannot be read: {e!r}"))
+        # Counted even when unreadable: the next answer must keep its own number.
+        self._answers[self.read] = answer
+        self.read += 1
 
     def stop(self) -> None:
         """End the process now (chunks still queued are not wanted) and close the pipe."""
         self.process.terminate()
-        self.process.join()
-        self._conn.close()
+        self.process.join(STOP_SECONDS)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+        # A send in flight ends with the process (a broken pipe); the pipe closes after it.
+        with self._sending:
+            self._conn.close()
 
 
 def _died() -> WorkerDied:
@@ -293,7 +320,8 @@ class Workers:
         """Start making the examples ``rows`` (row numbers of source ``sid``; ``epochs``: training draws).
 
         One chunk for the next worker in turn while at least as many chunks
-        wait as there are workers (the batch thread keeps them busy); else
+        are queued or being made as there are workers (the batch thread keeps
+        them busy); else
         (a read made once, evaluation, a cluster host's slice) one chunk per
         worker.  Blocks while a worker's pipe is full.
         """
@@ -313,6 +341,8 @@ class Workers:
             out = np.asarray(_Lease(block, shape, dtype))
             weakref.finalize(out.base, self._give_back, block, tickets)
             workers = self._started()
+            for worker in workers:
+                worker.collect()
             busy = sum(worker.pending for worker in workers) >= self.n
             per = len(rows) if busy else -(-len(rows) // self.n)
             bounds = [(a, min(a + per, len(rows))) for a in range(0, len(rows), per)]
