@@ -243,20 +243,17 @@ class _Worker:
         with self._reading:
             while number not in self._answers:
                 try:
-                    self._receive()
+                    data = self._conn.recv_bytes()
                 except (EOFError, OSError):
                     raise _died() from None
+                try:
+                    answer = pickle.loads(data)
+                except Exception as e:  # e.g. an exception type that pickles but cannot be rebuilt here
+                    answer = ("error", RuntimeError(f"an input worker's answer cannot be read: {e!r}"))
+                # Counted even when unreadable: the next answer must keep its own number.
+                self._answers[self.read] = answer
+                self.read += 1
             return self._answers.pop(number)
-
-    def _receive(self) -> None:
-        data = self._conn.recv_bytes()
-        try:
-            answer = pickle.loads(data)
-        except Exception as e:  # e.g. an exception type that pickles but cannot be rebuilt here
-            answer = ("error", RuntimeError(f"an input worker's answer cannot be read: {e!r}"))
-        # Counted even when unreadable: the next answer must keep its own number.
-        self._answers[self.read] = answer
-        self.read += 1
 
     def stop(self) -> None:
         """End the process now (chunks still queued are not wanted) and close the pipe."""
