@@ -36,6 +36,7 @@ exit 1, and no file.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -49,6 +50,8 @@ from towers.output.files import DiskError, atomic_write
 from towers.state import Layout
 
 LAYOUTS = ("towers", "torch", "keras")
+# Errors that say the chosen folder cannot take a file (exit 2), not that the disk failed (exit 1).
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR)
 
 
 def read_weights(path: str, ema: bool) -> tuple[dict, dict]:
@@ -147,7 +150,8 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
         raise UserError(f"{out} exists: export writes no file over another; remove it or choose another -o")
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
-        raise UserError(f"cannot write {out}: the folder {folder} does not exist")
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise UserError(f"cannot write {out}: {folder} {what}; choose another -o")
     named, run = read_weights(path, ema)
     metadata = {"format": "pt" if layout == "torch" else "np", "towers.layout": layout,
                 "towers.weights": "ema" if ema else "raw", "towers.step": str(run["step"])}
@@ -167,10 +171,14 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
     data = save(tensors, metadata=metadata)
     try:
         atomic_write(out, lambda f: f.write(data))
-    except PermissionError as e:  # a folder we may not write in: the user's choice of -o
-        raise UserError(f"cannot write {out}: {e.strerror or e}; choose another -o") from None
-    except OSError as e:  # an I/O error, a read-only file system (a full disk is already a DiskError)
-        raise DiskError(out, e, advice="free space or choose another -o") from None
+    except DiskError as e:  # a full disk or quota (``atomic_write`` names them), in this command's words
+        raise DiskError(out, e.error, advice=f"free some space in {folder} or choose another -o") from None
+    except OSError as e:
+        if e.errno in NOT_WRITABLE:  # the folder the user chose cannot take a file: a user mistake
+            code = errno.errorcode.get(e.errno, "")
+            raise UserError(f"cannot write {out}: {e.strerror or e} [{code}]: choose another -o, or make {folder} "
+                            "writable") from None
+        raise DiskError(out, e, advice="check that disk, or choose another -o") from None  # EIO, EFBIG, ...
     return {k: tuple(v.shape) for k, v in tensors.items()}
 
 
