@@ -90,7 +90,8 @@ class Residual(Layer):
         return params, tuple(out)
 
     def exports(self, framework):
-        """Its layers' declarations, under their names inside the block (``conv1/weights``)."""
+        """Its layers' declarations, under their names inside the block (``conv1/weights``).  Each is handed
+        the block's input order (``Layer.export_order``): none for image blocks, the only kind towers builds."""
         out = {}
         for layer, names in zip(self.layers, self._names):
             theirs = layer.exports(framework)
