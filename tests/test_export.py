@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import DIGITS
+from conftest import DIGITS, REPO
 from towers import Config, Dataset, Trainer
 from towers.export import main as export_main
 from towers.output.checkpoint import latest_checkpoint, list_checkpoints
@@ -184,7 +186,7 @@ def test_keras_loads_the_towers_layout(tmp_path, capsys, runs, digits):
 
 
 @pytest.mark.parametrize("case", ["missing", "directory", "not npz", "not a checkpoint", "output exists",
-                                  "no such folder", "read-only folder"])
+                                  "no such folder", "a file for a folder", "read-only folder"])
 def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, runs, case):
     checkpoint = list_checkpoints(str(runs["mlp"]))[0][1]
     out = tmp_path / "out" / "w.safetensors"
@@ -204,7 +206,10 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, runs, case):
         out.write_bytes(b"keep me")
         expected = "exists: export writes no file over another"
     elif case == "no such folder":
-        out, expected = tmp_path / "no" / "w.safetensors", "the folder"
+        out, expected = tmp_path / "no" / "w.safetensors", "does not exist; choose another -o"
+    elif case == "a file for a folder":
+        (tmp_path / "file").write_text("")
+        out, expected = tmp_path / "file" / "w.safetensors", "file is not a folder; choose another -o"
     elif case == "read-only folder":
         if os.geteuid() == 0:
             pytest.skip("root writes into a read-only folder")
@@ -216,7 +221,7 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, runs, case):
         assert out.read_bytes() == b"keep me"
     else:
         assert not out.exists()
-    if out.parent.exists():
+    if out.parent.is_dir():
         assert [p for p in os.listdir(out.parent) if p != "w.safetensors"] == []  # no temporary left
 
 
@@ -243,3 +248,45 @@ def test_a_failed_write_is_one_line_exit_1_and_no_file(tmp_path, runs):
     assert p.returncode == 1 and len(err) == 1, p.stderr
     assert err[0].startswith(f"towers.export: error: cannot write {out}: File too large"), err
     assert os.listdir(out.parent) == []
+
+
+def in_own_tmpfs(mount_options: str, folder, *command: str) -> subprocess.CompletedProcess:
+    """``command`` with ``folder`` a new tmpfs mounted ``mount_options``, in a user and mount namespace of its own
+    (``unshare -rm``): a real read-only or full file system, without privileges and without touching this machine's
+    mounts; skipped where the kernel or the sandbox allows no such namespace.  Its stdout ends with what the
+    tmpfs holds after the command (``ls -A``), the exit status is the command's.
+
+    A read-only folder made by chmod would not do: root (as in a container) writes through it.
+    """
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    os.makedirs(folder, exist_ok=True)
+    script = 'mount -t tmpfs -o "$1" tmpfs "$2" || exit 99; d="$2"; shift 2; "$@"; rc=$?; ls -A "$d"; exit $rc'
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", "size=64k", str(folder), "true"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no user and mount namespaces here: {probe.stderr.strip()}")
+    return subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", mount_options, str(folder), *command],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+@pytest.mark.parametrize("case", ["read-only", "full"])
+def test_a_read_only_folder_is_exit_2_and_a_full_disk_exit_1_each_in_its_own_words(tmp_path, runs, case):
+    """The real writer on a real read-only or full tmpfs.  Before: both exit 1, read-only told to free space,
+    a full disk told to choose "another output folder" (the command's flag is -o)."""
+    folder = tmp_path / "mnt"
+    out = folder / "w.safetensors"
+    checkpoint = list_checkpoints(str(runs["lenet5"]))[0][1]  # about 1.3 MB: more than the 64 KB disk
+    options = "ro,size=1m" if case == "read-only" else "size=64k"
+    p = in_own_tmpfs(options, folder, sys.executable, "-m", "towers.export", checkpoint, "-o", str(out),
+                     "--layout", "torch")
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"towers.export: error: cannot write {out}: "), p.stderr
+    if case == "read-only":
+        assert p.returncode == 2, p.stderr
+        assert err[0].endswith(f"Read-only file system [EROFS]: choose another -o, or make {folder} writable"), err
+    else:
+        assert p.returncode == 1, p.stderr
+        assert err[0].endswith(f"No space left on device [ENOSPC]; free some space in {folder} or choose another "
+                               "-o"), err
+    assert p.stdout.strip() == "", p.stdout  # nothing left on the tmpfs: no file, no temporary

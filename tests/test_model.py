@@ -116,6 +116,25 @@ def wrong_classes(input_shape, num_classes):
     return [Dense("a", num_classes + 1)]
 
 
+def failing(input_shape, num_classes):
+    raise ValueError("no width fits 8x8")
+
+
+@pytest.mark.parametrize("spec, raised", [
+    ("json:loads", "raised TypeError: "),  # (the rest is Python's wording)
+    ("tests.test_model:failing", "raised ValueError: no width fits 8x8"),
+])
+def test_a_callable_that_is_no_model_factory_is_one_line_exit_2(tmp_path, spec, raised):
+    """Before: a traceback of the call, exit 1."""
+    from conftest import run_cli
+
+    p = run_cli("--model", spec, "--devices", "cpu", "--steps", "1", "--quiet", "--logdir", str(tmp_path / "run"))
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1, p.stderr
+    assert err[0].startswith(f"towers.train: error: --model {spec}: calling ") and raised in err[0], err
+    assert "returns a towers.Sequential or a list of layers" in err[0] and not (tmp_path / "run").exists()
+
+
 def test_gemm_on_the_host_is_numpys_matmul_of_the_views():
     from towers.nn import kernels
 

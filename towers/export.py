@@ -1,43 +1,42 @@
 """Weights for other frameworks: a towers checkpoint or ``final.npz`` to a safetensors file.
 
-    python -m towers.export CHECKPOINT -o OUT.safetensors [--ema] [--layout towers|torch]
+    python -m towers.export CHECKPOINT -o OUT.safetensors [--ema] [--layout towers|torch|keras]
 
 (``towers-export`` when installed.)  The raw weights by default, the EMA's with ``--ema``.
 
 Layouts (the README's table has the names of the built-in models):
 
 * ``towers`` (the default): every weight under its towers name and shape, as the checkpoint holds it
-  (``layer1/weights`` (in, out), a Conv2D's ``weights`` (kh, kw, in, out)).  These are Keras' and
-  TensorFlow's layouts too (a Dense kernel is (in, out), a Conv2D kernel HWIO, images NHWC).
-* ``torch``: PyTorch's, for a model built of the same layers in the same order with ``nn.Linear``,
-  ``nn.Conv2d`` (``padding=(k-1)//2`` for SAME), ``nn.BatchNorm2d(c, eps=1e-3)`` (towers' epsilon is
-  TensorFlow's), ``nn.MaxPool2d(k, ceil_mode=True)`` and ``nn.Flatten`` on NCHW images, each module
-  named as the towers scope with ``/`` -> ``.``: ``weights`` -> ``weight``, ``biases`` -> ``bias``,
-  BatchNorm's ``gamma``/``beta``/``moving_mean``/``moving_variance`` -> ``weight``/``bias``/
-  ``running_mean``/``running_var``; Dense weights transposed to (out, in); Conv2D weights (kh, kw,
-  in, out) -> (out, in, kh, kw); and the first Dense after a Flatten of (H, W, C) maps gets its inputs
-  reordered from towers' (H, W, C) order to PyTorch's (C, H, W).  This needs the model's layers, which
-  a checkpoint's settings give (``final.npz`` holds only weights: its run's checkpoint of the same
-  step, beside it, is read for them).
+  (``layer1/weights`` (in, out), a Conv2D's ``weights`` (kh, kw, in, out)).
+* ``torch`` and ``keras``: each weight as its layer declares it for that framework (``Layer.exports``:
+  its name there and how its array is turned; ``Layer.export_order``: the order of the features a layer
+  hands on, which PyTorch's ``nn.Flatten`` of NCHW maps changes), under ``SCOPE.name`` (PyTorch, ``/``
+  -> ``.`` inside blocks) or ``SCOPE/name`` (Keras).  The built-in layers declare PyTorch's
+  ``nn.Linear``, ``nn.Conv2d``, ``nn.BatchNorm2d`` and Keras' ``Dense``, ``Conv2D``,
+  ``BatchNormalization``; a layer of one's own declares its own, and this module needs no change.
+  This needs the model's layers, which a checkpoint's settings give (``final.npz`` holds only
+  weights: its run's checkpoint of the same step, beside it, is read for them).
 
-Both layouts hold the model's buffers (BatchNorm's moving statistics) beside its weights: with ``--ema``
+Every layout holds the model's buffers (BatchNorm's moving statistics) beside its weights: with ``--ema``
 the EMA's weights and the buffers, which is what towers evaluates with.
 
 Algorithm: read the npz whole (``numpy.load``, no pickles), take ``params/*`` or ``ema/*`` and
 ``buffers/*``, convert, serialize with ``safetensors.numpy.save`` (bytes) and write those into a
 temporary file that becomes ``OUT`` only when complete (``towers.output.files.atomic_write``; not
 ``save_file``, whose own temporary file and rename would bypass it and whose I/O errors are not
-``OSError``).  The file's metadata
-records the layout, which weights, the step and, when known, the model.
+``OSError``).  The file's metadata records the layout, which weights, the step and, when known, the
+model.  (safetensors writes the metadata's keys in no fixed order: two exports of one checkpoint hold
+the same tensors and header, not always the same bytes.)
 
-Limits: the torch layout knows the weights of Dense, Conv2D and BatchNorm (every layer with weights
-that towers ships); a user layer with other weights is refused with a line saying to use
+Limits: a weight its layer does not declare for the layout asked is refused with a line saying to use
 ``--layout towers``.  Every weight is loaded in memory at once.  Bad input (a missing file, not a
-checkpoint, an output that exists or may not be written) is one line, exit 2, and no file; a failed
-write (a full disk) one line, exit 1, and no file.
+checkpoint, an output that exists, a folder that is missing or may not be written: read-only, no
+permission) is one line, exit 2, and no file; a failed write (a full disk, an I/O error) one line,
+exit 1, and no file.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -50,7 +49,9 @@ from towers.output.checkpoint import checkpoint_name
 from towers.output.files import DiskError, atomic_write
 from towers.state import Layout
 
-LAYOUTS = ("towers", "torch")
+LAYOUTS = ("towers", "torch", "keras")
+# Errors that say the chosen folder cannot take a file (exit 2), not that the disk failed (exit 1).
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR)
 
 
 def read_weights(path: str, ema: bool) -> tuple[dict, dict]:
@@ -91,14 +92,15 @@ def _run_of_final(path: str, run: dict) -> dict:
     beside = os.path.join(os.path.dirname(os.path.abspath(path)), checkpoint_name(run["step"]))
     if not os.path.exists(beside):
         raise UserError(f"{path} holds weights only, and the checkpoint of its step ({beside}) is not beside it: "
-                        "--layout torch needs the model's layers; export that checkpoint, or use --layout towers")
+                        "--layout torch and keras need the model's layers; export that checkpoint, or use --layout "
+                        "towers")
     found = read_weights(beside, False)[1]
     if "config" not in found:
         raise UserError(f"{beside} is not a checkpoint (no config): export a checkpoint, or use --layout towers")
     return found
 
 
-def build(run: dict, path: str):
+def build(run: dict, path: str, layout: str):
     """The model a run trained, built from its checkpoint's settings (``towers.nn.models.build_model``)."""
     from towers.nn.models import build_model
 
@@ -106,41 +108,34 @@ def build(run: dict, path: str):
     try:
         return build_model(ck.get("model", "mlp"), run["shape"], run["classes"], ck.get("hidden", 500))
     except UserError as e:
-        raise UserError(f"{path}: cannot build its model for --layout torch ({e}); use --layout towers") from None
+        raise UserError(f"{path}: cannot build its model for --layout {layout} ({e}); use --layout towers") from None
 
 
-# towers' last name component -> PyTorch's, per kind of weight (BatchNorm's buffers included).
-TORCH_NAMES = {"weights": "weight", "biases": "bias", "gamma": "weight", "beta": "bias",
-               "moving_mean": "running_mean", "moving_variance": "running_var"}
+# The frameworks whose layouts layers declare (``Layer.exports``), and how each joins scope and name.
+SEPARATORS = {"torch": ".", "keras": "/"}
 
 
-def torch_layout(model, named: dict) -> dict:
-    """``named`` (towers names and layouts) in PyTorch's: see the module docstring."""
-    from towers.nn.layers import Flatten
-
-    out, shape, flattened = {}, model.input_shape, None
+def convert(model, named: dict, framework: str) -> dict:
+    """``named`` (towers names and layouts) in ``framework``'s layout, as each layer declares it
+    (``Layer.exports`` for its weights, ``Layer.export_order`` for the order of the features it hands on)."""
+    out, shape, order = {}, model.input_shape, None
     by_layer = {}
     for li, name, _ in model.params:
         by_layer.setdefault(li, []).append(name)
+    sep = SEPARATORS[framework]
     for li, layer in enumerate(model.layers):
         next_shape = layer.build(shape)[1]  # again, for the shapes between the layers (build is pure)
-        if isinstance(layer, Flatten) and len(shape) == 3:
-            flattened = shape  # (H, W, C): PyTorch flattens (C, H, W)
+        declared = layer.exports(framework) if li in by_layer else {}
         for name in by_layer.get(li, []):
-            scope, _, last = name.rpartition("/")
-            if last not in TORCH_NAMES:
-                raise UserError(f"weight {name!r} ({type(layer).__name__}) has no PyTorch layout here: export it "
-                                "with --layout towers and convert its weights yourself")
-            a = named[name]
-            if last == "weights" and a.ndim == 4:  # Conv2D: (kh, kw, in, out) -> (out, in, kh, kw)
-                a = a.transpose(3, 2, 0, 1)
-            elif last == "weights" and a.ndim == 2:  # Dense: (in, out) -> (out, in)
-                if flattened is not None:
-                    h, wd, c = flattened
-                    a = a.reshape(h, wd, c, -1).transpose(2, 0, 1, 3).reshape(h * wd * c, -1)
-                    flattened = None
-                a = a.T
-            out[f"{scope.replace('/', '.')}.{TORCH_NAMES[last]}"] = np.ascontiguousarray(a)
+            local = name[len(layer.scope) + 1:] if layer.scope else name
+            found = declared.get(local)
+            if not found:
+                raise UserError(f"weight {name!r} ({type(layer).__name__}) has no {framework} layout: "
+                                f"{type(layer).__name__}.exports does not declare it; export it with --layout towers")
+            for e in found if isinstance(found, tuple) else (found,):
+                target = f"{layer.scope}/{e.name}" if layer.scope else e.name
+                out[target.replace("/", sep)] = np.ascontiguousarray(e.convert(named[name], order))
+        order = layer.export_order(framework, shape, order)
         shape = next_shape
     return out
 
@@ -155,16 +150,17 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
         raise UserError(f"{out} exists: export writes no file over another; remove it or choose another -o")
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
-        raise UserError(f"cannot write {out}: the folder {folder} does not exist")
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise UserError(f"cannot write {out}: {folder} {what}; choose another -o")
     named, run = read_weights(path, ema)
     metadata = {"format": "pt" if layout == "torch" else "np", "towers.layout": layout,
                 "towers.weights": "ema" if ema else "raw", "towers.step": str(run["step"])}
-    if layout == "torch":
+    if layout in SEPARATORS:
         if "config" not in run:
             run = dict(_run_of_final(path, run), step=run["step"])
-        model = build(run, path)
+        model = build(run, path, layout)
         Layout(model.layout() + model.buffer_layout()).check(named, f"{path} does not fit its own settings' model")
-        tensors = torch_layout(model, named)
+        tensors = convert(model, named, layout)
     else:
         tensors = named
     if "config" in run:
@@ -175,10 +171,14 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
     data = save(tensors, metadata=metadata)
     try:
         atomic_write(out, lambda f: f.write(data))
-    except PermissionError as e:  # a folder we may not write in: the user's choice of -o
-        raise UserError(f"cannot write {out}: {e.strerror or e}; choose another -o") from None
-    except OSError as e:  # an I/O error, a read-only file system (a full disk is already a DiskError)
-        raise DiskError(out, e, advice="free space or choose another -o") from None
+    except DiskError as e:  # a full disk or quota (``atomic_write`` names them), in this command's words
+        raise DiskError(out, e.error, advice=f"free some space in {folder} or choose another -o") from None
+    except OSError as e:
+        if e.errno in NOT_WRITABLE:  # the folder the user chose cannot take a file: a user mistake
+            code = errno.errorcode.get(e.errno, "")
+            raise UserError(f"cannot write {out}: {e.strerror or e} [{code}]: choose another -o, or make {folder} "
+                            "writable") from None
+        raise DiskError(out, e, advice="check that disk, or choose another -o") from None  # EIO, EFBIG, ...
     return {k: tuple(v.shape) for k, v in tensors.items()}
 
 

@@ -6,8 +6,15 @@ cluster made with ``ray start --head`` / ``ray start --address``; there the
 host actors go into a placement group with one bundle per host and the
 STRICT_SPREAD strategy (one host per node) when the cluster has enough nodes.
 
-Ray's own log lines (its Python logger, its C++ core's warnings and the
-actors' output) stay hidden unless ``ray_logs`` is set.
+Ray's own log lines (its Python logger, its C++ core's warnings, the
+actors' output, and the errors its GCS publishes to the driver, such as
+"(raylet) A worker died or was killed ...") stay hidden unless ``ray_logs``
+is set: towers says in its own line what went wrong.  ``log_to_driver=False``
+does not cover the published errors: the driver prints them from a thread of
+its own (``ray._private.worker.listen_error_messages``, on stdout, in colour)
+through ``print_worker_logs``, whose module switch ``_worker_logs_enabled``
+(the one ``ray.util.rpdb`` turns off while a debugger holds the terminal) is
+the only way to silence it; ``connect`` sets it, ``disconnect`` puts it back.
 
 Limits: Ray waits for a GCS without bound (an unreachable address retries for
 about a minute; a port where some other server listens hangs for good, deaf
@@ -103,9 +110,18 @@ def connect(address: str | None, verbose: bool, n_hosts: int):
                 if handler is not None:
                     signal.signal(sig, handler)
         owned = True
+        _show_published_errors(verbose)
         if address is None:
             watch_local_ray()
     return ray, owned
+
+
+def _show_published_errors(show: bool) -> None:
+    """Let the driver print the errors Ray's GCS publishes, or not (module doc); absent in another Ray: no-op."""
+    from ray._private import worker
+
+    if hasattr(worker, "_worker_logs_enabled"):
+        worker._worker_logs_enabled = show
 
 
 _watchdog: subprocess.Popen | None = None
@@ -136,6 +152,7 @@ def disconnect(ray) -> None:
     global _watchdog
     try:
         ray.shutdown()
+        _show_published_errors(True)  # Ray's default, for a later ray.init of the caller's own
     finally:
         if _watchdog is not None:
             _watchdog.terminate()

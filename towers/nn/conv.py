@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from towers.errors import UserError
 from towers.nn import kernels
-from towers.nn.layers import Layer, Param
+from towers.nn.layers import Exported, Layer, Param
 from towers.nn.pooling import MaxPool2D  # it lived here: kept importable from here
 from towers.nn.windows import check_padding, nhwc, positive, window_geometry
 
@@ -66,6 +66,8 @@ class Conv2D(Layer):
     ``stddev="he"``; ``biases`` (F,) constant ``bias``, none with
     ``bias=False``.  ``regularize`` puts the weights under L2.
     ``algorithm``: ``"chunked"`` (default) or ``"whole"`` (module doc).
+    Exported as Keras' ``Conv2D`` (``kernel`` HWIO as is, ``bias``) and
+    PyTorch's ``nn.Conv2d`` (``weight`` (F, C, kh, kw), ``bias``).
     """
 
     keeps_dy = True  # backward reads dy only
@@ -95,6 +97,11 @@ class Conv2D(Layer):
         if self.bias is not None:
             params.append(Param("biases", (self.filters,), f"constant:{self.bias}" if self.bias else "zeros", False))
         return params, self.out_hw + (self.filters,)
+
+    def exports(self, framework):
+        return {"torch": {"weights": Exported("weight", lambda a, order: a.transpose(3, 2, 0, 1)),
+                          "biases": Exported("bias")},
+                "keras": {"weights": Exported("kernel"), "biases": Exported("bias")}}.get(framework, {})
 
     # -- both algorithms
 

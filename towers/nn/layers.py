@@ -27,10 +27,23 @@ array module (NumPy or CuPy, whichever holds the input):
     trainable parameters only.  Return ``dx``, or None when ``need_dx`` is
     False (the first layer).  ``dy`` is the next layer's scratch: backward may
     overwrite it.
+``exports(framework) -> {local name: Exported}``
+    How each weight and buffer appears in another framework's layout
+    (``"torch"``, ``"keras"``): its name there, relative to the layer's scope,
+    and ``convert(array, order)`` from towers' layout to that framework's
+    (``towers.export`` asks every layer; a weight left out cannot be exported
+    in that layout).  One weight may become several (a packed array split).
+``export_order(framework, in_shape, order) -> order``
+    The order of the layer's output features in that framework, for the next
+    layer's ``convert``: None (towers' order) or an index array (feature j
+    there is towers' feature ``order[j]``).  The base passes its input's order
+    on (layers that act per feature); Flatten makes one for PyTorch's (C, H, W)
+    order, Dense ends it (its units are in the same order everywhere).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy
 
@@ -48,6 +61,25 @@ class Param:
     init: str = "zeros"  # "zeros", "constant:<value>", "truncated_normal:<stddev>" or "normal:<stddev>"
     regularize: bool = False
     trainable: bool = True
+
+
+def _as_is(a, order):
+    return a
+
+
+def rows_in(a, order):
+    """``a`` with its first axis (one entry per input feature) in the framework's ``order`` (None: as is)."""
+    return a if order is None else a[order]
+
+
+@dataclass(frozen=True)
+class Exported:
+    """Where one weight (or buffer) goes in another framework: ``name`` there, relative to the layer's scope
+    (``/`` between nested scopes), and ``convert(array, order) -> array``, towers' layout to that one's
+    (``order``: the layer's input features' order there, ``Layer.export_order``)."""
+
+    name: str
+    convert: Callable = _as_is
 
 
 class Workspace:
@@ -102,6 +134,14 @@ class Layer:
     def build(self, in_shape: tuple) -> tuple[list[Param], tuple]:
         return [], tuple(in_shape)
 
+    def exports(self, framework: str) -> dict:
+        """Local weight name -> ``Exported`` (or a tuple of them) in ``framework``: none without weights."""
+        return {}
+
+    def export_order(self, framework: str, in_shape: tuple, order):
+        """The order of the output features in ``framework``: the input's (a layer that acts per feature)."""
+        return order
+
     def forward(self, p, x, ws):  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -110,10 +150,20 @@ class Layer:
 
 
 class Flatten(Layer):
-    """(n, ...) -> (n, prod(...)) as a view, so no copy is made."""
+    """(n, ...) -> (n, prod(...)) as a view, so no copy is made.
+
+    Keras flattens NHWC maps in the same (H, W, C) order; PyTorch's ``nn.Flatten`` flattens NCHW maps in
+    (C, H, W) order, which the next Dense's ``convert`` gets as ``order``.
+    """
 
     def build(self, in_shape):
         return [], (int(numpy.prod(in_shape)),)
+
+    def export_order(self, framework, in_shape, order):
+        if framework == "torch" and len(in_shape) == 3:
+            h, w, c = in_shape
+            return numpy.arange(h * w * c).reshape(h, w, c).transpose(2, 0, 1).ravel()
+        return order
 
     def forward(self, p, x, ws):
         ws.saved["shape"] = x.shape
@@ -124,7 +174,11 @@ class Flatten(Layer):
 
 
 class Dense(Layer):
-    """y = x @ weights + biases, weights truncated-normal(stddev), biases ``bias`` (0); weights under L2 unless not ``regularize``."""
+    """y = x @ weights + biases, weights truncated-normal(stddev), biases ``bias`` (0); weights under L2 unless not ``regularize``.
+
+    Exported as Keras' ``Dense`` (``kernel`` (in, out), ``bias``) and PyTorch's ``nn.Linear`` (``weight``
+    (out, in), ``bias``), its inputs in the framework's order.
+    """
 
     def __init__(self, scope: str, units: int, stddev: float = 0.1, bias: float = 0.0, regularize: bool = True):
         self.scope, self.units, self.stddev, self.bias = scope, int(units), float(stddev), float(bias)
@@ -140,6 +194,14 @@ class Dense(Layer):
             Param("weights", (in_shape[0], self.units), f"truncated_normal:{self.stddev}", self.regularize),
             Param("biases", (self.units,), f"constant:{self.bias}" if self.bias else "zeros", False),
         ], (self.units,)
+
+    def exports(self, framework):
+        return {"torch": {"weights": Exported("weight", lambda a, order: rows_in(a, order).T),
+                          "biases": Exported("bias")},
+                "keras": {"weights": Exported("kernel", rows_in), "biases": Exported("bias")}}.get(framework, {})
+
+    def export_order(self, framework, in_shape, order):
+        return None  # its units: the same order in every framework
 
     def forward(self, p, x, ws):
         y = ws.array("y", (x.shape[0], self.units), x.dtype)

@@ -198,7 +198,15 @@ def build_model(spec, input_shape: tuple, num_classes: int, hidden: int = 500) -
         if not callable(fn):
             raise UserError(f"{where}: {fn_name} in {mod_name} is a {type(fn).__name__}, not a function; "
                             "give package.module:function")
-        model = as_sequential(fn(tuple(input_shape), num_classes), f"{where}: the function")
+        try:
+            made = fn(tuple(input_shape), num_classes)
+        except UserError:  # a layer's own one-line refusal (a bad argument): already says what to fix
+            raise
+        except Exception as e:  # not a model factory (json:loads), or one that fails: one line, not a traceback
+            raise UserError(f"{where}: calling {fn_name}(input_shape={tuple(input_shape)}, num_classes={num_classes}) "
+                            f"raised {type(e).__name__}: {e}; give a function (input_shape, num_classes) that "
+                            "returns a towers.Sequential or a list of layers") from None
+        model = as_sequential(made, f"{where}: the function")
     else:
         raise UserError(
             f"`model` {spec!r} is unknown: use one of {', '.join(sorted(MODELS))} or package.module:function"

@@ -53,7 +53,7 @@ import numpy
 
 from towers.errors import UserError
 from towers.nn import kernels
-from towers.nn.layers import Layer, Param
+from towers.nn.layers import Exported, Layer, Param, rows_in
 from towers.optim.ema import ema_decay
 
 
@@ -69,6 +69,9 @@ class BatchNorm(Layer):
     Parameters ``gamma`` (1) and ``beta`` (0), buffers ``moving_mean`` (0) and
     ``moving_variance`` (1).  ``scale=False`` / ``center=False`` drop gamma /
     beta (e.g. before a ReLU, where gamma is redundant with the next layer).
+    Exported under Keras' ``BatchNormalization`` names (these) and PyTorch's
+    ``nn.BatchNorm2d`` ones (``weight``, ``bias``, ``running_mean``,
+    ``running_var``), per feature in the framework's order.
     """
 
     keeps_dy = True  # backward reads dy only
@@ -86,6 +89,12 @@ class BatchNorm(Layer):
             [Param("beta", (c,))] if self.center else [])
         return params + [Param("moving_mean", (c,), trainable=False),
                          Param("moving_variance", (c,), "constant:1", trainable=False)], tuple(in_shape)
+
+    def exports(self, framework):
+        names = {"torch": ("weight", "bias", "running_mean", "running_var"),
+                 "keras": ("gamma", "beta", "moving_mean", "moving_variance")}.get(framework)
+        ours = ("gamma", "beta", "moving_mean", "moving_variance")
+        return {} if names is None else {k: Exported(n, rows_in) for k, n in zip(ours, names)}
 
     def forward(self, p, x, ws):
         xp, ctx, c = ws.xp, ws.ctx, self.c

@@ -25,7 +25,7 @@ import dataclasses
 from towers.errors import UserError
 from towers.nn import kernels
 from towers.nn.conv import Conv2D
-from towers.nn.layers import Layer
+from towers.nn.layers import Exported, Layer
 from towers.nn.normalization import BatchNorm
 from towers.nn.windows import nhwc
 
@@ -88,6 +88,19 @@ class Residual(Layer):
         self.layers = self.body + self.short_layers
         self._has_short_params = any(self._names[len(self.body):])
         return params, tuple(out)
+
+    def exports(self, framework):
+        """Its layers' declarations, under their names inside the block (``conv1/weights``).  Each is handed
+        the block's input order (``Layer.export_order``): none for image blocks, the only kind towers builds."""
+        out = {}
+        for layer, names in zip(self.layers, self._names):
+            theirs = layer.exports(framework)
+            for local, inside in names:
+                if local in theirs:
+                    found = theirs[local]
+                    out[inside] = tuple(Exported(f"{layer.scope}/{e.name}" if layer.scope else e.name, e.convert)
+                                        for e in (found if isinstance(found, tuple) else (found,)))
+        return out
 
     def _build_child(self, layer, shape, params, names):
         prms, shape = layer.build(shape)
