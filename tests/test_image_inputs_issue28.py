@@ -1,0 +1,72 @@
+"""Image input, issue 28: test labels that mean the training labels' classes, crops clipped to the decoded
+image, damaged PNGs and oversized JPEGs refused, scripts without the ``__main__`` guard, and the small ones
+(worker count, the resource tracker's warning, a closed data set, a file that is no TFRecord)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from test_images import _folder, _images
+from towers.data.image import codec
+from towers.data.loading import load_dataset
+from towers.errors import UserError
+
+
+# -- 1: a test folder's labels ------------------------------------------------------------------------------
+
+
+def _numbered_folder(root, x, y, skip=()):
+    """An image folder whose class folders are the label numbers, leaving out the classes in ``skip``."""
+    keep = ~np.isin(y, skip)
+    return _folder(root, x[keep], y[keep], names=[str(k) for k in range(int(y.max()) + 1)])
+
+
+def test_a_test_folder_beside_an_npz_is_labelled_by_its_folders_numbers(tmp_path):
+    x, y = _images(60)  # classes 0, 1, 2
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    test = _numbered_folder(tmp_path / "test", x, y, skip=[1])  # class folder 1 missing: 2 must stay 2
+    ds = load_dataset(str(tmp_path / "train.npz"), test_path=test, workers=0)
+    try:
+        assert np.array_equal(np.sort(ds.y_test), np.sort(y[y != 1]))
+        assert set(ds.y_test.tolist()) == {0, 2}
+    finally:
+        ds.close()
+    test = _numbered_folder(tmp_path / "test7", x, np.where(y == 2, 7, y))
+    r = run_cli("--data", str(tmp_path / "train.npz"), "--test-data", test, "--devices", "cpu", "--steps", "1",
+                "--logdir", str(tmp_path / "a"))
+    assert r.returncode == 2 and "class folders the training data lacks: 7" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    test = _folder(tmp_path / "named", x, y)  # cat, dog, emu: nothing says which number each one is
+    r = run_cli("--data", str(tmp_path / "train.npz"), "--test-data", test, "--devices", "cpu", "--steps", "1",
+                "--logdir", str(tmp_path / "b"))
+    assert r.returncode == 2 and "cat, dog, emu cannot be matched" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_test_folder_beside_a_training_folder_matches_by_name(tmp_path):
+    x, y = _images(60)
+    train = _folder(tmp_path / "train", x, y)
+    test = _folder(tmp_path / "test", x[y != 1], y[y != 1])  # no dog: emu must stay label 2
+    ds = load_dataset(train, test_path=test, workers=0)
+    try:
+        assert ds.class_names == ["cat", "dog", "emu"] and set(ds.y_test.tolist()) == {0, 2}
+    finally:
+        ds.close()
+    with pytest.raises(UserError, match="class folders the training data lacks: owl"):
+        load_dataset(train, test_path=_folder(tmp_path / "owls", x, y, names=("cat", "dog", "owl")), workers=0)
+
+
+def test_numbered_test_labels_beside_a_training_folder_need_numbered_classes(tmp_path):
+    x, y = _images(60)
+    np.savez(tmp_path / "test.npz", x=x, y=y)
+    numbered = _numbered_folder(tmp_path / "train", x, y)
+    ds = load_dataset(numbered, test_path=str(tmp_path / "test.npz"), workers=0)
+    try:
+        assert np.array_equal(ds.y_test, y)
+    finally:
+        ds.close()
+    with pytest.raises(UserError, match="numbered labels, but the training classes are the folders cat, dog, emu"):
+        load_dataset(_folder(tmp_path / "named", x, y), test_path=str(tmp_path / "test.npz"), workers=0)
