@@ -70,3 +70,34 @@ def test_numbered_test_labels_beside_a_training_folder_need_numbered_classes(tmp
         ds.close()
     with pytest.raises(UserError, match="numbered labels, but the training classes are the folders cat, dog, emu"):
         load_dataset(_folder(tmp_path / "named", x, y), test_path=str(tmp_path / "test.npz"), workers=0)
+
+
+# -- 5: crops clipped to the decoded image -------------------------------------------------------------------
+
+
+def _odd_images(n=48):
+    """Encoded images 17 to 97 pixels a side: colour and grey JPEGs, colour and grey PNGs, and a PNG where
+    a JPEG would be expected (the format comes from the bytes)."""
+    rng = np.random.default_rng(5)
+    out = []
+    for k in range(n):
+        h, w = (int(v) for v in rng.integers(17, 98, 2))
+        pixels = rng.integers(0, 256, (h, w, 1 if k % 3 == 2 else 3), np.uint8)
+        out.append(codec.encode(pixels, "png" if k % 4 == 3 else "jpeg"))
+    return out
+
+
+@pytest.mark.parametrize("augment", ["none", "cifar", "tf-cifar10", "imagenet"])
+def test_every_augmentation_makes_small_odd_grey_and_png_images(augment):
+    from towers.data.image.augment import Transform, uniforms
+
+    data = _odd_images()
+    for size in ((32, 32, 3), (24, 28, 1), (224, 224, 3)):
+        transform = Transform(size, augment, seed=3)
+        indices = np.arange(20 * len(data))  # 20 draws (seeds of the example's randomness) per image
+        u = uniforms(3, np.zeros(len(indices), np.int64), indices, transform.draws) if transform.draws else None
+        for i in indices:
+            out = transform(data[i % len(data)], None if u is None else u[i])
+            assert out.shape == transform.shape and out.dtype == transform.dtype
+        for example in data:  # evaluation
+            assert transform(example).shape == transform.shape
