@@ -101,3 +101,43 @@ def test_every_augmentation_makes_small_odd_grey_and_png_images(augment):
             assert out.shape == transform.shape and out.dtype == transform.dtype
         for example in data:  # evaluation
             assert transform(example).shape == transform.shape
+
+
+# -- 3: a PNG whose checksums fail ---------------------------------------------------------------------------
+
+
+def _damaged(png: bytes, chunk: bytes, at: int) -> bytes:
+    """``png`` with one bit flipped at byte ``at`` of ``chunk``'s data (``at`` = its length: in the CRC)."""
+    start = png.index(chunk) + 4
+    out = bytearray(png)
+    out[start + at] ^= 0x01
+    return bytes(out)
+
+
+def test_a_png_whose_chunk_crc_fails_is_refused_or_skipped_and_counted(tmp_path):
+    from towers.errors import TrainingError
+
+    x, y = _images(12)
+    png = codec.encode(x[4][:, :, None], "png")
+    idat = int.from_bytes(png[png.index(b"IDAT") - 4:png.index(b"IDAT")], "big")
+    # The CRC itself damaged (PngSuite's xcsn0g01.png): the pixels still inflate, and decoded as if whole.
+    for damaged in (_damaged(png, b"IDAT", idat), _damaged(png, b"IDAT", idat // 2)):
+        with pytest.raises(codec.ImageError, match="^damaged PNG: CRC of chunk IDAT fails$"):
+            codec.decode(damaged, 1)
+    with pytest.raises(codec.ImageError, match="^damaged PNG: CRC of chunk IHDR fails$"):
+        codec.decode(_damaged(png, b"IHDR", 3), 1)  # was "not an image (... bytes starting 89504e47)"
+    root = _folder(tmp_path / "f", x, y)
+    victim = os.path.join(root, "dog", "004.png")
+    assert open(victim, "rb").read() == png
+    open(victim, "wb").write(_damaged(png, b"IDAT", idat))
+    ds = load_dataset(root, workers=0)
+    try:
+        with pytest.raises(TrainingError, match="004.png: not a decodable image: damaged PNG: CRC of chunk IDAT"):
+            ds.x[0:12]
+    finally:
+        ds.close()
+    ds = load_dataset(root, workers=0, on_error="skip")
+    try:
+        assert ds.x[0:12].shape == (12, 12, 12, 1) and ds.x.skipped == 1
+    finally:
+        ds.close()
