@@ -141,3 +141,22 @@ def test_a_png_whose_chunk_crc_fails_is_refused_or_skipped_and_counted(tmp_path)
         assert ds.x[0:12].shape == (12, 12, 12, 1) and ds.x.skipped == 1
     finally:
         ds.close()
+
+
+# -- 8: the decompression-bomb limit -------------------------------------------------------------------------
+
+
+def test_the_decompression_bomb_limit_holds_for_jpeg_as_for_png(monkeypatch):
+    from PIL import Image
+
+    pixels = np.full((40, 50, 3), 128, np.uint8)
+    jpeg, png = codec.encode(pixels, "jpeg"), codec.encode(pixels, "png")
+    assert codec.decode(jpeg, 3).shape == codec.decode(png, 3).shape == (40, 50, 3)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 40 * 50 - 1)  # the limit, scaled down to this image
+    with pytest.raises(codec.ImageError, match=r"too large to decode \(40 x 50 = 2,000 pixels, over the "
+                                               r"decompression-bomb limit of 1,999 pixels\)"):
+        codec.decode(jpeg, 3)
+    with pytest.raises(codec.ImageError, match="too large to decode"):
+        codec.decode(png, 3)
+    with pytest.raises(codec.ImageError, match="too large to decode"):
+        codec.decode(jpeg, 1, (8, 8))  # a DCT-scaled decode is refused by the stored size too

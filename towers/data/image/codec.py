@@ -26,8 +26,10 @@ byte.  EXIF orientation is ignored, as TensorFlow ignores it.
 covers it: the inverse DCT of a smaller image is most of the saving when a
 large photo is cropped and shrunk to 224 pixels anyway.
 
-Limits: an image larger than Pillow's decompression-bomb limit (about 179
-megapixels) is refused, as are images that decode to nothing.  Every failure
+Limits: an image larger than Pillow's decompression-bomb limit
+(``PIL.Image.MAX_IMAGE_PIXELS``, about 89 megapixels) is refused before its
+pixels are decoded (a JPEG by its header's size), as are images that decode
+to nothing.  Every failure
 is an :class:`ImageError` whose message says what is wrong; the callers add
 where the bytes came from.
 """
@@ -87,8 +89,21 @@ def _open(data):
         if sniff(data) == "png":
             check_png(data)  # Pillow's open hides why a PNG it recognised failed: a damaged header chunk
         raise ImageError(f"not an image ({len(data)} bytes starting {bytes(data[:4]).hex()})") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"too large to decode ({e})") from None
+    except (OSError, SyntaxError, ValueError) as e:
         raise ImageError(f"not a readable image ({e})") from None
+
+
+def _check_pixels(h: int, w: int) -> None:
+    """An ImageError when an h x w image is over Pillow's decompression-bomb limit (``MAX_IMAGE_PIXELS``), the
+    limit Pillow applies to everything it opens here."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and h * w > limit:
+        raise ImageError(f"too large to decode ({h} x {w} = {h * w:,} pixels, over the decompression-bomb limit "
+                         f"of {limit:,} pixels)")
 
 
 def check_png(data) -> None:
@@ -119,6 +134,7 @@ def decode(data, channels: int, min_size: tuple[int, int] | None = None) -> np.n
     if sniff(data) == "jpeg":
         h, w = min_size or (0, 0)
         try:
+            _check_pixels(*_simplejpeg().decode_jpeg_header(data)[:2])
             return _simplejpeg().decode_jpeg(data, colorspace="GRAY" if channels == 1 else "RGB", fastdct=True,
                                              min_height=h, min_width=w)
         except ValueError:
