@@ -160,3 +160,16 @@ def test_the_decompression_bomb_limit_holds_for_jpeg_as_for_png(monkeypatch):
         codec.decode(png, 3)
     with pytest.raises(codec.ImageError, match="too large to decode"):
         codec.decode(jpeg, 1, (8, 8))  # a DCT-scaled decode is refused by the stored size too
+
+
+# -- 11: small ones ------------------------------------------------------------------------------------------
+
+
+def test_input_workers_above_the_cores_are_capped_with_a_notice(caplog):
+    from towers.devices.cpu_threads import cpu_count, input_workers
+
+    cores = cpu_count()
+    with caplog.at_level("WARNING", logger="towers"):
+        assert input_workers(cores, 0) == cores and not caplog.records
+        assert input_workers(cores + 62, 0) == cores
+    assert f"input_workers {cores + 62} is more than the {cores} cores" in caplog.text
