@@ -173,3 +173,81 @@ def test_input_workers_above_the_cores_are_capped_with_a_notice(caplog):
         assert input_workers(cores, 0) == cores and not caplog.records
         assert input_workers(cores + 62, 0) == cores
     assert f"input_workers {cores + 62} is more than the {cores} cores" in caplog.text
+
+
+def test_a_killed_driver_leaves_no_shared_memory_and_no_tracker_warning(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from test_images import _DRIVER, DECODE, _records
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm to look at")
+    x, y = _images()
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, _records(tmp_path / "d.tfrecords", x, y), DECODE],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        driver.stdout.readline()  # the children: started
+        blocks = {name for name in driver.stdout.readline().split() if name.startswith(f"towers-{driver.pid}-")}
+        assert blocks
+    finally:
+        driver.send_signal(signal.SIGKILL)
+    _, err = driver.communicate(timeout=60)  # stderr ends once the workers and the resource tracker are gone
+    assert not blocks & set(os.listdir("/dev/shm")), "shared memory left behind"
+    assert "leaked" not in err and "resource_tracker" not in err, err
+
+
+def test_an_image_data_set_used_after_close_says_it_is_closed(tmp_path):
+    x, y = _images(12)
+    root = _folder(tmp_path / "f", x, y)
+    for workers in (0, 1):
+        ds = load_dataset(root, workers=workers)
+        assert ds.x[0:2].shape == (2, 12, 12, 1)
+        ds.x.close()
+        with pytest.raises(UserError, match="the image data set is closed"):
+            ds.x[0:2]
+
+
+# -- 6: a script without the __main__ guard ------------------------------------------------------------------
+
+_UNGUARDED = """
+import sys
+import towers
+print("body", flush=True)
+cfg = towers.Config(devices="cpu", data=sys.argv[1], steps=2, batch_size=4, input_workers=1, logdir=sys.argv[2])
+with towers.Trainer(cfg) as tr:
+    tr.fit()
+"""
+
+_HALF_GUARDED = """
+import sys
+from towers.data.loading import load_dataset
+print("body", flush=True)
+ds = load_dataset(sys.argv[1], workers=2)
+ds.x[0:4]  # outside the guard: run again in each worker
+if __name__ == "__main__":
+    print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("script", [_UNGUARDED, _HALF_GUARDED], ids=["no-guard", "spawn-outside-the-guard"])
+def test_a_script_that_starts_workers_outside_the_main_guard_is_told_so(tmp_path, script):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    x, y = _images(12)
+    root = _folder(tmp_path / "f", x, y)
+    (tmp_path / "train.py").write_text(script)
+    r = subprocess.run([sys.executable, str(tmp_path / "train.py"), root, str(tmp_path / "run")], cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("towers.errors.UserError: input workers start with spawn, which runs ") and \
+        'under `if __name__ == "__main__":`' in last, r.stderr
+    assert "process died" not in r.stderr and "bootstrapping" not in r.stderr, r.stderr
+    if script is _UNGUARDED:  # refused before any worker started: the body ran once
+        assert r.stdout.splitlines().count("body") == 1

@@ -56,7 +56,6 @@ import concurrent.futures
 import contextlib
 import hashlib
 import json
-import multiprocessing
 import os
 import signal
 import threading
@@ -68,6 +67,7 @@ from towers.data.dataset import OnDemand
 from towers.data.tfrecord.columns import ColumnStats, ColumnStore
 from towers.data.inputs import expand_inputs
 from towers.data.orphans import watch_parent
+from towers.data.spawning import spawn_context
 from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, TFRecordReader
 from towers.data.tfrecord.gather import Gatherer, IndexStale
 from towers.data.tfrecord.proto import KIND_FLOAT
@@ -421,7 +421,7 @@ class RecordArray(OnDemand):
             if self._pool is None:
                 # spawn, not fork: the trainer's threads (towers, input, BLAS) must not be forked mid-flight.
                 self._pool = concurrent.futures.ProcessPoolExecutor(
-                    self.workers, multiprocessing.get_context("spawn"), _start_worker, self._spec)
+                    self.workers, spawn_context(), _start_worker, self._spec)
                 self._finalizer = weakref.finalize(self, self._pool.shutdown, False, cancel_futures=True)
             return self._pool
 
