@@ -251,3 +251,23 @@ def test_a_script_that_starts_workers_outside_the_main_guard_is_told_so(tmp_path
     assert "process died" not in r.stderr and "bootstrapping" not in r.stderr, r.stderr
     if script is _UNGUARDED:  # refused before any worker started: the body ran once
         assert r.stdout.splitlines().count("body") == 1
+
+
+def test_a_file_that_is_no_tfrecord_is_not_announced_as_being_indexed(tmp_path):
+    from towers.data.tfrecord.framing import TFRecordError
+    from towers.data.tfrecord.records import file_index
+
+    x, y = _images(6)
+    png = tmp_path / "F.png"
+    png.write_bytes(codec.encode(x[0][:, :, None], "png"))
+    said = []
+    with pytest.raises((TFRecordError, UserError), match="not a TFRecord file"):
+        file_index(str(png), say=said.append)
+    assert not said
+    r = run_cli("--data", str(png), "--devices", "cpu", "--steps", "1", "--logdir", str(tmp_path / "a"))
+    assert r.returncode == 2 and "not a TFRecord file" in r.stderr and "indexing" not in r.stderr, r.stderr
+    records = tmp_path / "d.tfrecords"  # a real one is still announced
+    from test_images import _records
+    _records(records, x, y)
+    file_index(str(records), say=said.append)
+    assert len(said) == 1 and said[0].startswith(f"indexing {records} (")
