@@ -24,7 +24,9 @@ multiprocessing's resource tracker (:func:`untrack`).  The tracker would
 unlink them after a ``kill -9`` as well, but it also prints ``There appear to
 be N leaked shared_memory objects`` for every run killed so; instead the
 watching thread of each worker unlinks its parent's blocks (by that prefix,
-in ``/dev/shm``) before it exits.  Where there is no ``/dev/shm`` to look in
+in ``/dev/shm``) before it exits, and so does a worker whose pipe closed
+because its parent died (:func:`exit_if_orphaned`: its main thread may see
+the pipe close first and end the process before the watching thread runs).  Where there is no ``/dev/shm`` to look in
 (not Linux), the blocks stay with the tracker.  Limit: a parent and all its
 workers killed at once (the whole process group) leave their blocks behind,
 as they would the tracker's.
@@ -40,6 +42,7 @@ import time
 from multiprocessing import resource_tracker
 
 WATCH_SECONDS = 0.25  # how often a worker without a sentinel checks its parent pid
+PIPE_TO_SENTINEL_SECONDS = 1.0  # how long a worker whose pipe closed waits to see its parent gone
 SHM_DIR = "/dev/shm"  # where POSIX shared memory shows as files (Linux)
 
 
@@ -66,6 +69,18 @@ def _poll(parent: int, blocks) -> None:
     while os.getppid() == parent:
         time.sleep(WATCH_SECONDS)
     _orphaned(blocks)
+
+
+def exit_if_orphaned(blocks: str | None = None) -> None:
+    """Exit as the watching thread would, unlinking the ``blocks``, if the parent is gone: for a worker whose
+    pipe to its parent just closed (its main thread would otherwise end the process, and the watching
+    daemon thread with it, before that thread has cleaned up)."""
+    started_by = multiprocessing.parent_process()
+    if started_by is not None:
+        # A dying parent closes its pipes and its sentinel in one sweep, not at one instant: wait a moment.
+        started_by.join(PIPE_TO_SENTINEL_SECONDS)
+        if not started_by.is_alive():
+            _orphaned(blocks)
 
 
 def _orphaned(blocks) -> None:

@@ -69,7 +69,7 @@ import numpy as np
 from towers.data.image.augment import uniforms
 from towers.data.image.codec import ImageError
 from towers.data.image.sources import SourceError
-from towers.data.orphans import block_prefix, unlink, untrack, watch_parent
+from towers.data.orphans import block_prefix, exit_if_orphaned, unlink, untrack, watch_parent
 from towers.data.spawning import UNGUARDED_EXIT, spawn_context, unguarded_error
 from towers.errors import UserError
 
@@ -129,7 +129,7 @@ def _serve(conn, sources, parent: int) -> None:
         try:
             chunk = conn.recv()
         except EOFError:  # the main process closed the pipe (or is gone)
-            return
+            return exit_if_orphaned(block_prefix(parent))
         try:
             answer = ("ok", _run_chunk(*chunk))
         except Exception as e:  # a damaged record (TFRecordError): raised where the batch is waited for
@@ -137,7 +137,7 @@ def _serve(conn, sources, parent: int) -> None:
         try:
             conn.send(answer)
         except OSError:  # the main process is gone
-            return
+            return exit_if_orphaned(block_prefix(parent))
         except Exception:  # an exception that does not pickle (the pipe is untouched): its text instead
             conn.send(("error", RuntimeError(f"in an input worker: {answer[1]!r}")))
 
