@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from test_images import _folder, _images
+from test_images import DECODE, _folder, _images, _records
 from towers.data.image import codec
 from towers.data.loading import load_dataset
 from towers.errors import UserError
@@ -32,6 +32,12 @@ def test_a_test_folder_beside_an_npz_is_labelled_by_its_folders_numbers(tmp_path
     try:
         assert np.array_equal(np.sort(ds.y_test), np.sort(y[y != 1]))
         assert set(ds.y_test.tolist()) == {0, 2}
+    finally:
+        ds.close()
+    records = _records(tmp_path / "train.tfrecords", x, y)  # the same beside TFRecord training data
+    ds = load_dataset(records, "image/encoded", "image/class/label", test_path=test, decode=DECODE, workers=0)
+    try:
+        assert set(ds.y_test.tolist()) == {0, 2} and np.array_equal(np.sort(ds.y_test), np.sort(y[y != 1]))
     finally:
         ds.close()
     test = _numbered_folder(tmp_path / "test7", x, np.where(y == 2, 7, y))
@@ -181,7 +187,7 @@ def test_a_killed_driver_leaves_no_shared_memory_and_no_tracker_warning(tmp_path
     import sys
 
     from conftest import REPO
-    from test_images import _DRIVER, DECODE, _records
+    from test_images import _DRIVER
 
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm to look at")
@@ -267,7 +273,6 @@ def test_a_file_that_is_no_tfrecord_is_not_announced_as_being_indexed(tmp_path):
     r = run_cli("--data", str(png), "--devices", "cpu", "--steps", "1", "--logdir", str(tmp_path / "a"))
     assert r.returncode == 2 and "not a TFRecord file" in r.stderr and "indexing" not in r.stderr, r.stderr
     records = tmp_path / "d.tfrecords"  # a real one is still announced
-    from test_images import _records
     _records(records, x, y)
     file_index(str(records), say=said.append)
     assert len(said) == 1 and said[0].startswith(f"indexing {records} (")
