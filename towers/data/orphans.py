@@ -104,7 +104,9 @@ def untrack(block) -> None:
 
 
 def unlink(block) -> None:
-    """Unlink an untracked ``block`` (``SharedMemory.unlink`` tells the tracker to forget it: it must know it)."""
+    """Unlink a ``block`` kept off the tracker (``SharedMemory.unlink`` would tell the tracker to forget a
+    name it never had, and the tracker prints a traceback for that)."""
     if os.path.isdir(SHM_DIR):
-        resource_tracker.register(block._name, "shared_memory")  # noqa: SLF001
-    block.unlink()
+        os.unlink(os.path.join(SHM_DIR, block.name))
+    else:
+        block.unlink()
