@@ -262,7 +262,7 @@ def test_a_script_that_starts_workers_outside_the_main_guard_is_told_so(tmp_path
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("towers.errors.UserError: input workers start with spawn, which runs ") and \
-        'under `if __name__ == "__main__":`' in last, r.stderr
+        'under \'if __name__ == "__main__":\'' in last, r.stderr
     assert "process died" not in r.stderr and "bootstrapping" not in r.stderr, r.stderr
     if script is _UNGUARDED:  # refused before any worker started: the body ran once
         assert r.stdout.splitlines().count("body") == 1

@@ -47,8 +47,8 @@ def spawn_context():
 
 def unguarded_error(script: str | None = None) -> UserError:
     script = script or _rerun_script() or "the main script"
-    return UserError(f"input workers start with `spawn`, which runs {script} again in each worker: put the code "
-                     "that loads data and trains under `if __name__ == \"__main__\":` (see the multiprocessing "
+    return UserError(f"input workers start with spawn, which runs {script} again in each worker: put the code "
+                     "that loads data and trains under 'if __name__ == \"__main__\":' (see the multiprocessing "
                      "documentation, 'Safe importing of main module'), or use no input workers (`input_workers` 0)")
 
 

@@ -281,7 +281,7 @@ def _died(process) -> Exception:
 
 
 def _closed() -> UserError:
-    return UserError("the image data set is closed (its `close()` stopped the input workers): load it again to "
+    return UserError("the image data set is closed (its close() stopped the input workers): load it again to "
                      "read it")
 
 
