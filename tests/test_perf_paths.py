@@ -140,7 +140,7 @@ def test_input_workers_default_to_spare_cores(monkeypatch):
 
     monkeypatch.setattr(cpu_threads, "cpu_count", lambda: 2)
     assert cpu_threads.input_workers(None, cpu_towers=2) == 0  # both cores run towers
-    assert cpu_threads.input_workers(3, cpu_towers=2) == 3  # a setting wins
+    assert cpu_threads.input_workers(2, cpu_towers=2) == 2  # a setting wins, up to the cores (capped above)
     monkeypatch.setattr(cpu_threads, "cpu_count", lambda: 16)
     assert cpu_threads.input_workers(None, cpu_towers=0) == 4  # GPU towers: spare cores, at most 4
     assert cpu_threads.input_workers(None, cpu_towers=13) == 2

@@ -17,36 +17,96 @@ starts a daemon thread that exits the worker as soon as its parent is gone:
 A thread, not Linux's ``PR_SET_PDEATHSIG``: that signal follows the parent
 *thread* that spawned the worker, and pools spawn workers from whichever
 thread submits first (the input thread, which ends before the run does).
+
+Shared memory left by a dead parent: the image workers' blocks are named
+:func:`block_prefix` (parent pid) + a random part and kept off
+multiprocessing's resource tracker (:func:`untrack`).  The tracker would
+unlink them after a ``kill -9`` as well, but it also prints ``There appear to
+be N leaked shared_memory objects`` for every run killed so; instead the
+watching thread of each worker unlinks its parent's blocks (by that prefix,
+in ``/dev/shm``) before it exits, and so does a worker whose pipe closed
+because its parent died (:func:`exit_if_orphaned`: its main thread may see
+the pipe close first and end the process before the watching thread runs).  Where there is no ``/dev/shm`` to look in
+(not Linux), the blocks stay with the tracker.  Limit: a parent and all its
+workers killed at once (the whole process group) leave their blocks behind,
+as they would the tracker's.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import multiprocessing
 import os
 import threading
 import time
+from multiprocessing import resource_tracker
 
 WATCH_SECONDS = 0.25  # how often a worker without a sentinel checks its parent pid
+PIPE_TO_SENTINEL_SECONDS = 1.0  # how long a worker whose pipe closed waits to see its parent gone
+SHM_DIR = "/dev/shm"  # where POSIX shared memory shows as files (Linux)
 
 
-def watch_parent(parent: int | None = None) -> None:
-    """Exit this process (status 1, no cleanup: there is no one left to report to) once its parent is gone.
+def watch_parent(parent: int | None = None, blocks: str | None = None) -> None:
+    """Exit this process (status 1: there is no one left to report to) once its parent is gone.
 
     ``parent``: the parent's pid, for a process not started by multiprocessing (default: the parent now).
+    ``blocks``: a name prefix of the parent's shared-memory blocks (:func:`block_prefix`), unlinked first.
     """
     started_by = multiprocessing.parent_process()
     if started_by is not None:
-        target, args = _wait_sentinel, (started_by,)
+        target, args = _wait_sentinel, (started_by, blocks)
     else:
-        target, args = _poll, (os.getppid() if parent is None else parent,)
+        target, args = _poll, (os.getppid() if parent is None else parent, blocks)
     threading.Thread(target=target, args=args, daemon=True, name="towers-parent-watch").start()
 
 
-def _wait_sentinel(parent) -> None:
+def _wait_sentinel(parent, blocks) -> None:
     parent.join()  # returns when the parent's sentinel pipe closes: the parent has exited
-    os._exit(1)
+    _orphaned(blocks)
 
 
-def _poll(parent: int) -> None:
+def _poll(parent: int, blocks) -> None:
     while os.getppid() == parent:
         time.sleep(WATCH_SECONDS)
+    _orphaned(blocks)
+
+
+def exit_if_orphaned(blocks: str | None = None) -> None:
+    """Exit as the watching thread would, unlinking the ``blocks``, if the parent is gone: for a worker whose
+    pipe to its parent just closed (its main thread would otherwise end the process, and the watching
+    daemon thread with it, before that thread has cleaned up)."""
+    started_by = multiprocessing.parent_process()
+    if started_by is not None:
+        # A dying parent closes its pipes and its sentinel in one sweep, not at one instant: wait a moment.
+        started_by.join(PIPE_TO_SENTINEL_SECONDS)
+        if not started_by.is_alive():
+            _orphaned(blocks)
+
+
+def _orphaned(blocks) -> None:
+    if blocks and os.path.isdir(SHM_DIR):
+        for path in glob.glob(os.path.join(SHM_DIR, glob.escape(blocks) + "*")):
+            with contextlib.suppress(OSError):  # another worker of the same parent was first
+                os.unlink(path)
     os._exit(1)
+
+
+def block_prefix(pid: int) -> str:
+    """The name prefix of the image workers' shared-memory blocks made by process ``pid``."""
+    return f"towers-{pid}-batch-"
+
+
+def untrack(block) -> None:
+    """Keep ``block`` (a ``SharedMemory`` just made or attached) off the resource tracker, where the orphaned
+    workers can unlink it instead (Python < 3.13 tracks every block, even one only attached)."""
+    if os.path.isdir(SHM_DIR):
+        resource_tracker.unregister(block._name, "shared_memory")  # noqa: SLF001 - the tracker's own key
+
+
+def unlink(block) -> None:
+    """Unlink a ``block`` kept off the tracker (``SharedMemory.unlink`` would tell the tracker to forget a
+    name it never had, and the tracker prints a traceback for that)."""
+    if os.path.isdir(SHM_DIR):
+        os.unlink(os.path.join(SHM_DIR, block.name))
+    else:
+        block.unlink()

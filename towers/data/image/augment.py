@@ -154,7 +154,10 @@ class Transform:
         else:  # decode at the smallest DCT scale that keeps the crop at least H x W
             image = codec.decode(example, c, (math.ceil(ih * h / ch), math.ceil(iw * w / cw)))
             k = image.shape[0] / ih
-        return codec.crop_resize(image, h, w, (top * k, left * k, (top + ch) * k, (left + cw) * k), flip=u[40] < 0.5)
+        # Clipped to the decoded image: a DCT-scaled decode rounds each side up on its own (17 x 23 at 1/2 is
+        # 9 x 12, so k = 9/17 overshoots the width), and (top + ch) * k may land an ulp past the edge.
+        box = (top * k, left * k, min((top + ch) * k, image.shape[0]), min((left + cw) * k, image.shape[1]))
+        return codec.crop_resize(image, h, w, box, flip=u[40] < 0.5)
 
 
 def random_resized_crop(h: int, w: int, u) -> tuple[int, int, int, int]:

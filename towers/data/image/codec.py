@@ -13,7 +13,9 @@ WebP, TIFF, ...), never from a name or an ``image/format`` feature.
   plugin sniffing or Image object) and 1.4x on 500x375 ones.  A JPEG simplejpeg
   refuses (CMYK/YCCK, 12-bit, arithmetic coding) goes to Pillow.
 - Everything else goes to Pillow.  PNG is lossless, so its pixels equal
-  TensorFlow's ``decode_png``.
+  TensorFlow's ``decode_png``; every chunk's CRC is checked first
+  (:func:`check_png`), as libpng does for TensorFlow, so a damaged PNG is
+  refused rather than decoded as if whole.
 
 Channels: 1 is the luma (libjpeg's own grayscale output for JPEG, Pillow's
 ``L`` otherwise), 3 is RGB (grey replicated; CMYK converted by Pillow; alpha
@@ -24,14 +26,17 @@ byte.  EXIF orientation is ignored, as TensorFlow ignores it.
 covers it: the inverse DCT of a smaller image is most of the saving when a
 large photo is cropped and shrunk to 224 pixels anyway.
 
-Limits: an image larger than Pillow's decompression-bomb limit (about 179
-megapixels) is refused, as are images that decode to nothing.  Every failure
+Limits: an image larger than Pillow's decompression-bomb limit
+(``PIL.Image.MAX_IMAGE_PIXELS``, about 89 megapixels) is refused before its
+pixels are decoded (a JPEG by its header's size), as are images that decode
+to nothing.  Every failure
 is an :class:`ImageError` whose message says what is wrong; the callers add
 where the bytes came from.
 """
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
 import numpy as np
@@ -81,9 +86,41 @@ def _open(data):
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             return Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
+        if sniff(data) == "png":
+            check_png(data)  # Pillow's open hides why a PNG it recognised failed: a damaged header chunk
         raise ImageError(f"not an image ({len(data)} bytes starting {bytes(data[:4]).hex()})") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"too large to decode ({e})") from None
+    except (OSError, SyntaxError, ValueError) as e:
         raise ImageError(f"not a readable image ({e})") from None
+
+
+def _check_pixels(h: int, w: int) -> None:
+    """An ImageError when an h x w image is over Pillow's decompression-bomb limit (``MAX_IMAGE_PIXELS``), the
+    limit Pillow applies to everything it opens here."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and h * w > limit:
+        raise ImageError(f"too large to decode ({h} x {w} = {h * w:,} pixels, over the decompression-bomb limit "
+                         f"of {limit:,} pixels)")
+
+
+def check_png(data) -> None:
+    """An ImageError (``damaged PNG: ...``) unless every chunk of the PNG ``data`` up to IEND matches its CRC.
+
+    Pillow's ``verify`` walks the chunks (zlib's crc32 over each); decoding alone checks the header chunks
+    only, so an IDAT whose CRC fails but whose deflate stream still inflates would pass as whole.  Cost:
+    13 us on a 32 x 32 PNG whose decode takes 54 us.
+    """
+    from PIL import PngImagePlugin
+
+    try:
+        PngImagePlugin.PngImageFile(io.BytesIO(data)).verify()
+    except (SyntaxError, OSError, ValueError, EOFError) as e:
+        reason = str(e)
+        bad = re.fullmatch(r"broken PNG file \(bad header checksum in b'(\w+)'\)", reason)
+        raise ImageError(f"damaged PNG: {f'CRC of chunk {bad.group(1)} fails' if bad else reason}") from None
 
 
 def decode(data, channels: int, min_size: tuple[int, int] | None = None) -> np.ndarray:
@@ -97,10 +134,13 @@ def decode(data, channels: int, min_size: tuple[int, int] | None = None) -> np.n
     if sniff(data) == "jpeg":
         h, w = min_size or (0, 0)
         try:
+            _check_pixels(*_simplejpeg().decode_jpeg_header(data)[:2])
             return _simplejpeg().decode_jpeg(data, colorspace="GRAY" if channels == 1 else "RGB", fastdct=True,
                                              min_height=h, min_width=w)
         except ValueError:
             pass  # CMYK, 12-bit, damaged: Pillow converts what can be converted and names the damage
+    elif sniff(data) == "png":
+        check_png(data)
     image = _open(data)
     try:
         if min_size and image.format == "JPEG":

@@ -15,13 +15,13 @@ converter's exit status 1).
 from __future__ import annotations
 
 import concurrent.futures
-import multiprocessing
 import os
 
 import numpy as np
 
 from towers.data.image.augment import Transform
 from towers.data.orphans import watch_parent
+from towers.data.spawning import spawn_context
 from towers.data.image.codec import ImageError
 from towers.data.tfrecord.schema import UsageError
 from towers.devices.cpu_threads import cpu_count
@@ -75,7 +75,7 @@ def decode_images(column, n, size, folder, workers=None, ends_of_files=()):
         if workers == 0:
             results = (_decode_chunk(*args(a, b)) for a, b in chunks)
         else:
-            pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"),
+            pool = concurrent.futures.ProcessPoolExecutor(workers, spawn_context(),
                                                           watch_parent)  # no worker outlives a killed converter
             results = _in_order(pool, chunks, args, 2 * workers)
         for pixels, failed in results:

@@ -16,8 +16,10 @@ an npz, or raw TFRecord       ``ArraySource`` over its uint8 (N, H, W[, C]) exam
 The example shape is ``decode``'s, else ``image_size``, else (folders) the
 images' own when they all agree, else (arrays) the stored one.  The training
 split is augmented (``augment``), the test split takes the deterministic path,
-and both share the ``Workers`` (``towers.data.image.workers``).  A test
-folder's classes are matched to the training folder's by name.
+and both share the ``Workers`` (``towers.data.image.workers``).  Training and
+test labels mean the same classes or the data is refused: a test folder's
+classes match the training folder's by name, and class folders named by
+numbers (``0`` .. ``C-1``) match numbered labels (npz, TFRecord).
 
 :func:`propose` looks at a TFRecord file's first record for an encoded image
 (the TensorFlow ImageNet layout: ``image/encoded``, ``image/class/label``) and
@@ -122,17 +124,59 @@ def _size(train, spec, image_size):
     return folder.common_size(train.source.paths)
 
 
-def _test_labels(train, test, test_path):
-    """A test folder's labels in the training folder's class numbers (matched by name)."""
-    if test.classes is None or train.classes is None:
+def _class_number(name: str) -> int | None:
+    """The label number a class folder named by a number stands for (``3``, ``007``), else None."""
+    return int(name) if name.isascii() and name.isdigit() else None
+
+
+def _listed(names, limit=10) -> str:
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+def _test_labels(train, test, test_path, n_classes):
+    """The test split's labels in the training split's class numbers, or a UserError when they cannot mean
+    the same classes.
+
+    Folders on both sides match by class name.  A test folder beside numbered labels (npz, TFRecord) needs
+    class folders named by those numbers (``0`` .. ``C-1``); numbered test labels beside a training folder
+    need its classes named by numbers.  Folder order never stands for a label: a class folder missing on one
+    side would shift every class after it.
+    """
+    if test.classes is None and train.classes is None:
         return test.labels
-    number = {name: k for k, name in enumerate(train.classes)}
-    unknown = [name for name in test.classes if name not in number]
-    if unknown:
-        raise UserError(f"`test_data` {test_path} has class folders the training data lacks: "
-                        f"{', '.join(unknown[:5])}; its classes must be among {', '.join(train.classes[:10])}"
-                        + (", ..." if len(train.classes) > 10 else ""))
-    return np.array([number[name] for name in test.classes], np.int32)[test.labels]
+    if test.classes is not None and train.classes is not None:
+        number = {name: k for k, name in enumerate(train.classes)}
+        unknown = [name for name in test.classes if name not in number]
+        if unknown:
+            raise UserError(f"`test_data` {test_path} has class folders the training data lacks: "
+                            f"{_listed(unknown, 5)}; its classes must be among {_listed(train.classes)}")
+        return np.array([number[name] for name in test.classes], np.int32)[test.labels]
+    if test.classes is not None:  # a test folder beside numbered training labels
+        numbers = [_class_number(name) for name in test.classes]
+        named = [name for name, k in zip(test.classes, numbers) if k is None]
+        if named:
+            raise UserError(f"`test_data` {test_path}: class folders {_listed(named, 5)} cannot be matched to the "
+                            f"training data's labels 0..{n_classes - 1}, which have no class names: name the test "
+                            "class folders by the label numbers they hold (0, 1, ...)")
+        lacking = [name for name, k in zip(test.classes, numbers) if k >= n_classes]
+        if lacking:
+            raise UserError(f"`test_data` {test_path} has class folders the training data lacks: "
+                            f"{_listed(lacking, 5)}; training labels are 0..{n_classes - 1}")
+        return np.array(numbers, np.int32)[test.labels]
+    numbers = [_class_number(name) for name in train.classes]  # numbered test labels beside a training folder
+    if None in numbers:
+        raise UserError(f"`test_data` {test_path} has numbered labels, but the training classes are the folders "
+                        f"{_listed(train.classes)}: give the test data as an image folder with the same class "
+                        "folders")
+    label = np.full(max(numbers) + 1, -1, np.int32)
+    label[numbers] = np.arange(len(numbers), dtype=np.int32)
+    seen = np.unique(test.labels)
+    lacking = [int(k) for k in seen if k >= len(label) or label[k] < 0]
+    if lacking:
+        raise UserError(f"`test_data` {test_path} has labels the training data lacks: "
+                        f"{_listed([str(k) for k in lacking], 5)}; the training class folders are "
+                        f"{_listed(train.classes)}")
+    return label[test.labels]
 
 
 def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_error="stop", workers=2,
@@ -153,7 +197,7 @@ def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_erro
                    train.labels, pool, on_error, say)
     tx = ty = None
     if test is not None:
-        ty = _test_labels(train, test, test_path)
+        ty = _test_labels(train, test, test_path, n_classes)
         if len(ty) and int(ty.max()) >= n_classes:
             raise UserError(f"{test_path}: test label {int(ty.max())} is out of range: training labels are "
                             f"0..{n_classes - 1}")

@@ -40,9 +40,10 @@ Cleanup: :meth:`Workers.close` (the trainer's ``close``: normal exit, Ctrl-C,
 SIGTERM) stops the workers and unlinks every block.  A worker ends when its
 pipe closes and watches its parent (``towers.data.orphans``), so it exits as
 soon as the parent is gone (``kill -9``, the OOM killer) even mid-chunk and no
-worker outlives a dead run; the blocks are registered with multiprocessing's
-resource tracker, which unlinks them once the main process and the workers
-that hold its pipe have all exited.
+worker outlives a dead run; the first worker to see its parent gone unlinks
+the parent's blocks by their name.  The blocks are kept off
+multiprocessing's resource tracker, which would unlink them too but print a
+warning about "leaked" objects after every killed run.
 
 Sync points: ``_Chunks.wait`` waits for a batch's chunks (the caller's only
 wait); ``start`` blocks while a worker's pipe is full (chunks that carry their
@@ -54,7 +55,6 @@ mapped.
 from __future__ import annotations
 
 import ctypes
-import multiprocessing
 import os
 import pickle
 import secrets
@@ -69,7 +69,9 @@ import numpy as np
 from towers.data.image.augment import uniforms
 from towers.data.image.codec import ImageError
 from towers.data.image.sources import SourceError
-from towers.data.orphans import watch_parent
+from towers.data.orphans import block_prefix, exit_if_orphaned, unlink, untrack, watch_parent
+from towers.data.spawning import UNGUARDED_EXIT, spawn_context, unguarded_error
+from towers.errors import UserError
 
 ATTACHED = 16  # blocks a worker keeps mapped (batch and test-chunk sizes)
 STOP_SECONDS = 5  # how long a worker has to end on SIGTERM before SIGKILL
@@ -122,12 +124,12 @@ def _serve(conn, sources, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A worker spawned while the run handles SIGTERM would inherit SIG_IGN: stop() must still end it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    watch_parent(parent)
+    watch_parent(parent, block_prefix(parent))
     while True:
         try:
             chunk = conn.recv()
         except EOFError:  # the main process closed the pipe (or is gone)
-            return
+            return exit_if_orphaned(block_prefix(parent))
         try:
             answer = ("ok", _run_chunk(*chunk))
         except Exception as e:  # a damaged record (TFRecordError): raised where the batch is waited for
@@ -135,13 +137,16 @@ def _serve(conn, sources, parent: int) -> None:
         try:
             conn.send(answer)
         except OSError:  # the main process is gone
-            return
+            return exit_if_orphaned(block_prefix(parent))
         except Exception:  # an exception that does not pickle (the pipe is untouched): its text instead
             conn.send(("error", RuntimeError(f"in an input worker: {answer[1]!r}")))
 
 
 def _block(name: str):
-    block = _BLOCKS.pop(name, None) or shared_memory.SharedMemory(name)
+    block = _BLOCKS.pop(name, None)
+    if block is None:
+        block = shared_memory.SharedMemory(name)
+        untrack(block)  # Python < 3.13 tracks an attached block too: the main process owns it
     _BLOCKS[name] = block
     while len(_BLOCKS) > ATTACHED:
         _BLOCKS.popitem(last=False)[1].close()
@@ -230,11 +235,11 @@ class _Worker:
         """Queue ``chunk``; blocks while the pipe is full (a chunk that carries its rows' pixels)."""
         with self._sending:
             if self._conn.closed:
-                raise RuntimeError("the input workers are closed")
+                raise _closed()
             try:
                 self._conn.send(chunk)
             except OSError:
-                raise _died() from None
+                raise _died(self.process) from None
             self.sent += 1
             return _Ticket(self, self.sent - 1)
 
@@ -245,7 +250,7 @@ class _Worker:
                 try:
                     data = self._conn.recv_bytes()
                 except (EOFError, OSError):
-                    raise _died() from None
+                    raise _died(self.process) from None
                 try:
                     answer = pickle.loads(data)
                 except Exception as e:  # e.g. an exception type that pickles but cannot be rebuilt here
@@ -267,9 +272,17 @@ class _Worker:
             self._conn.close()
 
 
-def _died() -> WorkerDied:
+def _died(process) -> Exception:
+    process.join(STOP_SECONDS)  # its pipe closes as it exits: the status follows at once
+    if process.exitcode == UNGUARDED_EXIT:  # it was starting workers itself (towers.data.spawning)
+        return unguarded_error()
     return WorkerDied("an input worker process died (out of memory? killed?); resume from the last checkpoint "
                       "with `resume`")
+
+
+def _closed() -> UserError:
+    return UserError("the image data set is closed (its close() stopped the input workers): load it again to "
+                     "read it")
 
 
 class Workers:
@@ -312,6 +325,8 @@ class Workers:
         (a read made once, evaluation, a cluster host's slice) one chunk per
         worker.  Blocks while a worker's pipe is full.
         """
+        if self._closed:
+            raise _closed()
         source, transform = self._sources[sid]
         rows = np.asarray(rows, np.int64)
         shape, dtype = (len(rows),) + transform.shape, transform.dtype
@@ -323,11 +338,11 @@ class Workers:
         tickets: list = []  # filled below; the block goes back to the free list with them
         with self._lock:
             if self._closed:
-                raise RuntimeError("the input workers are closed")
+                raise _closed()
+            workers = self._started()  # first: a script that cannot start them makes no block
             block = self._take(len(rows) * row_bytes)
             out = np.asarray(_Lease(block, shape, dtype))
             weakref.finalize(out.base, self._give_back, block, tickets)
-            workers = self._started()
             # Unread answers count: reading them first (a poll per worker) split more batches and measured
             # slower (2 workers / 1 worker 1.41-1.52 against 1.59-1.73, side by side).
             busy = sum(worker.pending for worker in workers) >= self.n
@@ -348,9 +363,11 @@ class Workers:
         for k, (block, tickets) in enumerate(free):
             if all(ticket.answered for ticket in tickets):
                 return free.pop(k)[0]
-        # Named after this process, so that a block in /dev/shm says whose it is.
-        block = shared_memory.SharedMemory(f"towers-{os.getpid()}-{secrets.token_hex(4)}", create=True,
+        # Named after this process, so that a block in /dev/shm says whose it is (and its orphaned workers
+        # find it: towers.data.orphans).
+        block = shared_memory.SharedMemory(f"{block_prefix(os.getpid())}{secrets.token_hex(4)}", create=True,
                                            size=max(nbytes, 1))
+        untrack(block)
         self._blocks.append(block)
         return block
 
@@ -362,9 +379,9 @@ class Workers:
                 self._free.setdefault(block.size, []).append((block, tickets))
 
     def _started(self) -> list:
-        """The workers, started on first use (after the first block: they share its resource tracker)."""
+        """The workers, started on first use."""
         if self._pool is None:
-            context = multiprocessing.get_context("spawn")
+            context = spawn_context()
             self._pool = [_Worker(context, self._sources, os.getpid()) for _ in range(self.n)]
             # Workers never closed (a Python user without close()) still end, and their blocks are unlinked,
             # when this object is collected or the interpreter exits.
@@ -395,7 +412,7 @@ def _release(pool, blocks) -> None:
         worker.stop()
     for block in blocks:
         try:
-            block.unlink()
+            unlink(block)
         except FileNotFoundError:
             pass
 

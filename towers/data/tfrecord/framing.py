@@ -71,6 +71,11 @@ def frame(payload):
                      _CRC_STRUCT.pack(masked_crc(payload))))
 
 
+def header_intact(head) -> bool:
+    """Whether ``head`` (a file's first bytes) starts with a record header whose length CRC matches."""
+    return len(head) >= HEADER and masked_crc(head[:8]) == _CRC_STRUCT.unpack_from(head, 8)[0]
+
+
 def detect_compression(head):
     """Guess the compression of a file from its first bytes: none, gzip or zlib.
 
@@ -80,10 +85,8 @@ def detect_compression(head):
     a valid zlib header (deflate, window <= 32K, header checksum) ``zlib``.
     Anything else is read as ``none`` so that framing reports what is wrong.
     """
-    if len(head) >= HEADER:
-        length_bytes, (crc,) = head[:8], _CRC_STRUCT.unpack_from(head, 8)
-        if masked_crc(length_bytes) == crc:
-            return "none"
+    if header_intact(head):
+        return "none"
     if head[:2] == b"\x1f\x8b":
         return "gzip"
     if len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] << 8 | head[1]) % 31 == 0:

@@ -56,7 +56,6 @@ import concurrent.futures
 import contextlib
 import hashlib
 import json
-import multiprocessing
 import os
 import signal
 import threading
@@ -68,7 +67,8 @@ from towers.data.dataset import OnDemand
 from towers.data.tfrecord.columns import ColumnStats, ColumnStore
 from towers.data.inputs import expand_inputs
 from towers.data.orphans import watch_parent
-from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, TFRecordReader
+from towers.data.spawning import spawn_context
+from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, TFRecordReader, header_intact
 from towers.data.tfrecord.gather import Gatherer, IndexStale
 from towers.data.tfrecord.proto import KIND_FLOAT
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode
@@ -201,7 +201,7 @@ def file_index(path, on_error="stop", say=None) -> FileIndex:
                 say(f"{path} holds other records than when it was indexed (same size and modification time): "
                     "indexing it again")
             break
-    if say:
+    if say and _framed(path):  # else build_index says what the file is, with no "indexing" before it
         say(f"indexing {path} ({stamp['size']:,} bytes; cached for the next runs)")
     try:
         index = build_index(path, on_error)
@@ -211,6 +211,16 @@ def file_index(path, on_error="stop", say=None) -> FileIndex:
     if _stamp(path, on_error) == stamp:  # not if the file changed while it was read
         _write_cached(index, stamp, caches)
     return index
+
+
+def _framed(path) -> bool:
+    """Whether ``path`` is empty or starts with an intact TFRecord header (not a PNG, not compressed)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER)
+    except OSError:
+        return True  # build_index names the problem
+    return not head or header_intact(head)
 
 
 def _unchanged_since(path, on_error, stamp) -> None:
@@ -421,7 +431,7 @@ class RecordArray(OnDemand):
             if self._pool is None:
                 # spawn, not fork: the trainer's threads (towers, input, BLAS) must not be forked mid-flight.
                 self._pool = concurrent.futures.ProcessPoolExecutor(
-                    self.workers, multiprocessing.get_context("spawn"), _start_worker, self._spec)
+                    self.workers, spawn_context(), _start_worker, self._spec)
                 self._finalizer = weakref.finalize(self, self._pool.shutdown, False, cancel_futures=True)
             return self._pool
 
