@@ -152,7 +152,7 @@ def test_sigkill_at_any_moment_loses_nothing_beyond_the_last_checkpoint(tmp_path
     train(tmp_path / "ref", *args)
     run = tmp_path / "crashy"
     cmd = [sys.executable, "-m", "towers.train", "--logdir", str(run), *SMALL, *map(str, args)]
-    done = 0
+    done = runs = 0
     # Kill the moment a new checkpoint appears, and at several delays after.
     for delay in (0.0, 0.01, 0.05, 0.2):
         p = subprocess.Popen(cmd + (["--resume"] if done else []), cwd=ROOT,
@@ -162,6 +162,7 @@ def test_sigkill_at_any_moment_loses_nothing_beyond_the_last_checkpoint(tmp_path
             time.sleep(0.002)
         time.sleep(delay)
         os.kill(p.pid, signal.SIGKILL)
+        runs += 1
         assert p.wait() == -signal.SIGKILL, "the run finished before it could be killed"
         # Every checkpoint file on disk is complete, and the index names a loadable one.
         on_disk = list_checkpoints(str(run))
@@ -170,8 +171,11 @@ def test_sigkill_at_any_moment_loses_nothing_beyond_the_last_checkpoint(tmp_path
         index = run / "checkpoint"
         if index.exists():
             load_checkpoint(str(run / re.match(r'model_checkpoint_path: "(.+)"', index.read_text()).group(1)))
-        else:  # killed between the very first checkpoint and the first index write
-            assert len(on_disk) == 1
+        else:
+            # Every run so far was killed between its first checkpoint and its
+            # first index write (likely with delay 0): each left one checkpoint
+            # more, none an index.  Resuming scans the files, not the index.
+            assert len(on_disk) <= runs
         # Nothing lost beyond the steps since the newest checkpoint: every step the
         # run reported as done is in it.
         logged = [_step(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
