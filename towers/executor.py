@@ -40,6 +40,7 @@ class Executor(abc.ABC):
     Arguments are already checked by the ``Trainer`` against the data set.
     """
 
+    cfg: object  # the run's resolved ``towers.Config``
     schedule: Callable[[int], float]  # lr(step): the learning rate of the step after ``step`` updates
 
     # -- sizes and counters ------------------------------------------------------------------
@@ -57,12 +58,7 @@ class Executor(abc.ABC):
     @property
     def examples_per_step(self) -> int:
         """Examples behind one update, which the schedule counts."""
-        return self.n_towers * self.batch_size
-
-    @property
-    @abc.abstractmethod
-    def batch_size(self) -> int:
-        """Examples per tower per step."""
+        return self.n_towers * self.cfg.batch_size
 
     @property
     @abc.abstractmethod

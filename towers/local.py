@@ -86,7 +86,11 @@ class LocalExecutor(Executor):
         self.share = share or Share(0, n, n)
         self._draw = self.share.draw_towers * cfg.batch_size  # the run's global batch
         self._start_input(0, (0, 0))  # checks the batch fits, before any device memory
-        self._build(reducer)
+        try:
+            self._build(reducer)
+        except BaseException:
+            self.close()  # what was made so far: BLAS limits, communicators, tower threads
+            raise
 
     def _build(self, reducer) -> None:
         cfg, devices = self.cfg, self.placement.towers
@@ -152,10 +156,6 @@ class LocalExecutor(Executor):
     @property
     def n_towers(self) -> int:
         return self.share.update_towers
-
-    @property
-    def batch_size(self) -> int:
-        return self.cfg.batch_size
 
     @property
     def local_batch(self) -> int:

@@ -165,10 +165,6 @@ class ClusterExecutor(Executor):
         return towers_per_update(self.cfg, self.towers_per_host)
 
     @property
-    def batch_size(self) -> int:
-        return self.cfg.batch_size
-
-    @property
     def all_reduces(self) -> int:
         """Host 0's collectives (grads, weights); one exchange per update with a server."""
         if self._ps is not None:
