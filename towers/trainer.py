@@ -34,6 +34,7 @@ from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import Placement, resolve
 from towers.errors import UserError, notice
 from towers.executor import Executor
+from towers.local import LocalExecutor
 from towers.nn.models import build_model
 from towers.optim.optimizers import SLOTS
 from towers.output import checkpoint
@@ -104,8 +105,6 @@ class Trainer:
             raise
 
     def _local(self, reducer, share) -> Executor:
-        from towers.local import LocalExecutor
-
         try:
             return LocalExecutor(self.cfg, self.dataset, self.model, self.placement, reducer, share)
         except MemoryError:  # NumPy's and CuPy's out-of-memory errors both derive from it
@@ -118,9 +117,10 @@ class Trainer:
     def __getattr__(self, name: str):
         """The executor's own parts (``towers``, ``engine``, ``ema``, ``source``, ``host_pids``, ...)."""
         executor = self.__dict__.get("executor")
-        if executor is None or name.startswith("__"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(executor, name)
+        if executor is not None and not name.startswith("__") and hasattr(executor, name):
+            return getattr(executor, name)
+        where = f" (nor has its {type(executor).__name__})" if executor is not None else ""
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{where}")
 
     # -- sizes, schedule, counters -------------------------------------------------------
 
