@@ -22,17 +22,12 @@ SMALL = dict(devices="cpu", hidden=32, log_every=10, quiet=True, summary_every=0
 
 
 def cluster(**kw):
-    return towers.ClusterTrainer(towers.Config(**{**SMALL, **kw}))
+    return towers.Trainer(towers.Config(**{**SMALL, **kw}))
 
 
 def weights_after(trainer, n):
-    """Both weight sets after ``n`` steps of the trainer's own batches."""
-    if isinstance(trainer, towers.Trainer):
-        for _ in range(n):
-            trainer.train_step(*trainer.source.next_batch())
-        trainer.finish()
-    else:
-        trainer.run_steps(n)
+    """Both weight sets after ``n`` steps of the trainer's own batches (one host or several: the same call)."""
+    trainer.run_steps(n)
     return trainer.get_weights(), trainer.get_weights(ema=True)
 
 
@@ -52,9 +47,12 @@ def assert_same(a, b, rtol=0.0):
 def test_two_hosts_match_one_host_two_towers(local_ray, sync):
     want = one_host(3)
     with cluster(hosts=2, n_gpu=1, sync=sync, steps=3) as t:
-        assert t.global_batch == 200 and t.n_towers == 2 and not isinstance(t, towers.Trainer)
+        assert t.global_batch == 200 and t.n_towers == 2 and type(t.executor).__name__ == "ClusterExecutor"
         got = weights_after(t, 3) + (t.get_gradients(),)  # the last step's mean gradient, host 0's
         assert t.check_replicas()
+        if sync == "ps":  # the server applies the hosts' gradients: no step on a batch given by the driver
+            with pytest.raises(towers.UserError, match="use run_steps"):
+                t.train_step(t.dataset.x[:200], t.dataset.y[:200])
     assert_same(got, want, rtol=0 if sync == "grads" else 1e-6)
 
 
@@ -166,3 +164,62 @@ def test_nccl_id_and_ranks_through_ray(local_ray):
     assert {size for host in ranks for size, _, _ in host} == {3}
     ids = {uid for host in ranks for _, _, uid in host}
     assert len(ids) == 1 and ids != {bytes(128)}
+
+
+SCHEDULES = {"exponential": {"lr_decay": 0.5}, "piecewise": {"lr_boundaries": "2,4", "lr_values": "0.5,0.2,0.1"},
+             "cosine": {"lr_schedule": "cosine"}, "warm-up": {"warmup_steps": 3}}
+
+
+def logged(logdir, capsys) -> tuple[list[float], list[str]]:
+    """The learning rates ``metrics.jsonl`` recorded, and the settings and log lines printed."""
+    import json
+
+    with open(os.path.join(logdir, "metrics.jsonl")) as f:
+        rates = [r["lr"] for r in map(json.loads, f) if "lr" in r]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("step ", "settings"))]
+    return rates, [line.split(" (")[0] for line in lines]  # the figures after the loss are timings
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_a_clusters_logged_learning_rate_is_one_hosts_under_each_schedule(local_ray, tmp_path, capsys, schedule):
+    """The rate a cluster logs (log lines, metrics.jsonl) comes from the same schedule as one host's."""
+    kw = dict(SMALL, steps=6, log_every=1, quiet=False, **SCHEDULES[schedule])
+    with towers.Trainer(towers.Config(**kw, n_gpu=2, logdir=str(tmp_path / "one"))) as t:
+        t.fit()
+    want = logged(tmp_path / "one", capsys)
+    with towers.Trainer(towers.Config(**kw, hosts=2, n_gpu=1, logdir=str(tmp_path / "two"))) as t:
+        t.fit()
+        assert [t.lr_at(k) for k in range(6)] == want[0]
+    got = logged(tmp_path / "two", capsys)
+    assert len(want[0]) == 6 and len(set(want[0])) > 1  # every step logged; the rate moved
+    assert got == want
+
+
+def api_calls(tmp_path, **kw) -> dict:
+    """The same public calls on any Trainer: fit, weights, state, a step on a given batch, load, evaluate."""
+    with towers.Trainer(towers.Config(**{**SMALL, "steps": 4, "logdir": str(tmp_path), **kw})) as t:
+        out = {"fit": t.fit()["step"], "weights": t.get_weights(), "ema": t.get_weights(ema=True),
+               "state": t.state_dict(), "evaluate": t.evaluate(), "lr": t.lr()}
+        x, y = t.dataset.x[:t.global_batch], t.dataset.y[:t.global_batch]
+        losses = t.train_step(x, y, want_loss=True)
+        out.update(stepped=t.get_weights(), step=t.step, losses=[float(v) for v in losses])
+        t.load_state_dict(out["state"])
+        out.update(loaded=t.get_weights(), loaded_step=t.step,
+                   evaluate_given=t.evaluate(ema=False, x=t.dataset.x[:50], y=t.dataset.y[:50]))
+    return out
+
+
+def test_one_trainer_api_over_both_executors(local_ray, tmp_path):
+    one = api_calls(tmp_path / "one", n_gpu=2)
+    two = api_calls(tmp_path / "two", hosts=2, n_gpu=1)
+    assert one["fit"] == two["fit"] == 4 and one["step"] == two["step"] == 5
+    assert one["loaded_step"] == two["loaded_step"] == 4
+    for key in ("evaluate", "evaluate_given", "losses", "lr"):
+        assert one[key] == two[key], key
+    assert_same([two[k] for k in ("weights", "ema", "stepped", "loaded")],
+                [one[k] for k in ("weights", "ema", "stepped", "loaded")])
+    assert_same([two["loaded"]], [two["weights"]])
+    assert one["state"].keys() == two["state"].keys()
+    for k in one["state"]:
+        if k != "config":  # the settings recorded differ in `hosts` and `n_gpu`
+            numpy.testing.assert_array_equal(one["state"][k], two["state"][k], err_msg=k)

@@ -66,6 +66,7 @@ def host_actors(pid: int) -> list[int]:
 
 
 def test_command_and_library_give_the_same_weights(tmp_path, local_ray):
+    """``towers.Trainer(Config(hosts=2))`` runs on Ray and trains what ``--hosts 2`` trains."""
     import towers
 
     p = run_cli("--hosts", "2", *SMALL, "--steps", "12", "--logdir", str(tmp_path / "cli"))
@@ -75,7 +76,7 @@ def test_command_and_library_give_the_same_weights(tmp_path, local_ray):
             f"--blas-threads {max(1, cores // 2)} gives each host its share") in p.stderr, p.stderr
     cfg = towers.Config(hosts=2, devices="cpu", hidden=16, quiet=True, summary_every=0, steps=12,
                         logdir=str(tmp_path / "api"))
-    with towers.ClusterTrainer(cfg) as t:
+    with towers.Trainer(cfg) as t:
         t.fit()
     a, b = numpy.load(tmp_path / "cli" / "final.npz"), numpy.load(tmp_path / "api" / "final.npz")
     assert a.files == b.files
@@ -148,6 +149,6 @@ def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path):
 def test_one_host_never_imports_ray(tmp_path):
     code = ("import sys, towers, towers.train as t; t.main(['--devices', 'cpu', '--steps', '2', '--quiet', "
             f"'--hidden', '8', '--logdir', {str(tmp_path)!r}]); assert 'ray' not in sys.modules, 'ray imported'; "
-            "assert towers.ClusterTrainer.__name__ == 'ClusterTrainer'")
+            "assert towers.ClusterTrainer is towers.Trainer")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert p.returncode == 0, p.stderr

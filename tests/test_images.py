@@ -220,14 +220,15 @@ def test_augmented_training_does_not_depend_on_workers_and_resumes_exactly(tmp_p
 
 
 def test_a_cluster_hosts_slices_are_augmented_as_the_one_process_batches(tmp_path):
-    from towers.cluster.hosts import HostBatches
     from towers.data.batches import BatchSource
+    from towers.local import Rows
 
     x, y = _images()
     ds = load_dataset(_records(tmp_path / "d.tfrecords", x, y), "image/encoded", "image/class/label",
                       decode=DECODE, workers=2, augment="cifar")
     try:
-        whole, hosts = BatchSource(ds, 20, seed=3), [HostBatches(ds, 20, 3, 0, 12), HostBatches(ds, 20, 3, 12, 20)]
+        whole = BatchSource(ds, 20, seed=3)
+        hosts = [Rows(BatchSource(ds, 20, 3), 0, 12), Rows(BatchSource(ds, 20, 3), 12, 20)]
         for _ in range(4):  # 80 examples: into the second epoch
             xb, yb = whole.next_batch()
             parts = [host.next_batch() for host in hosts]

@@ -174,12 +174,13 @@ def test_a_checkpoint_written_before_the_redesign_resumes_to_an_uninterrupted_ru
         assert np.array_equal(old[k], new[k]), k
 
 
-# -- one host's Trainer, several hosts' ClusterTrainer ---------------------------------------------
+# -- one Trainer, one host or several ---------------------------------------------
 
 
-def test_a_trainer_refuses_several_hosts_and_names_the_cluster_entry_point():
-    with pytest.raises(UserError, match="towers.ClusterTrainer"):
-        Trainer(Config(**{**SMALL, "n_gpu": 1}, hosts=2))
+def test_one_hosts_placement_and_reducer_are_refused_for_several_hosts_before_ray_starts():
+    for kw in ({"reducer": lambda placement, streams: None}, {"placement": object()}):
+        with pytest.raises(UserError, match="each host makes its own placement and reducer"):
+            Trainer(Config(**{**SMALL, "n_gpu": 1}, hosts=2), **kw)
 
 
 def test_a_model_objects_run_records_that_it_was_an_object(tmp_path):

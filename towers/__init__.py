@@ -14,9 +14,11 @@ The folders follow the data flow of a step::
     towers/optim/     learning-rate schedule, SGD and Adam, the EMA
     towers/output/    atomic files, checkpoints, logs, TensorBoard
 
-and at the top: ``config`` (settings), ``trainer`` (the ``Trainer``: step and
-loop), ``extensions`` (the loop's side concerns), ``profiling``, and the
-command lines ``train`` and ``eval``.
+and at the top: ``config`` (settings), ``trainer`` (the ``Trainer``, the
+public API) over an ``executor`` (``local``: this process's towers;
+``cluster/``: host actors on Ray, imported only for ``hosts`` > 1), ``loop``
+(segments of steps), ``extensions`` (the loop's side concerns),
+``profiling``, and the command lines ``train`` and ``eval``.
 
     >>> import towers
     >>> with towers.Trainer(towers.Config(n_gpu=2, devices="cpu", steps=500)) as tr:
@@ -41,10 +43,4 @@ __all__ = ["Config", "Trainer", "ClusterTrainer", "Dataset", "load_dataset", "Se
            "UserError", "TrainingError"]
 
 
-def __getattr__(name: str):
-    """``towers.ClusterTrainer`` on first use: ``import towers`` never imports Ray."""
-    if name == "ClusterTrainer":
-        from towers.cluster.driver import ClusterTrainer
-
-        return ClusterTrainer
-    raise AttributeError(f"module 'towers' has no attribute {name!r}")
+ClusterTrainer = Trainer  # the name older code uses for several hosts: one Trainer now runs either

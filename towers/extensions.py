@@ -1,6 +1,7 @@
 """The training loop's side concerns, as small objects called when due.
 
-``Trainer.fit`` runs steps; after each one, every extension whose ``due(step)``
+``Trainer.fit`` runs steps in segments, each up to the next step where some
+extension is ``due`` (``Run.next_stop``); there every extension whose ``due(step)``
 is true is called with the ``Run`` (the logdir, the reporter, the TensorBoard
 writer, the checkpointer, and the step's loss).  The built-in ones, in the
 order they run:
@@ -15,7 +16,10 @@ order they run:
 * ``ReplicaCheck``: every ``check_replicas`` steps, replicas compared.
 
 A user's extension subclasses ``Extension`` (``due`` and ``__call__``; ``needs_loss``
-when it reads ``run.loss``) and is passed to ``fit(extensions=[...])``.
+when it reads ``run.loss``) and is passed to ``fit(extensions=[...])``.  ``due``
+is asked of steps ahead to find the end of the next segment, so it must not
+change the extension.  ``run.trainer`` is a ``towers.Trainer`` (one host or
+several): extensions use its public API only.
 
 Sync points: the loss reaches the host only at steps where some extension
 ``needs_loss``; weights only where ``Summaries`` or ``Checkpoints`` run (they call
@@ -48,6 +52,7 @@ class Extension:
     """A side concern of the loop.  Override ``due`` and ``__call__``."""
 
     needs_loss = False  # whether __call__ reads run.loss (the loop then fetches it)
+    ends_segment = True  # whether a step where it is due ends a segment of steps (NonFiniteStop: no)
 
     def due(self, step: int, last_step: int) -> bool:
         return False
@@ -67,7 +72,12 @@ class Every(Extension):
 
 
 class NonFiniteStop(Extension):
-    """Stop when the fetched loss is not finite; the last good checkpoint stays the latest."""
+    """Stop when the fetched loss is not finite; the last good checkpoint stays the latest.
+
+    Due at every step, it acts only where the loss was fetched: the end of a segment.
+    """
+
+    ends_segment = False
 
     def due(self, step, last_step):
         return True
@@ -146,12 +156,10 @@ class ReplicaCheck(Every):
         self._pending = False  # weights mode: checks wait for the next average
 
     def due(self, step, last_step):
-        self._pending |= super().due(step, last_step)
-        return self._pending
+        return self._pending or super().due(step, last_step)
 
     def __call__(self, run):
-        if run.trainer.check_replicas():
-            self._pending = False
+        self._pending = not run.trainer.check_replicas()
 
 
 class Run:
@@ -166,6 +174,7 @@ class Run:
         self.loss: float | None = None
         self.batch = None  # the host examples of the current step
         self.lr = trainer.lr()
+        self._step = trainer.step  # where the progress bar is
         self.reporter = self.tensorboard = None
         self._lock: int | None = None
         self.checkpointer = checkpoint.Checkpointer(logdir, cfg.keep_checkpoints)
@@ -194,6 +203,7 @@ class Run:
                     atomic_write_text(classes, "".join(f"{name}\n" for name in trainer.dataset.class_names))
             # The figures of this run (steps, examples/sec, all-reduces/step) count from here.
             run.start_step, run.start_all_reduces = trainer.step, trainer.all_reduces
+            run._step = trainer.step
             if cfg.resume or trainer.step:
                 trim_metrics(logdir, trainer.step)  # the steps after the checkpoint are redone
             run.reporter = Reporter(logdir, cfg.steps, start_step=trainer.step, quiet=cfg.quiet)
@@ -225,13 +235,22 @@ class Run:
     def wants_loss(self, step: int) -> bool:
         return any(e.needs_loss and e.due(step, self.last_step) for e in self.extensions)
 
-    def after_step(self, losses, batch=None) -> None:
-        """Call the extensions due at this step, with its loss when it was fetched.
+    def next_stop(self) -> int:
+        """The end of the next segment: the next step where an extension is due (the last step at the latest)."""
+        extensions = [e for e in self.extensions if e.ends_segment]
+        for k in range(self.trainer.step + 1, self.last_step):
+            if any(e.due(k, self.last_step) for e in extensions):
+                return k
+        return self.last_step
 
-        ``batch``: the step's host examples, looked at only if the loss is not finite.
+    def after_segment(self, losses, batch=None) -> None:
+        """Call the extensions due at the segment's last step, with its loss when it was fetched.
+
+        ``batch``: that step's host examples, looked at only if the loss is not finite.
         """
         step = self.trainer.step
-        self.reporter.advance()
+        self.reporter.advance(step - self._step)
+        self._step = step
         # Host sync point: the loss comes off the device only at these steps.
         self.loss = None if losses is None else sum(float(v) for v in losses) / len(losses)
         self.lr = self.trainer.lr_at(step - 1)
@@ -275,7 +294,7 @@ class Run:
         self.tensorboard.scalars(t.step, **test)
         result = {"step": t.step, "examples_per_sec": rate}
         if cfg.profile:
-            self.reporter.say(t.timer.report(t.global_batch))
+            self.reporter.say(t.profile_report())
         efficiency, rate_1 = scaling(rate)
         if not math.isnan(efficiency):
             result["scaling_efficiency"] = efficiency

@@ -1,23 +1,27 @@
-"""The training loop: steps to ``cfg.steps`` with the extensions after each, and the scaling figure.
+"""The training loop, one for every executor: segments of steps to ``cfg.steps``, the extensions between them.
 
-``fit(trainer, extensions)`` is what ``Trainer.fit`` and the command line run:
+``fit(trainer, extensions)`` is what ``Trainer.fit`` and the command line run,
+on one host or several (``towers.executor``):
 
 1. the extensions are checked, then the logdir is opened and locked and the
    run resumed or refused (``towers.extensions.Run.open``);
-2. each step's batch comes from the background batch thread
-   (``towers.data.batches.Prefetcher``), or, with the training set on the
-   GPUs, as row indices drawn here (cheap) and gathered there;
-3. after each step the extensions due are called (``Run.after_step``); at the
-   end the replicas are compared and ``Run.finish`` writes ``final.npz`` and
-   the summary line.
+2. a segment runs up to the next step where an extension is due (a log
+   line, checkpoint, summary, replica check or the user's; ``Run.next_stop``)
+   with ``run_steps``: locally step by step, each batch from the background
+   batch thread (``towers.data.batches.Prefetcher``) or, with the training set
+   on the GPUs, as row indices gathered there; on a cluster by every host in
+   its own loop;
+3. after each segment the extensions due are called (``Run.after_segment``);
+   at the end the replicas are compared and ``Run.finish`` writes
+   ``final.npz`` and the summary line.
 
-The loop talks to the trainer through its public API only (``step``,
-``train_step``/``train_step_at``, ``finish``, ``check_replicas``), so the
-step engine knows nothing of logdirs, and extensions nothing of towers.
+The loop talks to the trainer through its public API and to the executor
+through ``towers.executor.Executor`` only, so the step engine knows nothing
+of logdirs, and extensions nothing of towers or hosts.
 
 ``scaling(trainer, rate)``: the scaling efficiency against a fresh one-tower
 trainer on the first tower's device, timed after the run when
-``measure_scaling`` is set.
+``measure_scaling`` is set (one host).
 """
 from __future__ import annotations
 
@@ -25,7 +29,6 @@ import dataclasses
 import math
 import time
 
-from towers.data.batches import Prefetcher
 from towers.devices.placement import Placement
 from towers.errors import UserError
 from towers.extensions import Extension, Run
@@ -35,29 +38,21 @@ from towers.profiling import scaling_efficiency
 def fit(trainer, extensions=()) -> dict:
     """Train ``trainer`` to ``cfg.steps`` (a total); return the final metrics (see the module docstring)."""
     extensions = check_extensions(extensions)
-    cfg = trainer.cfg
+    cfg, executor = trainer.cfg, trainer.executor
     run = Run.open(trainer, cfg.logdir, extensions)
-    prefetch = None if trainer.device_data else Prefetcher(trainer.source, max(cfg.steps - trainer.step, 0))
     try:
         run.start()
-        while trainer.step < cfg.steps:
-            want = run.wants_loss(trainer.step + 1)
-            x = None
-            if prefetch is None:
-                losses = trainer.train_step_at(trainer.source.next_indices(), want_loss=want)
-            else:
-                with trainer.timer("input wait"):
-                    x, y = prefetch.get()
-                losses = trainer.train_step(x, y, want_loss=want)
-            if trainer.step == cfg.steps:
-                trainer.finish()  # weights mode: a last average before the final checkpoint
-            run.after_step(losses, x)
+        with executor.prefetching(cfg.steps):
+            while trainer.step < cfg.steps:
+                stop = run.next_stop()
+                losses, batch = executor.run_steps(stop - trainer.step, want_loss=run.wants_loss(stop))
+                run.after_segment(losses, batch)
         trainer.check_replicas()  # always at the end: the saved weights are every replica's
-        return run.finish(lambda rate: scaling(trainer, rate))
+        result = run.finish(lambda rate: scaling(trainer, rate))
     finally:
-        if prefetch is not None:
-            prefetch.close()
         run.close()
+    result.update(executor.results())
+    return result
 
 
 def check_extensions(extensions) -> list:
@@ -76,7 +71,7 @@ def check_extensions(extensions) -> list:
 
 def scaling(trainer, rate: float) -> tuple[float, float]:
     """(efficiency, 1-tower rate), the 1-tower rate measured only if ``measure_scaling`` is set."""
-    if not trainer.cfg.measure_scaling:
+    if not trainer.cfg.measure_scaling or trainer.cfg.hosts > 1:
         return math.nan, math.nan
     if trainer.n_towers == 1:
         return 1.0, rate

@@ -107,18 +107,10 @@ def parse_config(argv=None) -> Config:
 def run(cfg: Config) -> dict:
     """Train as ``cfg`` says; return the final metrics (the command line's whole job)."""
     show_notices()
-    if cfg.hosts > 1:  # Ray is imported only here: one host never pays for it
-        from towers.cluster.driver import ClusterTrainer
-
-        with ClusterTrainer(cfg) as trainer:
-            warn_about(trainer.dataset, "towers.train")
-            if trainer.cfg.log_placement:
-                print(trainer.towers_text(), flush=True)
-            return trainer.fit()
-    with Trainer(cfg) as trainer:
+    with Trainer(cfg) as trainer:  # Ray is imported only for `hosts` > 1: one host never pays for it
         warn_about(trainer.dataset, "towers.train")
         if trainer.cfg.log_placement:
-            print(trainer.placement.table(), flush=True)
+            print(trainer.executor.placement_text(), flush=True)
         return trainer.fit()
 
 

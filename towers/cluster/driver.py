@@ -1,11 +1,11 @@
-"""``ClusterTrainer``: a run over several hosts (``hosts`` > 1), with the public API of ``towers.Trainer``.
+"""``ClusterExecutor``: the executor of a ``towers.Trainer`` over several hosts (``hosts`` > 1).
 
-The driver is the command itself (or the user's process).  It composes, it
-does not train: it loads the data once to check it (before Ray starts) and to
-answer the outputs' questions, starts (or joins) Ray, starts one host actor
-per host (``towers.cluster.hosts``: each a one-host ``Trainer`` that loads
-the data itself and draws its own slice of every global batch) and, with
-``sync`` ps or async, the parameter server (``towers.cluster.ps``).
+The driver is the command itself (or the user's process).  Its ``Trainer``
+loads the data once to check it (before Ray starts) and to answer the
+outputs' questions; this executor starts (or joins) Ray, starts one host
+actor per host (``towers.cluster.hosts``: each a one-host ``Trainer`` that
+loads the data itself and draws its own share of every global batch) and,
+with ``sync`` ps or async, the parameter server (``towers.cluster.ps``).
 
 Who calls whom:
 
@@ -14,23 +14,24 @@ Who calls whom:
   shared memory on one node, the object store across nodes; NCCL on GPUs);
   ps/async hosts and the server meet on a shared-memory board;
 * per segment (up to the next step where a log line, checkpoint, summary,
-  replica check or user extension is due): the driver calls
-  ``run_steps(n)`` on every host (and ``serve(n)`` on the server) and waits
-  for all of them, polling every ``POLL_S`` so a dead host is seen within a
-  second; it then advances the progress bar over the segment and calls the
-  extensions due (``towers.extensions.Run``), which ask for the loss (returned
-  by the segment), the state (``state_dict`` of host 0 or the server, never
-  serialized by hand) or the test accuracy.
+  replica check or user extension is due; the loop, ``towers.loop``, is one
+  host's): ``run_steps(n)`` on every host (and ``serve(n)`` on the server),
+  waiting for all of them and polling every ``POLL_S`` so a dead host is seen
+  within a second;
+* between segments, the ``Trainer``'s questions (weights, state,
+  evaluation) go to host 0 or the server (``state_dict`` there, never
+  serialized by hand) through the actors' one generic ``call(method, *args)``
+  on their own ``Trainer``.
 
 The outputs are one host's: ``Run`` writes the same log lines, progress bar,
-``metrics.jsonl``, TensorBoard and checkpoints.  A host or server that dies
-aborts the shared boards (so the others stop waiting), and the run stops
-with one line naming it (``TrainingError``); the last checkpoint stays and
-``resume`` continues from it.
+``metrics.jsonl``, TensorBoard and checkpoints, and the learning rate they
+show comes from the same schedule.  A host or server that dies aborts the
+shared boards (so the others stop waiting), and the run stops with one line
+naming it (``TrainingError``); the last checkpoint stays and ``resume``
+continues from it.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import numpy
@@ -38,14 +39,10 @@ import numpy
 from towers.cluster import session
 from towers.cluster.board import Aborted, Board
 from towers.cluster.state import towers_per_update
-from towers.config import Config
-from towers.data.dataset import Dataset
-from towers.data.loading import load_dataset
-from towers.devices.cpu_threads import input_workers
 from towers.errors import TrainingError, UserError
 from towers.errors import notice as say_notice
-from towers.nn.models import build_model
-from towers.optim.schedule import learning_rate
+from towers.executor import Executor
+from towers.optim.schedule import make_schedule
 from towers.parallel.allreduce import world_layout
 
 POLL_S = 0.2
@@ -74,39 +71,27 @@ def shared_cores_notice(host_info: list[dict], blas_threads: int) -> str | None:
             f"`blas_threads` {max(1, cores // k)} gives each host its share and runs several times faster")
 
 
-class ClusterTrainer:
-    """A run over ``cfg.hosts`` host actors (see the module docstring); the API of ``towers.Trainer``.
+class ClusterExecutor(Executor):
+    """Host actors on Ray behind a ``Trainer`` (see the module docstring).
 
-    ``model``, ``dataset``: as for ``Trainer`` (a ``dataset`` given is put in
-    Ray's object store once and read by every host).  ``nccl``: a module (or
-    its import name) standing in for ``cupy.cuda.nccl`` in the host actors;
-    tests pass ``nccl_standin``.
+    ``model``: the driver's ``Model``; ``model_arg``, ``dataset``: as given to
+    the ``Trainer`` (a model object, a ``Dataset``, or None: each host makes
+    or loads its own); ``nccl``: a module (or its import name) standing in for
+    ``cupy.cuda.nccl`` in the host actors.
     """
 
-    def __init__(self, cfg: Config | None = None, *, model=None, dataset: Dataset | None = None, nccl=None):
+    def __init__(self, cfg, driver_data, model, model_arg=None, dataset=None, nccl=None):
         self._ray = self._hosts = self._ps = self._exchange = None
-        self._boards, self._owned_data, self._owned, self._closed = [], None, False, False
-        self.cfg = cfg = Config.resolved(cfg if cfg is not None else Config(), model)
-        if cfg.hosts < 2:
-            raise UserError("ClusterTrainer is for `hosts` 2 or more; use towers.Trainer for one host")
-        shipped = dataset
-        if dataset is None:  # every error a file can cause, before Ray starts
-            dataset = self._owned_data = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data,
-                                                      decode=cfg.decode, on_error=cfg.on_error,
-                                                      workers=input_workers(cfg.input_workers, 0))
-        elif not isinstance(dataset, Dataset):
-            raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "
-                            f"got {type(dataset).__name__}")
-        self.dataset = dataset
-        self.model = build_model(model if model is not None else cfg.model, dataset.example_shape,
-                                 dataset.num_classes, cfg.hidden)
-        self.step, self._applied, self._stale = 0, 0, [0, 0, 0]
+        self._boards, self._owned, self._closed = [], False, False
+        self.cfg, self.model = cfg, model
+        self._step, self._applied, self._stale = 0, 0, [0, 0, 0]
         try:
             self._ray, self._owned = session.connect(cfg.ray_address, cfg.ray_logs, cfg.hosts)
-            self._start(model, shipped, getattr(nccl, "__name__", nccl))
+            self._start(model_arg, dataset, getattr(nccl, "__name__", nccl))
         except BaseException:
             self.close()
             raise
+        self.schedule = make_schedule(cfg, len(driver_data.x), self.examples_per_step)
 
     # -- start-up --------------------------------------------------------------------------
 
@@ -169,35 +154,22 @@ class ClusterTrainer:
         self._boards.append(board)
         return board.handle
 
-    # -- sizes, schedule, counters -----------------------------------------------------------
+    # -- sizes, counters ---------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self._step
 
     @property
     def n_towers(self) -> int:
-        """Towers behind one update: every host's (one host's with async)."""
         return towers_per_update(self.cfg, self.towers_per_host)
-
-    @property
-    def global_batch(self) -> int:
-        return self.cfg.batch_size * self.n_towers
-
-    def lr(self) -> float:
-        return self.lr_at(self.step)
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of the step after ``step`` steps (counted in examples seen)."""
-        cfg = self.cfg
-        return learning_rate(cfg.lr, cfg.lr_decay, step * self.global_batch, len(self.dataset.x), cfg.staircase)
 
     @property
     def all_reduces(self) -> int:
         """Host 0's collectives (grads, weights); one exchange per update with a server."""
         if self._ps is not None:
             return self.step
-        return self._source_call("counters")["all_reduces"]
-
-    @property
-    def timer(self):
-        return _HostTimer(self)
+        return self._wait([(self._hosts[0].counters.remote(), 0)])[0]["all_reduces"]
 
     def towers_text(self) -> str:
         hosts = " | ".join(", ".join(i["devices"]) for i in self.host_info)
@@ -207,11 +179,23 @@ class ClusterTrainer:
             text += f"; gradient staleness mean {self._stale[1] / self._stale[0]:.2f}, max {self._stale[2]}"
         return text
 
+    def placement_text(self) -> str:
+        return self.towers_text()
+
+    def report(self, global_batch: int) -> str:
+        return self._wait([(self._hosts[0].call.remote("profile_report"), 0)])[0]
+
+    def results(self) -> dict:
+        if self.cfg.sync == "async" and self._stale[0]:
+            return {"staleness_mean": self._stale[1] / self._stale[0], "staleness_max": self._stale[2]}
+        return {}
+
     # -- talking to the actors ----------------------------------------------------------------
 
     def _wait(self, refs_hosts):
         """Results of [(ref, host or None)], in order; a failure aborts the boards and names the host."""
-        self._open()
+        if self._closed:
+            raise UserError("this Trainer is closed: make a new one")
         ray = self._ray
         refs = [r for r, _ in refs_hosts]
         pending = list(refs)
@@ -266,28 +250,21 @@ class ClusterTrainer:
         return None
 
     def _all(self, method: str, *args):
-        """``method(*args)`` on every host (and the server), together; their results."""
+        """``Trainer.method(*args)`` on every host (and the server), together; their results."""
         targets = [(a, h) for h, a in enumerate(self._hosts)] + ([(self._ps, None)] if self._ps else [])
-        return self._wait([(getattr(a, method).remote(*args), h) for a, h in targets])
-
-    def _source(self):
-        """Who holds the run's state: the parameter server, else host 0."""
-        return self._ps if self._ps is not None else self._hosts[0]
+        return self._wait([(a.call.remote(method, *args), h) for a, h in targets])
 
     def _source_call(self, method: str, *args):
-        return self._wait([(getattr(self._source(), method).remote(*args), None)])[0]
-
-    def _open(self) -> None:
-        if self._closed:
-            raise UserError("this ClusterTrainer is closed: make a new one")
+        """``Trainer.method(*args)`` of whoever holds the run's state: the parameter server, else host 0."""
+        source = self._ps if self._ps is not None else self._hosts[0]
+        return self._wait([(source.call.remote(method, *args), None)])[0]
 
     # -- steps ------------------------------------------------------------------------------
 
     def run_steps(self, n: int, want_loss: bool = False):
-        """``n`` steps of every host (async: ``n`` updates of the server); the last step's losses when asked."""
-        n = int(n)
+        """``n`` steps of every host (async: ``n`` updates of the server); (the last step's losses when asked, None)."""
         if n <= 0:
-            return None
+            return None, None
         if self._ps is None:
             outs = self._wait([(a.run_steps.remote(n, want_loss), h) for h, a in enumerate(self._hosts)])
             losses = [v for per_host in outs for v in per_host] if want_loss else None
@@ -300,50 +277,27 @@ class ClusterTrainer:
                 losses = [v for per_host in outs[1:] for v in per_host] if want_loss else None
             else:
                 losses = outs[0]["losses"] if want_loss else None
-        self.step += n
-        return losses
+        self._step += n
+        return losses, None
 
-    def fit(self, extensions=()) -> dict:
-        """Train to ``cfg.steps`` as the command line does; the outputs of one host (see the module docstring)."""
-        from towers.extensions import NonFiniteStop, Run
-        from towers.loop import check_extensions
-
-        self._open()
-        extensions = check_extensions(extensions)
-        cfg = self.cfg
-        run = Run.open(self, cfg.logdir, extensions)
-        try:
-            run.start()
-            while self.step < cfg.steps:
-                start, stop = self.step, self._next_stop(run, [e for e in run.extensions
-                                                             if not isinstance(e, NonFiniteStop)])
-                losses = self.run_steps(stop - start, want_loss=run.wants_loss(stop))
-                for k in range(start + 1, stop):  # the progress bar over the segment; nothing else is due
-                    self.step = k
-                    run.after_step(None)
-                self.step = stop
-                run.after_step(losses)
-            self.check_replicas()  # always at the end: the saved weights are every host's
-            result = run.finish(lambda rate: (math.nan, math.nan))
-        finally:
-            run.close()
-        if cfg.sync == "async" and self._stale[0]:
-            result.update(staleness_mean=self._stale[1] / self._stale[0], staleness_max=self._stale[2])
-        return result
-
-    def _next_stop(self, run, extensions) -> int:
-        """The next step where an extension is due (the end at the latest)."""
-        from towers.extensions import Every
-
-        last = self.cfg.steps
-        for k in range(self.step + 1, last):
-            # Every.due is side-effect free (ReplicaCheck's own due remembers a pending check).
-            if any((Every.due(e, k, last) if isinstance(e, Every) else e.due(k, last)) for e in extensions):
-                return k
-        return last
+    def train_step(self, x, y, want_loss: bool = False):
+        """Each host's towers take their slice of the global batch ``x``, ``y`` (host order, then tower order)."""
+        if self._ps is not None:
+            raise UserError(f"train_step on a cluster needs `sync` grads or weights (with `sync` {self.cfg.sync} "
+                            "the server applies the hosts' gradients): use run_steps(n) or fit()")
+        b, refs, lo = self.cfg.batch_size, [], 0
+        for h, a in enumerate(self._hosts):
+            hi = lo + self.towers_per_host[h] * b
+            refs.append((a.train_step.remote(x[lo:hi], y[lo:hi], want_loss), h))
+            lo = hi
+        outs = self._wait(refs)
+        self._step += 1
+        return [v for per_host in outs for v in per_host] if want_loss else None
 
     def finish(self) -> None:
-        """Hosts end training themselves when they reach ``steps`` (weights mode: the last average)."""
+        """Hosts end training themselves when they reach ``steps``; after ``train_step`` calls, on request."""
+        if self._ps is None:
+            self._all("finish")
 
     def synchronize(self) -> None:
         """Nothing runs between segments: the hosts are idle when the driver asks them anything."""
@@ -358,22 +312,19 @@ class ClusterTrainer:
         return self._source_call("get_gradients")
 
     def set_weights(self, weights: dict, ema: bool = False) -> None:
-        """Every host's (and the server's) weights; checked by each as ``Trainer.set_weights`` checks."""
+        """Every host's (and the server's) weights; each checks them as one host does."""
         self._all("set_weights", weights, ema)
 
     def state_dict(self) -> dict:
         return self._source_call("state_dict")
 
-    def load_state_dict(self, state: dict, where: str = "load_state_dict") -> None:
-        """Every host (and the server) loads ``state``; each checks it strictly, as ``Trainer`` does."""
+    def load_state_dict(self, state: dict, where: str) -> None:
+        """Every host (and the server) loads ``state``; each checks it strictly, as one host does."""
         self._all("load_state_dict", state, where)
-        self.step = int(numpy.asarray(state["step"]))
+        self._step = int(numpy.asarray(state["step"]))
 
-    def evaluate(self, ema: bool = True, x=None, y=None) -> dict:
+    def evaluate(self, ema: bool, x, y) -> dict:
         return self._source_call("evaluate", ema, x, y)
-
-    def test_accuracy(self) -> dict:
-        return self._source_call("test_accuracy")
 
     def check_replicas(self) -> bool:
         """Each host's towers, then every host against host 0 (or the server); async: never (by design)."""
@@ -402,7 +353,7 @@ class ClusterTrainer:
     # -- teardown ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the actors, the boards, the Ray instance this trainer started, the data (idempotent)."""
+        """Stop the actors, the boards and the Ray instance this executor started (idempotent)."""
         if self._closed:
             return
         self._closed = True
@@ -420,25 +371,6 @@ class ClusterTrainer:
             for b in self._boards:
                 b.close()
             self._boards, self._hosts, self._ps, self._exchange, self._ray = [], [], None, None, None
-            if self._owned_data is not None:
-                self._owned_data.close()
-
-    def __enter__(self) -> "ClusterTrainer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class _HostTimer:
-    """``Run``'s view of the phase timer: host 0's report (``profile``)."""
-
-    def __init__(self, trainer: ClusterTrainer):
-        self.trainer = trainer
-
-    def report(self, global_batch: int) -> str:
-        t = self.trainer
-        return t._wait([(t._hosts[0].report.remote(global_batch), 0)])[0]  # noqa: SLF001 - its own driver
 
 
 def strip_ansi(text: str) -> str:

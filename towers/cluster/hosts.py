@@ -14,14 +14,17 @@ makes a one-host ``Trainer`` (``hosts=1``) whose reducer reaches across hosts:
 * ps, async: the local reducer only; the host pulls weights from and pushes
   its mean gradient to the parameter server's board (``towers.cluster.ps``).
 
-Each host draws the run's global batches of ``hosts x towers x batch_size``
-examples from the shared seeded permutation (``BatchSource``) and keeps its
-slice, host order then tower order: the examples each tower sees are those of
-one host with every tower, and the position after a step is the run's.
+The host's ``Trainer`` is a ``Share`` of the run (``towers.local``): it
+draws the run's global batches of ``hosts x towers x batch_size`` examples
+from the shared seeded permutation and keeps its towers' rows, host order then
+tower order: the examples each tower sees are those of one host with every
+tower, and its input position after a step is the run's.
 
 ``run_steps(n, want_loss)`` runs n steps in the host's own loop (the driver
-calls it once per log/checkpoint/summary interval) and returns the last
-step's losses when asked.  Every method returns host (NumPy) values.
+calls it once per segment) and returns the last step's losses when asked.
+The driver reaches the rest of the host's ``Trainer`` through ``call``
+(``towers.cluster.state.TrainerActor``).  Every method returns host (NumPy)
+values.
 """
 from __future__ import annotations
 
@@ -35,48 +38,26 @@ from towers.cluster.board import Board
 from towers.cluster.ps import HostSide
 from towers.cluster.reduce import BoardMean, ObjectStoreMean
 from towers.cluster.session import same_priority
-from towers.cluster.state import cluster_state, towers_per_update
-from towers.data.batches import BatchSource, InputPosition, start_batch
+from towers.cluster.state import TrainerActor, cluster_state, towers_per_update
 from towers.devices.cpu_threads import cpu_count
 from towers.devices.placement import resolve, to_host
+from towers.local import Share
 from towers.parallel.reducers import make_reducer
 from towers.trainer import Trainer
-
-
-class HostTrainer(Trainer):
-    """One host's Trainer whose learning-rate schedule counts the examples of every host's towers."""
-
-    def __init__(self, examples_per_step: int, *args, **kwargs):
-        self._examples_per_step = examples_per_step
-        super().__init__(*args, **kwargs)
-
-    @property
-    def examples_per_step(self) -> int:
-        return self._examples_per_step
-
-
-class HostBatches:
-    """The rows ``lo:hi`` of each of the run's global batches (this host's towers' slices)."""
-
-    def __init__(self, dataset, global_batch: int, seed: int, lo: int, hi: int, position=(0, 0)):
-        self.source = BatchSource(dataset, global_batch, seed, *position)
-        self.x, self.y, self.lo, self.hi = dataset.x, dataset.y, lo, hi
-
-    def next_batch(self):
-        idx, epochs = self.source.next_positions()
-        return start_batch(self.x, self.y, idx[self.lo: self.hi], epochs[self.lo: self.hi]).result()
 
 
 def _losses(losses) -> list[float] | None:
     return None if losses is None else [float(v) for v in losses]
 
 
-class Host:
+class Host(TrainerActor):
     """One host (a Ray actor; see the module docstring).
 
     ``nccl_module``: the import name of a module standing in for
     ``cupy.cuda.nccl`` (tests: ``nccl_standin``); None: the real one.
     """
+
+    OWN = ("state_dict",)
 
     def __init__(self, cfg, rank: int, nccl_module: str | None = None, niceness: int | None = None):
         self.cfg, self.rank, self.trainer = cfg, rank, None
@@ -122,20 +103,10 @@ class Host:
 
             def reducer(placement, streams):
                 return make_reducer(placement, streams, across=self.across)
-        b = cfg.batch_size
-        self.trainer = HostTrainer(towers_per_update(cfg, towers_per_host) * b, one, model=model, dataset=dataset,
-                                   reducer=reducer, placement=self.placement,
-                                   first_tower=sum(towers_per_host[:rank]))  # dropout masks per global tower
-        self.global_batch = sum(towers_per_host) * b
-        self.lo = sum(towers_per_host[:rank]) * b
-        self._start_input(0, (0, 0))
-
-    def _start_input(self, step: int, position) -> None:
-        ds = self.trainer.dataset
-        self.batches = HostBatches(ds, self.global_batch, self.cfg.seed, self.lo,
-                                   self.lo + self.towers[self.rank] * self.cfg.batch_size, position)
-        self.position = InputPosition(len(ds.x), self.global_batch, step, position)
-        self.steps = step  # steps this host took part in (ps, async: the server counts updates)
+        share = Share(first_tower=sum(towers_per_host[:rank]), draw_towers=sum(towers_per_host),
+                      update_towers=towers_per_update(cfg, towers_per_host))
+        self.trainer = Trainer(one, model=model, dataset=dataset, reducer=reducer, placement=self.placement,
+                               share=share)
 
     def nccl_ranks(self) -> list[tuple[int, int, bytes]]:
         """(world size, rank, id) of each local communicator (tests check the layout)."""
@@ -149,25 +120,24 @@ class Host:
         """``n`` steps of this host (async: until the server has applied ``until`` updates); the last losses."""
         if self.cfg.sync == "async":
             return self._run_async(until)
-        t, losses = self.trainer, None
-        for k in range(n):
-            want = want_loss and k == n - 1
-            x, y = self.batches.next_batch()
-            if self.ps is None:
-                losses = t.train_step(x, y, want)
-                if t.step == self.cfg.steps:
-                    t.finish()  # weights mode: the last average, on every host together
-            else:
+        t, ex, losses = self.trainer, self.trainer.executor, None
+        if self.ps is None:
+            losses = ex.run_steps(n, want_loss)[0]
+        else:
+            for k in range(n):
                 self.ps.pull(t.model_state.set, at_least=int(self.ps.push_cell[self.rank]))
-                losses = self._push(x, y, want)
-            self.steps += 1
-        if self.ps is not None:  # the server's newest weights, so host == server after a segment
+                losses = self._push(*ex.rows.next_batch(), want_loss and k == n - 1)
+            # The server's newest weights, so host == server after a segment.
             self.ps.pull(t.model_state.set, at_least=int(self.ps.push_cell[self.rank]))
         return _losses(losses) if want_loss else None
 
+    def train_step(self, x, y, want_loss: bool = False):
+        """One step on this host's slice of a global batch; the losses as host floats."""
+        return _losses(self.trainer.executor.train_step(x, y, want_loss))
+
     def _push(self, x, y, want_loss: bool):
         t = self.trainer
-        losses = t.gradients(x, y, want_loss)
+        losses = t.executor.gradients(x, y, want_loss)
         t.synchronize()
         reps = [tw.replica for tw in t.towers]
         bufs = to_host(reps[0].buffers, copy=True)
@@ -191,45 +161,21 @@ class Host:
             if server[0] >= until:
                 return None
             ps.pull(t.model_state.set)
-            x, y = self.batches.next_batch()
-            self._push(x, y, True)
+            self._push(*t.executor.rows.next_batch(), True)
             ticket = int(ps.push_cell[self.rank])
-            self.steps += 1
 
     # -- state, weights, evaluation -------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        """The host's ``Trainer.state_dict()`` with the run's metadata."""
         t = self.trainer
-        return cluster_state(t.state_dict(), self.cfg, t.dataset, self.towers, self.position, t.step)
-
-    def load_state_dict(self, state: dict, where: str) -> None:
-        t = self.trainer
-        t.load_state_dict(state, where)
-        self._start_input(t.step, self.position.read_state(state, where))
-
-    def get_weights(self, ema: bool) -> dict:
-        return self.trainer.get_weights(ema)
-
-    def set_weights(self, weights: dict, ema: bool) -> None:
-        self.trainer.set_weights(weights, ema)
-
-    def get_gradients(self) -> dict:
-        return self.trainer.get_gradients()
-
-    def evaluate(self, ema: bool, x=None, y=None) -> dict:
-        return self.trainer.evaluate(ema, x, y)
-
-    def test_accuracy(self) -> dict:
-        return self.trainer.test_accuracy()
+        return cluster_state(t.state_dict(), self.cfg, t.dataset, self.towers)
 
     def check_replicas(self):
         """(whether this host's towers were compared, its first replica's weights and buffers)."""
         ran = self.trainer.check_replicas()
         r = self.trainer.towers[0].replica
         return ran, to_host(r.params, copy=True), to_host(r.buffers, copy=True)
-
-    def finish(self) -> None:
-        self.trainer.finish()
 
     def counters(self) -> dict:
         """The step engine's counters and the cross-host mean's time (the driver's figures)."""
@@ -238,9 +184,6 @@ class Host:
         return {"step": t.step, "all_reduces": t.all_reduces,
                 "cross_seconds": across.seconds if across is not None else 0.0,
                 "cross_calls": across.calls if across is not None else 0}
-
-    def report(self, global_batch: int) -> str:
-        return self.trainer.timer.report(global_batch)
 
     def close(self) -> None:
         if self.trainer is not None:

@@ -37,7 +37,7 @@ import numpy
 
 from towers.cluster.board import Board
 from towers.cluster.session import same_priority
-from towers.cluster.state import cluster_state
+from towers.cluster.state import TrainerActor, cluster_state
 from towers.devices.placement import CPU, Placement, to_host
 
 # Server-owned cells: version, sequence lock, then one acknowledgement per host.
@@ -92,8 +92,10 @@ class HostSide:
         return self.server[ACK + self.rank] >= ticket
 
 
-class ParameterServer:
-    """The server actor (see the module docstring)."""
+class ParameterServer(TrainerActor):
+    """The server actor (see the module docstring); the driver reaches its ``Trainer`` through ``call``."""
+
+    OWN = ("state_dict", "load_state_dict", "set_weights")
 
     def __init__(self, cfg, model, dataset, handle, towers_per_host: list[int], niceness: int | None = None):
         from towers.trainer import Trainer
@@ -142,7 +144,7 @@ class ParameterServer:
                 mean = b["grads"][0] * self.shares[0]
                 for h in range(1, hosts):
                     mean += b["grads"][h] * self.shares[h]
-                self.trainer.apply_gradients(mean)
+                self.trainer.executor.apply_gradients(mean)
                 losses = [b["losses"][h, :t].tolist() for h, t in enumerate(self.towers)]
                 self._buffers(range(hosts))
                 self.publish()
@@ -150,7 +152,7 @@ class ParameterServer:
                 h = self._arrived()
                 staleness = int(server[VERSION]) - int(b.cell("pulled")[h])
                 self.stale = [self.stale[0] + 1, self.stale[1] + staleness, max(self.stale[2], staleness)]
-                self.trainer.apply_gradients(b["grads"][h])
+                self.trainer.executor.apply_gradients(b["grads"][h])
                 losses = [b["losses"][h, :self.towers[h]].tolist()]
                 self._buffers(range(hosts))
                 self.publish()
@@ -184,33 +186,18 @@ class ParameterServer:
             mean += rows[h] * self.shares[h]
         self.replica.set_buffers(mean)
 
-    # -- state, weights, evaluation (the driver's questions) ---------------------------------
+    # -- what the server adds to its Trainer's answers (the rest: ``call``) ----------------------
 
     def state_dict(self) -> dict:
         return cluster_state(self.trainer.state_dict(), self.cfg, self.trainer.dataset, self.towers)
 
     def load_state_dict(self, state: dict, where: str) -> None:
         self.trainer.load_state_dict(state, where)
-        self._after_set()
+        self.publish(bump=False)  # the hosts' next pull takes these weights
 
     def set_weights(self, weights: dict, ema: bool) -> None:
         self.trainer.set_weights(weights, ema)
-        self._after_set()
-
-    def _after_set(self) -> None:
-        self.publish(bump=False)  # the hosts' next pull takes these weights
-
-    def get_weights(self, ema: bool) -> dict:
-        return self.trainer.get_weights(ema)
-
-    def get_gradients(self) -> dict:
-        return self.trainer.get_gradients()  # apply_gradients left the applied mean in the replica
-
-    def evaluate(self, ema: bool, x=None, y=None) -> dict:
-        return self.trainer.evaluate(ema, x, y)
-
-    def test_accuracy(self) -> dict:
-        return self.trainer.test_accuracy()
+        self.publish(bump=False)
 
     def params(self) -> numpy.ndarray:
         return to_host(self.replica.params, copy=True)

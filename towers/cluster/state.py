@@ -1,12 +1,17 @@
-"""The run-level parts of a cluster's state dict, which no single host's ``Trainer`` knows.
+"""What an actor adds to the ``Trainer`` it holds: the run-level parts of its state, and ``call``.
 
 A checkpoint of several hosts is ``Trainer.state_dict()`` of host 0 (or of
-the parameter server): the model, optimizer, EMA and step-engine keys are
-that trainer's own.  Two parts describe the whole run instead, and are set
-here: the checkpoint format's metadata (every host's towers, the global batch,
-the run's settings, so a resume on another host or tower count says so) and,
-for a host, the input position of the run's global batches (the host's own
-trainer counts only its slice).
+the parameter server): the model, optimizer, EMA, input-position and
+step-engine keys are that trainer's own (a host's trainer draws the run's
+global batches, so its input position is the run's).  The checkpoint
+format's metadata describes the whole run instead (every host's towers, the
+run's settings, so a resume on another host or tower count says so), and is
+set here.
+
+``TrainerActor.call(method, *args)`` is how the driver reaches an actor's
+``Trainer``: one generic entry instead of a forwarder per method; the actor's
+own method of that name, where it has one, is called instead (it adds what
+only the actor knows).
 """
 from __future__ import annotations
 
@@ -18,10 +23,20 @@ def towers_per_update(cfg, towers_per_host: list[int]) -> int:
     return towers_per_host[0] if cfg.sync == "async" else sum(towers_per_host)
 
 
-def cluster_state(state: dict, cfg, dataset, towers_per_host: list[int], position=None, step=None) -> dict:
-    """``state`` with the run's metadata (and ``position.state_dict(step)`` when given)."""
+def cluster_state(state: dict, cfg, dataset, towers_per_host: list[int]) -> dict:
+    """``state`` with the run's metadata."""
     n = towers_per_update(cfg, towers_per_host)
     state.update(checkpoint.metadata(cfg, dataset, n, n * cfg.batch_size))
-    if position is not None:
-        state.update(position.state_dict(step))
     return state
+
+
+class TrainerActor:
+    """An actor holding a ``towers.Trainer`` (``self.trainer``); the driver calls it through ``call``."""
+
+    trainer = None
+    OWN: tuple[str, ...] = ()  # the Trainer methods this actor answers itself
+
+    def call(self, method: str, *args):
+        """``method(*args)`` of this actor when it is one of ``OWN``, else of its ``Trainer``."""
+        target = self if method in self.OWN else self.trainer
+        return getattr(target, method)(*args)

@@ -1,0 +1,141 @@
+"""What a ``Trainer`` asks of whoever runs its steps: the ``Executor`` protocol, written once.
+
+``towers.Trainer`` is the public API (``fit``, ``train_step``, weights,
+state, evaluation, the learning rate).  It owns the settings, the data set
+as loaded in this process and the model's description, and checks what a
+user passes in; everything that depends on where the towers are is asked of
+its executor, one of two:
+
+* ``towers.local.LocalExecutor``: this process's towers (``Tower``, the
+  ``StepEngine``, the reducer, the EMA) and its input (the seeded global
+  batches and the input position); one host;
+* ``towers.cluster.driver.ClusterExecutor``: host actors on Ray, each a
+  one-host ``Trainer`` over a ``LocalExecutor`` that takes its share of every
+  global batch (and, with ``sync`` ps or async, a parameter server); the
+  driver starts them, runs segments of steps on them and gathers their state.
+
+The loop (``towers.loop.fit``) drives either the same way: it asks the
+extensions (``towers.extensions.Run``) where the next log line, checkpoint,
+summary, replica check or user extension is due, runs the steps up to there
+with ``run_steps`` (a segment), then calls the extensions due.  The
+learning-rate schedule is each executor's ``schedule``, made by
+``towers.optim.schedule.make_schedule`` from ``examples_per_step``.
+
+Sync points: ``run_steps`` returns when the segment's steps are issued
+(local) or done (cluster); ``get_weights``, ``get_gradients``,
+``state_dict``, ``evaluate`` and ``check_replicas`` wait for the towers.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Callable
+
+
+class Executor(abc.ABC):
+    """Runs a ``Trainer``'s steps and holds its replicas (see the module docstring).
+
+    Values crossing this interface are host values: NumPy arrays, dicts of
+    name -> array, Python numbers (losses may be device scalars locally).
+    Arguments are already checked by the ``Trainer`` against the data set.
+    """
+
+    cfg: object  # the run's resolved ``towers.Config``
+    schedule: Callable[[int], float]  # lr(step): the learning rate of the step after ``step`` updates
+
+    # -- sizes and counters ------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def step(self) -> int:
+        """Updates done so far."""
+
+    @property
+    @abc.abstractmethod
+    def n_towers(self) -> int:
+        """Towers behind one update (every host's; one host's with async)."""
+
+    @property
+    def examples_per_step(self) -> int:
+        """Examples behind one update, which the schedule counts."""
+        return self.n_towers * self.cfg.batch_size
+
+    @property
+    @abc.abstractmethod
+    def all_reduces(self) -> int:
+        """Collectives issued so far, for the communication figure of the summary line."""
+
+    @abc.abstractmethod
+    def towers_text(self) -> str:
+        """Where the towers run, for the summary line."""
+
+    @abc.abstractmethod
+    def placement_text(self) -> str:
+        """The placement, as ``log_placement`` prints it."""
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def prefetching(self, last_step: int):
+        """A context in which ``run_steps`` takes its batches from a background thread, up to ``last_step``."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def run_steps(self, n: int, want_loss: bool = False) -> tuple[list | None, object]:
+        """``n`` steps on the run's own batches: (the last step's losses when asked, its host examples or None).
+
+        At step ``cfg.steps`` it also ends training (``finish``).
+        """
+
+    @abc.abstractmethod
+    def train_step(self, x, y, want_loss: bool = False):
+        """One step on the given global batch (checked); the towers' losses when asked."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """End of training: in weights mode, a last average if steps were taken since."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Host sync point: what was issued is done."""
+
+    @abc.abstractmethod
+    def check_replicas(self) -> bool:
+        """Compare replicas now if they are meant to agree (a ``TrainingError`` if not); whether it ran."""
+
+    # -- weights, state, evaluation ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def get_weights(self, ema: bool = False) -> dict:
+        """{name: float32 host copy}: weights (or the EMA's), then the model's buffers."""
+
+    @abc.abstractmethod
+    def set_weights(self, weights: dict, ema: bool = False) -> None:
+        """Every replica's weights (checked strictly, as ``Trainer.set_weights`` says)."""
+
+    @abc.abstractmethod
+    def get_gradients(self) -> dict:
+        """{name: float32 host copy} of the last update's mean gradient."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict:
+        """Everything a checkpoint holds (``towers.state`` lists the keys), with the format's metadata."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict, where: str) -> None:
+        """Restore ``state_dict()`` output, strictly: a bad key is a ``UserError`` and nothing changes."""
+
+    @abc.abstractmethod
+    def evaluate(self, ema: bool, x, y) -> dict:
+        """{"loss", "accuracy"} on ``x``, ``y`` (checked), EMA or raw weights."""
+
+    def report(self, global_batch: int) -> str:
+        """The phase timer's report (``profile``)."""
+        return ""
+
+    def results(self) -> dict:
+        """Figures of this executor added to ``fit``'s result (async: the gradient staleness)."""
+        return {}
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the executor started (idempotent)."""

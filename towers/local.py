@@ -1,0 +1,325 @@
+"""The local executor: this process's towers, their step engine and reducer, and its input.
+
+``LocalExecutor(cfg, dataset, model, placement, reducer, share)`` builds one
+``Tower`` per device (``towers.step.tower``), the reducer
+(``towers.parallel.reducers``), the optimizers and the EMA (``towers.optim``)
+and the ``StepEngine`` that runs a step over them (``towers.step.engine``).
+
+Its input: the run's global batches from the seeded shuffle
+(``towers.data.batches.BatchSource``), of which this process takes the rows
+of its towers (``Rows``; all of them on one host), and the input position
+(``InputPosition``), kept here once and saved as ``data/epoch`` and
+``data/index``.  A host of a cluster is a ``Share`` of the run: its first
+tower among every host's, the towers of each global batch drawn, and the
+towers behind one update (which the schedule and the checkpoint count).
+
+State: each part saves its own keys (``towers.state`` lists them).
+
+Sync points: ``get_weights``, ``state_dict``, ``evaluate`` and
+``check_replicas`` wait for the towers (``synchronize``); steps do not.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from towers.data.batches import BatchSource, InputPosition, Prefetcher, start_batch
+from towers.data.device_data import DeviceData, fits_on
+from towers.devices.cpu_threads import cpu_count, set_blas_threads
+from towers.devices.placement import Placement
+from towers.executor import Executor
+from towers.nn import kernels
+from towers.nn.replica import Replica
+from towers.optim.ema import EMA
+from towers.optim.optimizers import make_optimizer
+from towers.optim.schedule import make_schedule
+from towers.output import checkpoint
+from towers.parallel.reducers import Reducer, make_reducer
+from towers.profiling import PhaseTimer
+from towers.step.engine import StepEngine, check_indices
+from towers.step.tower import ModelState, build_towers
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """This process's part of a run of several hosts (None: the whole run).
+
+    ``first_tower``: its first tower among every host's (dropout masks and
+    batch rows are per global tower); ``draw_towers``: the towers of each
+    global batch drawn from the shuffle; ``update_towers``: the towers behind
+    one update (async: one host's), which the schedule and the checkpoint count.
+    """
+
+    first_tower: int
+    draw_towers: int
+    update_towers: int
+
+
+class Rows:
+    """Rows ``lo:hi`` of each global batch that ``source`` draws (this process's towers' slices)."""
+
+    def __init__(self, source: BatchSource, lo: int, hi: int):
+        self.source, self.lo, self.hi = source, lo, hi
+
+    @property
+    def x(self):
+        return self.source.x
+
+    def next_indices(self):
+        return self.source.next_indices()[self.lo: self.hi]
+
+    def submit_batch(self):
+        idx, epochs = self.source.next_positions()
+        return start_batch(self.source.x, self.source.y, idx[self.lo: self.hi], epochs[self.lo: self.hi])
+
+    def next_batch(self):
+        return self.submit_batch().result()
+
+
+class LocalExecutor(Executor):
+    """This process's towers and input (see the module docstring)."""
+
+    def __init__(self, cfg, dataset, model, placement: Placement, reducer=None, share: Share | None = None):
+        self.cfg, self.dataset, self.model, self.placement = cfg, dataset, model, placement
+        self._blas = self._tf32 = self.engine = self.reducer = self._prefetch = None
+        n = len(placement.towers)
+        self.share = share or Share(0, n, n)
+        self._draw = self.share.draw_towers * cfg.batch_size  # the run's global batch
+        self._start_input(0, (0, 0))  # checks the batch fits, before any device memory
+        try:
+            self._build(reducer)
+        except BaseException:
+            self.close()  # what was made so far: BLAS limits, communicators, tower threads
+            raise
+
+    def _build(self, reducer) -> None:
+        cfg, devices = self.cfg, self.placement.towers
+        self.timer = PhaseTimer(cfg.profile, len(devices))
+        self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self.share.first_tower)
+        streams = [t.stream for t in self.towers]
+        self.timer.syncs = [s.synchronize if s is not None else None for s in streams]
+        # GPU towers: a training set that fits stays on the devices (steps then
+        # gather each batch there); kernels are compiled or loaded now, not in
+        # the first step; `tf32` switches float32 matmuls to TF32 tensor cores.
+        self.device_data = None
+        if any(d.is_gpu for d in devices):
+            if fits_on(devices, self.dataset):
+                self.device_data = DeviceData(devices, streams, self.dataset, cfg.batch_size)
+            for index in sorted({d.index for d in devices if d.is_gpu}):
+                with devices[0].xp.cuda.Device(index):
+                    kernels.warm_up()
+            if cfg.tf32:
+                self._tf32 = kernels.set_tf32(True)
+        with devices[0].scope():
+            self.ema = EMA(self.towers[0].replica.params, cfg.ema_decay)
+        # In grads mode the EMA is fused into the first tower's update; in
+        # weights mode it follows the averaged weights (towers.parallel.sync).
+        weights_mode = cfg.sync == "weights"
+        for t in self.towers:
+            with t.device.scope():
+                fused = self.ema if t.index == 0 and not weights_mode else None
+                t.optimizer = make_optimizer(cfg, t.replica.params, fused)
+        # Devices were validated by placement.resolve before any communicator.
+        if reducer is None:
+            reducer = make_reducer(self.placement, streams)
+        elif not isinstance(reducer, Reducer):
+            reducer = reducer(self.placement, streams)
+        self.reducer = reducer
+        # CPU towers: concurrent threads with 1 BLAS thread each (or serial with
+        # all cores in BLAS); see towers.devices.cpu_threads for why.  Threads
+        # need a reducer that splits (not NCCL, not across hosts).
+        n = len(devices)
+        threads = False
+        if not any(d.is_gpu for d in devices):
+            threads = n > 1 and cfg.cpu_towers == "threads" and reducer.splittable
+            self.blas_threads = cfg.blas_threads or (max(1, cpu_count() // n) if threads else cpu_count())
+            self._blas = set_blas_threads(self.blas_threads)
+        self.schedule = make_schedule(cfg, len(self.dataset.x), self.examples_per_step)
+        self.engine = StepEngine(self.towers, reducer, self.ema, self.schedule, l2=cfg.l2, weights_mode=weights_mode,
+                                 average_every=cfg.average_every, timer=self.timer, threads=threads,
+                                 device_data=self.device_data, sync_bn=cfg.sync_bn)
+        self.model_state = ModelState(self.towers, self.model)
+
+    def _start_input(self, step: int, position) -> None:
+        """The shuffle from ``position`` (epoch, index), reached after ``step`` steps."""
+        lo = self.share.first_tower * self.cfg.batch_size
+        self.source = BatchSource(self.dataset, self._draw, self.cfg.seed, *position)
+        self.rows = Rows(self.source, lo, lo + self.local_batch)
+        self.position = InputPosition(len(self.dataset.x), self._draw, step, position)
+
+    # -- sizes, counters ---------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.engine.step
+
+    @property
+    def n_towers(self) -> int:
+        return self.share.update_towers
+
+    @property
+    def local_batch(self) -> int:
+        """Examples of one step on this process's towers."""
+        return self.cfg.batch_size * len(self.placement.towers)
+
+    @property
+    def all_reduces(self) -> int:
+        return self.engine.all_reduces
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return [t.replica for t in self.towers]
+
+    @property
+    def optimizers(self) -> list:
+        return [t.optimizer for t in self.towers]
+
+    def towers_text(self) -> str:
+        return ", ".join(map(str, self.towers))
+
+    def placement_text(self) -> str:
+        return self.placement.table()
+
+    def report(self, global_batch: int) -> str:
+        return self.timer.report(global_batch)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def prefetching(self, last_step: int):
+        if self.device_data is not None:  # rows are drawn (cheaply) at each step and gathered on the devices
+            yield
+            return
+        self._prefetch = Prefetcher(self.rows, max(last_step - self.step, 0))
+        try:
+            yield
+        finally:
+            self._prefetch.close()
+            self._prefetch = None
+
+    def run_steps(self, n: int, want_loss: bool = False):
+        losses = x = None
+        for k in range(n):
+            want = want_loss and k == n - 1
+            x = None
+            if self.device_data is not None:
+                losses = self.train_step_at(self.rows.next_indices(), want)
+            else:
+                if self._prefetch is not None:
+                    with self.timer("input wait"):
+                        x, y = self._prefetch.get()
+                else:
+                    x, y = self.rows.next_batch()
+                losses = self.engine.run(x, y, want)
+            if self.step == self.cfg.steps:
+                self.finish()  # weights mode: a last average before the final checkpoint
+        return losses, x
+
+    def train_step(self, x, y, want_loss: bool = False):
+        return self.engine.run(x, y, want_loss)
+
+    def train_step_at(self, indices, want_loss: bool = False):
+        """One step on the training-set rows ``indices`` (this process's towers' rows, host ints).
+
+        With the data set on the devices (``device_data``) each tower gathers its
+        slice there; otherwise the rows are taken on the host.  Either way the
+        same float32 batch reaches each tower.
+        """
+        if self.device_data is None:
+            return self.engine.run(self.dataset.x[indices], self.dataset.y[indices], want_loss)
+        indices = check_indices(indices, self.local_batch, len(self.dataset.x))
+        return self.engine.run(None, None, want_loss, indices)
+
+    def gradients(self, x, y, want_loss: bool = False):
+        """Stages 1-3 without the update (for a parameter server): every tower's ``grads`` ends as the mean."""
+        return self.engine.gradients(x, y, want_loss)
+
+    def apply_gradients(self, grads) -> None:
+        """Stage 4 with given mean gradients (one host flat array): every replica's update."""
+        self.engine.apply_gradients(grads)
+
+    def finish(self) -> None:
+        self.engine.finish()
+
+    def check_replicas(self) -> bool:
+        return self.engine.check_replicas()
+
+    def synchronize(self) -> None:
+        if self.engine is not None:
+            self.engine.synchronize()
+
+    # -- weights and state as name -> array dicts ----------------------------------------------
+
+    def get_weights(self, ema: bool = False) -> dict:
+        self.synchronize()
+        return self.model_state.named(self.ema.shadow if ema else None)
+
+    def get_gradients(self) -> dict:
+        self.synchronize()
+        return self.model_state.weights.split(self.towers[0].replica.grads)
+
+    def set_weights(self, weights: dict, ema: bool = False) -> None:
+        flat, buffers = self.model_state.read_named(weights, "set_weights", buffers_optional=ema)
+        self.synchronize()
+        if ema:
+            self.ema.set_state(flat)
+            self.model_state.set(None, buffers)  # the buffers, when given, are every replica's
+            return
+        self.model_state.set(flat, buffers)
+        self.engine.agreed()  # the next comparison is against these weights
+
+    def state_dict(self) -> dict:
+        self.synchronize()
+        layout = self.model_state.weights
+        state = {**self.model_state.state_dict(), **self.ema.state_dict(layout),
+                 **self.towers[0].optimizer.state_dict(layout), **self.position.state_dict(self.step),
+                 **self.engine.state_dict()}
+        n = self.share.update_towers
+        state.update(checkpoint.metadata(self.cfg, self.dataset, n, n * self.cfg.batch_size))
+        return state
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        layout = self.model_state.weights
+        # Every part checks its keys first; then all are applied, so a bad key changes nothing.
+        set_model = self.model_state.prepare(state, where)
+        ema = self.ema.read_state(state, layout, where)
+        slots = self.towers[0].optimizer.read_state(state, layout, where)
+        position = self.position.read_state(state, where)
+        set_counters = self.engine.prepare(state, where)
+        self.synchronize()
+        set_model()
+        self.ema.set_state(ema)
+        for t in self.towers:
+            with t.device.scope():
+                t.optimizer.set_state(slots)
+        set_counters()
+        self._start_input(self.step, position)
+
+    def evaluate(self, ema: bool, x, y) -> dict:
+        dev = self.towers[0].device
+        self.synchronize()
+        with dev.scope():
+            r = Replica(self.model, dev.xp)
+            r.set_params(self.ema.shadow if ema else self.towers[0].replica.params)
+            r.set_buffers(self.towers[0].replica.buffers)
+            loss, acc = r.evaluate(x, y)
+        return {"loss": loss, "accuracy": acc}
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release tower threads, BLAS limits, NCCL communicators (idempotent)."""
+        try:
+            self.synchronize()
+        finally:
+            try:
+                if self.engine is not None:
+                    self.engine.close()
+            finally:
+                if self._blas is not None:
+                    self._blas.restore_original_limits()
+                if self.reducer is not None:
+                    self.reducer.close()
+                if self._tf32 is not None:
+                    kernels.restore_compute_type(self._tf32)
+                self._blas = self._tf32 = self.reducer = None
