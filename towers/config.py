@@ -124,8 +124,9 @@ class Config:
                           type="int", metavar="N", used_when=lambda cfg: cfg.model == "mlp")
     # optimization; None: the model's default (towers.nn.models)
     optimizer: str | None = setting(
-        None, "the optimizer (see Optimizers): `sgd`, `adam`, `adamw` or `rmsprop` (default: the model's; mlp, "
-        "cifar10, resnets: sgd, lenet5: adam)", group="optimization",
+        None, f"the optimizer: {', '.join(f'`{o}`' for o in OPTIMIZERS)} (default: the model's; mlp, cifar10, "
+        "resnets: sgd, lenet5: adam; see Optimizers); a hyperparameter's flag names in [] the optimizers that "
+        "read it", group="optimization",
         check=Choice(lambda: tuple(OPTIMIZERS), optional=True), resume=NOTE, type="str | None", metavar="NAME",
         shown="the model's")
     batch_size: int = setting(100, "examples per tower per step", group="optimization", check=Integer(1),
@@ -134,7 +135,7 @@ class Config:
                          check=Integer(1), resume=SILENT, type="int", metavar="N")
     lr: float | None = setting(
         None, "initial learning rate (default: the model's for its optimizer; mlp with sgd 0.8, cifar10 and "
-        "resnets 0.1; adam, adamw, rmsprop 0.001)", group="optimization", check=Number(0, low_open=True),
+        "resnets 0.1; see Optimizers for the others)", group="optimization", check=Number(0, low_open=True),
         resume=NOTE, type="float | None", metavar="LR", shown="the model's", model_default=True)
     lr_decay: float | None = setting(
         None, "decay per epoch, TF exponential_decay: `lr = LR * R ** (examples_seen / examples_per_epoch)` "
@@ -145,7 +146,7 @@ class Config:
                               group="optimization", check=Bool(), resume=NOTE, type="bool")
     l2: float | None = setting(
         None, "L2 on weights (not biases, not batch-norm parameters): `S * sum(w**2) / 2` (default: the model's: "
-        "1e-4; cifar10 0.004, on local3 and local4 only; adamw 0)", group="optimization", check=Number(0),
+        "1e-4; cifar10 0.004, on local3 and local4 only; see Optimizers)", group="optimization", check=Number(0),
         resume=NOTE, type="float | None", metavar="S", shown="the model's", model_default=True)
     ema_decay: float = setting(
         0.99, "EMA decay (TF ExponentialMovingAverage): `d = min(D, (1 + step) / (10 + step))`",

@@ -218,6 +218,11 @@ def resume_changes(old: dict, cfg) -> dict[str, list[tuple[str, object, object]]
     return changes
 
 
+def show(value) -> str:
+    """A setting's value in a message: as given, ``unset`` for None."""
+    return "unset" if value is None else str(value)
+
+
 # -- documentation ----------------------------------------------------------------------
 
 
@@ -248,5 +253,6 @@ def flag_table(cls) -> str:
     for f in dataclasses.fields(cls):
         mv = metavar(f)
         text = f.metadata["help"].replace("|", "\\|")
-        rows.append(f"| `{flag_name(f)}{' ' + mv if mv else ''}` | {shown_default(f)} | {text} |")
+        flag = f"{flag_name(f)}{' ' + mv if mv else ''}".replace("|", "\\|")
+        rows.append(f"| `{flag}` | {shown_default(f)} | {text} |")
     return "\n".join(rows)

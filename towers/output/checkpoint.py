@@ -33,13 +33,13 @@ import glob
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy
 
 from towers.config import checkpoint_settings
 from towers.errors import TrainingError, UserError
-from towers.settings import NOTE, REFUSE, SILENT, resume_changes
+from towers.settings import NOTE, REFUSE, SILENT, resume_changes, show
 from towers.state import Layout, under
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, remove_stale, writing
 
@@ -298,12 +298,13 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
     changes = resume_changes(checkpoint_settings(ck), cfg)
     if changes[REFUSE]:
         name, old, new = changes[REFUSE][0]
-        raise UserError(f"{path} was trained with `{name}` {old}, this run has `{name}` {new}: another model "
-                        f"shape cannot continue it; resume with `{name}` {old}, or use another `logdir`")
+        raise UserError(f"{path} was trained with `{name}` {show(old)}, this run has `{name}` {show(new)}: another "
+                        f"model shape cannot continue it; resume with `{name}` {show(old)}, or use another `logdir`")
     shape, classes = tuple(int(v) for v in arrays["data/shape"]), int(arrays.get("data/num_classes", -1))
     if shape != tuple(dataset.x.shape) or classes != dataset.num_classes:
-        data_settings = [f"`{k}` {a} -> {b}" for rule in (NOTE, SILENT) for k, a, b in changes[rule]
-                         if k in ("decode", "image_size", "x_key", "y_key")]
+        groups = {f.name: f.metadata["group"] for f in fields(cfg)}
+        data_settings = [f"`{k}` {show(a)} -> {show(b)}" for rule in (NOTE, SILENT) for k, a, b in changes[rule]
+                         if groups[k] in ("data", "images")]
         raise UserError(
             f"{path} was trained on data of shape {shape} with {classes} classes ({ck.get('data')}), "
             f"but `data` gives {tuple(dataset.x.shape)} with {dataset.num_classes} classes"
@@ -322,7 +323,7 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
         say(f"note: the checkpoint was written by {old_towers} tower(s) x {ck.get('batch_size')}, "
             f"this run has {n_towers} x {cfg.batch_size}: {same}", note=True)
     if changes[NOTE]:
-        changed = ", ".join(f"`{k}` {old} -> {new}" for k, old, new in changes[NOTE])
+        changed = ", ".join(f"`{k}` {show(old)} -> {show(new)}" for k, old, new in changes[NOTE])
         say(f"note: settings changed since the checkpoint ({changed}): "
             "the continuation differs from an uninterrupted run", note=True)
     return r

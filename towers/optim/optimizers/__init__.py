@@ -52,8 +52,9 @@ def settings() -> dict[str, dataclasses.Field]:
         for name, f in cls.settings.items():
             if name in out:
                 raise TypeError(f"setting {name!r} is declared by two optimizers")
-            out[name] = dataclasses.field(default=f.default,
-                                          metadata={**f.metadata, "used_when": _used_by(readers(name))})
+            used = readers(name)
+            out[name] = dataclasses.field(default=f.default, metadata={
+                **f.metadata, "used_when": _used_by(used), "help": f"{f.metadata['help']} [{', '.join(used)}]"})
     return out
 
 

@@ -21,11 +21,11 @@ class Adam(Optimizer):
 
     name = "adam"
     settings = {
-        "beta1": setting(0.9, "Adam's (and AdamW's) first-moment decay (TF default 0.9)", group="optimization",
+        "beta1": setting(0.9, "Adam's first-moment decay (TF default 0.9)", group="optimization",
                          check=Number(0, 1, high_open=True), resume=NOTE, type="float"),
-        "beta2": setting(0.999, "Adam's (and AdamW's) second-moment decay (TF default 0.999)", group="optimization",
+        "beta2": setting(0.999, "Adam's second-moment decay (TF default 0.999)", group="optimization",
                          check=Number(0, 1, high_open=True), resume=NOTE, type="float"),
-        "epsilon": setting(1e-8, "Adam's (and AdamW's) epsilon (TF default 1e-8)", group="optimization",
+        "epsilon": setting(1e-8, "Adam's epsilon (TF default 1e-8)", group="optimization",
                            check=Number(0, low_open=True), resume=NOTE, type="float"),
     }
     reads = ("beta1", "beta2", "epsilon")

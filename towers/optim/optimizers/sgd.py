@@ -21,7 +21,7 @@ class SGD(Optimizer):
     name = "sgd"
     settings = {
         "momentum": setting(
-            None, "SGD's (and RMSProp's) momentum (default: the model's; mlp 0, lenet5 with sgd and resnets 0.9; "
+            None, "momentum (default: the model's; mlp 0, lenet5 with sgd and resnets 0.9; "
             "0: plain SGD)", group="optimization", check=Number(0, 1, high_open=True), resume=NOTE,
             type="float | None", metavar="M", shown="the model's", model_default=True, fallback=0.0),
         "nesterov": setting(
