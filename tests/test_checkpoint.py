@@ -57,6 +57,22 @@ def test_resume_is_byte_identical(tmp_path):
         assert int(z["step"]) == 40
 
 
+@pytest.mark.parametrize("optimizer, slots", [
+    (["--optimizer", "adamw", "--weight-decay", "0.1"], ("adam_m", "adam_v")),
+    (["--optimizer", "rmsprop", "--momentum", "0.9", "--rmsprop-centered"], ("rmsprop_ms", "rmsprop_mom", "rmsprop_mg")),
+])
+def test_a_new_optimizers_state_is_checkpointed_and_resumes_exactly(tmp_path, optimizer, slots):
+    common = ["--n-gpu", 2, *optimizer, "--checkpoint-every", 5, "--log-every", 5]
+    train(tmp_path / "whole", "--steps", 16, *common)
+    train(tmp_path / "split", "--steps", 10, *common)
+    ck = load_checkpoint(str(tmp_path / "split" / "ckpt-00000010.npz"))
+    assert {k.split("/", 1)[0] for k in ck} >= set(slots)
+    p = train(tmp_path / "split", "--steps", 16, "--resume", *common)
+    assert "settings changed" not in p.stderr
+    whole, split = (tmp_path / d / "final.npz" for d in ("whole", "split"))
+    assert whole.read_bytes() == split.read_bytes()
+
+
 def test_checkpoint_contents_index_and_keep(tmp_path):
     train(tmp_path / "a", "--steps", 12, "--checkpoint-every", 2, "--keep-checkpoints", 3, "--momentum", 0.5)
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
