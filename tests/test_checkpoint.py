@@ -59,7 +59,8 @@ def test_resume_is_byte_identical(tmp_path):
 
 @pytest.mark.parametrize("optimizer, slots", [
     (["--optimizer", "adamw", "--weight-decay", "0.1"], ("adam_m", "adam_v")),
-    (["--optimizer", "rmsprop", "--momentum", "0.9", "--rmsprop-centered"], ("rmsprop_ms", "rmsprop_mom", "rmsprop_mg")),
+    (["--optimizer", "rmsprop", "--momentum", "0.9", "--rmsprop-centered"],
+     ("rmsprop_ms", "rmsprop_mom", "rmsprop_mg")),
 ])
 def test_a_new_optimizers_state_is_checkpointed_and_resumes_exactly(tmp_path, optimizer, slots):
     common = ["--n-gpu", 2, *optimizer, "--checkpoint-every", 5, "--log-every", 5]
@@ -164,7 +165,8 @@ def rgb_run(tmp_path_factory):
     # Neither: silent.
     (["--log-every", "1", "--input-workers", "0", "--check-replicas", "2"], "silent", None),
 ])
-def test_a_changed_setting_on_resume_is_refused_noted_or_silent_as_declared(rgb_run, tmp_path, args, outcome, named):
+def test_a_changed_setting_on_resume_is_refused_noted_or_silent_as_declared(rgb_run, tmp_path, args, outcome,
+                                                                            named):
     root, data = rgb_run
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)

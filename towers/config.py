@@ -23,8 +23,8 @@ from towers.optim.optimizers import OPTIMIZERS, check_settings as check_optimize
 from towers.optim.optimizers import settings as optimizer_settings
 from towers.optim.schedule import SCHEDULES, parse_list, piecewise_values
 from towers.parallel.sync import MODES
-from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Bool, Choice, Free, Integer, Number, Text, check_fields,
-                             setting, with_settings)
+from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Choice, Free, Integer, Number, Text, check_fields,
+                             setting, switch, with_settings)
 
 
 def _default_data() -> str:
@@ -66,12 +66,12 @@ class Config:
     devices: str | None = setting(
         None, "`cpu`, or GPU ids such as `0,2`", group="placement", check=Text(), resume=BATCH,
         type="str | None", metavar="LIST", shown="GPUs 0..N-1")
-    soft_placement: bool = setting(
-        True, "fail instead of bending an impossible placement (by default: no GPU runs on the CPU, too few GPUs "
-        "are shared)", group="placement", check=Bool(), resume=SILENT, type="bool")
-    log_placement: bool = setting(
-        False, "print which device runs each tower, the EMA, input parsing and the reducer", group="placement",
-        check=Bool(), resume=SILENT, type="bool")
+    soft_placement: bool = switch(
+        "fail instead of bending an impossible placement (by default: no GPU runs on the CPU, too few GPUs "
+        "are shared)", group="placement", resume=SILENT, on=True)
+    log_placement: bool = switch(
+        "print which device runs each tower, the EMA, input parsing and the reducer",
+        group="placement", resume=SILENT)
     # data (a resume checks the data's shape and classes against the checkpoint's)
     data: str = setting(
         DEFAULT_DATA, "training data: an .npz with x, y and optionally x_test, y_test; TFRecord files or a glob of "
@@ -142,8 +142,8 @@ class Config:
         "(default: the model's; sgd 0.99, the others 1)", group="optimization",
         check=Number(0, 1, low_open=True), resume=NOTE, type="float | None", metavar="R", shown="the model's",
         model_default=True)
-    staircase: bool = setting(False, "floor the exponent: decay the learning rate once per whole epoch",
-                              group="optimization", check=Bool(), resume=NOTE, type="bool")
+    staircase: bool = switch(
+        "floor the exponent: decay the learning rate once per whole epoch", group="optimization", resume=NOTE)
     l2: float | None = setting(
         None, "L2 on weights (not biases, not batch-norm parameters): `S * sum(w**2) / 2` (default: the model's: "
         "1e-4; cifar10 0.004, on local3 and local4 only; see Optimizers)", group="optimization", check=Number(0),
@@ -171,10 +171,9 @@ class Config:
     label_smoothing: float = setting(
         0.0, "train on targets `(1 - S) * onehot + S / classes` (0: none)", group="recipes",
         check=Number(0, 1, high_open=True), resume=NOTE, type="float", metavar="S")
-    sync_bn: bool = setting(
-        False, "batch norm normalizes with the statistics of the whole step's batch across towers (two small "
-        "all-reduces per batch-norm layer), not each tower's own (see Batch norm)", group="recipes", check=Bool(),
-        resume=NOTE, type="bool")
+    sync_bn: bool = switch(
+        "batch norm normalizes with the statistics of the whole step's batch across towers (two small "
+        "all-reduces per batch-norm layer), not each tower's own (see Batch norm)", group="recipes", resume=NOTE)
     # keeping replicas together
     sync: str = setting(
         "grads", "`grads`: average gradients every step; `weights`: each tower steps alone, weights averaged every "
@@ -191,15 +190,13 @@ class Config:
     ray_address: str | None = setting(
         None, "join this Ray cluster: `auto` or HOST:PORT of `ray start --head`; default: a local Ray instance",
         group="hosts", check=Text(), resume=SILENT, type="str | None", metavar="ADDR", shown="a local Ray")
-    ray_logs: bool = setting(False, "show Ray's own log lines (hidden by default)", group="hosts", check=Bool(),
-                             resume=SILENT, type="bool")
+    ray_logs: bool = switch("show Ray's own log lines (hidden by default)", group="hosts", resume=SILENT)
     # output
     log_every: int = setting(100, "steps between log lines", group="output", check=Integer(1), resume=SILENT,
                              type="int", metavar="N")
     logdir: str | None = setting(None, "output directory", group="output", check=Text(), resume=SILENT,
                                  type="str | None", metavar="DIR", shown="`runs/<timestamp>`")
-    quiet: bool = setting(False, "no progress bar and no per-step log lines", group="output", check=Bool(),
-                          resume=SILENT, type="bool")
+    quiet: bool = switch("no progress bar and no per-step log lines", group="output", resume=SILENT)
     # checkpoints and summaries
     checkpoint_every: int | None = setting(
         None, "steps between checkpoints (ckpt-<step>.npz in --logdir; default 1000, with --sync weights rounded "
@@ -207,9 +204,9 @@ class Config:
         check=Integer(0, optional=True), resume=SILENT, type="int | None", metavar="K", shown="1000")
     keep_checkpoints: int = setting(5, "how many of the newest checkpoints to keep", group="output",
                                     check=Integer(1), resume=SILENT, type="int", metavar="N")
-    resume: bool = setting(
-        False, "continue from the latest valid checkpoint in --logdir (--steps is the total, not more steps; see "
-        "Checkpoints for what a changed setting does)", group="output", check=Bool(), resume=SILENT, type="bool")
+    resume: bool = switch(
+        "continue from the latest valid checkpoint in --logdir (--steps is the total, not more steps; see "
+        "Checkpoints for what a changed setting does)", group="output", resume=SILENT)
     summary_every: int = setting(
         100, "steps between TensorBoard summaries (scalars, weight and gradient histograms; a host sync); 0: none",
         group="output", check=Integer(0), resume=SILENT, type="int", metavar="K")
@@ -221,15 +218,12 @@ class Config:
     blas_threads: int = setting(
         0, "BLAS threads of the process (0: auto, one per concurrent CPU tower, else every core)",
         group="performance", check=Integer(0), resume=SILENT, type="int", metavar="N")
-    profile: bool = setting(
-        False, "print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase; see "
-        "Performance)", group="performance", check=Bool(), resume=SILENT, type="bool")
-    measure_scaling: bool = setting(
-        False, "after the run, time 1 tower alone and print the scaling efficiency", group="performance",
-        check=Bool(), resume=SILENT, type="bool")
-    tf32: bool = setting(
-        False, "GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 "
-        "relative error (off: plain float32)", group="performance", check=Bool(), resume=NOTE, type="bool")
+    profile: bool = switch("print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase; see "
+        "Performance)", group="performance", resume=SILENT)
+    measure_scaling: bool = switch(
+        "after the run, time 1 tower alone and print the scaling efficiency", group="performance", resume=SILENT)
+    tf32: bool = switch("GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 "
+        "relative error (off: plain float32)", group="performance", resume=NOTE)
 
     def resolved(self, model=None) -> "Config":
         """A copy with every unset setting filled in, after checking every setting.

@@ -165,6 +165,11 @@ def setting(default, help: str, *, group: str, check: Check, resume: str, type: 
     return dataclasses.field(default=default, metadata=meta)
 
 
+def switch(help: str, *, group: str, resume: str, on: bool = False):
+    """A True/False setting (a flag without a value; ``--no-NAME`` when ``on`` by default)."""
+    return setting(on, help, group=group, check=Bool(), resume=resume, type="bool")
+
+
 def declared(cls) -> list[dataclasses.Field]:
     """The fields of a dataclass of settings, in order."""
     return list(dataclasses.fields(cls))

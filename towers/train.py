@@ -1,8 +1,9 @@
 """The command line: ``python -m towers.train`` (``towers-train`` when installed).
 
 A thin layer over the library: flags become a ``towers.Config`` (one flag per
-field, derived from its declaration: ``towers.settings``), ``towers.Trainer(cfg).fit()`` trains, and errors become one line on
-stderr with exit status 2 (a user mistake) or 1 (a run that cannot go on).
+field, derived from its declaration: ``towers.settings``), ``towers.Trainer(cfg).fit()``
+trains, and errors become one line on stderr with exit status 2 (a user mistake)
+or 1 (a run that cannot go on).
 Library messages name settings; inside ``flags_in_messages`` they show as flags.
 """
 from __future__ import annotations
@@ -13,9 +14,9 @@ from dataclasses import fields
 
 from towers.cli import Parser, run_main, show_notices, warn_about
 from towers.config import Config
-from towers.settings import flag_name, metavar
 from towers.errors import flags_in_messages
 from towers.output.files import sigterm_raises
+from towers.settings import flag_name, metavar
 from towers.trainer import Trainer
 
 def _number(kind):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy
 
 from towers.optim.optimizers.base import Optimizer
-from towers.settings import NOTE, Bool, Number, setting
+from towers.settings import NOTE, Number, setting, switch
 
 
 class RMSProp(Optimizer):
@@ -28,9 +28,8 @@ class RMSProp(Optimizer):
         "rmsprop_epsilon": setting(1e-10, "RMSProp's epsilon, inside the square root (TF default 1e-10)",
                                    group="optimization", check=Number(0, low_open=True), resume=NOTE,
                                    type="float", metavar="EPS"),
-        "rmsprop_centered": setting(False, "centered RMSProp: divide by the estimated variance, ms - mg^2, "
-                                    "not the mean square (TF `centered`)", group="optimization", check=Bool(),
-                                    resume=NOTE, type="bool"),
+        "rmsprop_centered": switch("centered RMSProp: divide by the estimated variance, ms - mg^2, "
+                                    "not the mean square (TF `centered`)", group="optimization", resume=NOTE),
     }
     reads = ("rmsprop_decay", "momentum", "rmsprop_epsilon", "rmsprop_centered")
     defaults = {"lr": 0.001, "lr_decay": 1.0, "momentum": 0.0, "l2": 1e-4}

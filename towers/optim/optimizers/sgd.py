@@ -12,7 +12,7 @@ import numpy
 
 from towers.errors import UserError
 from towers.optim.optimizers.base import Optimizer
-from towers.settings import NOTE, Bool, Number, setting
+from towers.settings import NOTE, Number, setting, switch
 
 
 class SGD(Optimizer):
@@ -24,9 +24,8 @@ class SGD(Optimizer):
             None, "momentum (default: the model's; mlp 0, lenet5 with sgd and resnets 0.9; "
             "0: plain SGD)", group="optimization", check=Number(0, 1, high_open=True), resume=NOTE,
             type="float | None", metavar="M", shown="the model's", model_default=True, fallback=0.0),
-        "nesterov": setting(
-            False, "Nesterov momentum (TF `use_nesterov`; needs sgd with --momentum > 0)", group="optimization",
-            check=Bool(), resume=NOTE, type="bool"),
+        "nesterov": switch("Nesterov momentum (TF `use_nesterov`; needs sgd with --momentum > 0)",
+                           group="optimization", resume=NOTE),
     }
     reads = ("momentum", "nesterov")
     # The book's MNIST example settings (batch 100, lr 0.8 decayed 0.99 per epoch).
