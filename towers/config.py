@@ -6,9 +6,15 @@ fills the ones left unset (``None``) from the model's defaults
 (``towers.nn.models``); the ``Trainer`` calls it before anything is allocated,
 so a bad setting is a ``UserError`` naming it, whatever the caller.
 
+Each setting is declared once, as a field whose metadata carries its help, its
+group, its check and what a change does on ``--resume`` (``towers.settings``);
+the optimizers' hyperparameters are declared in their own files and added here.
+The command line, the README's flag table, the per-field checks and the resume
+policy are derived from the declarations; the rules between settings are below.
+
 Defaults, in order: what the user set; else the model's settings for the chosen
 optimizer (``--model lenet5`` trains with Adam; ``--optimizer adam`` with no
-``--lr`` gets Adam's own learning rate); else the generic ones.
+``--lr`` gets Adam's own learning rate); else the optimizer's own (its file).
 """
 from __future__ import annotations
 

@@ -170,11 +170,6 @@ def switch(help: str, *, group: str, resume: str, on: bool = False):
     return setting(on, help, group=group, check=Bool(), resume=resume, type="bool")
 
 
-def declared(cls) -> list[dataclasses.Field]:
-    """The fields of a dataclass of settings, in order."""
-    return list(dataclasses.fields(cls))
-
-
 def with_settings(extra: dict, after: str):
     """Class decorator (under ``@dataclass``): add the fields ``extra`` ({name: setting(...)}) after ``after``.
 
