@@ -77,7 +77,7 @@ def test_set_weights_rejects_bad_names_and_changes_nothing(change, needle):
     (dict(sync="wieghts"), "sync 'wieghts' is unknown"),
     (dict(lr=float("nan")), "lr must be a finite number"),
     (dict(l2=float("inf")), "l2 must be a finite number"),
-    (dict(optimizer="rmsprop"), "optimizer 'rmsprop' is unknown"),
+    (dict(optimizer="adagrad"), "optimizer 'adagrad' is unknown"),
     (dict(optimizer="adam", momentum=0.9), "momentum is for optimizer sgd"),
     (dict(batch_size=0), "batch_size must be an integer >= 1"),
     (dict(average_every=3), "average_every applies to sync weights"),

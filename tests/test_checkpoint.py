@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy
+import pytest
 
 from towers.output.checkpoint import list_checkpoints, load_checkpoint
 
@@ -53,6 +55,23 @@ def test_resume_is_byte_identical(tmp_path):
     assert whole.read_bytes() == split.read_bytes()
     with numpy.load(split) as z:
         assert int(z["step"]) == 40
+
+
+@pytest.mark.parametrize("optimizer, slots", [
+    (["--optimizer", "adamw", "--weight-decay", "0.1"], ("adam_m", "adam_v")),
+    (["--optimizer", "rmsprop", "--momentum", "0.9", "--rmsprop-centered"],
+     ("rmsprop_ms", "rmsprop_mom", "rmsprop_mg")),
+])
+def test_a_new_optimizers_state_is_checkpointed_and_resumes_exactly(tmp_path, optimizer, slots):
+    common = ["--n-gpu", 2, *optimizer, "--checkpoint-every", 5, "--log-every", 5]
+    train(tmp_path / "whole", "--steps", 16, *common)
+    train(tmp_path / "split", "--steps", 10, *common)
+    ck = load_checkpoint(str(tmp_path / "split" / "ckpt-00000010.npz"))
+    assert {k.split("/", 1)[0] for k in ck} >= set(slots)
+    p = train(tmp_path / "split", "--steps", 16, "--resume", *common)
+    assert "settings changed" not in p.stderr
+    whole, split = (tmp_path / d / "final.npz" for d in ("whole", "split"))
+    assert whole.read_bytes() == split.read_bytes()
 
 
 def test_checkpoint_contents_index_and_keep(tmp_path):
@@ -102,9 +121,9 @@ def test_resume_refusals_and_notes(tmp_path):
     train(tmp_path, "--steps", 4, "--n-gpu", 2)
     # A fresh run never overwrites a run's checkpoints.
     assert "--resume" in one_line_error(train(tmp_path, "--steps", 4, ok=False))
-    # Another model shape: named, with the checkpoint's settings.
+    # Another model shape: the changed setting is named, with the checkpoint's value.
     err = one_line_error(train(tmp_path, "--steps", 6, "--resume", "--hidden", 32, ok=False))
-    assert "layer1/weights" in err and "--hidden 16" in err
+    assert "trained with --hidden 16, this run has --hidden 32" in err
     # Another dataset shape.
     other = tmp_path / "other.npz"
     numpy.savez(other, x=numpy.zeros((300, 5), numpy.uint8), y=numpy.arange(300) % 10)
@@ -118,6 +137,50 @@ def test_resume_refusals_and_notes(tmp_path):
     assert "--resume needs --logdir" in one_line_error(p)
     p = train(tmp_path / "empty", "--steps", 2, "--resume")
     assert "no checkpoint" in p.stderr and "starting fresh" in p.stderr
+
+
+@pytest.fixture(scope="module")
+def rgb_run(tmp_path_factory):
+    """A 4-step run on 8x8x3 images (so --augment and --normalize apply), to resume with changed settings."""
+    root = tmp_path_factory.mktemp("rgb")
+    rng = numpy.random.default_rng(0)
+    x = rng.integers(0, 256, size=(300, 8, 8, 3), dtype=numpy.uint8)
+    numpy.savez(root / "rgb.npz", x=x, y=(x[:, 0, 0, 0] > 127).astype(numpy.int64))
+    data = ["--data", str(root / "rgb.npz")]
+    train(root / "run", *data, "--steps", 4)
+    return root, data
+
+
+@pytest.mark.parametrize("args, outcome, named", [
+    # Another model shape: refused, naming the setting (before: a layer's name, or nothing).
+    (["--model", "lenet5"], "refused", "trained with --model mlp, this run has --model lenet5"),
+    (["--image-size", "6,6,3"], "refused", "--image-size unset -> 6,6,3"),
+    # Another trajectory: a note (before: --augment, --normalize, --lr-schedule, --warmup-steps,
+    # --label-smoothing passed silently).
+    (["--normalize", "0.5,0.25"], "note", "--normalize unset -> 0.5,0.25"),
+    (["--augment", "cifar"], "note", "--augment none -> cifar"),
+    (["--warmup-steps", "3"], "note", "--warmup-steps 0 -> 3"),
+    (["--label-smoothing", "0.1"], "note", "--label-smoothing 0.0 -> 0.1"),
+    (["--optimizer", "rmsprop"], "note", "--optimizer sgd -> rmsprop"),
+    # Neither: silent.
+    (["--log-every", "1", "--input-workers", "0", "--check-replicas", "2"], "silent", None),
+])
+def test_a_changed_setting_on_resume_is_refused_noted_or_silent_as_declared(rgb_run, tmp_path, args, outcome,
+                                                                            named):
+    root, data = rgb_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    p = train(run, *data, "--steps", 6, "--resume", *args, ok=outcome != "refused")
+    if outcome == "refused":
+        err = one_line_error(p)
+        assert named in err, err
+        return
+    notes = [ln for ln in p.stderr.splitlines() if "settings changed since the checkpoint" in ln]
+    if outcome == "note":
+        assert len(notes) == 1 and named in notes[0] and "differs from an uninterrupted run" in notes[0], p.stderr
+    else:
+        assert notes == [], p.stderr
+    assert load_checkpoint(str(run / "ckpt-00000006.npz"))["step"] == 6
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):

@@ -11,6 +11,8 @@ from towers.data.batches import InputPosition
 from towers.nn.layers import Dense, Flatten, Layer, Param, ReLU, Sequential
 from towers.optim.ema import EMA
 from towers.optim.optimizers import SGD, Adam
+from towers.optim.optimizers.adamw import AdamW
+from towers.optim.optimizers.rmsprop import RMSProp
 from towers.state import Layout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,7 +24,8 @@ def layout():
     return Layout([("a/w", (3, 2), 0, 6), ("a/b", (2,), 6, 2)])
 
 
-@pytest.mark.parametrize("make", [lambda p: SGD(p, 0.9), lambda p: Adam(p)])
+@pytest.mark.parametrize("make", [lambda p: SGD(p, 0.9), lambda p: Adam(p), lambda p: AdamW(p),
+                                  lambda p: RMSProp(p, momentum=0.5, centered=True)])
 def test_an_optimizers_slots_round_trip_under_their_names(make):
     rng = np.random.default_rng(0)
     opt = make(np.zeros(8, np.float32))

@@ -6,25 +6,31 @@ fills the ones left unset (``None``) from the model's defaults
 (``towers.nn.models``); the ``Trainer`` calls it before anything is allocated,
 so a bad setting is a ``UserError`` naming it, whatever the caller.
 
+Each setting is declared once, as a field whose metadata carries its help, its
+group, its check and what a change does on ``--resume`` (``towers.settings``);
+the optimizers' hyperparameters are declared in their own files and added here.
+The command line, the README's flag table, the per-field checks and the resume
+policy are derived from the declarations; the rules between settings are below.
+
 Defaults, in order: what the user set; else the model's settings for the chosen
 optimizer (``--model lenet5`` trains with Adam; ``--optimizer adam`` with no
-``--lr`` gets Adam's own learning rate); else the generic ones.
+``--lr`` gets Adam's own learning rate); else the optimizer's own (its file).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
 from towers.data.image.augment import AUGMENTS, parse_image_size, parse_normalize
 from towers.errors import UserError
 from towers.nn.models import model_defaults
-from towers.optim.optimizers import OPTIMIZERS
+from towers.optim.optimizers import OPTIMIZERS, check_settings as check_optimizer_settings
+from towers.optim.optimizers import settings as optimizer_settings
 from towers.optim.schedule import SCHEDULES, parse_list, piecewise_values
 from towers.parallel.sync import MODES
-
+from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Choice, Free, Integer, Number, Text, check_fields,
+                             setting, switch, with_settings)
 
 
 def _default_data() -> str:
@@ -37,79 +43,193 @@ def _default_data() -> str:
 DEFAULT_DATA = _default_data()
 # `model` of a run whose model was an object handed to the Trainer (checkpoints, the settings line).
 MODEL_OBJECT = "<model object>"
-# Settings filled from the model's defaults when left as None.
-MODEL_DEFAULTED = ("lr", "lr_decay", "momentum", "l2")
+
+
+def _decode_format(text: str) -> None:
+    from towers.data.tfrecord.schema import parse_decode, parse_image_decode
+
+    if parse_image_decode(text) is None:
+        parse_decode(text)
+
+
+def _normalize_format(text: str) -> None:
+    parse_normalize(text, 3)  # the format; the channel count is checked with the data
 
 
 @dataclass
+@with_settings(optimizer_settings(), after="l2")
 class Config:
-    """Every setting of a run, with its default (the command-line flags mirror these)."""
+    """Every setting of a run, declared once (``towers.settings``): the command-line flags mirror these.
+
+    The optimizers' hyperparameters (``momentum``, ``beta1`` ...) are declared in
+    their own files (``towers.optim.optimizers``) and added after ``l2``.
+    """
 
     # placement
-    n_gpu: int | None = None  # towers per host (GPU or CPU); None: 1, or one per `devices` entry
-    devices: str | None = None  # "cpu" or "0,2"
-    soft_placement: bool = True
-    log_placement: bool = False
-    # data
-    data: str = DEFAULT_DATA
-    test_data: str | None = None
-    x_key: str = "x"
-    y_key: str = "y"
-    decode: str | None = None  # TFRecord: NAME:DTYPE[:SHAPE] of the examples' bytes feature
-    on_error: str = "stop"  # TFRecord: "skip" leaves out records whose payload CRC fails
-    input_workers: int | None = None  # TFRecord: parse worker processes (0: the input thread; None: spare cores)
+    n_gpu: int | None = setting(
+        None, "number of towers (default 1, or one per --devices entry)", group="placement",
+        check=Integer(1, optional=True), resume=BATCH, type="int | None", metavar="N", shown="1")
+    devices: str | None = setting(
+        None, "`cpu`, or GPU ids such as `0,2`", group="placement", check=Text(), resume=BATCH,
+        type="str | None", metavar="LIST", shown="GPUs 0..N-1")
+    soft_placement: bool = switch(
+        "fail instead of bending an impossible placement (by default: no GPU runs on the CPU, too few GPUs "
+        "are shared)", group="placement", resume=SILENT, on=True)
+    log_placement: bool = switch(
+        "print which device runs each tower, the EMA, input parsing and the reducer",
+        group="placement", resume=SILENT)
+    # data (a resume checks the data's shape and classes against the checkpoint's)
+    data: str = setting(
+        DEFAULT_DATA, "training data: an .npz with x, y and optionally x_test, y_test; TFRecord files or a glob of "
+        "shards (`'train-*-of-*'`); or an image folder `DIR/<class>/*.jpg|jpeg|png` (see Data format, Training "
+        "from TFRecord, Image data)", group="data", check=Free(), resume=SILENT, type="str", metavar="PATH",
+        shown="`data/digits.npz`")
+    test_data: str | None = setting(
+        None, "separate test data (.npz, TFRecord or image folder); default: x_test/y_test of --data",
+        group="data", check=Text(), resume=SILENT, type="str | None", metavar="PATH", shown="`x_test`/`y_test`")
+    x_key: str = setting("x", "npz key or TFRecord feature of the examples", group="data",
+                         check=Text(optional=False), resume=SILENT, type="str", metavar="KEY")
+    y_key: str = setting("y", "npz key or TFRecord feature of the labels", group="data",
+                         check=Text(optional=False), resume=SILENT, type="str", metavar="KEY")
+    decode: str | None = setting(
+        None, "TFRecord: NAME:DTYPE[:SHAPE] reads the examples' bytes (or float) feature, e.g. "
+        "`image_raw:uint8:28,28`; NAME:image:H,W,C decodes encoded images (JPEG, PNG), e.g. "
+        "`image/encoded:image:224,224,3`", group="data", check=Text(parse=_decode_format), resume=NOTE,
+        type="str | None", metavar="NAME:DTYPE[:SHAPE]")
+    on_error: str = setting(
+        "stop", "TFRecord: `stop` at a damaged record, or `skip` records whose payload CRC fails (counted); "
+        "images: `skip` replaces one that does not decode (counted)", group="data",
+        check=Choice(("stop", "skip")), resume=SILENT, type="str", metavar="stop|skip")
+    input_workers: int | None = setting(
+        None, "TFRecord and images: processes that read, parse, decode and augment ahead of the towers (0: the "
+        "input thread; default: one per core not running a CPU tower or the main thread, at most 4)",
+        group="data", check=Integer(0, optional=True), resume=SILENT, type="int | None", metavar="N",
+        shown="spare cores")
     # images (towers.data.image): image folders, encoded images (`decode` NAME:image:H,W,C), augmentation
-    image_size: str | None = None  # H,W,C of the examples; None: `decode`'s, or the images' own when all alike
-    augment: str = "none"  # none, cifar, tf-cifar10 or imagenet (training only; evaluation takes the center)
-    normalize: str | None = None  # MEAN,STD (or per channel) on the 0..1 scale: examples become float32
+    image_size: str | None = setting(
+        None, "images: H,W,C of the examples (others are resized, shorter side, and center-cropped to it); "
+        "default: --decode's, or the images' own when all alike", group="images",
+        check=Text(parse=parse_image_size), resume=NOTE, type="str | None", metavar="H,W,C",
+        shown="`--decode`'s, or the images' own")
+    augment: str = setting(
+        "none", "images, training only: `none`, `cifar` (pad 4, random crop, flip), `tf-cifar10` (TF tutorial: "
+        "24x24 crop, flip, brightness, contrast, per-image standardization), `imagenet` (random resized crop, "
+        "flip); evaluation takes the center (see Image data)", group="images", check=Choice(AUGMENTS),
+        resume=NOTE, type="str", metavar="NAME")
+    normalize: str | None = setting(
+        None, "images: `(x/255 - mean) / std` per channel, MEAN,STD or one of each per channel, e.g. 0.5,0.25 or "
+        "0.485,0.456,0.406,0.229,0.224,0.225 (examples become float32; not with --augment tf-cifar10)",
+        group="images", check=Text(parse=_normalize_format), resume=NOTE, type="str | None",
+        metavar="MEAN,STD")
     # model
-    model: str = "mlp"
-    hidden: int = 500
+    model: str = setting(
+        "mlp", "`mlp`, `lenet5`, `cifar10` (TF's CIFAR-10 tutorial model), `resnet20`, `resnet32`, `resnet56` "
+        "(He et al.), or `package.module:function` returning a towers.Sequential or a list of layers (see Models)",
+        group="model", check=Free(), resume=REFUSE, type="str", metavar="NAME")
+    hidden: int = setting(500, "hidden units of the mlp", group="model", check=Integer(1), resume=REFUSE,
+                          type="int", metavar="N", used_when=lambda cfg: cfg.model == "mlp")
     # optimization; None: the model's default (towers.nn.models)
-    optimizer: str | None = None  # sgd or adam
-    batch_size: int = 100  # per tower
-    steps: int = 2000
-    lr: float | None = None
-    lr_decay: float | None = None  # per epoch
-    staircase: bool = False
-    momentum: float | None = None
-    beta1: float = 0.9  # Adam, TensorFlow's defaults
-    beta2: float = 0.999
-    epsilon: float = 1e-8
-    l2: float | None = None  # None: the model's (1e-4; cifar10 0.004)
-    ema_decay: float = 0.99
-    seed: int = 0
+    optimizer: str | None = setting(
+        None, f"the optimizer: {', '.join(f'`{o}`' for o in OPTIMIZERS)} (default: the model's; mlp, cifar10, "
+        "resnets: sgd, lenet5: adam; see Optimizers); a hyperparameter's flag names in [] the optimizers that "
+        "read it", group="optimization",
+        check=Choice(lambda: tuple(OPTIMIZERS), optional=True), resume=NOTE, type="str | None", metavar="NAME",
+        shown="the model's")
+    batch_size: int = setting(100, "examples per tower per step", group="optimization", check=Integer(1),
+                              resume=BATCH, type="int", metavar="B")
+    steps: int = setting(2000, "training steps (with --resume: the total, not more steps)", group="optimization",
+                         check=Integer(1), resume=SILENT, type="int", metavar="N")
+    lr: float | None = setting(
+        None, "initial learning rate (default: the model's for its optimizer; mlp with sgd 0.8, cifar10 and "
+        "resnets 0.1; see Optimizers for the others)", group="optimization", check=Number(0, low_open=True),
+        resume=NOTE, type="float | None", metavar="LR", shown="the model's", model_default=True)
+    lr_decay: float | None = setting(
+        None, "decay per epoch, TF exponential_decay: `lr = LR * R ** (examples_seen / examples_per_epoch)` "
+        "(default: the model's; sgd 0.99, the others 1)", group="optimization",
+        check=Number(0, 1, low_open=True), resume=NOTE, type="float | None", metavar="R", shown="the model's",
+        model_default=True)
+    staircase: bool = switch(
+        "floor the exponent: decay the learning rate once per whole epoch", group="optimization", resume=NOTE)
+    l2: float | None = setting(
+        None, "L2 on weights (not biases, not batch-norm parameters): `S * sum(w**2) / 2` (default: the model's: "
+        "1e-4; cifar10 0.004, on local3 and local4 only; see Optimizers)", group="optimization", check=Number(0),
+        resume=NOTE, type="float | None", metavar="S", shown="the model's", model_default=True)
+    ema_decay: float = setting(
+        0.99, "EMA decay (TF ExponentialMovingAverage): `d = min(D, (1 + step) / (10 + step))`",
+        group="optimization", check=Number(0, 1, high_open=True), resume=NOTE, type="float", metavar="D")
+    seed: int = setting(0, "seed of the initial weights, the shuffle and dropout masks", group="optimization",
+                        check=Integer(0), resume=NOTE, type="int", metavar="S")
     # models' recipes (towers.nn, towers.optim.schedule)
-    nesterov: bool = False  # Nesterov momentum (sgd with momentum)
-    lr_schedule: str | None = None  # exponential, piecewise or cosine; None: piecewise if lr_boundaries, else the model's
-    lr_boundaries: str | None = None  # piecewise: steps where the rate changes, "32000,48000"; None: the model's
-    lr_values: str | None = None  # piecewise: one rate more than boundaries; None: lr divided by 10 at each
-    warmup_steps: int = 0  # linear warm-up of the learning rate over the first steps
-    label_smoothing: float = 0.0  # training targets (1 - s) * onehot + s / classes
-    sync_bn: bool = False  # batch norm with the global batch's statistics (averaged across towers in the step)
+    lr_schedule: str | None = setting(
+        None, "`exponential` (decay per epoch, the default), `piecewise` (constant between --lr-boundaries) or "
+        "`cosine` (to 0 at --steps); default: the model's (resnets: piecewise; see Recipes)", group="recipes",
+        check=Choice(SCHEDULES, optional=True), resume=NOTE, type="str | None", metavar="S", shown="the model's")
+    lr_boundaries: str | None = setting(
+        None, "piecewise: the steps where the learning rate changes, e.g. 32000,48000 (resnets' default)",
+        group="recipes", check=Text(), resume=NOTE, type="str | None", metavar="B1,B2", shown="the model's")
+    lr_values: str | None = setting(
+        None, "piecewise: the learning rates, one more than boundaries, e.g. 0.1,0.01,0.001 (default: --lr "
+        "divided by 10 at each boundary)", group="recipes", check=Text(), resume=NOTE, type="str | None",
+        metavar="V0,V1,V2", shown="`--lr` / 10 per boundary")
+    warmup_steps: int = setting(
+        0, "linear warm-up: the rate times `(step + 1) / N` for the first N steps (0: none)", group="recipes",
+        check=Integer(0), resume=NOTE, type="int", metavar="N")
+    label_smoothing: float = setting(
+        0.0, "train on targets `(1 - S) * onehot + S / classes` (0: none)", group="recipes",
+        check=Number(0, 1, high_open=True), resume=NOTE, type="float", metavar="S")
+    sync_bn: bool = switch(
+        "batch norm normalizes with the statistics of the whole step's batch across towers (two small "
+        "all-reduces per batch-norm layer), not each tower's own (see Batch norm)", group="recipes", resume=NOTE)
     # keeping replicas together
-    sync: str = "grads"  # or "weights"; with hosts > 1 also "ps" or "async"
-    average_every: int = 1  # K, with sync="weights"
-    check_replicas: int = 0  # every K steps; 0: only at the end
+    sync: str = setting(
+        "grads", "`grads`: average gradients every step; `weights`: each tower steps alone, weights averaged every "
+        "K; with --hosts > 1 also `ps` (synchronous parameter server) or `async` (see Keeping replicas together)",
+        group="sync", check=Choice(MODES), resume=NOTE, type="str", metavar="MODE")
+    average_every: int = setting(1, "K: steps between weight averages with --sync weights", group="sync",
+                                 check=Integer(1), resume=NOTE, type="int", metavar="K")
+    check_replicas: int = setting(0, "compare every replica with the first every K steps (0: only at the end)",
+                                  group="sync", check=Integer(0), resume=SILENT, type="int", metavar="K")
     # several hosts (towers.cluster, Ray)
-    hosts: int = 1  # host actors, each with `n_gpu` towers
-    ray_address: str | None = None  # None: a local Ray instance; "auto" or HOST:PORT: join a cluster
-    ray_logs: bool = False  # show Ray's own log lines
+    hosts: int = setting(
+        1, "host actors on Ray, each running --n-gpu towers; > 1 starts or joins Ray (see Several hosts)",
+        group="hosts", check=Integer(1), resume=BATCH, type="int", metavar="H")
+    ray_address: str | None = setting(
+        None, "join this Ray cluster: `auto` or HOST:PORT of `ray start --head`; default: a local Ray instance",
+        group="hosts", check=Text(), resume=SILENT, type="str | None", metavar="ADDR", shown="a local Ray")
+    ray_logs: bool = switch("show Ray's own log lines (hidden by default)", group="hosts", resume=SILENT)
     # output
-    log_every: int = 100
-    logdir: str | None = None  # default runs/<timestamp>
-    quiet: bool = False
+    log_every: int = setting(100, "steps between log lines", group="output", check=Integer(1), resume=SILENT,
+                             type="int", metavar="N")
+    logdir: str | None = setting(None, "output directory", group="output", check=Text(), resume=SILENT,
+                                 type="str | None", metavar="DIR", shown="`runs/<timestamp>`")
+    quiet: bool = switch("no progress bar and no per-step log lines", group="output", resume=SILENT)
     # checkpoints and summaries
-    checkpoint_every: int | None = None  # None: 1000, rounded up to a multiple of average_every
-    keep_checkpoints: int = 5
-    resume: bool = False
-    summary_every: int = 100
+    checkpoint_every: int | None = setting(
+        None, "steps between checkpoints (ckpt-<step>.npz in --logdir; default 1000, with --sync weights rounded "
+        "up to a multiple of --average-every); one is always written at the end; 0: only then", group="output",
+        check=Integer(0, optional=True), resume=SILENT, type="int | None", metavar="K", shown="1000")
+    keep_checkpoints: int = setting(5, "how many of the newest checkpoints to keep", group="output",
+                                    check=Integer(1), resume=SILENT, type="int", metavar="N")
+    resume: bool = switch(
+        "continue from the latest valid checkpoint in --logdir (--steps is the total, not more steps; see "
+        "Checkpoints for what a changed setting does)", group="output", resume=SILENT)
+    summary_every: int = setting(
+        100, "steps between TensorBoard summaries (scalars, weight and gradient histograms; a host sync); 0: none",
+        group="output", check=Integer(0), resume=SILENT, type="int", metavar="K")
     # performance
-    cpu_towers: str = "threads"  # CPU towers concurrently ("threads") or one after another ("serial")
-    blas_threads: int = 0  # 0: auto (one per concurrent CPU tower, else every core)
-    profile: bool = False
-    measure_scaling: bool = False  # time 1 tower after the run, for the scaling efficiency
-    tf32: bool = False  # GPU float32 matmuls on TF32 tensor cores (faster convolutions, ~3e-4 relative error)
+    cpu_towers: str = setting(
+        "threads", "CPU towers run `threads` (concurrently, one thread each: fastest measured) or `serial` (one "
+        "after another)", group="performance", check=Choice(("threads", "serial")), resume=SILENT, type="str",
+        metavar="MODE")
+    blas_threads: int = setting(
+        0, "BLAS threads of the process (0: auto, one per concurrent CPU tower, else every core)",
+        group="performance", check=Integer(0), resume=SILENT, type="int", metavar="N")
+    profile: bool = switch("print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase; see "
+        "Performance)", group="performance", resume=SILENT)
+    measure_scaling: bool = switch(
+        "after the run, time 1 tower alone and print the scaling efficiency", group="performance", resume=SILENT)
+    tf32: bool = switch("GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 "
+        "relative error (off: plain float32)", group="performance", resume=NOTE)
 
     def resolved(self, model=None) -> "Config":
         """A copy with every unset setting filled in, after checking every setting.
@@ -124,7 +244,8 @@ class Config:
         spec = cfg.model if model is None else None
         optimizer, defaults = model_defaults(spec, cfg.optimizer)
         filled = _schedule_defaults(cfg, defaults)
-        filled.update({k: defaults[k] for k in MODEL_DEFAULTED if getattr(cfg, k) is None and k not in filled})
+        filled.update({k: defaults.get(k, FALLBACK[k]) for k in MODEL_DEFAULTED
+                       if getattr(cfg, k) is None and k not in filled})
         if cfg.checkpoint_every is None:  # a checkpoint holds weights right after an average
             k = cfg.average_every if cfg.sync == "weights" else 1
             filled["checkpoint_every"] = -(-1000 // k) * k
@@ -166,54 +287,24 @@ def _schedule_defaults(cfg: Config, defaults: dict) -> dict:
 
 
 def _check(cfg: Config) -> None:
-    """Settings that need no data: fail before anything is allocated."""
-    for name in ("batch_size", "steps", "log_every", "hidden", "keep_checkpoints"):
-        _integer(cfg, name, minimum=1)
-    for name in ("check_replicas", "summary_every", "blas_threads", "seed", "warmup_steps"):
-        _integer(cfg, name, minimum=0)
-    if cfg.n_gpu is not None:
-        _integer(cfg, "n_gpu", minimum=1)
-    if cfg.checkpoint_every is not None:
-        _integer(cfg, "checkpoint_every", minimum=0)
-    _choice(cfg, "sync", MODES)
-    _integer(cfg, "average_every", minimum=1)
+    """Settings that need no data: fail before anything is allocated.
+
+    Each field's own check is declared with it (``towers.settings``); here are
+    the rules between settings, and the fields whose messages are their own.
+    """
+    check_fields(cfg, late=False)
     if cfg.sync != "weights" and cfg.average_every != 1:
         raise UserError("`average_every` applies to `sync` weights; set `sync` weights or drop it")
-    _integer(cfg, "hosts", minimum=1)
     if cfg.hosts == 1 and cfg.sync in ("ps", "async"):
         raise UserError(f"`sync` {cfg.sync} is a parameter server for several hosts: set `hosts` 2 or more")
     if cfg.hosts == 1 and cfg.ray_address is not None:
         raise UserError("`ray_address` joins a Ray cluster for several hosts: set `hosts` 2 or more, or drop it")
-    if cfg.optimizer is not None:
-        _choice(cfg, "optimizer", OPTIMIZERS)
-    _choice(cfg, "cpu_towers", ("threads", "serial"))
-    _choice(cfg, "on_error", ("stop", "skip"))
-    if cfg.input_workers is not None:
-        _integer(cfg, "input_workers", minimum=0)
-    if cfg.decode is not None:
-        from towers.data.tfrecord.schema import parse_decode, parse_image_decode
-
-        if isinstance(cfg.decode, str) and parse_image_decode(cfg.decode) is None:
-            parse_decode(cfg.decode)
-    _choice(cfg, "augment", AUGMENTS)
-    if cfg.image_size is not None:
-        parse_image_size(cfg.image_size)
-    if cfg.normalize is not None:
-        parse_normalize(cfg.normalize, 3)  # the format; the channel count is checked with the data
-    if cfg.lr_schedule is not None:
-        _choice(cfg, "lr_schedule", SCHEDULES)
     if cfg.hosts > 1 and (cfg.augment != "none" or cfg.normalize is not None or cfg.image_size is not None):
         raise UserError("`augment`, `normalize` and `image_size` are for one host so far (the hosts' loader does "
                         "not take them): drop them, or set `hosts` 1")
-    for name in ("soft_placement", "log_placement", "staircase", "quiet", "resume", "profile", "measure_scaling",
-                 "ray_logs", "tf32", "nesterov", "sync_bn"):
-        if not isinstance(getattr(cfg, name), bool):
-            raise UserError(f"`{name}` must be True or False, got {getattr(cfg, name)!r}")
-    for name in ("devices", "logdir", "test_data", "decode", "ray_address", "image_size", "normalize", "lr_boundaries",
-                 "lr_values"):
-        v = getattr(cfg, name)
-        if v is not None and (not isinstance(v, str) or not v):
-            raise UserError(f"`{name}` must be a non-empty string or None, got {v!r}")
+    if cfg.augment == "tf-cifar10" and cfg.normalize is not None:
+        raise UserError("`augment` tf-cifar10 standardizes each image itself (mean 0, std 1); `normalize` would "
+                        "scale it again (mean -2, std 0.016): drop `normalize`")
     if not isinstance(cfg.data, str) or not cfg.data:
         raise UserError(f"`data` must name a file, got {cfg.data!r}")
     if cfg.resume and not cfg.logdir:
@@ -224,20 +315,9 @@ def _check(cfg: Config) -> None:
 
 
 def _check_optimization(cfg: Config) -> None:
-    """Numeric settings, once the model's defaults are filled in."""
-    _number(cfg, "lr", low=0, low_open=True)
-    _number(cfg, "lr_decay", low=0, high=1, low_open=True)
-    _number(cfg, "momentum", low=0, high=1, high_open=True)
-    _number(cfg, "beta1", low=0, high=1, high_open=True)
-    _number(cfg, "beta2", low=0, high=1, high_open=True)
-    _number(cfg, "epsilon", low=0, low_open=True)
-    _number(cfg, "l2", low=0)
-    _number(cfg, "ema_decay", low=0, high=1, high_open=True)
-    _number(cfg, "label_smoothing", low=0, high=1, high_open=True)
-    if cfg.momentum and cfg.optimizer != "sgd":
-        raise UserError(f"`momentum` is for `optimizer` sgd, not {cfg.optimizer}; drop it")
-    if cfg.nesterov and not (cfg.optimizer == "sgd" and cfg.momentum):
-        raise UserError("`nesterov` is a kind of momentum: it needs `optimizer` sgd and `momentum` > 0")
+    """Numeric settings, once the model's defaults are filled in, and the optimizer's rules."""
+    check_fields(cfg, late=True)
+    check_optimizer_settings(cfg)
     if cfg.lr_schedule == "piecewise":
         piecewise_values(cfg)
     if cfg.sync == "weights" and cfg.checkpoint_every % cfg.average_every:
@@ -247,34 +327,25 @@ def _check_optimization(cfg: Config) -> None:
         )
 
 
-def _integer(cfg, name: str, minimum: int) -> None:
-    v = getattr(cfg, name)
-    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
-        v = int(v)  # a NumPy integer is an integer too
-        setattr(cfg, name, v)
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise UserError(f"`{name}` must be an integer >= {minimum}, got {v!r}")
+# Settings filled from the model's (its optimizer's) defaults when left as None; else their fallback.
+MODEL_DEFAULTED = tuple(f.name for f in dataclasses.fields(Config) if f.metadata["model_default"])
+FALLBACK = {f.name: f.metadata["fallback"] for f in dataclasses.fields(Config)}
 
 
-def _choice(cfg, name: str, choices) -> None:
-    v = getattr(cfg, name)
-    if v not in choices:
-        raise UserError(f"`{name}` {v!r} is unknown: use one of {', '.join(choices)}")
+def checkpoint_settings(saved: dict) -> dict:
+    """A checkpoint's settings with every field present, for comparing with a run's (``towers.settings``).
 
-
-def _number(cfg, name: str, low=None, high=None, low_open=False, high_open=False) -> None:
-    v = getattr(cfg, name)
-    if isinstance(v, numbers.Real) and not isinstance(v, bool):
-        v = float(v)  # a NumPy float is a number too
-        setattr(cfg, name, v)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if ok and low is not None:
-        ok = v > low if low_open else v >= low
-    if ok and high is not None:
-        ok = v < high if high_open else v <= high
-    if not ok:
-        lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
-        hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
-        want = f"in {lo}, {hi}" if low is not None and high is not None else (
-            f"{'>' if low_open else '>='} {low:g}")
-        raise UserError(f"`{name}` must be a finite number {want}, got {v!r}")
+    A checkpoint written before a setting existed ran with its default: the
+    checkpoint's settings, resolved as this version resolves them, fill it in.
+    Data paths are compared as the checkpoint stores them (absolute).
+    """
+    names = {f.name for f in dataclasses.fields(Config)}
+    known = {k: v for k, v in saved.items() if k in names}
+    full = dict(known)
+    if names - set(known):
+        try:
+            filled = dataclasses.asdict(Config(**{**known, "resume": False}).resolved())
+        except (UserError, TypeError, ValueError):
+            filled = {f.name: f.default for f in dataclasses.fields(Config)}
+        full.update({k: v for k, v in filled.items() if k not in known})
+    return full

@@ -43,6 +43,7 @@ import numpy
 
 from towers.errors import UserError, render
 from towers.output import checkpoint
+from towers.optim.optimizers import OPTIMIZERS
 from towers.optim.schedule import piecewise_values
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, lock_logdir, writing
 from towers.output.summaries import Reporter, TensorBoard, trim_metrics
@@ -339,9 +340,9 @@ class Run:
 
 
 def settings_line(cfg, n_params: int | None = None) -> str:
-    """The settings in effect, first line of a run: the model (and its trainable parameters), the optimizer's,
-    the learning-rate schedule and the recipe's options when they are on (nesterov, warm-up, label smoothing,
-    sync-BN); the default job's line is the one it always was."""
+    """The settings in effect, first line of a run: the model (and its trainable parameters), the optimizer's
+    hyperparameters (those its file ``reads``), the learning-rate schedule and the recipe's options when they
+    are on (warm-up, label smoothing, sync-BN); the default job's line is the one it always was."""
     model = f"model {cfg.model}" + (f" ({n_params:,} trainable parameters)" if n_params is not None else "")
     parts = [model, f"optimizer {cfg.optimizer}", f"lr {cfg.lr:g}"]
     if cfg.lr_schedule in (None, "exponential"):
@@ -353,10 +354,10 @@ def settings_line(cfg, n_params: int | None = None) -> str:
         parts.append(f"lr_schedule {cfg.lr_schedule}")
     if cfg.warmup_steps:
         parts.append(f"warmup_steps {cfg.warmup_steps}")
-    if cfg.optimizer == "sgd":
-        parts.append(f"momentum {cfg.momentum:g}" + (" nesterov" if cfg.nesterov else ""))
-    else:
-        parts.append(f"beta1 {cfg.beta1:g} beta2 {cfg.beta2:g} epsilon {cfg.epsilon:g}")
+    # The optimizer's hyperparameters, as its file lists them: numbers with their value, flags by name when on.
+    hyper = [name if value is True else f"{name} {value:g}" for name in OPTIMIZERS[cfg.optimizer].reads
+             if (value := getattr(cfg, name)) is not False]
+    parts.append(" ".join(hyper))
     parts += [f"batch {cfg.batch_size}/tower", f"l2 {cfg.l2:g}"]
     if cfg.label_smoothing:
         parts.append(f"label_smoothing {cfg.label_smoothing:g}")

@@ -22,6 +22,7 @@ from towers.nn.layers import Dense, Flatten, Layer, ReLU, Sequential
 from towers.nn.normalization import LRN, BatchNorm
 from towers.nn.pooling import GlobalAvgPool, MaxPool2D
 from towers.nn.residual import Residual
+from towers.optim.optimizers import defaults as optimizer_defaults
 
 
 def mlp(input_shape: tuple, num_classes: int, hidden: int = 500) -> Sequential:
@@ -120,11 +121,10 @@ def resnet(n: int):
     return build
 
 
-# Per optimizer: the settings a run uses when the user gives none.  ``adam``'s
-# learning rate is TensorFlow's AdamOptimizer default.  A model's own table
-# overrides these keys, and adds schedule settings (``towers.optim.schedule``).
-GENERIC = {"sgd": {"lr": 0.8, "lr_decay": 0.99, "momentum": 0.0, "l2": 1e-4},
-           "adam": {"lr": 0.001, "lr_decay": 1.0, "momentum": 0.0, "l2": 1e-4}}
+# Per optimizer: the settings a run uses when the user gives none, as each
+# optimizer's file declares them (``towers.optim.optimizers``).  A model's own
+# table overrides these keys, and adds schedule settings (``towers.optim.schedule``).
+GENERIC = optimizer_defaults()
 
 # He et al.: SGD, momentum 0.9, weight decay 1e-4, lr 0.1 divided by 10 at
 # 32k and 48k steps (batch 128).

@@ -33,11 +33,13 @@ import glob
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy
 
+from towers.config import checkpoint_settings
 from towers.errors import TrainingError, UserError
+from towers.settings import NOTE, REFUSE, SILENT, resume_changes, show
 from towers.state import Layout, under
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, remove_stale, writing
 
@@ -260,10 +262,6 @@ def config_json(cfg) -> str:
 
 # -- resuming -----------------------------------------------------------------------
 
-# Settings whose change makes the continuation differ from an uninterrupted run.
-_TRAJECTORY = ("optimizer", "lr", "lr_decay", "staircase", "momentum", "beta1", "beta2", "epsilon", "l2", "ema_decay", "seed", "sync", "average_every")
-
-
 @dataclass
 class Resume:
     path: str
@@ -281,6 +279,11 @@ class Resume:
 def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
     """What ``--resume`` continues from, after checking the data fits; None: start fresh.
 
+    Each setting declares what its change does (``towers.settings``): one that
+    shapes the model is refused, naming it; one that changes the trajectory
+    gets a note; the tower count and global batch get their own note; the rest
+    pass silently.
+
     ``say(line, note=False)`` reports; notes (warnings) go to stderr.
     """
     if os.path.isdir(logdir):
@@ -291,12 +294,22 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
         return None
     path, arrays = found
     ck = arrays["config"]
+    # What each changed setting does is declared with it (`towers.settings`): refused, noted or silent.
+    changes = resume_changes(checkpoint_settings(ck), cfg)
+    if changes[REFUSE]:
+        name, old, new = changes[REFUSE][0]
+        raise UserError(f"{path} was trained with `{name}` {show(old)}, this run has `{name}` {show(new)}: another "
+                        f"model shape cannot continue it; resume with `{name}` {show(old)}, or use another `logdir`")
     shape, classes = tuple(int(v) for v in arrays["data/shape"]), int(arrays.get("data/num_classes", -1))
     if shape != tuple(dataset.x.shape) or classes != dataset.num_classes:
+        groups = {f.name: f.metadata["group"] for f in fields(cfg)}
+        data_settings = [f"`{k}` {show(a)} -> {show(b)}" for rule in (NOTE, SILENT) for k, a, b in changes[rule]
+                         if groups[k] in ("data", "images")]
         raise UserError(
             f"{path} was trained on data of shape {shape} with {classes} classes ({ck.get('data')}), "
-            f"but `data` gives {tuple(dataset.x.shape)} with {dataset.num_classes} classes: "
-            "resume with the same `data`, or use another `logdir`"
+            f"but `data` gives {tuple(dataset.x.shape)} with {dataset.num_classes} classes"
+            + (f" ({', '.join(data_settings)})" if data_settings else "")
+            + ": resume with the same data settings, or use another `logdir`"
         )
     r = Resume(path, arrays)
     say(f"resuming from {path}: step {r.step}, input at epoch {r.position[0]} index {r.position[1]}")
@@ -309,9 +322,8 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
                 "to an uninterrupted run")
         say(f"note: the checkpoint was written by {old_towers} tower(s) x {ck.get('batch_size')}, "
             f"this run has {n_towers} x {cfg.batch_size}: {same}", note=True)
-    changed = [f"`{k}` {ck[k]} -> {getattr(cfg, k)}"
-               for k in _TRAJECTORY if k in ck and ck[k] != getattr(cfg, k)]
-    if changed:
-        say(f"note: settings changed since the checkpoint ({', '.join(changed)}): "
+    if changes[NOTE]:
+        changed = ", ".join(f"`{k}` {show(old)} -> {show(new)}" for k, old, new in changes[NOTE])
+        say(f"note: settings changed since the checkpoint ({changed}): "
             "the continuation differs from an uninterrupted run", note=True)
     return r

@@ -1,0 +1,111 @@
+"""Each setting is declared once (towers/settings.py): the flags, the README's table and the resume rules agree."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from towers import Config
+from towers.errors import UserError
+from towers.settings import NOTE, REFUSE, RULES, SILENT, Check, flag_name, flag_table, resume_changes
+from towers.train import build_parser, parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_flag_table() -> str:
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- flag table:[^\n]*-->\n(.*?)\n<!-- end of flag table -->", text, re.S)
+    assert m, "README.md has no generated flag table between its markers"
+    return m.group(1)
+
+
+def test_the_readmes_flag_table_is_the_declarations():
+    want = flag_table(Config)
+    assert readme_flag_table() == want, "README.md's flag table is out of date; paste this:\n" + want
+
+
+def test_every_setting_is_declared_with_a_help_a_check_and_a_resume_rule():
+    for f in dataclasses.fields(Config):
+        meta = f.metadata
+        assert meta.get("resume") in RULES, f"{f.name} has no resume rule"
+        assert isinstance(meta.get("check"), Check), f"{f.name} has no check"
+        assert meta.get("help") and meta.get("group"), f"{f.name} has no help or group"
+
+
+def test_every_field_is_a_flag_with_its_default_and_its_help():
+    parser = build_parser()
+    by_dest = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(Config):
+        action = by_dest[f.name]
+        assert flag_name(f) in action.option_strings
+        assert action.help == f.metadata["help"].replace("%", "%%").replace("`", "")
+    assert parse_config([]) == Config()
+    cfg = parse_config(["--optimizer", "rmsprop", "--rmsprop-decay", "0.8", "--rmsprop-centered",
+                        "--weight-decay", "0.1", "--no-soft-placement"])
+    assert (cfg.rmsprop_decay, cfg.rmsprop_centered, cfg.weight_decay, cfg.soft_placement) == (0.8, True, 0.1, False)
+
+
+def test_config_stays_a_plain_dataclass_with_the_optimizers_fields():
+    cfg = Config(n_gpu=2, optimizer="adamw", weight_decay=0.05)
+    assert dataclasses.is_dataclass(cfg) and cfg.n_gpu == 2
+    r = cfg.resolved()
+    assert (r.optimizer, r.weight_decay, r.lr, r.l2, r.momentum) == ("adamw", 0.05, 0.001, 0.0, 0.0)
+    assert Config(optimizer="rmsprop").resolved().rmsprop_epsilon == 1e-10
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(augment="tf-cifar10", normalize="0.5,0.25"), "augment tf-cifar10 standardizes each image itself"),
+    (dict(optimizer="sgd", weight_decay=0.1), "weight_decay is for optimizer adamw, not sgd"),
+    (dict(optimizer="adam", rmsprop_centered=True), "rmsprop_centered is for optimizer rmsprop, not adam"),
+    (dict(optimizer="adamw", momentum=0.9), "momentum is for optimizer sgd, rmsprop, not adamw"),
+    (dict(optimizer="rmsprop", rmsprop_decay=1.0), "rmsprop_decay must be a finite number in [0, 1)"),
+    (dict(optimizer="adamw", weight_decay=-1.0), "weight_decay must be a finite number >= 0"),
+    (dict(x_key=""), "x_key must be a non-empty string"),
+])
+def test_settings_are_checked_from_their_declarations(kw, needle):
+    with pytest.raises(UserError) as e:
+        Config(**kw).resolved()
+    assert needle in str(e.value)
+
+
+def changed(name: str):
+    """A value of ``name`` other than the resolved default run's (of the field's kind)."""
+    f = {f.name: f for f in dataclasses.fields(Config)}[name]
+    base = getattr(Config().resolved(), name)
+    kind = f.metadata["type"]
+    if kind == "bool":
+        return not base
+    if kind.startswith("int"):
+        return (base or 0) + 3
+    if kind.startswith("float"):
+        return (base or 0.5) / 2
+    return "other"
+
+
+def rule_of_a_change(name: str, **run) -> str | None:
+    old = dataclasses.asdict(Config(**run).resolved())
+    new = dataclasses.replace(Config(**run).resolved(), **{name: changed(name)})
+    found = [rule for rule, items in resume_changes(old, new).items() if any(k == name for k, _, _ in items)]
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("name, rule", [
+    ("model", REFUSE), ("hidden", REFUSE),
+    ("augment", NOTE), ("normalize", NOTE), ("decode", NOTE), ("image_size", NOTE), ("lr_schedule", NOTE),
+    ("warmup_steps", NOTE), ("nesterov", NOTE), ("label_smoothing", NOTE), ("sync_bn", NOTE), ("seed", NOTE),
+    ("lr", NOTE), ("momentum", NOTE), ("ema_decay", NOTE), ("sync", NOTE), ("average_every", NOTE),
+    ("input_workers", SILENT), ("log_every", SILENT), ("quiet", SILENT), ("profile", SILENT), ("steps", SILENT),
+])
+def test_each_setting_has_the_resume_rule_of_its_kind(name, rule):
+    assert rule_of_a_change(name) == rule
+
+
+def test_a_setting_the_run_does_not_use_changes_nothing_on_resume():
+    # hidden shapes only the mlp; beta1 is read by Adam and AdamW, not SGD.
+    assert rule_of_a_change("hidden", model="lenet5") is None
+    assert rule_of_a_change("beta1", optimizer="sgd") is None
+    assert rule_of_a_change("beta1", optimizer="adamw") == NOTE
+    assert rule_of_a_change("rmsprop_centered", optimizer="rmsprop") == NOTE

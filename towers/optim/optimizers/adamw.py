@@ -1,0 +1,70 @@
+"""AdamW as ``torch.optim.AdamW``: Adam with decoupled weight decay (Loshchilov and Hutter).
+
+With ``t`` = updates so far + 1::
+
+    p = p * (1 - lr * weight_decay)                       (decoupled: not through the gradient)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + epsilon)
+
+epsilon is added after the bias correction of ``v``, as torch does (TF's Adam
+adds it before).  The decay applies to every parameter, biases and batch-norm
+scales included, as torch's default parameter group does; ``l2`` (towers' L2
+through the gradient, on weights only) defaults to 0 with AdamW, the decay
+replaces it.  Slots: ``adam_m``, ``adam_v`` (Adam's: the same moments).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from towers.optim.optimizers.adam import moments
+from towers.optim.optimizers.base import Optimizer
+from towers.settings import NOTE, Number, setting
+
+
+class AdamW(Optimizer):
+    """torch's ``AdamW`` (amsgrad off); reads Adam's ``beta1``, ``beta2``, ``epsilon``."""
+
+    name = "adamw"
+    settings = {
+        "weight_decay": setting(
+            0.01, "AdamW's decoupled weight decay: every step multiplies each parameter by 1 - lr * D "
+            "(torch default 0.01)", group="optimization", check=Number(0), resume=NOTE, type="float", metavar="D"),
+    }
+    reads = ("beta1", "beta2", "epsilon", "weight_decay")
+    defaults = {"lr": 0.001, "lr_decay": 1.0, "l2": 0.0}  # torch's lr; the decay replaces L2
+    all_slots = slots = ("adam_m", "adam_v")
+    GPU_BODY = ("adam_m = b1 * adam_m + (1 - b1) * g;\n"
+                "adam_v = b2 * adam_v + (1 - b2) * g * g;\n"
+                "T p_new = p * keep - step_size * adam_m / (sqrt(adam_v) * inv_root_bc2 + eps);\n")
+
+    def __init__(self, params, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.01, ema=None):
+        self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
+        self.weight_decay = float(weight_decay)
+        super().__init__(params, ema)
+
+    @classmethod
+    def from_config(cls, cfg, params, ema=None):
+        return cls(params, cfg.beta1, cfg.beta2, cfg.epsilon, cfg.weight_decay, ema)
+
+    def _scalar_names(self):
+        return ("keep", "step_size", "inv_root_bc2", "b1", "b2", "eps")
+
+    def _scalars(self, lr, step):
+        t = step + 1
+        return (1.0 - lr * self.weight_decay, lr / (1.0 - self.beta1 ** t),
+                1.0 / math.sqrt(1.0 - self.beta2 ** t), self.beta1, self.beta2, self.epsilon)
+
+    def _cpu_update(self, p, g, tmp, scalars, state):
+        keep, step_size, inv_root_bc2, b1, b2, eps = scalars
+        m, v = state["adam_m"], state["adam_v"]
+        p *= keep
+        moments(m, v, g, tmp, b1, b2)
+        numpy.sqrt(v, out=tmp)
+        tmp *= inv_root_bc2
+        tmp += eps
+        numpy.divide(m, tmp, out=tmp)
+        tmp *= step_size
+        p -= tmp

@@ -1,0 +1,258 @@
+"""How a setting is declared: one dataclass field whose metadata carries the rest.
+
+A setting of ``towers.Config`` is declared once, with ``setting(...)``: its
+default, its help text, its group, its check and its resume rule.  From that
+one declaration are derived the command line's flags and ``--help``
+(``towers.train``), the README's flag table (``flag_table``; a test compares
+them), the per-field checks of ``Config.resolved()`` (``check_fields``) and what
+a changed setting does on ``--resume`` (``resume_changes``).  An optimizer
+declares its hyperparameters the same way in its own file
+(``towers.optim.optimizers``) and ``Config`` gets them as fields.
+
+Resume rules (``resume=``), each setting has exactly one:
+
+* ``REFUSE``: it shapes the model (``model``, ``hidden``); a checkpoint of
+  another shape cannot be continued, so a change is refused, naming it;
+* ``NOTE``: it changes the trajectory (optimizer, schedule, data transforms,
+  seed, sync ...); the run continues with a note that the continuation differs
+  from an uninterrupted run;
+* ``BATCH``: it changes the tower count or the global batch; the tower x batch
+  note of the resume says what that does;
+* ``SILENT``: it changes neither (logging, workers, output, performance).
+
+A setting may also say when it is in use (``used_when``, a predicate on the
+resolved config): a change of ``hidden`` matters only to the mlp, one of
+``beta1`` only to the optimizers that read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+from towers.errors import UserError
+
+REFUSE, NOTE, BATCH, SILENT = "refuse", "note", "batch", "silent"
+RULES = (REFUSE, NOTE, BATCH, SILENT)
+
+
+# -- the kinds of check ---------------------------------------------------------------
+
+
+class Check:
+    """A per-field check; ``late`` ones run after the model's defaults are filled in."""
+
+    late = False
+    arg_type = str  # what argparse turns the flag's text into
+
+    def __call__(self, cfg, name: str) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Bool(Check):
+    def __call__(self, cfg, name):
+        if not isinstance(getattr(cfg, name), bool):
+            raise UserError(f"`{name}` must be True or False, got {getattr(cfg, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Text(Check):
+    """A non-empty string (or None when ``optional``), then ``parse(value)`` checks its format."""
+
+    optional: bool = True
+    parse: object = None
+
+    def __call__(self, cfg, name):
+        v = getattr(cfg, name)
+        if v is None and self.optional:
+            return
+        if not isinstance(v, str) or not v:
+            raise UserError(f"`{name}` must be a non-empty string{' or None' if self.optional else ''}, got {v!r}")
+        if self.parse is not None:
+            self.parse(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Integer(Check):
+    """An integer >= ``minimum`` (None allowed when ``optional``); a NumPy integer becomes an int."""
+
+    minimum: int = 0
+    optional: bool = False
+    arg_type = int
+
+    def __call__(self, cfg, name):
+        v = getattr(cfg, name)
+        if v is None and self.optional:
+            return
+        if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+            v = int(v)  # a NumPy integer is an integer too
+            setattr(cfg, name, v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < self.minimum:
+            raise UserError(f"`{name}` must be an integer >= {self.minimum}, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice(Check):
+    """One of ``choices`` (a tuple, or a function returning one: a registry filled later)."""
+
+    choices: object = ()
+    optional: bool = False
+
+    def __call__(self, cfg, name):
+        v = getattr(cfg, name)
+        if v is None and self.optional:
+            return
+        choices = self.choices() if callable(self.choices) else self.choices
+        if v not in choices:
+            raise UserError(f"`{name}` {v!r} is unknown: use one of {', '.join(choices)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Number(Check):
+    """A finite number in the interval; checked once the model's defaults are filled in."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    late = True
+    arg_type = float
+
+    def __call__(self, cfg, name):
+        v = getattr(cfg, name)
+        if isinstance(v, numbers.Real) and not isinstance(v, bool):
+            v = float(v)  # a NumPy float is a number too
+            setattr(cfg, name, v)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if ok and self.low is not None:
+            ok = v > self.low if self.low_open else v >= self.low
+        if ok and self.high is not None:
+            ok = v < self.high if self.high_open else v <= self.high
+        if not ok:
+            lo = "" if self.low is None else ("(" if self.low_open else "[") + f"{self.low:g}"
+            hi = "" if self.high is None else f"{self.high:g}" + (")" if self.high_open else "]")
+            want = f"in {lo}, {hi}" if self.low is not None and self.high is not None else (
+                f"{'>' if self.low_open else '>='} {self.low:g}")
+            raise UserError(f"`{name}` must be a finite number {want}, got {v!r}")
+
+
+class Free(Check):
+    """Checked by hand in ``towers.config`` (a cross-setting rule, or a message of its own)."""
+
+    def __call__(self, cfg, name):
+        pass
+
+
+# -- the declaration --------------------------------------------------------------------
+
+
+def setting(default, help: str, *, group: str, check: Check, resume: str, type: str, metavar: str | None = None,
+            shown: str | None = None, used_when=None, model_default=None, fallback=None):
+    """A ``Config`` field declared with everything derived from it.
+
+    ``type``: the annotation (a string, as ``from __future__ import annotations`` writes it);
+    ``shown``: the default as the flag table writes it (else derived from ``default``);
+    ``used_when(cfg)``: whether the resolved run uses the setting (a change of an unused one is silent);
+    ``model_default``: None-valued until the model's (optimizer's) defaults fill it, to ``fallback``
+    when neither gives one.
+    """
+    if resume not in RULES:
+        raise ValueError(f"resume rule {resume!r}: use one of {RULES}")
+    meta = dict(help=" ".join(help.split()), group=group, check=check, resume=resume, type=type,
+                metavar=metavar, shown=shown, used_when=used_when, model_default=bool(model_default),
+                fallback=fallback)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def switch(help: str, *, group: str, resume: str, on: bool = False):
+    """A True/False setting (a flag without a value; ``--no-NAME`` when ``on`` by default)."""
+    return setting(on, help, group=group, check=Bool(), resume=resume, type="bool")
+
+
+def with_settings(extra: dict, after: str):
+    """Class decorator (under ``@dataclass``): add the fields ``extra`` ({name: setting(...)}) after ``after``.
+
+    How the optimizers' hyperparameters, declared in their own files, become ``Config`` fields.
+    """
+    def add(cls):
+        annotations = {}
+        for name, annotation in cls.__dict__.get("__annotations__", {}).items():
+            annotations[name] = annotation
+            if name == after:
+                for extra_name, f in extra.items():
+                    if extra_name in cls.__dict__.get("__annotations__", {}):
+                        raise TypeError(f"setting {extra_name!r} is declared twice")
+                    annotations[extra_name] = f.metadata["type"]
+                    setattr(cls, extra_name, f)
+        if after not in annotations:
+            raise TypeError(f"no field {after!r} to add settings after")
+        cls.__annotations__ = annotations
+        return cls
+    return add
+
+
+def check_fields(cfg, late: bool) -> None:
+    """Every field's own check of the given stage (early: before the defaults are filled in)."""
+    for f in dataclasses.fields(cfg):
+        check = f.metadata["check"]
+        if check.late == late:
+            check(cfg, f.name)
+
+
+# -- resume -------------------------------------------------------------------------------
+
+
+def resume_changes(old: dict, cfg) -> dict[str, list[tuple[str, object, object]]]:
+    """{rule: [(name, old value, new value)]} of the settings ``cfg`` changes against ``old``.
+
+    ``old``: the checkpoint's settings, every field present (see ``towers.config.checkpoint_settings``).
+    A setting the new run does not use (``used_when``) is left out.
+    """
+    changes = {rule: [] for rule in RULES}
+    for f in dataclasses.fields(cfg):
+        used = f.metadata["used_when"]
+        new = getattr(cfg, f.name)
+        if f.name in old and old[f.name] != new and (used is None or used(cfg)):
+            changes[f.metadata["resume"]].append((f.name, old[f.name], new))
+    return changes
+
+
+def show(value) -> str:
+    """A setting's value in a message: as given, ``unset`` for None."""
+    return "unset" if value is None else str(value)
+
+
+# -- documentation ----------------------------------------------------------------------
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    """The flag as the command line spells it: ``--name``, or ``--no-name`` for a setting on by default."""
+    dashed = f.name.replace("_", "-")
+    return f"--no-{dashed}" if f.metadata["type"] == "bool" and f.default else f"--{dashed}"
+
+
+def metavar(f: dataclasses.Field) -> str | None:
+    return None if f.metadata["type"] == "bool" else (f.metadata["metavar"] or f.name.upper())
+
+
+def shown_default(f: dataclasses.Field) -> str:
+    if f.metadata["shown"] is not None:
+        return f.metadata["shown"]
+    if f.metadata["type"] == "bool":
+        return "off"  # the flag's state: a setting on by default has a --no- flag
+    if f.default is None:
+        return "none"
+    return f"`{f.default}`" if isinstance(f.default, str) else f"{f.default:g}" if isinstance(
+        f.default, float) else str(f.default)
+
+
+def flag_table(cls) -> str:
+    """The README's table of command-line flags, generated from the declarations."""
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for f in dataclasses.fields(cls):
+        mv = metavar(f)
+        text = f.metadata["help"].replace("|", "\\|")
+        flag = f"{flag_name(f)}{' ' + mv if mv else ''}".replace("|", "\\|")
+        rows.append(f"| `{flag}` | {shown_default(f)} | {text} |")
+    return "\n".join(rows)
