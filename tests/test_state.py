@@ -11,8 +11,8 @@ from towers.data.batches import InputPosition
 from towers.nn.layers import Dense, Flatten, Layer, Param, ReLU, Sequential
 from towers.optim.ema import EMA
 from towers.optim.optimizers import SGD, Adam
-from towers.output.checkpoint import Checkpointer
 from towers.state import Layout
+from towers.output.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parent.parent
 OLD = REPO / "tests" / "data" / "ckpt-format1-step10.npz"  # written by towers 41a9acc (format 1)
@@ -168,12 +168,12 @@ def test_a_checkpoint_written_before_the_redesign_resumes_as_one_written_now_and
     weights, bit for bit, is tests/test_checkpoint.py's).  The fresh run is compared with a
     tolerance far above rounding (about 1e-7 here) and far below a lost step or input position."""
     cfg = dict(**SMALL, checkpoint_every=10)
-    old, loaded, now = tmp_path / "old", tmp_path / "loaded", tmp_path / "now"
-    for d in (old, loaded, now):
+    logdir, loaded, now = tmp_path / "old", tmp_path / "loaded", tmp_path / "now"
+    for d in (logdir, loaded, now):
         d.mkdir()
-    for d in (old, loaded):
+    for d in (logdir, loaded):
         shutil.copy(OLD, d / "ckpt-00000010.npz")
-    with Trainer(Config(**cfg, steps=20, logdir=str(old), resume=True)) as t:
+    with Trainer(Config(**cfg, steps=20, logdir=str(logdir), resume=True)) as t:
         t.fit()
     with Trainer(Config(**cfg, steps=10, logdir=str(loaded), resume=True)) as t:
         t.fit()  # resumes at step 10 and takes no step
@@ -186,12 +186,13 @@ def test_a_checkpoint_written_before_the_redesign_resumes_as_one_written_now_and
         t.fit()
     with Trainer(Config(**cfg, steps=20, logdir=str(tmp_path / "fresh"))) as t:
         t.fit()
-    a, b = np.load(old / "final.npz"), np.load(now / "final.npz")
+    old, new = np.load(logdir / "final.npz"), np.load(now / "final.npz")
     fresh = np.load(tmp_path / "fresh" / "final.npz")
-    assert sorted(a.files) == sorted(b.files) == sorted(fresh.files)
-    for k in a.files:
-        assert np.array_equal(a[k], b[k]), k
-        np.testing.assert_allclose(a[k], fresh[k], rtol=0, atol=1e-4 * np.abs(fresh[k]).max(), err_msg=k)
+    assert sorted(old.files) == sorted(new.files) == sorted(fresh.files)
+    for k in fresh.files:
+        np.testing.assert_allclose(old[k], fresh[k], rtol=0, atol=1e-4 * np.abs(fresh[k]).max(), err_msg=k)
+    for k in new.files:
+        assert np.array_equal(old[k], new[k]), k
 
 
 # -- one host's Trainer, several hosts' ClusterTrainer ---------------------------------------------
