@@ -1,8 +1,9 @@
-"""Sync-BN: N towers x B examples train like 1 tower x N*B, up to float rounding.
+"""Sync-BN: N towers x B examples train like 1 tower x N*B, up to float rounding, and as close to float64 as float32 allows.
 
 The towers run concurrently on threads, as the engine runs them, and their
 ``context.sync`` is a small barrier-based average of the one array each
-batch-norm call hands in (forward moments, backward sums).
+batch-norm call hands in (forward: gathered means and averaged variances;
+backward: sums).
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy
 import pytest
 
+from towers.nn import kernels
 from towers.nn.context import TowerSync
 from towers.nn.conv import Conv2D
-from towers.nn import kernels
 from towers.nn.layers import Dense, ReLU, Sequential, Workspace
 from towers.nn.models import resnet
 from towers.nn.normalization import BatchNorm

@@ -257,7 +257,7 @@ class StepEngine:
 
 
 class SyncMean:
-    """Sync-BN's cross-tower average: ``for_tower(i).average(array)`` averages one small array in place over every tower.
+    """Sync-BN's cross-tower average: ``for_tower(i).average(array)`` averages a small array in place over the towers.
 
     Every tower's thread calls it at the same point of its forward or
     backward pass (``towers.nn.context``); the first barrier waits for every
