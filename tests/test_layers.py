@@ -14,7 +14,8 @@ import pytest
 from towers.errors import UserError
 from towers.nn.conv import Conv2D
 from towers.nn.dropout import Dropout
-from towers.nn.layers import Dense, Flatten, ReLU, Sequential
+from towers.nn.context import StepContext
+from towers.nn.layers import Dense, Flatten, ReLU, Sequential, Workspace
 from towers.nn.normalization import LRN, BatchNorm
 from towers.nn.pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from towers.nn.replica import Replica
@@ -79,6 +80,60 @@ def test_batchnorm_normalizes_with_batch_statistics_and_evaluates_with_moving_on
     want = (x - [1.0, 2.0, 3.0]) / numpy.sqrt(numpy.array([4.0, 1.0, 0.25]) + 1e-3) * [2.0, 1.0, 0.5] + [0.1, 0.0, -1.0]
     numpy.testing.assert_allclose(y, want, rtol=1e-10)
     numpy.testing.assert_array_equal(r.buffers, [1.0, 2.0, 3.0, 4.0, 1.0, 0.25])  # untouched by evaluation
+
+
+def _bn_reference(x, gamma, beta, dy, epsilon):
+    """Batch norm's training forward and backward over axis 0, in float64 on the centred values."""
+    x, dy = x.astype(numpy.float64), dy.astype(numpy.float64)
+    xc = x - x.mean(axis=0)
+    inv_std = 1 / numpy.sqrt((xc * xc).mean(axis=0) + epsilon)
+    xhat = xc * inv_std
+    dgamma, dbeta = (dy * xhat).sum(axis=0), dy.sum(axis=0)
+    dx = gamma * inv_std * (dy - dy.mean(axis=0) - xhat * (dy * xhat).mean(axis=0))
+    return xhat * gamma + beta, dx, dgamma, dbeta
+
+
+def _bn_float32(x, gamma, beta, dy, epsilon):
+    """(y, dx, dgamma, dbeta, moving mean, moving variance) of one float32 training step of the layer."""
+    bn, f32 = BatchNorm("bn", epsilon=epsilon), numpy.float32
+    bn.build(x.shape[1:])
+    c = x.shape[1]
+    p = {"gamma": gamma.astype(f32), "beta": beta.astype(f32), "moving_mean": numpy.zeros(c, f32),
+         "moving_variance": numpy.ones(c, f32)}
+    g = {"gamma": numpy.zeros(c, f32), "beta": numpy.zeros(c, f32)}
+    ws = Workspace(numpy, StepContext())
+    y = bn.forward(p, x.astype(f32), ws).copy()
+    dx = bn.backward(p, g, dy.astype(f32), ws, need_dx=True)
+    # The first step's moving averages take 0.9 of the batch's statistics (the warm-up).
+    return y, dx, g["gamma"], g["beta"], p["moving_mean"] / 0.9, (p["moving_variance"] - 0.1) / 0.9
+
+
+def test_batchnorm_keeps_float32_precision_on_a_large_mean():
+    # Mean 100, std 0.01: E[x^2] - E[x]^2 in float32 loses every digit of the
+    # variance (1e4 - 1e4 with float32's 1e-3 steps at 1e4), and
+    # sum(dy * x) - mean * sum(dy) most of dgamma's.
+    rng = numpy.random.default_rng(0)
+    x = (100 + 0.01 * rng.normal(size=(512, 3))).astype(numpy.float32)
+    x[:, 1] = 0.3 * rng.normal(size=512).astype(numpy.float32) - 2  # an ordinary channel beside them
+    gamma, beta = numpy.array([1.5, 0.7, -0.4]), numpy.array([0.1, -0.2, 0.3])
+    dy = rng.normal(size=x.shape) * numpy.array([1.0, 0.5, 2.0])
+    want_y, want_dx, want_dgamma, want_dbeta = _bn_reference(x, gamma, beta, dy, 1e-5)
+    y, dx, dgamma, dbeta, mean, var = _bn_float32(x, gamma, beta, dy, 1e-5)
+    x64 = x.astype(numpy.float64)
+    numpy.testing.assert_allclose(mean, x64.mean(axis=0), rtol=1e-6)
+    numpy.testing.assert_allclose(var, x64.var(axis=0), rtol=1e-2)  # 1e-4 beside the EMA's 0.1: its rounding
+    # Errors relative to each quantity's own scale (y and xhat are O(1) per channel).
+    for got, want in ((y, want_y), (dx, want_dx), (dgamma, want_dgamma), (dbeta, want_dbeta)):
+        scale = numpy.abs(want).max(axis=0)
+        assert (numpy.abs(got - want).max(axis=0) / scale).max() < 2e-5
+
+
+def test_batchnorm_gradients_on_a_large_mean():
+    # The centred algorithm (shift, small offset) against float64 differences: the cancelling
+    # E[x^2] - E[x]^2 misses by 5e-4 here even in float64 (the Dense outputs: mean ~100, spread ~0.01).
+    rng = numpy.random.default_rng(2)
+    model = Sequential([Dense("fc", 4), BatchNorm("bn", epsilon=1e-5), ReLU(), Dense("out", 3)]).build((5,))
+    check_grads(model, 100 + 0.01 * rng.normal(size=(6, 5)), rng.integers(0, 3, 6))
 
 
 def test_batchnorm_moving_statistics_warm_up_with_the_step():

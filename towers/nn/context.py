@@ -14,12 +14,14 @@ layers through their workspaces (``ws.ctx``):
     The global tower index and the run's seed, set once: dropout masks differ
     per tower and per seed.
 ``sync``
-    None, or ``sync(array)``: averages ONE contiguous 1-D array in place across
-    every tower of the step and returns when every tower has called it (a
-    barrier).  Set by the engine with ``sync_bn``; every tower then runs its
-    ``loss_and_grads`` concurrently, and every tower makes the same sequence of
-    calls (one per batch-norm layer forward, one per backward), so the calls
-    pair up.
+    None, or a ``TowerSync``: ``sync.average(array)`` averages ONE contiguous
+    1-D array in place across every tower of the step and returns when every
+    tower has called it (a barrier); ``sync.index`` is this tower's place among
+    the ``sync.towers`` towers (batch norm gathers the towers' means through
+    the average by filling only its own rows).  Set by the engine with
+    ``sync_bn``; every tower then runs its ``loss_and_grads`` concurrently,
+    and every tower makes the same sequence of calls (one per batch-norm layer
+    forward, one per backward), so the calls pair up.
 
 ``host_rng(ctx, path)`` is the generator a layer at ``path`` draws its masks
 from: ``numpy.random.default_rng([seed, tower, step, *path])``, drawn on the
@@ -39,7 +41,16 @@ class StepContext:
     step: int = 0
     tower: int = 0
     seed: int = 0
-    sync: Callable | None = None
+    sync: TowerSync | None = None
+
+
+@dataclass(frozen=True)
+class TowerSync:
+    """One tower's handle on the cross-tower average (see the module doc)."""
+
+    average: Callable  # average(array): in place, across every tower; a barrier
+    index: int  # this tower's place, 0 .. towers - 1
+    towers: int
 
 
 def host_rng(ctx: StepContext, path: tuple) -> numpy.random.Generator:

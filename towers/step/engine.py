@@ -43,6 +43,7 @@ import numpy
 from towers.devices.cpu_threads import TowerThreads, chunks
 from towers.devices.placement import to_host
 from towers.errors import UserError
+from towers.nn.context import TowerSync
 from towers.parallel.sync import check_replicas
 from towers.state import count
 
@@ -256,7 +257,7 @@ class StepEngine:
 
 
 class SyncMean:
-    """Sync-BN's cross-tower average: ``for_tower(i)(array)`` averages one small array in place over every tower.
+    """Sync-BN's cross-tower average: ``for_tower(i).average(array)`` averages a small array in place over the towers.
 
     Every tower's thread calls it at the same point of its forward or
     backward pass (``towers.nn.context``); the first barrier waits for every
@@ -269,8 +270,8 @@ class SyncMean:
         self.reducer, self.barrier = reducer, barrier
         self.arrays = [None] * n
 
-    def for_tower(self, i: int):
-        return lambda array: self(i, array)
+    def for_tower(self, i: int) -> TowerSync:
+        return TowerSync(lambda array: self(i, array), i, len(self.arrays))
 
     def __call__(self, i: int, array) -> None:
         self.arrays[i] = array
