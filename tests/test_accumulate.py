@@ -8,6 +8,7 @@ uninterrupted run (resume), one host with every tower (several hosts).
 """
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 import towers
 from towers.nn.replica import Replica
+from towers.settings import BATCH, resume_changes
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(devices="cpu", hidden=32, quiet=True, summary_every=0, log_every=1000, checkpoint_every=0)
@@ -105,6 +107,9 @@ def test_sync_bn_averages_each_micro_batchs_statistics_across_towers():
 
 
 def test_accumulate_is_checked_and_counted_in_the_global_batch():
+    # On resume it is treated as batch_size is: the tower x batch note (the test below shows it).
+    old = dataclasses.asdict(towers.Config().resolved())
+    assert resume_changes(old, towers.Config(accumulate=2).resolved())[BATCH] == [("accumulate", 1, 2)]
     with pytest.raises(towers.UserError, match="accumulate must be an integer >= 1"):
         trainer(accumulate=0)
     with pytest.raises(towers.UserError, match="larger than the dataset.*accumulate"):
@@ -132,6 +137,12 @@ def test_resume_with_accumulate_is_byte_identical(tmp_path):
     assert (tmp_path / "whole" / "final.npz").read_bytes() == (tmp_path / "split" / "final.npz").read_bytes()
     with numpy.load(tmp_path / "split" / "ckpt-00000020.npz") as z:
         assert (int(z["global_batch"]), int(z["data/epoch"]), int(z["data/index"])) == (100, 1, 2000 - 1438)
+    # Another K is another global batch, or the same one split otherwise: the tower x batch note says which.
+    p = _train(tmp_path / "split", "--steps", 35, "--resume", "--batch-size", 50, "--accumulate", 1)
+    assert ("written by 2 tower(s) x 25 x 2 micro-batches, this run has 2 x 50 x 1 micro-batches: the same "
+            "global batch") in p.stdout + p.stderr
+    p = _train(tmp_path / "split", "--steps", 40, "--resume", "--accumulate", 3)
+    assert "the global batch changes from 100 to 150" in p.stdout + p.stderr
 
 
 @pytest.mark.parametrize("sync", ["grads", "ps"])
