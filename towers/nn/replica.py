@@ -94,40 +94,44 @@ class Replica:
         ``timer(phase)``, when given, returns a context that times the
         ``forward`` and ``backward`` phases (``towers.profiling``).
         """
-        return self.mean_loss_and_grads(((x, labels),), l2, want_loss, timer)
+        return self.mean_loss_and_grads(((x, labels),), 1, l2, want_loss, timer)
 
-    def mean_loss_and_grads(self, batches, l2: float, want_loss: bool = True, timer=None):
-        """``loss_and_grads`` over micro-batches: the mean of their losses and gradients, + L2 once, into ``grads``.
+    def mean_loss_and_grads(self, batches, count: int, l2: float, want_loss: bool = True, timer=None):
+        """``loss_and_grads`` over ``count`` micro-batches: the mean of their losses and gradients, + L2 once.
 
-        ``batches`` yields (x, labels) pairs of equal size, taken one at a time
-        (a generator may stage each into the same device buffer).  The first
-        micro-batch's backward writes ``grads``; each later one writes a
-        scratch buffer of the same size (made on first use, then reused) that
-        is added to ``grads``; with K > 1 micro-batches the sum is scaled by
-        1/K, so the gradient is the mean gradient of all K x B examples (up to
-        float rounding).  L2's gradient and loss term are added once, after
+        ``batches`` yields ``count`` (x, labels) pairs of equal size, taken one
+        at a time (a generator may stage each into the same device buffer).
+        Each micro-batch's logits gradient is scaled by 1/K (K = ``count``; a
+        pass over B x classes values, not over the weights: backward is linear
+        in it); the first micro-batch's backward writes ``grads``, each later
+        one writes a scratch buffer of the same size (made on first use, then
+        reused) that is added to ``grads``.  So ``grads`` ends as the mean
+        gradient of all K x B examples (up to float rounding) after K - 1 adds
+        over the flat buffer.  L2's gradient and loss term are added once, after
         the mean.  Layers see each micro-batch as a batch of its own (batch
         norm: its statistics; sync-BN: one pair of syncs per micro-batch).
         With one micro-batch it is exactly ``loss_and_grads``.
         """
         timer = timer or _no_timer
-        loss, k = None, 0
+        scale = self.dtype.type(1 / count)
+        loss, seen = None, 0
         for k, (x, labels) in enumerate(batches):
             with timer("forward"):
                 logits = self.forward(x, training=True)
                 part, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss, self.label_smoothing)
             with timer("backward"):
+                if count > 1:
+                    dy *= scale  # the loss workspace's array: safe in place
                 self._backward(dy, None if k == 0 else self._scratch_grads())
                 if k:
                     self.grads += self._scratch[0]
             if want_loss:
+                part = part * scale if count > 1 else part
                 loss = part if k == 0 else loss + part
+            seen = k + 1
+        if seen != count:
+            raise ValueError(f"mean_loss_and_grads: {seen} micro-batches, {count} announced")
         with timer("backward"):
-            if k:  # the mean over the K micro-batches
-                scale = self.dtype.type(1 / (k + 1))
-                self.grads *= scale
-                if want_loss:
-                    loss = loss * scale
             if self._nreg and l2:
                 w = self.params[: self._nreg]
                 # grads += l2 * w: one fused kernel on a GPU; on the CPU two

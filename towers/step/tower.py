@@ -64,7 +64,8 @@ class Tower:
         """
         self.replica.context.step = step
         with self.scope():
-            return self.replica.mean_loss_and_grads(self._micro_batches(x, y, stage), l2, want_loss, self.timer)
+            return self.replica.mean_loss_and_grads(self._micro_batches(x, y, stage), self.accumulate, l2,
+                                                    want_loss, self.timer)
 
     def _micro_batches(self, x, y, stage):
         b, k_all, ctx = self.stager.x.shape[0], self.accumulate, self.replica.context
