@@ -76,6 +76,19 @@ def test_two_micro_batches_train_like_twice_the_batch_per_tower(kw):
         numpy.testing.assert_allclose([float(v) for v in losses[0]], [float(v) for v in losses[1]], rtol=1e-5)
 
 
+def test_threaded_and_serial_towers_accumulate_alike_and_allocate_the_scratch_once():
+    out = []
+    for mode in ("threads", "serial"):
+        with trainer(n_gpu=2, batch_size=25, accumulate=3, momentum=0.9, cpu_towers=mode, steps=4) as t:
+            t.run_steps(1)
+            scratch = [tw.replica._scratch[0] for tw in t.towers]
+            t.run_steps(3)
+            assert all(tw.replica._scratch[0] is s for tw, s in zip(t.towers, scratch))
+            out.append(t.get_weights())
+    for k in out[0]:
+        numpy.testing.assert_array_equal(out[0][k], out[1][k], err_msg=k)
+
+
 def test_micro_batches_have_their_own_batch_statistics_and_dropout_masks():
     """1 tower x 25 x K=2 is 2 towers x 25: batch norm and dropout see each micro-batch as a tower's batch."""
     with trainer(bn_model(), n_gpu=1, batch_size=25, accumulate=2, steps=5) as acc, \
