@@ -137,6 +137,10 @@ class Config:
         shown="the model's")
     batch_size: int = setting(100, "examples per tower per step", group="optimization", check=Integer(1),
                               resume=BATCH, type="int", metavar="B")
+    accumulate: int = setting(
+        1, "micro-batches of --batch-size each tower sums before one all-reduce and one update: a step takes "
+        "towers x B x K examples (batch norm: statistics per micro-batch; see Gradient accumulation)",
+        group="optimization", check=Integer(1), resume=BATCH, type="int", metavar="K")
     steps: int = setting(2000, "training steps (with --resume: the total, not more steps)", group="optimization",
                          check=Integer(1), resume=SILENT, type="int", metavar="N")
     lr: float | None = setting(

@@ -58,7 +58,7 @@ class Executor(abc.ABC):
     @property
     def examples_per_step(self) -> int:
         """Examples behind one update, which the schedule counts."""
-        return self.n_towers * self.cfg.batch_size
+        return self.n_towers * self.cfg.batch_size * self.cfg.accumulate
 
     @property
     @abc.abstractmethod

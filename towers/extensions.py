@@ -358,7 +358,8 @@ def settings_line(cfg, n_params: int | None = None) -> str:
     hyper = [name if value is True else f"{name} {value:g}" for name in OPTIMIZERS[cfg.optimizer].reads
              if (value := getattr(cfg, name)) is not False]
     parts.append(" ".join(hyper))
-    parts += [f"batch {cfg.batch_size}/tower", f"l2 {cfg.l2:g}"]
+    parts += [f"batch {cfg.batch_size}/tower" + (f" x accumulate {cfg.accumulate}" if cfg.accumulate > 1 else ""),
+              f"l2 {cfg.l2:g}"]
     if cfg.label_smoothing:
         parts.append(f"label_smoothing {cfg.label_smoothing:g}")
     if cfg.sync_bn:

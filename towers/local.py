@@ -84,7 +84,7 @@ class LocalExecutor(Executor):
         self._blas = self._tf32 = self.engine = self.reducer = self._prefetch = None
         n = len(placement.towers)
         self.share = share or Share(0, n, n)
-        self._draw = self.share.draw_towers * cfg.batch_size  # the run's global batch
+        self._draw = self.share.draw_towers * self.tower_batch  # the run's global batch
         self._start_input(0, (0, 0))  # checks the batch fits, before any device memory
         try:
             self._build(reducer)
@@ -104,7 +104,7 @@ class LocalExecutor(Executor):
         self.device_data = None
         if any(d.is_gpu for d in devices):
             if fits_on(devices, self.dataset):
-                self.device_data = DeviceData(devices, streams, self.dataset, cfg.batch_size)
+                self.device_data = DeviceData(devices, streams, self.dataset, cfg.batch_size, cfg.accumulate)
             for index in sorted({d.index for d in devices if d.is_gpu}):
                 with devices[0].xp.cuda.Device(index):
                     kernels.warm_up()
@@ -142,7 +142,7 @@ class LocalExecutor(Executor):
 
     def _start_input(self, step: int, position) -> None:
         """The shuffle from ``position`` (epoch, index), reached after ``step`` steps."""
-        lo = self.share.first_tower * self.cfg.batch_size
+        lo = self.share.first_tower * self.tower_batch
         self.source = BatchSource(self.dataset, self._draw, self.cfg.seed, *position)
         self.rows = Rows(self.source, lo, lo + self.local_batch)
         self.position = InputPosition(len(self.dataset.x), self._draw, step, position)
@@ -158,9 +158,14 @@ class LocalExecutor(Executor):
         return self.share.update_towers
 
     @property
+    def tower_batch(self) -> int:
+        """Examples of one step on one tower: ``batch_size`` x ``accumulate`` (its micro-batches)."""
+        return self.cfg.batch_size * self.cfg.accumulate
+
+    @property
     def local_batch(self) -> int:
         """Examples of one step on this process's towers."""
-        return self.cfg.batch_size * len(self.placement.towers)
+        return self.tower_batch * len(self.placement.towers)
 
     @property
     def all_reduces(self) -> int:
@@ -275,7 +280,7 @@ class LocalExecutor(Executor):
                  **self.towers[0].optimizer.state_dict(layout), **self.position.state_dict(self.step),
                  **self.engine.state_dict()}
         n = self.share.update_towers
-        state.update(checkpoint.metadata(self.cfg, self.dataset, n, n * self.cfg.batch_size))
+        state.update(checkpoint.metadata(self.cfg, self.dataset, n, n * self.tower_batch))
         return state
 
     def load_state_dict(self, state: dict, where: str) -> None:

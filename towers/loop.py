@@ -97,4 +97,4 @@ def one_tower_rate(trainer, steps: int = 20, warmup: int = 2) -> float:
         for k in range(steps):
             t.train_step(*batches[warmup + k % (len(batches) - warmup)])
         t.synchronize()
-        return steps * cfg.batch_size / (time.perf_counter() - t0)
+        return steps * t.global_batch / (time.perf_counter() - t0)

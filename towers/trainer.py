@@ -131,7 +131,7 @@ class Trainer:
 
     @property
     def global_batch(self) -> int:
-        return self.cfg.batch_size * self.n_towers
+        return self.cfg.batch_size * self.cfg.accumulate * self.n_towers
 
     @property
     def examples_per_step(self) -> int:
@@ -171,7 +171,7 @@ class Trainer:
             raise UserError("this Trainer is closed: make a new one")
 
     def train_step(self, x, y, want_loss: bool = False):
-        """One synchronous step on the global batch ``x``, ``y`` (``towers x batch_size`` examples).
+        """One synchronous step on the global batch ``x``, ``y`` (``towers x batch_size x accumulate`` examples).
 
         Returns the towers' losses (device scalars on one host) when
         ``want_loss`` (else None).  On a cluster each host takes its towers'
@@ -197,7 +197,9 @@ class Trainer:
         ds = self.dataset
         if n is not None and (len(x) != n or len(y) != n):
             raise UserError(f"{where} takes one global batch of {n} examples and {n} labels "
-                            f"({self.n_towers} towers x `batch_size` {self.cfg.batch_size}), got {len(x)} and {len(y)}")
+                            f"({self.n_towers} towers x `batch_size` {self.cfg.batch_size}"
+                            + (f" x `accumulate` {self.cfg.accumulate}" if self.cfg.accumulate > 1 else "")
+                            + f"), got {len(x)} and {len(y)}")
         if n is None and (len(x) != len(y) or not len(x)):
             raise UserError(f"{where}: give as many labels as examples, at least one; got {len(x)} examples "
                             f"and {len(y)} labels")

@@ -285,7 +285,7 @@ class ClusterExecutor(Executor):
         if self._ps is not None:
             raise UserError(f"train_step on a cluster needs `sync` grads or weights (with `sync` {self.cfg.sync} "
                             "the server applies the hosts' gradients): use run_steps(n) or fit()")
-        b, refs, lo = self.cfg.batch_size, [], 0
+        b, refs, lo = self.cfg.batch_size * self.cfg.accumulate, [], 0  # a tower's rows
         for h, a in enumerate(self._hosts):
             hi = lo + self.towers_per_host[h] * b
             refs.append((a.train_step.remote(x[lo:hi], y[lo:hi], want_loss), h))

@@ -15,9 +15,9 @@ makes a one-host ``Trainer`` (``hosts=1``) whose reducer reaches across hosts:
   its mean gradient to the parameter server's board (``towers.cluster.ps``).
 
 The host's ``Trainer`` is a ``Share`` of the run (``towers.local``): it
-draws the run's global batches of ``hosts x towers x batch_size`` examples
-from the shared seeded permutation and keeps its towers' rows, host order then
-tower order: the examples each tower sees are those of one host with every
+draws the run's global batches of ``hosts x towers x batch_size x accumulate``
+examples from the shared seeded permutation and keeps its towers' rows, host
+order then tower order: the examples each tower sees are those of one host with every
 tower, and its input position after a step is the run's.
 
 ``run_steps(n, want_loss)`` runs n steps in the host's own loop (the driver

@@ -1,9 +1,9 @@
 """The parameter server (``sync`` ps and async): a Ray actor that applies the hosts' gradients.
 
-It holds a one-tower ``towers.Trainer`` on its CPU whose ``batch_size`` is the
-examples behind one update (every host's towers for ps, one host's for async),
-so its learning-rate schedule, its input position and its EMA count as every
-other mode's do.  It loads the data itself (for the position, the metadata
+It holds a one-tower ``towers.Trainer`` on its CPU whose ``batch_size`` x
+``accumulate`` is the examples behind one update (every host's towers for ps,
+one host's for async), so its learning-rate schedule, its input position and
+its EMA count as every other mode's do.  It loads the data itself (for the position, the metadata
 and evaluation); it never trains on it.
 
 Hosts and server meet on a shared-memory board (``towers.cluster.board``), one

@@ -26,7 +26,7 @@ def towers_per_update(cfg, towers_per_host: list[int]) -> int:
 def cluster_state(state: dict, cfg, dataset, towers_per_host: list[int]) -> dict:
     """``state`` with the run's metadata."""
     n = towers_per_update(cfg, towers_per_host)
-    state.update(checkpoint.metadata(cfg, dataset, n, n * cfg.batch_size))
+    state.update(checkpoint.metadata(cfg, dataset, n, n * cfg.batch_size * cfg.accumulate))
     return state
 
 

@@ -3,10 +3,10 @@
 When every tower is on a GPU and the training examples and labels take at most
 ``FRACTION`` of a device's free memory, ``DeviceData`` copies them once to each
 GPU (pixels stay uint8, labels become int32).  A step then sends only its
-global batch's row indices (``batch`` int64 per tower; per GPU one pinned fill,
-one copy and one event for all its towers, through two pinned host buffers, as
-``towers.data.staging`` does for whole batches) and ONE kernel per tower
-gathers the rows and scales uint8 by 1/255 (``towers.nn.kernels.gather_batch``),
+global batch's row indices (``batch x accumulate`` int64 per tower; per GPU one
+pinned fill, one copy and one event for all its towers, through two pinned host
+buffers, as ``towers.data.staging`` does for whole batches) and ONE kernel per
+tower and micro-batch gathers the rows and scales uint8 by 1/255 (``towers.nn.kernels.gather_batch``),
 which gives the same float32 values as staging the rows from the host.  The
 batches are the ones ``BatchSource.next_indices`` draws, so the examples seen,
 their order and the resume position are those of the host pipeline, and no
@@ -55,8 +55,9 @@ class DeviceData:
     as the trainer makes them).  ``stage(i)`` then gathers tower ``i``'s rows.
     """
 
-    def __init__(self, devices, streams, dataset, batch: int):
+    def __init__(self, devices, streams, dataset, batch: int, accumulate: int = 1):
         self.devices, self.streams, self.batch = list(devices), list(streams), int(batch)
+        self.accumulate = int(accumulate)  # micro-batches of ``batch`` rows per tower and step
         self.scale = input_scale(dataset.x.dtype)
         shape = (self.batch,) + tuple(dataset.example_shape)
         y32 = numpy.ascontiguousarray(dataset.y, dtype=numpy.int32)
@@ -73,7 +74,7 @@ class DeviceData:
             if any(self.streams[i] is not stream for i in towers):
                 raise ValueError(f"towers {towers} share gpu:{index} but not its stream: "
                                  "DeviceData copies their indices once, on one stream")
-            n, b = len(towers), self.batch
+            n, b, m = len(towers), self.batch * self.accumulate, self.batch
             rows = (slice(towers[0], towers[-1] + 1) if towers == list(range(towers[0], towers[-1] + 1))
                     else numpy.array(towers))
             with self.devices[towers[0]].scope():
@@ -82,7 +83,9 @@ class DeviceData:
                 group = {
                     "device": self.devices[towers[0]], "stream": stream, "rows": rows, "pinned": pinned, "idx": idx,
                     "ptrs": [p.ctypes.data for p in pinned], "nbytes": pinned[0].nbytes,
-                    "slices": [[a[j] for j in range(n)] for a in idx],  # each tower's row of each buffer
+                    # each tower's micro-batches of each buffer (views of its row)
+                    "slices": [[[a[j, k * m:(k + 1) * m] for k in range(self.accumulate)] for j in range(n)]
+                               for a in idx],
                     "events": [cupy.cuda.Event(disable_timing=True) for _ in range(2)],
                     "k": 0, "current": None,
                     "data": (cupy.asarray(x_host), cupy.asarray(y32)),  # one copy per GPU
@@ -95,12 +98,12 @@ class DeviceData:
                 self.towers[i] = (cupy.empty(shape, dtype=numpy.float32), cupy.empty((self.batch,), dtype=numpy.int32))
 
     def upload(self, indices) -> None:
-        """Send the global batch's row indices (host ints, ``batch`` per tower in tower order) to every GPU.
+        """Send the global batch's row indices (host ints, ``batch x accumulate`` a tower, in tower order) to each GPU.
 
         Sync point: before refilling a pinned buffer the host waits for the
         copy out of it issued two steps earlier (an event), never for compute.
         """
-        rows = numpy.asarray(indices).reshape(len(self.devices), self.batch)
+        rows = numpy.asarray(indices).reshape(len(self.devices), self.batch * self.accumulate)
         for g in self.groups:
             k = g["k"]
             g["k"] ^= 1
@@ -112,13 +115,13 @@ class DeviceData:
                 event.record(g["stream"])
             g["current"] = k
 
-    def stage(self, i: int):
-        """(x float32, y int32) of tower ``i`` on its device: its rows of the last ``upload``.
+    def stage(self, i: int, k: int = 0):
+        """(x float32, y int32) of tower ``i`` on its device: its micro-batch ``k`` of the last ``upload``.
 
         Call with tower ``i``'s device current and its stream entered.
         """
         group, j = self._slot[i]
         xd, yd = group["data"]
         x, y = self.towers[i]
-        kernels.gather_batch(xd, yd, group["slices"][group["current"]][j], x, y, self.scale)
+        kernels.gather_batch(xd, yd, group["slices"][group["current"]][j][k], x, y, self.scale)
         return x, y

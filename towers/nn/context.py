@@ -11,8 +11,9 @@ layers through their workspaces (``ws.ctx``):
     batch norm's moving averages warm up with it and dropout masks are drawn
     from it, so a resumed run redraws the masks of an uninterrupted one.
 ``tower``, ``seed``
-    The global tower index and the run's seed, set once: dropout masks differ
-    per tower and per seed.
+    The global tower index and the run's seed: dropout masks differ per tower
+    and per seed.  With ``accumulate`` K, micro-batch k of tower i draws as
+    tower ``i * K + k`` (``towers.step.tower.Tower.compute`` sets it).
 ``sync``
     None, or a ``TowerSync``: ``sync.average(array)`` averages ONE contiguous
     1-D array in place across every tower of the step and returns when every

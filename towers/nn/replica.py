@@ -57,16 +57,19 @@ class Replica:
         for li, name, prm in model.params:
             by_layer.setdefault(li, []).append((prm.name, name, prm.trainable))
         views = {**self.param, **self.buffer}
+        self._grad_names = []  # per layer: (its name of a gradient, the model's name)
         for li in range(len(model.layers)):
             names = by_layer.get(li, [])
+            self._grad_names.append([(k, n) for k, n, trainable in names if trainable])
             self._local.append(
                 (
                     {k: views[n] for k, n, _ in names},
-                    {k: self.grad[n] for k, n, trainable in names if trainable},
+                    {k: self.grad[n] for k, n in self._grad_names[li]},
                     Workspace(xp, self.context, (li,)),
                 )
             )
         self._loss_ws = Workspace(xp, self.context)
+        self._scratch = None  # (flat buffer, per-layer views): where micro-batches after the first write
 
     def set_params(self, flat) -> None:
         """Copy a flat host or device array into the parameter buffer."""
@@ -91,17 +94,44 @@ class Replica:
         ``timer(phase)``, when given, returns a context that times the
         ``forward`` and ``backward`` phases (``towers.profiling``).
         """
+        return self.mean_loss_and_grads(((x, labels),), 1, l2, want_loss, timer)
+
+    def mean_loss_and_grads(self, batches, count: int, l2: float, want_loss: bool = True, timer=None):
+        """``loss_and_grads`` over ``count`` micro-batches: the mean of their losses and gradients, + L2 once.
+
+        ``batches`` yields ``count`` (x, labels) pairs of equal size, taken one
+        at a time (a generator may stage each into the same device buffer).
+        Each micro-batch's logits gradient is scaled by 1/K (K = ``count``; a
+        pass over B x classes values, not over the weights: backward is linear
+        in it); the first micro-batch's backward writes ``grads``, each later
+        one writes a scratch buffer of the same size (made on first use, then
+        reused) that is added to ``grads``.  So ``grads`` ends as the mean
+        gradient of all K x B examples (up to float rounding) after K - 1 adds
+        over the flat buffer.  L2's gradient and loss term are added once, after
+        the mean.  Layers see each micro-batch as a batch of its own (batch
+        norm: its statistics; sync-BN: one pair of syncs per micro-batch).
+        With one micro-batch it is exactly ``loss_and_grads``.
+        """
         timer = timer or _no_timer
-        with timer("forward"):
-            logits = self.forward(x, training=True)
-            loss, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss, self.label_smoothing)
+        scale = self.dtype.type(1 / count)
+        loss, seen = None, 0
+        for k, (x, labels) in enumerate(batches):
+            with timer("forward"):
+                logits = self.forward(x, training=True)
+                part, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss, self.label_smoothing)
+            with timer("backward"):
+                if count > 1:
+                    dy *= scale  # the loss workspace's array: safe in place
+                self._backward(dy, None if k == 0 else self._scratch_grads())
+                if k:
+                    self.grads += self._scratch[0]
+            if want_loss:
+                part = part * scale if count > 1 else part
+                loss = part if k == 0 else loss + part
+            seen = k + 1
+        if seen != count:
+            raise ValueError(f"mean_loss_and_grads: {seen} micro-batches, {count} announced")
         with timer("backward"):
-            layers = self.model.layers
-            # Backward stops at the first layer with parameters, which needs no
-            # input gradient (for the MLP that saves a third of the step's FLOPs).
-            for i in range(len(layers) - 1, self._first_param_layer - 1, -1):
-                p, g, ws = self._local[i]
-                dy = layers[i].backward(p, g, dy, ws, need_dx=i > self._first_param_layer)
             if self._nreg and l2:
                 w = self.params[: self._nreg]
                 # grads += l2 * w: one fused kernel on a GPU; on the CPU two
@@ -111,6 +141,24 @@ class Replica:
                 if want_loss:
                     loss = loss + self.dtype.type(l2 / 2) * self.xp.dot(w, w)
         return loss
+
+    def _backward(self, dy, grads) -> None:
+        """Backward from ``dy`` (the logits' gradient) into ``grads`` (per layer; None: the replica's own)."""
+        layers = self.model.layers
+        # Backward stops at the first layer with parameters, which needs no
+        # input gradient (for the MLP that saves a third of the step's FLOPs).
+        for i in range(len(layers) - 1, self._first_param_layer - 1, -1):
+            p, g, ws = self._local[i]
+            dy = layers[i].backward(p, g if grads is None else grads[i], dy, ws, need_dx=i > self._first_param_layer)
+
+    def _scratch_grads(self) -> list[dict]:
+        """Per layer, its gradient views into the scratch buffer (made on the first call)."""
+        if self._scratch is None:
+            flat = self.xp.zeros_like(self.grads)
+            views = {name: flat[off: off + size].reshape(shape, copy=False)
+                     for name, shape, off, size in self.model.layout()}
+            self._scratch = (flat, [{k: views[n] for k, n in names} for names in self._grad_names])
+        return self._scratch[1]
 
     def evaluate(self, x, y, batch: int = 250) -> tuple[float, float]:
         """Mean loss (without L2 and label smoothing) and accuracy over host arrays ``x``, ``y``.

@@ -314,14 +314,17 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
     r = Resume(path, arrays)
     say(f"resuming from {path}: step {r.step}, input at epoch {r.position[0]} index {r.position[1]}")
     old_towers, old_batch = int(arrays["n_towers"]), int(arrays["global_batch"])
-    new_batch = cfg.batch_size * n_towers
-    if (old_towers, old_batch) != (n_towers, new_batch):
+    new_batch = cfg.batch_size * cfg.accumulate * n_towers
+    old_k = ck.get("accumulate", 1)  # written before `accumulate` existed: 1
+    if (old_towers, old_batch, old_k) != (n_towers, new_batch, cfg.accumulate):
         same = ("the same global batch, so it matches an uninterrupted run up to float rounding"
                 if old_batch == new_batch else
                 f"the global batch changes from {old_batch} to {new_batch}, so it is not bit-identical "
                 "to an uninterrupted run")
-        say(f"note: the checkpoint was written by {old_towers} tower(s) x {ck.get('batch_size')}, "
-            f"this run has {n_towers} x {cfg.batch_size}: {same}", note=True)
+        was, now = ((f" x {old_k} micro-batches", f" x {cfg.accumulate} micro-batches")
+                    if (old_k, cfg.accumulate) != (1, 1) else ("", ""))
+        say(f"note: the checkpoint was written by {old_towers} tower(s) x {ck.get('batch_size')}{was}, "
+            f"this run has {n_towers} x {cfg.batch_size}{now}: {same}", note=True)
     if changes[NOTE]:
         changed = ", ".join(f"`{k}` {show(old)} -> {show(new)}" for k, old, new in changes[NOTE])
         say(f"note: settings changed since the checkpoint ({changed}): "

@@ -1,11 +1,14 @@
 """The step engine: one synchronous step over every tower, and its weights-mode and parameter-server variants.
 
-A step on one global batch of ``towers x batch_size`` host examples (or, with
-the training set on the GPUs, its row indices) runs four named stages per
-tower:
+A step on one global batch of ``towers x batch_size x accumulate`` host
+examples (or, with the training set on the GPUs, its row indices) runs four
+named stages per tower:
 
 1. stage:      the tower's contiguous slice onto its device (``Tower.compute``);
 2. compute:    forward and backward into the tower's flat gradient buffer;
+               with ``accumulate`` K > 1, stages 1-2 run once per micro-batch
+               of ``batch_size`` rows and the buffer ends as their mean
+               gradient (``Replica.mean_loss_and_grads``);
 3. all-reduce: ``reducer.average`` over every tower's gradient buffer
                (``towers.parallel.reducers``);
 4. update:     every replica applies the same optimizer update; the first
@@ -34,7 +37,7 @@ leaves the device only when asked for (``want_loss``).
 
 All-reduces are counted here, in ``_reduce``, the one place a step engine
 calls its reducer over whole buffers (the threaded grads step counts its one
-sliced all-reduce in ``run``).
+sliced all-reduce in ``run``): one per step, whatever ``accumulate``.
 """
 from __future__ import annotations
 
@@ -140,12 +143,15 @@ class StepEngine:
                      timer=None if part is None else self.towers[on].timer)
 
     def _compute(self, i: int, x, y, indices, want_loss: bool, step: int):
-        """Tower ``i``'s slice (rows ``i*b .. (i+1)*b`` of the host batch, or of the device rows) through stages 1-2."""
+        """Tower ``i``'s slice (rows ``i*r .. (i+1)*r`` of the host batch, or of the device rows) through stages 1-2.
+
+        ``r`` is the tower's ``rows``: ``batch_size`` x ``accumulate``, run as that many micro-batches.
+        """
         t = self.towers[i]
         if indices is not None:
-            return t.compute(None, None, self.l2, want_loss, step, stage=lambda: self.device_data.stage(i))
-        b = t.stager.x.shape[0]
-        return t.compute(x[i * b: (i + 1) * b], y[i * b: (i + 1) * b], self.l2, want_loss, step)
+            return t.compute(None, None, self.l2, want_loss, step, stage=lambda k: self.device_data.stage(i, k))
+        r = t.rows
+        return t.compute(x[i * r: (i + 1) * r], y[i * r: (i + 1) * r], self.l2, want_loss, step)
 
     def _reduce(self, buffers: list, on: int = 0) -> None:
         """The reducer over whole buffers, counted."""

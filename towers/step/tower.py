@@ -31,10 +31,18 @@ _QUIET = dict(over="ignore", invalid="ignore", divide="ignore")
 class Tower:
     """One tower: device, stream, replica, stager, optimizer (set by the trainer), timer."""
 
-    def __init__(self, index: int, device, stream, replica: Replica, stager: Stager, timer):
+    def __init__(self, index: int, device, stream, replica: Replica, stager: Stager, timer, accumulate: int = 1,
+                 global_index: int | None = None):
         self.index, self.device, self.stream = index, device, stream
         self.replica, self.stager, self.timer = replica, stager, timer
+        self.accumulate = accumulate  # micro-batches per step
         self.optimizer = None
+        self.global_index = index if global_index is None else global_index  # among every host's towers
+
+    @property
+    def rows(self) -> int:
+        """Examples of one step on this tower: ``accumulate`` micro-batches of the stager's size."""
+        return self.stager.x.shape[0] * self.accumulate
 
     @contextlib.contextmanager
     def scope(self):
@@ -43,16 +51,30 @@ class Tower:
             yield
 
     def compute(self, x, y, l2: float, want_loss: bool, step: int, stage=None):
-        """Stages 1-2: the slice ``x``, ``y`` onto the device (or ``stage()``'s, already there), forward, backward.
+        """Stages 1-2 over the tower's ``accumulate`` micro-batches: each onto the device, forward, backward.
 
-        ``step``: updates done so far (the layers' step context).  Returns the
-        loss as a device scalar when ``want_loss``, else None.
+        ``x``, ``y``: the tower's ``rows`` host examples, micro-batch k being
+        rows ``k*B .. (k+1)*B``; or ``stage(k)`` puts micro-batch k on the
+        device.  The gradient is the micro-batches' mean
+        (``Replica.mean_loss_and_grads``).  Dropout draws each micro-batch's
+        masks as a tower of its own (draw index ``tower * K + k``, which is
+        the tower's index when K = 1).  ``step``: updates done so far (the
+        layers' step context).  Returns the mean loss as a device scalar when
+        ``want_loss``, else None.
         """
         self.replica.context.step = step
         with self.scope():
+            return self.replica.mean_loss_and_grads(self._micro_batches(x, y, stage), self.accumulate, l2,
+                                                    want_loss, self.timer)
+
+    def _micro_batches(self, x, y, stage):
+        b, k_all, ctx = self.stager.x.shape[0], self.accumulate, self.replica.context
+        for k in range(k_all):
+            ctx.tower = self.global_index * k_all + k
             with self.timer("stage"):
-                xs, ys = stage() if stage is not None else self.stager.stage(x, y)
-            return self.replica.loss_and_grads(xs, ys, l2, want_loss, self.timer)
+                batch = stage(k) if stage is not None else self.stager.stage(x[k * b: (k + 1) * b],
+                                                                              y[k * b: (k + 1) * b])
+            yield batch
 
     def update(self, grads, lr: float, step: int, part: slice | None = None, timer=None) -> None:
         """Stage 4: this replica's optimizer step (``part``: a slice of the flat buffers, CPU only)."""
@@ -88,7 +110,8 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0) ->
             replica.set_params(init)
             replica.context.tower, replica.context.seed = first_tower + i, seed
         stager = Stager(dev, stream, batch_size, dataset.example_shape, dataset.x.dtype)
-        towers.append(Tower(i, dev, stream, replica, stager, timer.for_tower(i)))
+        towers.append(Tower(i, dev, stream, replica, stager, timer.for_tower(i), cfg.accumulate,
+                            first_tower + i))
     return towers
 
 
