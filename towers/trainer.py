@@ -97,7 +97,7 @@ class Trainer:
             if cluster:
                 from towers.cluster.driver import ClusterExecutor  # Ray: only for several hosts
 
-                self.executor = ClusterExecutor(cfg, dataset, self.model, model, shipped, nccl)
+                self.executor = ClusterExecutor(type(self), cfg, dataset, self.model, model, shipped, nccl)
             else:
                 self.executor = self._local(reducer, share)
         except BaseException:

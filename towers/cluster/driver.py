@@ -80,7 +80,8 @@ class ClusterExecutor(Executor):
     ``cupy.cuda.nccl`` in the host actors.
     """
 
-    def __init__(self, cfg, driver_data, model, model_arg=None, dataset=None, nccl=None):
+    def __init__(self, trainer_class, cfg, driver_data, model, model_arg=None, dataset=None, nccl=None):
+        self._trainer_class = trainer_class  # what each host and the server build (no import: a cycle)
         self._ray = self._hosts = self._ps = self._exchange = None
         self._boards, self._owned, self._closed = [], False, False
         self.cfg, self.model = cfg, model
@@ -141,9 +142,9 @@ class ClusterExecutor(Executor):
                                 "shared memory); use `sync` grads or weights across nodes")
             board = self._board(*ps_board(n, self.model.size, self.model.buffer_size, max(self.towers_per_host)))
             self._ps = ray.remote(ParameterServer).options(num_cpus=0, max_restarts=0).remote(
-                cfg, model, data, board, self.towers_per_host, os.getpriority(os.PRIO_PROCESS, 0))
+                self._trainer_class, cfg, model, data, board, self.towers_per_host, os.getpriority(os.PRIO_PROCESS, 0))
         # All at once: NCCL communicators are made only when every rank has joined.
-        refs = [(a.build.remote(model, data, self.towers_per_host, world[h], board, exchange), h)
+        refs = [(a.build.remote(self._trainer_class, model, data, self.towers_per_host, world[h], board, exchange), h)
                 for h, a in enumerate(self._hosts)]
         if self._ps is not None:
             refs.append((self._ps.__ray_ready__.remote(), None))

@@ -43,7 +43,6 @@ from towers.devices.cpu_threads import cpu_count
 from towers.devices.placement import resolve, to_host
 from towers.local import Share
 from towers.parallel.reducers import make_reducer
-from towers.trainer import Trainer
 
 
 def _losses(losses) -> list[float] | None:
@@ -85,8 +84,10 @@ class Host(TrainerActor):
 
         return (self.nccl or nccl_module()).get_unique_id()
 
-    def build(self, model, dataset, towers_per_host: list[int], world=None, board=None, exchange=None) -> None:
-        """The host's Trainer with the cross-host reducer (or the server's board) of the run's mode."""
+    def build(self, trainer_class, model, dataset, towers_per_host: list[int], world=None, board=None,
+              exchange=None) -> None:
+        """The host's ``trainer_class`` (the driver's ``Trainer``) with the cross-host reducer (or the server's
+        board) of the run's mode."""
         cfg, rank = self.cfg, self.rank
         self.towers = towers_per_host
         sync = cfg.sync if cfg.sync in ("grads", "weights") else "grads"
@@ -105,7 +106,7 @@ class Host(TrainerActor):
                 return make_reducer(placement, streams, across=self.across)
         share = Share(first_tower=sum(towers_per_host[:rank]), draw_towers=sum(towers_per_host),
                       update_towers=towers_per_update(cfg, towers_per_host))
-        self.trainer = Trainer(one, model=model, dataset=dataset, reducer=reducer, placement=self.placement,
+        self.trainer = trainer_class(one, model=model, dataset=dataset, reducer=reducer, placement=self.placement,
                                share=share)
 
     def nccl_ranks(self) -> list[tuple[int, int, bytes]]:

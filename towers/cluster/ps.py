@@ -97,16 +97,15 @@ class ParameterServer(TrainerActor):
 
     OWN = ("state_dict", "load_state_dict", "set_weights")
 
-    def __init__(self, cfg, model, dataset, handle, towers_per_host: list[int], niceness: int | None = None):
-        from towers.trainer import Trainer
-
+    def __init__(self, trainer_class, cfg, model, dataset, handle, towers_per_host: list[int],
+                 niceness: int | None = None):
         if niceness is not None:
             same_priority(niceness)
         self.cfg, self.towers = cfg, towers_per_host
         per_update = sum(towers_per_host) if cfg.sync == "ps" else towers_per_host[0]
         one = dataclasses.replace(cfg, hosts=1, n_gpu=1, devices="cpu", batch_size=per_update * cfg.batch_size,
                                   sync="grads", ray_address=None, logdir=None, resume=False)
-        self.trainer = Trainer(one, model=model, dataset=dataset, placement=Placement(towers=[CPU]))
+        self.trainer = trainer_class(one, model=model, dataset=dataset, placement=Placement(towers=[CPU]))
         self.board = Board.attach(handle)
         self.server = self.board.cell("server")
         total = sum(towers_per_host)

@@ -29,7 +29,7 @@ def _discover() -> dict[str, type[Optimizer]]:
 
 OPTIMIZERS: dict[str, type[Optimizer]] = _discover()
 # Every optimizer's slot names: a checkpoint may hold another optimizer's (then they are dropped).
-SLOTS = tuple(dict.fromkeys(slot for cls in OPTIMIZERS.values() for slot in cls.all_slots))
+SLOTS = Optimizer.every_slot()
 
 # For the names the rest of towers and its tests import from here.
 SGD, Adam = OPTIMIZERS["sgd"], OPTIMIZERS["adam"]

@@ -62,6 +62,17 @@ class Optimizer:
         """This optimizer for one replica's flat buffer, with ``cfg``'s hyperparameters."""
         raise NotImplementedError
 
+    @staticmethod
+    def every_slot() -> tuple[str, ...]:
+        """Every optimizer's slot names, as checkpoints may hold them (a subclass walk, not the registry:
+        the registry imports this module, and every optimizer is imported with the package)."""
+        slots, todo = {}, [Optimizer]
+        while todo:
+            cls = todo.pop(0)
+            slots.update(dict.fromkeys(cls.all_slots))
+            todo.extend(cls.__subclasses__())
+        return tuple(slots)
+
     @classmethod
     def check(cls, cfg) -> None:
         """Rules between this optimizer's settings, on the resolved config (a ``UserError``)."""
@@ -78,11 +89,10 @@ class Optimizer:
         Slots of another optimizer (``SLOTS``) are checked and left out: after a
         change of optimizer or momentum the slots this one lacks start at their initial values.
         """
-        from towers.optim.optimizers import SLOTS
         from towers.state import under
 
         flats = {}
-        for slot in SLOTS:
+        for slot in Optimizer.every_slot():
             named = under(state, slot)
             if named:
                 flat = layout.join(layout.check(named, f"{where} ({slot})"))
