@@ -75,6 +75,24 @@ ATTACHED = 16  # blocks a worker keeps mapped (batch and test-chunk sizes)
 STOP_SECONDS = 5  # how long a worker has to end on SIGTERM before SIGKILL
 
 
+def make_rows(source, transform, refs, epochs, indices, out) -> list[tuple[int, str]]:
+    """A chunk's work: ``out[k]`` made from ``refs[k]``; returns (k, message) of those that cannot be made.
+
+    ``transform`` None: the source makes the whole chunk at once
+    (``source.read_rows``: raw TFRecord examples, gathered and parsed a batch
+    at a time); else each example is read and transformed (:func:`transform_rows`).
+    """
+    if transform is None:
+        source.read_rows(refs, out)
+        return []
+    return transform_rows(source, transform, refs, epochs, indices, out)
+
+
+def layout(source, transform) -> tuple[tuple, np.dtype]:
+    """(example shape, dtype) of the rows ``make_rows`` writes for ``source`` and ``transform``."""
+    return (source.example_shape, source.dtype) if transform is None else (transform.shape, transform.dtype)
+
+
 def transform_rows(source, transform, refs, epochs, indices, out) -> list[tuple[int, str]]:
     """``out[k]`` = the transformed example of ``refs[k]``; returns (k, message) of those that cannot be made.
 
@@ -152,7 +170,7 @@ def _run_chunk(sid, name, offset, shape, dtype, refs, epochs, indices):
     source, transform = _SOURCES[sid]
     out = np.ndarray((len(refs),) + tuple(shape), dtype, buffer=_block(name).buf, offset=offset)
     try:
-        return transform_rows(source, transform, refs, epochs, indices, out)
+        return make_rows(source, transform, refs, epochs, indices, out)
     finally:
         del out  # the block may be closed later: no view may outlive this call
 
@@ -296,8 +314,9 @@ class Workers:
         self.__init__(state["n"])
         self._sources = state["sources"]
 
-    def add(self, source, transform) -> int:
-        """Register an array's source and transform (before the first batch); its id."""
+    def add(self, source, transform=None) -> int:
+        """Register an array's source and transform (before the first batch); its id.  Without a transform
+        the source makes whole chunks itself (see :func:`make_rows`)."""
         if self._pool is not None:
             raise RuntimeError("Workers.add after the workers started")
         self._sources.append((source, transform))
@@ -314,12 +333,13 @@ class Workers:
         """
         source, transform = self._sources[sid]
         rows = np.asarray(rows, np.int64)
-        shape, dtype = (len(rows),) + transform.shape, transform.dtype
+        example, dtype = layout(source, transform)
+        shape = (len(rows),) + tuple(example)
         if self.n == 0 or len(rows) == 0:
             out = np.empty(shape, dtype)
-            failures = transform_rows(source, transform, source.refs(rows), epochs, rows, out)
+            failures = make_rows(source, transform, source.refs(rows), epochs, rows, out)
             return _Chunks(out, [_Ticket(failures=failures)], [(0, len(rows))])
-        row_bytes = int(np.prod(transform.shape)) * dtype.itemsize
+        row_bytes = int(np.prod(example)) * dtype.itemsize
         tickets: list = []  # filled below; the block goes back to the free list with them
         with self._lock:
             if self._closed:
@@ -337,7 +357,7 @@ class Workers:
             self._turn = (self._turn + len(bounds)) % self.n
         # Sent outside the lock: a full pipe must not hold up the other thread's batches or a block's return.
         for worker, (a, b) in zip(turns, bounds):
-            tickets.append(worker.send((sid, block.name, a * row_bytes, transform.shape, dtype.str,
+            tickets.append(worker.send((sid, block.name, a * row_bytes, example, dtype.str,
                                         source.refs(rows[a:b]), None if epochs is None else epochs[a:b], rows[a:b])))
         return _Chunks(out, tickets, bounds)
 
