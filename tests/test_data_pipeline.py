@@ -77,3 +77,25 @@ def test_an_image_tfrecord_rewritten_in_place_mid_run_is_noticed_as_the_raw_read
     lines = r.stderr.strip().splitlines()
     assert lines[-1] in {f"towers.train: error: {_stale(path, index, k)}" for k in (i, j)}, r.stderr
     assert not (tmp_path / "run" / "final.npz").exists()
+
+
+def test_the_sampler_draws_and_counts_one_position_and_a_resumed_sampler_goes_on_where_it_stopped():
+    from towers.data.batches import BatchSource, InputPosition, Sampler
+    from towers.data.dataset import Dataset
+
+    n, batch = 37, 10  # batches cross epoch boundaries at different indices
+    ds = Dataset.from_arrays(np.zeros((n, 2), np.float32), np.arange(n) % 3)
+    cursor, counter = BatchSource(ds, batch, seed=5), InputPosition(n, batch)
+    drawn = [cursor.next_indices() for _ in range(12)]
+    assert cursor.position == counter.at(12) == divmod(12 * batch, n)
+    for epoch in range(3):  # every epoch is seen whole, in its own permutation
+        seen = np.concatenate(drawn)[epoch * n:(epoch + 1) * n]
+        assert sorted(seen.tolist()) == list(range(n))
+    for step in (0, 3, 7):  # a checkpoint after `step` steps resumes to the same next batches
+        state = counter.state_dict(step)
+        assert set(state) == {"data/epoch", "data/index"}
+        resumed = BatchSource(ds, batch, 5, *counter.read_state(state, "ckpt"))
+        for k in range(step, 12):
+            assert np.array_equal(resumed.next_indices(), drawn[k]), (step, k)
+        idx, epochs = Sampler(n, batch, 5, counter.at(step), step).batch(step)
+        assert np.array_equal(idx, drawn[step]) and epochs[0] == counter.at(step)[0]
