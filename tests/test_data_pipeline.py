@@ -99,3 +99,31 @@ def test_the_sampler_draws_and_counts_one_position_and_a_resumed_sampler_goes_on
             assert np.array_equal(resumed.next_indices(), drawn[k]), (step, k)
         idx, epochs = Sampler(n, batch, 5, counter.at(step), step).batch(step)
         assert np.array_equal(idx, drawn[step]) and epochs[0] == counter.at(step)[0]
+
+
+def test_raw_records_run_on_the_image_workers_pool_and_a_dead_worker_is_its_one_line(tmp_path):
+    import multiprocessing
+    import signal
+
+    from conftest import shared_file
+    from towers.data.image.workers import Workers
+    from towers.data.tfrecord.records import load_split
+
+    path = str(shared_file("tfrecord-samples", "mnist_t10k_head1000.tfrecords"))
+    x, _ = load_split(path, "image_raw", "label", decode="image_raw:uint8:28,28", workers=1)
+    reference, _ = load_split(path, "image_raw", "label", decode="image_raw:uint8:28,28", workers=0)
+    try:
+        assert isinstance(x._workers, Workers)  # the one pool, not a second one
+        rows = np.arange(0, 1000, 7)
+        assert np.array_equal(x[rows], reference[rows])
+        (worker,) = multiprocessing.active_children()
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join()
+        with pytest.raises(TrainingError) as info:
+            x[rows]
+        assert str(info.value).startswith("an input worker process died (out of memory? killed?); resume from the "
+                                          "last checkpoint with")  # the images' line, written once
+    finally:
+        x.close()
+        reference.close()
+    assert not multiprocessing.active_children()

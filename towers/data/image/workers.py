@@ -1,9 +1,12 @@
-"""Input worker processes: per-example transforms run in parallel, batches come back through shared memory.
+"""Input worker processes, the one pool of the data pipeline: rows made in parallel, batches in shared memory.
 
-A :class:`Workers` pool serves every image array of a data set (training and
-test share it).  ``start(sid, rows...)`` hands a batch to the workers as
-chunks of rows; a worker reads its rows from the source, transforms them
-(``towers.data.image.augment.Transform``) and writes the results straight into
+A :class:`Workers` pool serves the arrays of a data set made on demand
+(training and test share it): images (``towers.data.image.array``) and raw
+TFRecord examples (``towers.data.tfrecord.records``).  ``start(sid, rows...)``
+hands a batch to the workers as chunks of rows; a worker makes its rows
+(:func:`make_rows`: read from the source and transformed by
+``towers.data.image.augment.Transform``, or, for raw records, gathered whole
+by the source) and writes the results straight into
 a shared-memory block that the main process allocated for the whole batch, so
 only row numbers travel to the workers (the rows themselves from an array in
 memory) and only a list of failures comes back (no pickled arrays).
