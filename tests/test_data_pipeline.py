@@ -127,3 +127,23 @@ def test_raw_records_run_on_the_image_workers_pool_and_a_dead_worker_is_its_one_
         x.close()
         reference.close()
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered in cast:RuntimeWarning")  # pixels read as float64: garbage
+@pytest.mark.parametrize("decode", ["image_raw:uint8:28,28", "image_raw:float64:98"])
+def test_raw_examples_made_in_a_worker_equal_those_made_in_the_input_thread(decode):
+    from conftest import shared_file
+    from towers.data.tfrecord.records import load_split
+
+    path = str(shared_file("tfrecord-samples", "mnist_t10k_head1000.tfrecords"))
+    here, _ = load_split(path, "image_raw", "label", decode=decode, workers=0)
+    there, _ = load_split(path, "image_raw", "label", decode=decode, workers=1)
+    try:
+        rows = np.random.default_rng(1).permutation(1000)[:300]
+        a, b = here[rows], there[rows]
+        # float64 bytes become float32 examples: converted on the way into the batch's shared memory
+        assert a.dtype == b.dtype == (np.uint8 if "uint8" in decode else np.float32)
+        assert a.tobytes() == b.tobytes() and a.shape == b.shape == (300,) + here.shape[1:]
+    finally:
+        here.close()
+        there.close()

@@ -110,7 +110,7 @@ class RawRecordSource:
         return f"{self.paths[f]}: record {number} at byte offset {offset}: feature {self.feature!r}"
 
     def read_rows(self, refs, out) -> None:
-        out[...] = self._gatherer.read(*(a[refs] for a in self._pos))
+        self._gatherer.read(*(a[refs] for a in self._pos), into=out)
 
     def close(self) -> None:
         """Close the files read so far (a later read opens them again)."""

@@ -336,19 +336,29 @@ class Gatherer:
         with self._lock:
             self._reader.close()
 
-    def read(self, files, offsets, lengths, numbers, crcs):
+    def read(self, files, offsets, lengths, numbers, crcs, into=None):
         """The examples of the records at ``offsets`` (of ``files``, payload ``lengths``, record ``numbers``).
 
         ``crcs``: the records' masked payload CRCs as indexed; a record whose footer differs raises
-        :class:`IndexStale`.
+        :class:`IndexStale`.  ``into``: a C-contiguous array of the result's shape and ``out_dtype`` to
+        fill and return (a batch's shared memory: the stored bytes go straight there when they are the
+        result's, else they are converted into it).
         """
-        out = np.empty((len(numbers), self.width), np.uint8)
+        n, shape = len(numbers), (len(numbers),) + self.shape
+        direct = into is not None and self.stored == self.out_dtype
+        out = into.reshape(n, -1).view(np.uint8) if direct else np.empty((n, self.width), np.uint8)
         with self._lock:
-            if len(numbers) and lengths.min() == lengths.max():  # the usual batch: no index arrays to build
+            if n and lengths.min() == lengths.max():  # the usual batch: no index arrays to build
                 self._read_length(out, slice(None), files, offsets, numbers, int(lengths[0]), crcs)
-            elif len(numbers):
+            elif n:
                 self._read_lengths(out, files, offsets, lengths, numbers, crcs)
-        return out.view(self.stored).reshape((len(numbers),) + self.shape).astype(self.out_dtype, copy=False)
+        if direct:
+            return into
+        examples = out.view(self.stored).reshape(shape).astype(self.out_dtype, copy=False)
+        if into is None:
+            return examples
+        into[...] = examples
+        return into
 
     def _read_lengths(self, out, files, offsets, lengths, numbers, crcs) -> None:
         """Records of several lengths: gathers for the lengths with many records and a known start, the rest one
