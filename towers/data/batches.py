@@ -96,7 +96,7 @@ class BatchSource:
         if global_batch > n:
             raise UserError(
                 f"the global batch ({global_batch} examples) is larger than the dataset ({n}); "
-                "lower `batch_size` or the number of towers"
+                "lower `batch_size`, `accumulate` or the number of towers"
             )
         self.x, self.y, self.n = dataset.x, dataset.y, n
         self.global_batch, self.seed = global_batch, seed
