@@ -19,7 +19,8 @@ from towers.data.tfrecord import gather as gather_module
 from towers.data.tfrecord.framing import TFRecordError, TFRecordWriter, check_record, frame, framed_intact
 from towers.data.tfrecord.gather import Gatherer, Layouts
 from towers.data.tfrecord.proto import KIND_BYTES, KIND_FLOAT, BytesList, Feature, Features, FloatList, Int64List
-from towers.data.tfrecord.records import file_index
+from towers.data.tfrecord.index import file_index
+from towers.data.tfrecord.index import positions as index_positions
 
 
 def _varint(n):
@@ -57,12 +58,9 @@ def gatherer(paths, kind=KIND_BYTES, dtype="u1", shape=(16,)):
 
 
 def positions(paths, records):
-    """(files, offsets, lengths, numbers) of global record numbers ``records`` over the files' indexes."""
-    indexes = [file_index(str(p)) for p in paths]
-    files = np.concatenate([np.full(len(i.offsets), k) for k, i in enumerate(indexes)])
-    cols = [np.concatenate([getattr(i, a) for i in indexes]) for a in ("offsets", "lengths", "numbers")]
+    """(files, offsets, lengths, numbers, crcs) of global record numbers ``records`` over the files' indexes."""
     r = np.asarray(records)
-    return files[r], cols[0][r], cols[1][r], cols[2][r]
+    return tuple(a[r] for a in index_positions([file_index(str(p)) for p in paths]))
 
 
 class CountingParses(Gatherer):

@@ -202,7 +202,7 @@ def test_a_record_array_pickles_without_its_workers_and_reads_the_same(tmp_path)
     try:
         first = ds.x[np.arange(10)]  # starts the worker pool and opens the file
         copy = pickle.loads(pickle.dumps(ds.x))
-        assert copy._pool is None
+        assert copy._workers._pool is None  # no worker processes travel
         np.testing.assert_array_equal(copy[np.arange(10)], first)
         np.testing.assert_array_equal(first.reshape(10, -1), x[:10].reshape(10, -1))
         copy.close()

@@ -1,4 +1,4 @@
-"""Global batches: the seeded per-epoch shuffle and the background batch thread.
+"""The sampler and the batches: which examples each step reads, and the background batch thread.
 
 Each step draws ONE global batch of ``n_towers * batch_size`` examples from a
 seeded per-epoch permutation; the trainer splits it into equal contiguous slices
@@ -7,10 +7,13 @@ in tower order, so N towers x B follow exactly the same sequence of examples as
 next epoch's permutation, so every epoch is seen whole and no tower ever gets a
 short slice.
 
-The permutation of epoch ``e`` is drawn from ``default_rng([seed, e])``: the
-position (epoch, index in epoch) is the pipeline's whole state, which makes
-resuming exact.  ``Prefetcher`` assembles global batches on a background thread
-into a bounded queue, ahead of the trainer.
+:class:`Sampler` keeps this once: the permutation of epoch ``e`` is drawn from
+``default_rng([seed, e])``, so the position (epoch, index in epoch) is the
+pipeline's whole state, counted from the steps taken, and serialized as
+``data/epoch``, ``data/index``; resuming from it is exact.  :class:`BatchSource`
+is a cursor over a Sampler that reads the examples of each batch (``submit``:
+the worker pool for examples made on demand); ``Prefetcher`` runs it on a
+background thread into a bounded queue, ahead of the trainer.
 """
 from __future__ import annotations
 
@@ -23,85 +26,43 @@ from towers.data.dataset import Dataset
 from towers.errors import UserError
 
 
-class BatchSource:
-    """Global batches from per-epoch seeded permutations; state = (epoch, index)."""
+class Sampler:
+    """The seeded per-epoch permutation and the input position of ``n`` examples in global batches.
 
-    def __init__(self, dataset: Dataset, global_batch: int, seed: int, epoch: int = 0, index: int = 0):
-        n = len(dataset.x)
-        if global_batch > n:
-            raise UserError(
-                f"the global batch ({global_batch} examples) is larger than the dataset ({n}); "
-                "lower `batch_size`, `accumulate` or the number of towers"
-            )
-        self.x, self.y, self.n = dataset.x, dataset.y, n
-        self.global_batch, self.seed = global_batch, seed
-        self.epoch, self.index = epoch, index
-        self._perm = self._permutation(epoch)
-
-    def _permutation(self, epoch: int) -> numpy.ndarray:
-        return numpy.random.default_rng([self.seed, epoch]).permutation(self.n)
-
-    @property
-    def position(self) -> tuple[int, int]:
-        return self.epoch, self.index
-
-    def next_indices(self) -> numpy.ndarray:
-        return self.next_positions()[0]
-
-    def next_positions(self) -> tuple[numpy.ndarray, numpy.ndarray]:
-        """(example indices, their epochs) of the next global batch."""
-        out = numpy.empty(self.global_batch, dtype=numpy.int64)
-        epochs = numpy.empty(self.global_batch, dtype=numpy.int64)
-        filled = 0
-        while filled < self.global_batch:
-            take = min(self.global_batch - filled, self.n - self.index)
-            out[filled : filled + take] = self._perm[self.index : self.index + take]
-            epochs[filled : filled + take] = self.epoch
-            filled += take
-            self.index += take
-            if self.index == self.n:  # epoch boundary: the next permutation
-                self.epoch, self.index = self.epoch + 1, 0
-                self._perm = self._permutation(self.epoch)
-        return out, epochs
-
-    def next_batch(self):
-        return self.submit_batch().result()
-
-    def submit_batch(self) -> "_Batch":
-        """The next global batch, started: ``result()`` gives (x, y)."""
-        return start_batch(self.x, self.y, *self.next_positions())
-
-
-def start_batch(x, y, idx, epochs) -> "_Batch":
-    """The examples ``idx`` (drawn in ``epochs``) of ``x`` and ``y``, started: ``result()`` gives (x, y).
-
-    Examples with a ``submit`` method (TFRecord records,
-    ``towers.data.tfrecord.records``; images, ``towers.data.image.array``)
-    are read by their worker processes meanwhile; arrays in memory are
-    gathered here and now.  Arrays that augment (``augments``) also get each
-    example's epoch: its random draws come from (seed, epoch, index).
-    """
-    submit = getattr(x, "submit", None)
-    if submit is None:
-        return _Batch(x[idx], y[idx])
-    return _Batch(submit(idx, epochs) if getattr(x, "augments", False) else submit(idx), y[idx])
-
-
-class InputPosition:
-    """The input pipeline's position after ``step`` steps of ``global_batch`` examples: its state dict part.
-
-    The batch thread runs ahead of training, so the position a checkpoint needs
-    is counted from the steps taken since ``start`` ((step, (epoch, index)) where
-    this run's source began), not read from the source.
+    ``start``: the (epoch, index) at step ``start_step`` (a resumed run's).
+    ``batch(step)`` gives the examples step ``step`` reads, ``at(step)`` the
+    position after it, ``state_dict(step)`` / ``read_state`` its checkpoint
+    part.  ``seed`` None: a sampler that only counts (it draws nothing).  The
+    permutation of the epoch drawn last is kept (one thread draws).
     """
 
-    def __init__(self, n_examples: int, global_batch: int, start_step: int = 0, start=(0, 0)):
-        self.n, self.global_batch = n_examples, global_batch
+    def __init__(self, n: int, global_batch: int, seed: int | None = None, start=(0, 0), start_step: int = 0):
+        self.n, self.global_batch, self.seed = n, global_batch, seed
         self.start_step, self.start = start_step, tuple(start)
+        self._perm = (None, None)  # (epoch, its permutation)
+
+    def permutation(self, epoch: int) -> numpy.ndarray:
+        if self._perm[0] != epoch:
+            self._perm = (epoch, numpy.random.default_rng([self.seed, epoch]).permutation(self.n))
+        return self._perm[1]
 
     def at(self, step: int) -> tuple[int, int]:
         """(epoch, index in epoch) after ``step`` steps."""
         return divmod(self.start[0] * self.n + self.start[1] + (step - self.start_step) * self.global_batch, self.n)
+
+    def batch(self, step: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """(example indices, their epochs) of the global batch read by step ``step`` + 1 (from ``at(step)``)."""
+        epoch, index = self.at(step)
+        out = numpy.empty(self.global_batch, dtype=numpy.int64)
+        epochs = numpy.empty(self.global_batch, dtype=numpy.int64)
+        filled = 0
+        while filled < self.global_batch:
+            take = min(self.global_batch - filled, self.n - index)
+            out[filled : filled + take] = self.permutation(epoch)[index : index + take]
+            epochs[filled : filled + take] = epoch
+            filled += take
+            epoch, index = (epoch + 1, 0) if index + take == self.n else (epoch, index + take)
+        return out, epochs
 
     def state_dict(self, step: int) -> dict:
         epoch, index = self.at(step)
@@ -116,6 +77,66 @@ class InputPosition:
         if index >= self.n:
             raise UserError(f"{where}: 'data/index' {index} is beyond the data set's {self.n} examples")
         return epoch, index
+
+
+class InputPosition(Sampler):
+    """A Sampler that only counts: the position after ``step`` steps and its checkpoint part (the trainer's and
+    a cluster host's; the batch thread runs ahead, so the position a checkpoint needs is counted from the
+    steps taken since ``start``, not read from the batch thread's cursor)."""
+
+    def __init__(self, n_examples: int, global_batch: int, start_step: int = 0, start=(0, 0)):
+        super().__init__(n_examples, global_batch, None, start, start_step)
+
+
+class BatchSource:
+    """The batch thread's cursor over a :class:`Sampler`: the next global batches, read from ``dataset``."""
+
+    def __init__(self, dataset: Dataset, global_batch: int, seed: int, epoch: int = 0, index: int = 0):
+        n = len(dataset.x)
+        if global_batch > n:
+            raise UserError(
+                f"the global batch ({global_batch} examples) is larger than the dataset ({n}); "
+                "lower `batch_size`, `accumulate` or the number of towers"
+            )
+        self.x, self.y, self.n = dataset.x, dataset.y, n
+        self.global_batch, self.seed = global_batch, seed
+        self.sampler = Sampler(n, global_batch, seed, (epoch, index))
+        self._steps = 0  # batches drawn
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.sampler.at(self._steps)
+
+    def next_indices(self) -> numpy.ndarray:
+        return self.next_positions()[0]
+
+    def next_positions(self) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """(example indices, their epochs) of the next global batch."""
+        batch = self.sampler.batch(self._steps)
+        self._steps += 1
+        return batch
+
+    def next_batch(self):
+        return self.submit_batch().result()
+
+    def submit_batch(self) -> "_Batch":
+        """The next global batch, started: ``result()`` gives (x, y)."""
+        return start_batch(self.x, self.y, *self.next_positions())
+
+
+def start_batch(x, y, idx, epochs) -> "_Batch":
+    """The examples ``idx`` (drawn in ``epochs``) of ``x`` and ``y``, started: ``result()`` gives (x, y).
+
+    Examples with a ``submit`` method (TFRecord records,
+    ``towers.data.tfrecord.records``; images, ``towers.data.image.array``)
+    are made by the input workers meanwhile; arrays in memory are
+    gathered here and now.  Arrays that augment (``augments``) also get each
+    example's epoch: its random draws come from (seed, epoch, index).
+    """
+    submit = getattr(x, "submit", None)
+    if submit is None:
+        return _Batch(x[idx], y[idx])
+    return _Batch(submit(idx, epochs) if getattr(x, "augments", False) else submit(idx), y[idx])
 
 
 class _Batch:

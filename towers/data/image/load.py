@@ -77,7 +77,7 @@ def _records(path, x_key, y_key, feature, on_error, say):
     if y.min() < 0 or y.max() > np.iinfo(np.int32).max:
         raise UsageError(f"{path}: labels in {yname!r} run from {int(y.min())} to {int(y.max())}; labels are 0..C-1")
     positions = [np.concatenate([np.full(len(i.offsets), k, np.int64) for k, i in enumerate(indexes)])]
-    positions += [np.concatenate([getattr(i, a) for i in indexes]) for a in ("offsets", "lengths", "numbers")]
+    positions += [np.concatenate([getattr(i, a) for i in indexes]) for a in ("offsets", "lengths", "numbers", "crcs")]
     return _Split(RecordSource([i.path for i in indexes], feature, *positions), y.astype(np.int32))
 
 

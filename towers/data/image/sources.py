@@ -1,15 +1,19 @@
-"""Sources: random access to examples by row number, as encoded bytes or as stored arrays.
+"""Sources, the first stage of the data pipeline: random access to examples by row number.
 
 A source is small and picklable (paths and per-row positions, no open
-files), so the input workers rebuild it once and then read rows themselves.
-``refs(rows)`` picks what a chunk of rows needs to travel to a worker,
-``read(ref)`` turns one of them into the example, ``where(ref)`` names it in a
-message.  The transforms (``towers.data.image.augment``) run on what ``read``
-returns.
+files), so the input workers (``towers.data.image.workers``) rebuild it once
+and then read rows themselves.  ``refs(rows)`` picks what a chunk of rows
+needs to travel to a worker, ``read(ref)`` turns one of them into the
+example, ``where(ref)`` names it in a message.  The transforms
+(``towers.data.image.augment``) run on what ``read`` returns.
 
 - :class:`RecordSource`: one bytes feature of TFRecord records (``image/encoded``),
-  located by the record index (``towers.data.tfrecord.records.file_index``):
-  each read checks the record's framing and both CRCs, then parses it;
+  located by the record index (``towers.data.tfrecord.index``): each read goes
+  through the one record reader (``towers.data.tfrecord.gather.RecordReader``:
+  framing, both CRCs, the record against its index), then parses it;
+- :class:`RawRecordSource`: examples stored raw in TFRecord records; no
+  per-example transform: ``read_rows(refs, out)`` makes a whole chunk (a
+  ``Gatherer``: the same reader's checks, batch-wise);
 - :class:`FileSource`: one file per row (an image folder);
 - :class:`ArraySource`: rows of a uint8 (N, H, W, C) array (an npz to augment),
   sent with the chunk.
@@ -22,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, check_record
-from towers.data.tfrecord.gather import RecordFile
+from towers.data.tfrecord.framing import TFRecordError
+from towers.data.tfrecord.gather import Gatherer, RecordReader
 from towers.data.tfrecord.proto import SequenceExample
 
 
@@ -36,13 +40,17 @@ class RecordSource:
 
     encoded = True
 
-    def __init__(self, paths, feature, files, offsets, lengths, numbers):
+    def __init__(self, paths, feature, files, offsets, lengths, numbers, crcs):
         self.paths, self.feature = list(paths), feature
-        self._pos = np.stack([files, offsets, lengths, numbers], axis=1).astype(np.int64)
-        self._open: dict[int, RecordFile] = {}
+        self._pos = np.stack([files, offsets, lengths, numbers, crcs], axis=1).astype(np.int64)
+        self._reader = RecordReader(self.paths)
 
     def __getstate__(self):
-        return dict(self.__dict__, _open={})
+        return dict(self.__dict__, _reader=None)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._reader = RecordReader(self.paths)
 
     def __len__(self):
         return len(self._pos)
@@ -51,17 +59,12 @@ class RecordSource:
         return np.asarray(rows, np.int64)  # a worker has the positions: only row numbers travel
 
     def where(self, ref) -> str:
-        f, offset, _, number = self._pos[ref].tolist()
+        f, offset, _, number, _ = self._pos[ref].tolist()
         return f"{self.paths[f]}: record {number} at byte offset {offset}: feature {self.feature!r}"
 
     def read(self, ref) -> bytes:
-        f, offset, length, number = self._pos[ref].tolist()
-        file = self._open.get(f)
-        if file is None:
-            file = self._open[f] = RecordFile(self.paths[f], mapped=False)
-        payload = check_record(file.read(offset, HEADER + length + FOOTER, None), length)
-        if isinstance(payload, str):
-            raise TFRecordError(self.paths[f], number, offset, payload)
+        f, offset, length, number, crc = self._pos[ref].tolist()
+        payload = self._reader.payload(f, offset, length, number, crc)
         try:
             values = SequenceExample.FromString(payload).context.feature[self.feature].bytes_list.value
         except DecodeError:
@@ -72,9 +75,46 @@ class RecordSource:
         return values[0]
 
     def close(self) -> None:
-        for file in self._open.values():
-            file.close()
-        self._open = {}
+        self._reader.close()
+
+
+class RawRecordSource:
+    """Examples stored raw in TFRecord records (a bytes feature read as ``dtype`` and ``shape``, or a float
+    list), made a chunk at a time by a :class:`~towers.data.tfrecord.gather.Gatherer` (``read_rows``):
+    the records of a chunk are gathered and checked together, and parsed only when their layout is new."""
+
+    encoded = False
+
+    def __init__(self, paths, feature, kind, dtype, shape, files, offsets, lengths, numbers, crcs):
+        self.paths, self.feature = list(paths), feature
+        self._spec = (self.paths, feature, kind, np.dtype(dtype).str, tuple(shape))
+        self._pos = (files, offsets, lengths, numbers, crcs)
+        self._gatherer = Gatherer(*self._spec)
+        self.example_shape, self.dtype = tuple(shape), self._gatherer.out_dtype
+
+    def __getstate__(self):
+        return dict(self.__dict__, _gatherer=None)  # no open files or learned frames travel
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._gatherer = Gatherer(*self._spec)
+
+    def __len__(self):
+        return len(self._pos[0])
+
+    def refs(self, rows):
+        return np.asarray(rows, np.int64)  # a worker has the positions: only row numbers travel
+
+    def where(self, ref) -> str:
+        f, offset, number = int(self._pos[0][ref]), int(self._pos[1][ref]), int(self._pos[3][ref])
+        return f"{self.paths[f]}: record {number} at byte offset {offset}: feature {self.feature!r}"
+
+    def read_rows(self, refs, out) -> None:
+        self._gatherer.read(*(a[refs] for a in self._pos), into=out)
+
+    def close(self) -> None:
+        """Close the files read so far (a later read opens them again)."""
+        self._gatherer.close()
 
 
 class FileSource:

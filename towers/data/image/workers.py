@@ -1,9 +1,12 @@
-"""Input worker processes: per-example transforms run in parallel, batches come back through shared memory.
+"""Input worker processes, the one pool of the data pipeline: rows made in parallel, batches in shared memory.
 
-A :class:`Workers` pool serves every image array of a data set (training and
-test share it).  ``start(sid, rows...)`` hands a batch to the workers as
-chunks of rows; a worker reads its rows from the source, transforms them
-(``towers.data.image.augment.Transform``) and writes the results straight into
+A :class:`Workers` pool serves the arrays of a data set made on demand
+(training and test share it): images (``towers.data.image.array``) and raw
+TFRecord examples (``towers.data.tfrecord.records``).  ``start(sid, rows...)``
+hands a batch to the workers as chunks of rows; a worker makes its rows
+(:func:`make_rows`: read from the source and transformed by
+``towers.data.image.augment.Transform``, or, for raw records, gathered whole
+by the source) and writes the results straight into
 a shared-memory block that the main process allocated for the whole batch, so
 only row numbers travel to the workers (the rows themselves from an array in
 memory) and only a list of failures comes back (no pickled arrays).
@@ -75,6 +78,24 @@ from towers.errors import UserError
 
 ATTACHED = 16  # blocks a worker keeps mapped (batch and test-chunk sizes)
 STOP_SECONDS = 5  # how long a worker has to end on SIGTERM before SIGKILL
+
+
+def make_rows(source, transform, refs, epochs, indices, out) -> list[tuple[int, str]]:
+    """A chunk's work: ``out[k]`` made from ``refs[k]``; returns (k, message) of those that cannot be made.
+
+    ``transform`` None: the source makes the whole chunk at once
+    (``source.read_rows``: raw TFRecord examples, gathered and parsed a batch
+    at a time); else each example is read and transformed (:func:`transform_rows`).
+    """
+    if transform is None:
+        source.read_rows(refs, out)
+        return []
+    return transform_rows(source, transform, refs, epochs, indices, out)
+
+
+def layout(source, transform) -> tuple[tuple, np.dtype]:
+    """(example shape, dtype) of the rows ``make_rows`` writes for ``source`` and ``transform``."""
+    return (source.example_shape, source.dtype) if transform is None else (transform.shape, transform.dtype)
 
 
 def transform_rows(source, transform, refs, epochs, indices, out) -> list[tuple[int, str]]:
@@ -157,7 +178,7 @@ def _run_chunk(sid, name, offset, shape, dtype, refs, epochs, indices):
     source, transform = _SOURCES[sid]
     out = np.ndarray((len(refs),) + tuple(shape), dtype, buffer=_block(name).buf, offset=offset)
     try:
-        return transform_rows(source, transform, refs, epochs, indices, out)
+        return make_rows(source, transform, refs, epochs, indices, out)
     finally:
         del out  # the block may be closed later: no view may outlive this call
 
@@ -309,8 +330,9 @@ class Workers:
         self.__init__(state["n"])
         self._sources = state["sources"]
 
-    def add(self, source, transform) -> int:
-        """Register an array's source and transform (before the first batch); its id."""
+    def add(self, source, transform=None) -> int:
+        """Register an array's source and transform (before the first batch); its id.  Without a transform
+        the source makes whole chunks itself (see :func:`make_rows`)."""
         if self._pool is not None:
             raise RuntimeError("Workers.add after the workers started")
         self._sources.append((source, transform))
@@ -329,12 +351,13 @@ class Workers:
             raise _closed()
         source, transform = self._sources[sid]
         rows = np.asarray(rows, np.int64)
-        shape, dtype = (len(rows),) + transform.shape, transform.dtype
+        example, dtype = layout(source, transform)
+        shape = (len(rows),) + tuple(example)
         if self.n == 0 or len(rows) == 0:
             out = np.empty(shape, dtype)
-            failures = transform_rows(source, transform, source.refs(rows), epochs, rows, out)
+            failures = make_rows(source, transform, source.refs(rows), epochs, rows, out)
             return _Chunks(out, [_Ticket(failures=failures)], [(0, len(rows))])
-        row_bytes = int(np.prod(transform.shape)) * dtype.itemsize
+        row_bytes = int(np.prod(example)) * dtype.itemsize
         tickets: list = []  # filled below; the block goes back to the free list with them
         with self._lock:
             if self._closed:
@@ -352,7 +375,7 @@ class Workers:
             self._turn = (self._turn + len(bounds)) % self.n
         # Sent outside the lock: a full pipe must not hold up the other thread's batches or a block's return.
         for worker, (a, b) in zip(turns, bounds):
-            tickets.append(worker.send((sid, block.name, a * row_bytes, transform.shape, dtype.str,
+            tickets.append(worker.send((sid, block.name, a * row_bytes, example, dtype.str,
                                         source.refs(rows[a:b]), None if epochs is None else epochs[a:b], rows[a:b])))
         return _Chunks(out, tickets, bounds)
 

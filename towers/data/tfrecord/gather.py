@@ -25,7 +25,9 @@ after the first few records no record needs the parser:
    labels of others (:class:`IndexStale`).
 3. **Copy** the value of every record whose frame is known (:class:`Layouts`).
 4. **One by one**, every other record (small groups, a frame not known,
-   damage, a file that shrank): ``check_record``, then its frame looked up,
+   damage, a file that shrank): :class:`RecordReader` (the one record reader,
+   which the image path uses too: framing, both CRCs, the index's CRC), then
+   its frame looked up,
    else the protobuf parser, which also names what is wrong
    (:class:`~towers.data.tfrecord.framing.TFRecordError`).  A parsed record's
    frame is learned (see :class:`Layouts`: a frame counts once a second
@@ -63,6 +65,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, check_record, framed_intact
+from towers.data.tfrecord.index import forget_index
 from towers.data.tfrecord.proto import KIND_BYTES, KIND_LIST_FIELDS, SequenceExample
 
 WINDOW = 64 << 20  # bytes of files one Gatherer maps (their pages stay resident once read)
@@ -144,6 +147,63 @@ class RecordFile:
         finally:
             if self._fd is not None:
                 os.close(self._fd)
+
+
+class RecordReader:
+    """The one reader of indexed records: every path that reads a record at its indexed position comes here
+    (raw examples: :class:`Gatherer`, one record at a time or after a gather; encoded images:
+    ``towers.data.image.sources.RecordSource``).
+
+    :meth:`payload` checks what a record read must: its framing and both CRCs
+    (``check_record``, a :class:`TFRecordError` naming file, record and
+    offset), and that it is still the record indexed (its footer is the CRC
+    the index saw, else :class:`IndexStale`, after the file's cached index is
+    forgotten so that the next run builds it anew).  Files open on first use,
+    one per shard, kept open; mapped (``mapped``) while the files mapped fit
+    ``WINDOW``, else read with ``os.pread``.  Not thread-safe (callers hold
+    their own lock, or read in one thread).
+    """
+
+    def __init__(self, paths, mapped=False):
+        self.paths, self._mapping = list(paths), mapped
+        self._files: dict[int, RecordFile] = {}
+        self._mapped = 0  # bytes of the files mapped
+
+    def file(self, f) -> RecordFile:
+        """File number ``f``, opened on first use."""
+        file = self._files.get(f)
+        if file is None:
+            # Map while the mapped files fit the window: their pages stay resident once read.
+            size = os.path.getsize(self.paths[f]) if self._mapping else 0
+            file = self._files[f] = RecordFile(self.paths[f], self._mapping and self._mapped + size <= WINDOW)
+            self._mapped += size if file.mapped else 0
+        return file
+
+    def payload(self, f, offset, length, number, crc, raw=None, batch=None) -> bytes:
+        """The payload of record ``number`` of file ``f`` (at ``offset``, ``length`` payload bytes, ``crc`` as
+        indexed), every check made; ``raw``: the framed record when already read, ``batch``: see
+        :meth:`RecordFile.read`."""
+        if raw is None:
+            raw = self.file(f).read(offset, HEADER + length + FOOTER, batch)
+        payload = check_record(raw, length)
+        if isinstance(payload, str):
+            raise TFRecordError(self.paths[f], number, offset, payload)
+        if int.from_bytes(raw[HEADER + length:HEADER + length + FOOTER], "little") != crc:
+            forget_index(self.paths[f])  # whichever process meets it: the next run indexes the file anew
+            raise IndexStale(self.paths[f], number, offset, STALE)
+        return payload
+
+    def close(self) -> None:
+        """Close the files opened so far (a later read opens them again)."""
+        files, self._files, self._mapped = list(self._files.values()), {}, 0
+        errors = []
+        for file in files:
+            try:
+                file.close()
+            except Exception as e:  # close the others all the same
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 class Layouts:
@@ -264,49 +324,41 @@ class Gatherer:
         self.stored = self.dtype if kind == KIND_BYTES else np.dtype("<f4")  # an example's bytes in the file
         self.width = math.prod(self.shape) * self.stored.itemsize
         self._field = KIND_LIST_FIELDS[kind]
-        self._files: dict[int, RecordFile] = {}
+        self._reader = RecordReader(paths, mapped=True)
         self._layouts = Layouts(self.width, self._value_of)
-        self._mapped = 0  # bytes of the files mapped
         self._batches = 0  # calls of _records, for the files' size checks
         # The input thread reads batches while the main thread may read others
         # (the divergence check's scan); files, frames and mappings are shared.
         self._lock = threading.Lock()
 
-    def _file(self, f) -> RecordFile:
-        file = self._files.get(f)
-        if file is None:
-            # Map while the mapped files fit the window: their pages stay resident once read.
-            size = os.path.getsize(self.paths[f])
-            file = self._files[f] = RecordFile(self.paths[f], self._mapped + size <= WINDOW)
-            self._mapped += size if file.mapped else 0
-        return file
-
     def close(self) -> None:
         """Close the files opened so far (a later read opens them again)."""
         with self._lock:
-            files, self._files, self._mapped = list(self._files.values()), {}, 0
-            errors = []
-            for file in files:
-                try:
-                    file.close()
-                except Exception as e:  # close the others all the same
-                    errors.append(e)
-            if errors:
-                raise errors[0]
+            self._reader.close()
 
-    def read(self, files, offsets, lengths, numbers, crcs=None):
+    def read(self, files, offsets, lengths, numbers, crcs, into=None):
         """The examples of the records at ``offsets`` (of ``files``, payload ``lengths``, record ``numbers``).
 
         ``crcs``: the records' masked payload CRCs as indexed; a record whose footer differs raises
-        :class:`IndexStale` (without them only the records' integrity is checked).
+        :class:`IndexStale`.  ``into``: a C-contiguous array of the result's shape and ``out_dtype`` to
+        fill and return (a batch's shared memory: the stored bytes go straight there when they are the
+        result's, else they are converted into it).
         """
-        out = np.empty((len(numbers), self.width), np.uint8)
+        n, shape = len(numbers), (len(numbers),) + self.shape
+        direct = into is not None and self.stored == self.out_dtype
+        out = into.reshape(n, -1).view(np.uint8) if direct else np.empty((n, self.width), np.uint8)
         with self._lock:
-            if len(numbers) and lengths.min() == lengths.max():  # the usual batch: no index arrays to build
+            if n and lengths.min() == lengths.max():  # the usual batch: no index arrays to build
                 self._read_length(out, slice(None), files, offsets, numbers, int(lengths[0]), crcs)
-            elif len(numbers):
+            elif n:
                 self._read_lengths(out, files, offsets, lengths, numbers, crcs)
-        return out.view(self.stored).reshape((len(numbers),) + self.shape).astype(self.out_dtype, copy=False)
+        if direct:
+            return into
+        examples = out.view(self.stored).reshape(shape).astype(self.out_dtype, copy=False)
+        if into is None:
+            return examples
+        into[...] = examples
+        return into
 
     def _read_lengths(self, out, files, offsets, lengths, numbers, crcs) -> None:
         """Records of several lengths: gathers for the lengths with many records and a known start, the rest one
@@ -316,10 +368,10 @@ class Gatherer:
                if c >= BATCH_MIN and self._layouts.start(n) is not None]
         for k in big:
             rows = np.flatnonzero(group == k)
-            self._read_length(out, rows, files[rows], offsets[rows], numbers[rows], int(values[k]), _at(crcs, rows))
+            self._read_length(out, rows, files[rows], offsets[rows], numbers[rows], int(values[k]), crcs[rows])
         rest = np.flatnonzero(~np.isin(group, big)) if big else np.arange(len(out))
         self._records(out, rest, files[rest], offsets[rest], lengths[rest].tolist(), numbers[rest],
-                      _at(crcs, rest))
+                      crcs[rest])
 
     def _read_length(self, out, rows, files, offsets, numbers, length, crcs) -> None:
         """Fill ``out[rows]`` (all rows as ``slice(None)``, or row numbers) with the examples of records whose
@@ -331,7 +383,7 @@ class Gatherer:
         for c in range(0, len(offsets), chunk):
             part = slice(c, c + chunk)
             self._gathered(out, part if isinstance(rows, slice) else rows[part], files[part], offsets[part],
-                           numbers[part], length, start, _at(crcs, part))
+                           numbers[part], length, start, crcs[part])
 
     def _gathered(self, out, rows, files, offsets, numbers, length, start, crcs) -> None:
         """Steps 1-3 for records of one length and a known start; the others record by record."""
@@ -341,8 +393,8 @@ class Gatherer:
         else:
             payloads = framed[:, HEADER:HEADER + length]
             fast = self._layouts.known(length, payloads) & framed_intact(framed, length)
-            if crcs is not None:  # the indexed records still: one compare of the footers (step 4 says which not)
-                fast &= np.ascontiguousarray(framed[:, HEADER + length:]).view("<u4")[:, 0] == crcs
+            # The indexed records still: one compare of the footers (step 4 says which not).
+            fast &= np.ascontiguousarray(framed[:, HEADER + length:]).view("<u4")[:, 0] == crcs
             self._layouts.outcome(length, int(fast.sum()), len(fast))
             if fast.all():
                 out[rows] = payloads[:, start:start + self.width]
@@ -352,16 +404,16 @@ class Gatherer:
         slow = np.flatnonzero(~fast)
         raws = None if framed is None else [framed[i].tobytes() for i in slow]  # read already: no second read
         self._records(out, rows[slow], files[slow], offsets[slow], itertools.repeat(length), numbers[slow],
-                      _at(crcs, slow), raws)
+                      crcs[slow], raws)
 
     def _gather(self, files, offsets, n):
         """The whole records (k, n) at ``offsets`` of ``files``; None if a file shrank since it was indexed."""
         if files.min() == files.max():
-            return self._file(int(files[0])).rows(offsets, n)
+            return self._reader.file(int(files[0])).rows(offsets, n)
         framed = np.empty((len(offsets), n), np.uint8)
         for f in np.unique(files).tolist():
             at = files == f
-            part = self._file(f).rows(offsets[at], n)
+            part = self._reader.file(f).rows(offsets[at], n)
             if part is None:
                 return None
             framed[at] = part
@@ -369,22 +421,16 @@ class Gatherer:
 
     def _records(self, out, rows, files, offsets, lengths, numbers, crcs, raws=None) -> None:
         """Step 4 for each record: ``out[rows]`` (row numbers) from the records at these positions
-        (``raws``: their bytes, when already read; ``crcs``: their CRCs as indexed, or None)."""
+        (``raws``: their bytes, when already read; ``crcs``: their CRCs as indexed)."""
         batch = self._batches = self._batches + 1
         values = [self._record(f, o, n, k, crc, raw, batch) for f, o, n, k, crc, raw in zip(
             files.tolist(), offsets.tolist(), lengths, numbers.tolist(),
-            itertools.repeat(None) if crcs is None else crcs.tolist(), raws or itertools.repeat(None))]
+            crcs.tolist(), raws or itertools.repeat(None))]
         out[rows] = np.frombuffer(b"".join(values), np.uint8).reshape(len(values), self.width)
 
     def _record(self, f, offset, length, number, crc, raw, batch) -> bytes:
         """One record's example, its stored bytes: its frame looked up, else a full parse (and learned)."""
-        if raw is None:
-            raw = self._file(f).read(offset, HEADER + length + FOOTER, batch)
-        payload = check_record(raw, length)
-        if isinstance(payload, str):
-            raise TFRecordError(self.paths[f], number, offset, payload)
-        if crc is not None and int.from_bytes(raw[HEADER + length:HEADER + length + FOOTER], "little") != crc:
-            raise IndexStale(self.paths[f], number, offset, STALE)
+        payload = self._reader.payload(f, offset, length, number, crc, raw, batch)
         value = self._layouts.value(payload)
         if value is None:
             value = self._value_of(payload)
@@ -406,8 +452,3 @@ class Gatherer:
         else:
             value = np.array(typed, "<f4").tobytes()
         return value if value is not None and len(value) == self.width else None
-
-
-def _at(crcs, rows):
-    """``crcs[rows]``, or None when no CRCs were given."""
-    return None if crcs is None else crcs[rows]
