@@ -1,6 +1,7 @@
-"""Shared fixtures: paths, the NCCL stand-in, the GPU marker."""
+"""Shared fixtures: paths, the NCCL stand-in, the GPU marker, the library's notices."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -50,6 +51,22 @@ def local_ray():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def notices():
+    """The messages said through the ``towers`` logger during the test (``towers.errors.notice``).
+
+    Its own handler on that logger: a command line run in this process
+    (``towers.cli.show_notices``) stops the logger's propagation to the root.
+    """
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("towers")
+    logger.addHandler(handler)
+    yield said
+    logger.removeHandler(handler)
 
 
 @pytest.fixture

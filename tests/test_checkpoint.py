@@ -57,6 +57,23 @@ def test_resume_is_byte_identical(tmp_path):
         assert int(z["step"]) == 40
 
 
+def test_resume_is_a_library_call_that_prints_nothing(tmp_path, capsys, notices):
+    """``checkpoint.resume`` loads the checkpoint and returns its line and notes; a skipped one is a notice."""
+    import towers
+    from towers.output.checkpoint import resume
+
+    train(tmp_path, "--steps", 4, "--n-gpu", 2)
+    (tmp_path / "ckpt-00000009.npz").write_bytes(b"torn")  # newer and unreadable: skipped, with a notice
+    cfg = towers.Config(devices="cpu", n_gpu=1, hidden=16, batch_size=50, steps=6, logdir=str(tmp_path), resume=True)
+    with towers.Trainer(cfg) as trainer:
+        found = resume(trainer, str(tmp_path))
+        assert trainer.step == 4
+    assert capsys.readouterr() == ("", "")
+    assert found.line.startswith(f"resuming from {tmp_path / 'ckpt-00000004.npz'}: step 4, input at epoch 0")
+    assert len(found.notes) == 1 and "written by 2 tower(s)" in found.notes[0]
+    assert [line for line in notices if "ckpt-00000009.npz is unreadable" in line] != []
+
+
 @pytest.mark.parametrize("optimizer, slots", [
     (["--optimizer", "adamw", "--weight-decay", "0.1"], ("adam_m", "adam_v")),
     (["--optimizer", "rmsprop", "--momentum", "0.9", "--rmsprop-centered"],

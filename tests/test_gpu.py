@@ -111,7 +111,7 @@ def test_resume_on_gpu_continues_the_same_run(tmp_path):
     assert ev.returncode == 0 and "accuracy = " in ev.stdout, ev.stderr
 
 
-# -- the fused kernels (towers.nn.kernels) against their NumPy versions -----------------
+# -- the fused kernels (towers.nn.kernels, towers.devices.kernels) against their NumPy versions
 
 
 def _ws(xp):
@@ -153,6 +153,7 @@ def _floats(rng, shape, special=True):
 
 
 def test_elementwise_kernels_give_numpys_bits():
+    from towers.devices import kernels as device_kernels
     from towers.nn import kernels
 
     rng = np.random.default_rng(1)
@@ -177,7 +178,7 @@ def test_elementwise_kernels_give_numpys_bits():
         return g
 
     def mean2(xp, a, b):
-        kernels.mean2(a, b, 0.5)
+        device_kernels.mean2(a, b, 0.5)
         return a, b
 
     for fn, args in ((bias, (x, b)), (relu, (x,)), (relu_bwd, (x, dy)), (l2, (dy, w)), (mean2, (x, dy))):
@@ -283,7 +284,7 @@ def test_bias_grad_on_gpu_is_the_column_sum():
 
 def test_gather_kernel_gives_the_staged_batch():
     import cupy
-    from towers.nn import kernels
+    from towers.devices import kernels
 
     rng = np.random.default_rng(5)
     xd = rng.integers(0, 256, (50, 6, 7), dtype=np.uint8)

@@ -171,23 +171,13 @@ def test_the_decompression_bomb_limit_holds_for_jpeg_as_for_png(monkeypatch):
 # -- 11: small ones ------------------------------------------------------------------------------------------
 
 
-def test_input_workers_above_the_cores_are_capped_with_a_notice():
-    import logging
-
+def test_input_workers_above_the_cores_are_capped_with_a_notice(notices):
     from towers.devices.cpu_threads import cpu_count, input_workers
 
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logger = logging.getLogger("towers")  # its own handler: another test may have stopped its propagation
-    logger.addHandler(handler)
-    try:
-        cores = cpu_count()
-        assert input_workers(cores, 0) == cores and not said
-        assert input_workers(cores + 62, 0) == cores
-    finally:
-        logger.removeHandler(handler)
-    assert len(said) == 1 and f"input_workers {cores + 62} is more than the {cores} cores" in said[0]
+    cores = cpu_count()
+    assert input_workers(cores, 0) == cores and not notices
+    assert input_workers(cores + 62, 0) == cores
+    assert len(notices) == 1 and f"input_workers {cores + 62} is more than the {cores} cores" in notices[0]
 
 
 def test_a_killed_driver_leaves_no_shared_memory_and_no_tracker_warning(tmp_path):

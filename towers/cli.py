@@ -1,19 +1,28 @@
-"""What the command lines share: turning an exception into one line and an exit status, and printing
-the library's notices and a dataset's warnings (the library itself prints nothing).
+"""What the command lines share: turning an exception into one line and an exit status, SIGTERM into an
+exception, and printing the library's notices and a dataset's warnings (the library itself prints nothing).
 
 Every entry point (``towers.train``, ``towers.eval``, the converters, the
 fetcher) ends the same way: a mistake in the input is one line and status 2,
 a run or a write that cannot go on is one line and status 1, Ctrl-C is 130,
 SIGTERM 143, and anything else is a bug and keeps its traceback.
+
+Within ``sigterm_raises`` SIGTERM raises ``Terminated``, which unwinds like
+``KeyboardInterrupt``: the library's writers clean up on any ``BaseException``
+(``towers.output.files``: no partial output, no temporary file), and the
+command line exits 143 = 128 + SIGTERM, as it exits 130 = 128 + SIGINT on
+Ctrl-C.  The library never installs a signal handler: a Python program keeps
+its own.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
+import threading
 
 from towers.errors import TrainingError, UserError, flags_in_messages, render
-from towers.output.files import Terminated
 
 
 class Parser(argparse.ArgumentParser):
@@ -21,6 +30,34 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (see :func:`sigterm_raises`); a BaseException so only cleanup code sees it."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """While active (main thread only), SIGTERM raises :class:`Terminated` once.
+
+    A second SIGTERM during the cleanup is ignored so that it cannot cut the
+    cleanup short; SIGKILL stays the hard stop.  A SIGTERM the parent set to
+    be ignored stays ignored.  The previous handler is restored on exit.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def exit_status(exc: BaseException, more: dict | None = None) -> tuple[int, str] | None:

@@ -36,12 +36,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import time
 
 import numpy
 
-from towers.errors import UserError, render
+from towers.errors import UserError, notice, render
 from towers.output import checkpoint
 from towers.optim.optimizers import OPTIMIZERS
 from towers.optim.schedule import piecewise_values
@@ -197,7 +196,8 @@ class Run:
         run = cls(trainer, logdir, ())
         run._lock = lock_logdir(logdir)
         try:
-            run.checkpointer.last_path = _resume_point(trainer, logdir)
+            resumed = checkpoint.resume(trainer, logdir)
+            run.checkpointer.last_path = resumed.path if resumed is not None else None
             if getattr(trainer.dataset, "class_names", None):  # an image folder's classes: line k is label k
                 classes = os.path.join(logdir, "classes.txt")
                 with writing(classes):
@@ -208,6 +208,10 @@ class Run:
             if cfg.resume or trainer.step:
                 trim_metrics(logdir, trainer.step)  # the steps after the checkpoint are redone
             run.reporter = Reporter(logdir, cfg.steps, start_step=trainer.step, quiet=cfg.quiet)
+            if resumed is not None:  # said even when quiet, the notes after it (stdout, then notices)
+                run.reporter.say(render(resumed.line))
+                for note in resumed.notes:
+                    notice(note)
             # The purge keeps the checkpoint step's own points: they are not redone.
             purge = trainer.step + 1 if cfg.resume or trainer.step else None
             run.tensorboard = TensorBoard(logdir, cfg.summary_every, trainer.step, purge_step=purge)
@@ -410,30 +414,3 @@ def _make_logdir(logdir: str) -> None:
         raise UserError(f"`logdir` {logdir} is inside a file, not a directory: pick another path") from None
     except OSError as e:  # read-only, full, no permission: as any other failed write
         raise DiskError(logdir, e, "create") from None
-
-
-def _resume_point(trainer, logdir: str) -> str | None:
-    """Load the checkpoint ``resume`` continues from into ``trainer``; its path (None: fresh).
-
-    A fresh run never overwrites a logdir that holds checkpoints.
-    """
-    def say(line, note=False):
-        print(render(line), file=sys.stderr if note else sys.stdout, flush=True)
-
-    cfg = trainer.cfg
-    if cfg.resume:
-        found = checkpoint.find_resume(cfg, logdir, trainer.dataset, trainer.n_towers, say)
-        if found is None:
-            return None
-        checkpoint.model_weights(trainer.model, found.arrays, "params", found.path,
-                                 "resume with the checkpoint's settings, or use another `logdir`")
-        if found.step > cfg.steps:
-            raise UserError(f"{found.path} is at step {found.step}, past `steps` {cfg.steps} (the total, not more "
-                            f"steps): set `steps` above {found.step} to train on, or evaluate it with towers.eval")
-        trainer.load_state_dict(found.arrays, where=found.path)
-        return found.path
-    existing = checkpoint.list_checkpoints(logdir) if os.path.isdir(logdir) else []
-    if existing:
-        raise UserError(f"{logdir} already holds checkpoints (newest {existing[0][1]}): "
-                        "set `resume` to continue that run, or choose another `logdir`")
-    return None

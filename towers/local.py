@@ -25,10 +25,10 @@ import dataclasses
 
 from towers.data.batches import BatchSource, InputPosition, Prefetcher, start_batch
 from towers.data.device_data import DeviceData, fits_on
+from towers.devices import kernels, matmul
 from towers.devices.cpu_threads import cpu_count, set_blas_threads
 from towers.devices.placement import Placement
 from towers.executor import Executor
-from towers.nn import kernels
 from towers.nn.replica import Replica
 from towers.optim.ema import EMA
 from towers.optim.optimizers import make_optimizer
@@ -109,7 +109,7 @@ class LocalExecutor(Executor):
                 with devices[0].xp.cuda.Device(index):
                     kernels.warm_up()
             if cfg.tf32:
-                self._tf32 = kernels.set_tf32(True)
+                self._tf32 = matmul.set_tf32(True)
         with devices[0].scope():
             self.ema = EMA(self.towers[0].replica.params, cfg.ema_decay)
         # In grads mode the EMA is fused into the first tower's update; in
@@ -326,5 +326,5 @@ class LocalExecutor(Executor):
                 if self.reducer is not None:
                     self.reducer.close()
                 if self._tf32 is not None:
-                    kernels.restore_compute_type(self._tf32)
+                    matmul.restore_compute_type(self._tf32)
                 self._blas = self._tf32 = self.reducer = None

@@ -12,10 +12,9 @@ import argparse
 import sys
 from dataclasses import fields
 
-from towers.cli import Parser, run_main, show_notices, warn_about
+from towers.cli import Parser, run_main, show_notices, sigterm_raises, warn_about
 from towers.config import Config
 from towers.errors import flags_in_messages
-from towers.output.files import sigterm_raises
 from towers.settings import flag_name, metavar
 from towers.trainer import Trainer
 

@@ -6,7 +6,7 @@ GPU (pixels stay uint8, labels become int32).  A step then sends only its
 global batch's row indices (``batch x accumulate`` int64 per tower; per GPU one
 pinned fill, one copy and one event for all its towers, through two pinned host
 buffers, as ``towers.data.staging`` does for whole batches) and ONE kernel per
-tower and micro-batch gathers the rows and scales uint8 by 1/255 (``towers.nn.kernels.gather_batch``),
+tower and micro-batch gathers the rows and scales uint8 by 1/255 (``towers.devices.kernels.gather_batch``),
 which gives the same float32 values as staging the rows from the host.  The
 batches are the ones ``BatchSource.next_indices`` draws, so the examples seen,
 their order and the resume position are those of the host pipeline, and no
@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy
 
 from towers.data.dataset import OnDemand, input_scale
+from towers.devices import kernels
 from towers.devices.placement import empty_pinned
-from towers.nn import kernels
 
 FRACTION = 0.25  # of a device's free memory the training set may take
 

@@ -1,4 +1,4 @@
-"""Fused kernels of a training step: one CUDA launch where NumPy takes several passes.
+"""Fused kernels of the layers: one CUDA launch where NumPy takes several passes.
 
 Each function here takes arrays of one module (NumPy or CuPy) and writes into
 the output it is given.  On NumPy it runs the array operations the layers have
@@ -19,8 +19,6 @@ function             NumPy passes                                CUDA launches
 ``col2im``           fill + k*k strided adds + crop              1 (stride 1)
 ``maxpool``          copy + k*k-1 maxima (+ pad)                 1
 ``maxpool_backward`` 4 passes per window tap                     1
-``gather_batch``     (device-resident data) fancy index + scale  1
-``mean2``            ``a += b; a *= s; b[...] = a``              1
 ``col_sum``          one GEMV with a ones vector                 1 (cuBLAS)
 ===================  ==========================================  ==============
 
@@ -31,7 +29,7 @@ Exactness: where the NumPy passes round once per operation, the kernel rounds
 at the same places (``__fmul_rn`` keeps NVRTC from contracting ``a + b * c``
 into an FMA; sums add the same terms in the same order), so ``relu``,
 ``relu_backward``, ``add_scaled``, ``bias_add``, ``im2col``, ``col2im``,
-``maxpool``, ``maxpool_backward`` and ``gather_batch`` give the CPU's values on
+``maxpool`` and ``maxpool_backward`` give the CPU's values on
 the same inputs (NaN where NumPy has NaN; the sign of a zero may differ: seen on
 an H200, NVRTC turned ReLU's select into a max instruction, which gives +0.0
 for -0.0); ``softmax_xent`` differs by the last bits of ``expf``/``logf``
@@ -41,29 +39,27 @@ replicas stay bit-identical.
 
 Limits: float32 activations, C-contiguous arrays, fewer than 2**31 elements per
 array (index arithmetic is 32-bit for speed; larger arrays take the NumPy-style
-array operations on the device instead, which CuPy runs as well).  All kernels
-live in one CUDA source, compiled once by NVRTC and kept in CuPy's on-disk
-kernel cache (``CUPY_CACHE_DIR``), so later runs load it without compiling;
-``warm_up`` loads them before the first step.  Launches go on the current
-stream; nothing here synchronizes.
+array operations on the device instead, which CuPy runs as well).  The CUDA
+text of these kernels is registered, when this module is imported, with
+``towers.devices.kernels``: the one CUDA module of towers' kernels (with the
+reducers' and the data's), compiled once by NVRTC and kept in CuPy's on-disk
+kernel cache, and its launch machinery; ``warm_up`` there loads them before the
+first step.  The cuBLAS GEMM under ``gemm``, ``bias_grad`` and ``col_sum`` is
+``towers.devices.matmul.sgemm``.  Launches go on the current stream; nothing
+here synchronizes.
 """
 from __future__ import annotations
 
 import numpy
 
+from towers.devices.kernels import INT_MAX, check_contiguous, launch_named, on_host, register
+from towers.devices.matmul import sgemm
 from towers.devices.placement import array_module
 
-_INT_MAX = 2**31 - 1
-_BLOCK = 256
+_i = numpy.int32  # a kernel's int argument
 
-_SOURCE = r"""
-#define LOOP(i, n) for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += blockDim.x * gridDim.x)
-// numpy.maximum(a, b): a unless b is larger or b is NaN (NaN propagates)
-__device__ __forceinline__ float np_max(float a, float b) { return (a >= b || a != a) ? a : b; }
-
-extern "C" {
-
-__global__ void towers_bias_add(float* y, const float* b, int n, int cols) {
+# The layers' kernels, in the one CUDA module of ``towers.devices.kernels`` (which defines LOOP and np_max).
+_SOURCE = r"""__global__ void towers_bias_add(float* y, const float* b, int n, int cols) {
     LOOP(i, n) y[i] = y[i] + b[i % cols];
 }
 
@@ -173,100 +169,10 @@ __global__ void towers_maxpool_backward(const float* x, const float* y, const fl
     }
 }
 
-// The mean of two towers' buffers on one device, written to both: a = b = (a + b) * s.
-__global__ void towers_mean2(float* a, float* b, float s, int n) {
-    LOOP(i, n) { float v = (a[i] + b[i]) * s; a[i] = v; b[i] = v; }
-}
-
-// One batch from a device-resident data set: rows idx of xd (scaled to float32) and of yd.
-__global__ void towers_gather_u8(const unsigned char* xd, const int* yd, const long long* idx, float* xo, int* yo,
-                                 int total, int feat, float scale) {
-    LOOP(i, total) {
-        int r = i / feat, f = i - r * feat;
-        long long src = idx[r];
-        xo[i] = (float)xd[src * feat + f] * scale;
-        if (f == 0) yo[r] = yd[src];
-    }
-}
-
-__global__ void towers_gather_f32(const float* xd, const int* yd, const long long* idx, float* xo, int* yo,
-                                  int total, int feat, float scale) {
-    LOOP(i, total) {
-        int r = i / feat, f = i - r * feat;
-        long long src = idx[r];
-        xo[i] = xd[src * feat + f];
-        if (f == 0) yo[r] = yd[src];
-    }
-}
-
-}  // extern "C"
 """
 
-_NAMES = ("bias_add", "relu", "relu_backward", "add_scaled", "softmax_xent", "im2col", "col2im", "maxpool",
-          "maxpool_backward", "gather_u8", "gather_f32", "mean2")
-_KERNELS: dict = {}
-
-
-def _kernel(name: str):
-    """The raw kernel ``towers_<name>`` (CuPy compiles per device, and caches on disk)."""
-    k = _KERNELS.get(name)
-    if k is None:
-        import cupy
-
-        k = _KERNELS[name] = cupy.RawKernel(_SOURCE, "towers_" + name)
-    return k
-
-
-def warm_up() -> None:
-    """Compile (or load from the disk cache) every kernel on the current device now."""
-    for name in _NAMES:
-        _ = _kernel(name).attributes  # forces compilation and loading on this device
-
-
-def on_host(a) -> bool:
-    return isinstance(a, numpy.ndarray)
-
-
-_FUNCS: dict = {}  # (RawKernel, device id) -> its loaded CUDA function
-_BLOCK_DIMS = (_BLOCK,)
-_MAX_GRID = 65535 * 8
-_i = numpy.int32  # a kernel's int argument
-
-
-def launch(kernel, n: int, *args) -> None:
-    """The ``cupy.RawKernel`` ``kernel`` over ``n`` elements (a grid-stride loop) on the current device and stream.
-
-    The loaded function is cached per device and called directly (the
-    RawKernel's per-call lookup of it is skipped: at a few microseconds per
-    launch, host time is what bounds a small model's step).  Arrays must be
-    C-contiguous: the callers here check those that come from other layers;
-    workspace buffers, parameter views and flat buffers are contiguous by
-    construction.
-    """
-    key = (kernel, _device_id())
-    fn = _FUNCS.get(key)
-    if fn is None:
-        fn = _FUNCS[key] = kernel.kernel  # compiled or loaded for this device once
-    fn((min(-(-n // _BLOCK), _MAX_GRID) or 1,), _BLOCK_DIMS, args)
-
-
-def _launch(name: str, n: int, *args) -> None:
-    launch(_KERNELS.get(name) or _kernel(name), n, *args)
-
-
-def _device_id() -> int:
-    """The current CUDA device (this stub rebinds itself to CuPy's ``getDevice`` on first use)."""
-    global _device_id
-    from cupy_backends.cuda.api.runtime import getDevice
-
-    _device_id = getDevice
-    return getDevice()
-
-
-def _check(*arrays) -> None:
-    for a in arrays:
-        if not a.flags.c_contiguous:
-            raise ValueError(f"towers kernels take C-contiguous arrays, got strides {a.strides}")
+register(_SOURCE, ("bias_add", "relu", "relu_backward", "add_scaled", "softmax_xent", "im2col", "col2im", "maxpool",
+                   "maxpool_backward"))
 
 
 # -- elementwise ------------------------------------------------------------------------
@@ -274,10 +180,10 @@ def _check(*arrays) -> None:
 
 def bias_add(y, b) -> None:
     """In place: ``y (rows, cols) += b (cols,)``."""
-    if on_host(y) or y.size > _INT_MAX:
+    if on_host(y) or y.size > INT_MAX:
         y += b
         return
-    _launch("bias_add", y.size, y, b, _i(y.size), _i(b.size))
+    launch_named("bias_add", y.size, y, b, _i(y.size), _i(b.size))
 
 
 def relu(x, y) -> None:
@@ -290,11 +196,11 @@ def relu(x, y) -> None:
     if on_host(x):
         numpy.maximum(x, host_zeros(x.shape, x.dtype), out=y)
         return
-    if x.size > _INT_MAX:
+    if x.size > INT_MAX:
         array_module(x).maximum(x, 0, out=y)
         return
-    _check(x)
-    _launch("relu", x.size, x, y, _i(x.size))
+    check_contiguous(x)
+    launch_named("relu", x.size, x, y, _i(x.size))
 
 
 _HOST_ZEROS: dict = {}  # dtype -> a read-only vector of zeros, grown as needed (shared by all towers' threads)
@@ -318,14 +224,14 @@ def relu_backward(y, dy, mask=None) -> None:
     (a quarter of a float mask's memory traffic: the two passes take 0.63
     instead of 0.90 ms on a 4 MB activation, with the same products).
     """
-    if on_host(y) or y.size > _INT_MAX:
+    if on_host(y) or y.size > INT_MAX:
         xp = array_module(y)
         mask = mask if mask is not None else xp.empty(y.shape, dtype=bool)
         xp.greater(y, 0, out=mask)
         xp.multiply(dy, mask, out=dy)
         return
-    _check(dy)
-    _launch("relu_backward", y.size, y, dy, _i(y.size))
+    check_contiguous(dy)
+    launch_named("relu_backward", y.size, y, dy, _i(y.size))
 
 
 def add_scaled(g, w, s, tmp=None) -> None:
@@ -334,13 +240,13 @@ def add_scaled(g, w, s, tmp=None) -> None:
     ``tmp`` is the NumPy path's scratch, shaped like ``w``.
     """
     s = g.dtype.type(s)
-    if on_host(g) or g.size > _INT_MAX:
+    if on_host(g) or g.size > INT_MAX:
         xp = array_module(g)
         tmp = tmp if tmp is not None else xp.empty_like(w)
         xp.multiply(w, s, out=tmp)
         g += tmp
         return
-    _launch("add_scaled", g.size, g, w, s, _i(g.size))
+    launch_named("add_scaled", g.size, g, w, s, _i(g.size))
 
 
 def bias_grad(dy, out, ws) -> None:
@@ -360,7 +266,7 @@ def bias_grad(dy, out, ws) -> None:
         ones.fill(1)
         ws.saved["ones"] = ones
     # (1, rows) @ (rows, cols): the 1-D vectors are the 1-row matrices, no reshape.
-    if not _sgemm(ones, dy, out, False, False, 1, cols, rows):
+    if not sgemm(ones, dy, out, False, False, 1, cols, rows):
         ws.xp.matmul(ones.reshape(1, -1), dy, out=out.reshape(1, -1))
 
 
@@ -379,15 +285,11 @@ def col_sum(x2, out, ws) -> None:
         ws.saved["ones"] = ones
     if on_host(x2):
         numpy.matmul(ones, x2, out=out)
-    elif not _sgemm(ones, x2, out, False, False, 1, x2.shape[1], rows):
+    elif not sgemm(ones, x2, out, False, False, 1, x2.shape[1], rows):
         ws.xp.matmul(ones.reshape(1, -1), x2, out=out.reshape(1, -1))
 
 
 # -- matrix products -----------------------------------------------------------------------
-
-_CUBLAS: dict = {}  # what a device GEMM needs, found on the first one (CuPy imported lazily)
-_ONE = numpy.ones(1, dtype=numpy.float32)  # alpha and beta, read by cuBLAS from host memory
-_ZERO = numpy.zeros(1, dtype=numpy.float32)  # (CuPy's handles keep the host pointer mode)
 
 
 def gemm(a, b, out, trans_a: bool = False, trans_b: bool = False) -> None:
@@ -407,57 +309,8 @@ def gemm(a, b, out, trans_a: bool = False, trans_b: bool = False) -> None:
     kb, n = b.shape[::-1] if trans_b else b.shape
     if k != kb or out.shape != (m, n):
         raise ValueError(f"gemm: op(a) {(m, k)} @ op(b) {(kb, n)} into {out.shape}")
-    if not _sgemm(a, b, out, trans_a, trans_b, m, n, k):
+    if not sgemm(a, b, out, trans_a, trans_b, m, n, k):
         array_module(a).matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
-
-
-def _sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> bool:
-    """``out = op(a) (m, k) @ op(b) (k, n)`` by cuBLAS; False (nothing done) when it can't.
-
-    cuBLAS is column-major: a row-major (r, c) array is the column-major
-    (c, r) matrix with leading dimension c, so the row-major ``out = A B`` is
-    computed as the column-major ``out^T = B^T A^T``: operands swapped, each
-    transposed exactly when asked.  A 1-D operand is a one-row matrix.
-    """
-    if not (a.dtype == b.dtype == out.dtype == numpy.float32 and m and n and k
-            and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous
-            and max(a.size, b.size, out.size) <= _INT_MAX):
-        return False
-    c = _CUBLAS or _cublas()
-    compute = c["compute"].get(c["compute_type"](numpy.float32))
-    if compute is None:  # a compute type set elsewhere (FP16, BF16...): cupy.matmul knows them all
-        return False
-    handle = c["handle"]()  # per device and thread; gemmEx sets its stream to the current one
-    algo = c["algos"].get(handle)
-    if algo is None:
-        algo = c["algos"][handle] = c["algo"]()
-    r32, ops = c["r32"], c["ops"]
-    c["gemmEx"](handle, ops[trans_b], ops[trans_a], n, m, k, c["one"],
-                b.data.ptr, r32, b.shape[-1], a.data.ptr, r32, a.shape[-1],
-                c["zero"], out.data.ptr, r32, n, compute, algo)
-    return True
-
-
-def _cublas() -> dict:
-    """The cuBLAS bindings, constants and CuPy settings ``_sgemm`` uses, as ``cupy.matmul`` picks them."""
-    import cupy
-    from cupy._core import _routines_linalg as linalg
-    from cupy_backends.cuda.api import runtime
-    from cupy_backends.cuda.libs import cublas
-
-    def algo():  # cupy.matmul's choice (tensordot_core_v11)
-        cc = int(cupy.cuda.Device().compute_capability)
-        return cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP if cc >= 80 else cublas.CUBLAS_GEMM_DEFAULT
-
-    _CUBLAS.update(
-        gemmEx=cublas.gemmEx, handle=cupy.cuda.device.get_cublas_handle, algos={}, algo=algo,
-        r32=runtime.CUDA_R_32F, ops={False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T},
-        one=_ONE.ctypes.data, zero=_ZERO.ctypes.data, compute_type=linalg.get_compute_type,
-        compute={linalg.COMPUTE_TYPE_DEFAULT: cublas.CUBLAS_COMPUTE_32F,
-                 linalg.COMPUTE_TYPE_TF32: cublas.CUBLAS_COMPUTE_32F_FAST_TF32,
-                 linalg.COMPUTE_TYPE_PEDANTIC: cublas.CUBLAS_COMPUTE_32F_PEDANTIC},
-    )
-    return _CUBLAS
 
 
 # -- the loss --------------------------------------------------------------------------
@@ -473,15 +326,15 @@ def softmax_xent(logits, labels, ws, want_loss: bool):
     xp = ws.xp
     n, c = logits.shape
     prob = ws.array("prob", (n, c), logits.dtype)
-    if on_host(logits) or logits.size > _INT_MAX:
+    if on_host(logits) or logits.size > INT_MAX:
         return _softmax_xent_arrays(xp, logits, labels, ws, prob, want_loss)
-    _check(logits)
+    check_contiguous(logits)
     if labels.dtype != numpy.int32 or not labels.flags.c_contiguous:
         lab = ws.array("labels", (n,), numpy.int32)
         lab[...] = labels
         labels = lab
     row_loss = ws.array("row_loss", (n,), logits.dtype)
-    _launch("softmax_xent", n, logits, labels, prob, row_loss, _i(n), _i(c), logits.dtype.type(1.0 / n))
+    launch_named("softmax_xent", n, logits, labels, prob, row_loss, _i(n), _i(c), logits.dtype.type(1.0 / n))
     return (row_loss.sum() / logits.dtype.type(n) if want_loss else None), prob
 
 
@@ -523,7 +376,7 @@ def im2col(x, cols, pad: tuple, ws, stride: int = 1) -> None:
     """
     n, ho, wo, k, _, c = cols.shape
     h, w = x.shape[1:3]
-    if on_host(x) or stride != 1 or max(x.size, cols.size) > _INT_MAX:
+    if on_host(x) or stride != 1 or max(x.size, cols.size) > INT_MAX:
         src = padded(ws, "xpad", x, pad, ((ho - 1) * stride + k, (wo - 1) * stride + k), 0)
         if on_host(src):
             dst, win = _window_rows(src, cols, stride)
@@ -533,8 +386,8 @@ def im2col(x, cols, pad: tuple, ws, stride: int = 1) -> None:
         cols[...] = ws.xp.lib.stride_tricks.as_strided(
             src, shape=(n, ho, wo, k, k, c), strides=(s[0], s[1] * stride, s[2] * stride, s[1], s[2], s[3]))
         return
-    _check(x)  # the layer input: a user's layer may hand in a strided view, which the kernel would misread
-    _launch("im2col", cols.size, x, cols, _i(cols.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k),
+    check_contiguous(x)  # the layer input: a user's layer may hand in a strided view, which the kernel would misread
+    launch_named("im2col", cols.size, x, cols, _i(cols.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k),
             _i(pad[0]), _i(pad[1]))
 
 
@@ -591,7 +444,7 @@ def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1):
     """
     n, ho, wo, k, _, c = dcols.shape
     h, w = in_hw
-    if on_host(dcols) or stride != 1 or dcols.size > _INT_MAX:
+    if on_host(dcols) or stride != 1 or dcols.size > INT_MAX:
         hp, wp = (ho - 1) * stride + k, (wo - 1) * stride + k
         dpad = ws.array("dpad", (n, hp, wp, c), dcols.dtype)
         dpad.fill(0)
@@ -601,7 +454,7 @@ def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1):
                     dcols[:, :, :, i, j, :]
         return crop(ws, dpad, pad, (h, w))
     dx = ws.array("dx", (n, h, w, c), dcols.dtype)
-    _launch("col2im", dx.size, dcols, dx, _i(dx.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k),
+    launch_named("col2im", dx.size, dcols, dx, _i(dx.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k),
             _i(pad[0]), _i(pad[1]))
     return dx
 
@@ -686,7 +539,7 @@ def maxpool(x, y, k: int, ws) -> None:
     """
     n, ho, wo, c = y.shape
     h, w = x.shape[1:3]
-    if on_host(x) or x.size > _INT_MAX:
+    if on_host(x) or x.size > INT_MAX:
         xp = ws.xp
         win = _windows(x, k, (ho, wo), ws)
         y[...] = win[:, :, 0, :, 0, :]
@@ -695,8 +548,8 @@ def maxpool(x, y, k: int, ws) -> None:
                 if a or b:
                     xp.maximum(y, win[:, :, a, :, b, :], out=y)
         return
-    _check(x)
-    _launch("maxpool", y.size, x, y, _i(y.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k))
+    check_contiguous(x)
+    launch_named("maxpool", y.size, x, y, _i(y.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k))
 
 
 def maxpool_backward(x, y, dy, k: int, ws):
@@ -707,7 +560,7 @@ def maxpool_backward(x, y, dy, k: int, ws):
     """
     n, ho, wo, c = y.shape
     h, w = x.shape[1:3]
-    if on_host(x) or x.size > _INT_MAX:
+    if on_host(x) or x.size > INT_MAX:
         xp = ws.xp
         win = _windows(x, k, (ho, wo), ws)
         dwin = ws.array("dwin", win.shape, dy.dtype)
@@ -727,62 +580,6 @@ def maxpool_backward(x, y, dy, k: int, ws):
             dx = out
         return dx
     dx = ws.array("dx", x.shape, dy.dtype)
-    _check(dy)
-    _launch("maxpool_backward", dx.size, x, y, dy, dx, _i(dx.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k))
+    check_contiguous(dy)
+    launch_named("maxpool_backward", dx.size, x, y, dy, dx, _i(dx.size), _i(h), _i(w), _i(c), _i(ho), _i(wo), _i(k))
     return dx
-
-
-def mean2(a, b, scale) -> None:
-    """In place: ``a`` and ``b`` both become ``(a + b) * scale`` (two towers sharing a device)."""
-    scale = a.dtype.type(scale)
-    if on_host(a) or a.size > _INT_MAX or a.dtype != numpy.float32:
-        a += b
-        a *= scale
-        b[...] = a
-        return
-    _launch("mean2", a.size, a, b, scale, _i(a.size))
-
-
-# -- device-resident data ------------------------------------------------------------------
-
-
-def gather_batch(xd, yd, idx, xo, yo, scale) -> None:
-    """``xo = xd[idx] * scale`` (float32; ``scale`` None: a plain copy) and ``yo = yd[idx]``.
-
-    ``xd`` is (N, ...) uint8 or float32, ``yd`` (N,) int32, ``idx`` int64 rows.
-    """
-    if on_host(xd) or xo.size > _INT_MAX or xd.dtype not in (numpy.uint8, numpy.float32):
-        rows = xd[idx]
-        if scale is not None:
-            array_module(xd).multiply(rows, numpy.float32(scale), out=xo, casting="unsafe")
-        else:
-            xo[...] = rows
-        yo[...] = yd[idx]
-        return
-    feat = xo.size // max(len(idx), 1)
-    name = "gather_u8" if xd.dtype == numpy.uint8 else "gather_f32"
-    _launch(name, xo.size, xd, yd, idx, xo, yo, _i(xo.size), _i(feat),
-            numpy.float32(scale if scale is not None else 1.0))
-
-
-# -- matmul precision --------------------------------------------------------------------------
-
-
-def set_tf32(on: bool):
-    """Float32 matmuls of CuPy on TF32 tensor cores (``on``) or in plain float32.
-
-    Returns the previous setting, for ``restore_compute_type``.  The setting is
-    CuPy's, process-wide (every device and thread); TF32 keeps float32 range
-    with a 10-bit mantissa in the products (about 3e-4 relative error per GEMM).
-    """
-    from cupy._core import _routines_linalg as linalg
-
-    previous = linalg.get_compute_type(numpy.float32)
-    linalg.set_compute_type(numpy.float32, linalg.COMPUTE_TYPE_TF32 if on else linalg.COMPUTE_TYPE_DEFAULT)
-    return previous
-
-
-def restore_compute_type(previous) -> None:
-    from cupy._core import _routines_linalg as linalg
-
-    linalg.set_compute_type(numpy.float32, previous)

@@ -6,7 +6,7 @@ number of parameters.  Each thread loads its element of every buffer into a
 local of the buffer's name, runs the update's CUDA source on the locals and
 stores the output buffers' locals back, the arithmetic a
 ``cupy.ElementwiseKernel`` of the same source would do, launched through
-``towers.nn.kernels.launch`` (a few microseconds of host time instead of the
+``towers.devices.kernels.launch`` (a few microseconds of host time instead of the
 ElementwiseKernel's argument inspection, about 20).  CuPy compiles a kernel
 on its first launch and caches the binary on disk (``CUPY_CACHE_DIR``), so
 later runs skip NVRTC.
@@ -38,7 +38,7 @@ class FlatKernel:
         self.raw = cupy.RawKernel(self.source, name)
 
     def __call__(self, *args) -> None:
-        from towers.nn.kernels import launch
+        from towers.devices.kernels import launch
 
         n = args[0].size
         if n > _INT_MAX:

@@ -33,12 +33,12 @@ import glob
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy
 
 from towers.config import checkpoint_settings
-from towers.errors import TrainingError, UserError
+from towers.errors import TrainingError, UserError, notice
 from towers.settings import NOTE, REFUSE, SILENT, resume_changes, show
 from towers.state import Layout, under
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, remove_stale, writing
@@ -264,8 +264,11 @@ def config_json(cfg) -> str:
 
 @dataclass
 class Resume:
+    """The checkpoint a run continues from, its line for the user and its notes about the continuation."""
+
     path: str
     arrays: dict
+    notes: list = field(default_factory=list)  # said after ``line``: how the continuation differs
 
     @property
     def step(self) -> int:
@@ -275,8 +278,43 @@ class Resume:
     def position(self) -> tuple[int, int]:
         return int(self.arrays["data/epoch"]), int(self.arrays["data/index"])
 
+    @property
+    def line(self) -> str:
+        """What the run says it resumes from (the caller says it, with its other lines)."""
+        return (f"resuming from {self.path}: step {self.step}, "
+                f"input at epoch {self.position[0]} index {self.position[1]}")
 
-def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
+
+def resume(trainer, logdir: str) -> Resume | None:
+    """Load the checkpoint ``resume`` continues from into ``trainer`` and return it (None: a fresh run).
+
+    A fresh run never overwrites a logdir that holds checkpoints (a
+    ``UserError``); nor does a resume that does not fit the model, or whose
+    step is past ``steps``.  Nothing is printed: checkpoints skipped and a
+    fresh start are notices (``towers.errors.notice``), and the returned
+    ``Resume`` carries its ``line`` and its ``notes``, for the caller to say in
+    that order.
+    """
+    cfg = trainer.cfg
+    if cfg.resume:
+        found = find_resume(cfg, logdir, trainer.dataset, trainer.n_towers)
+        if found is None:
+            return None
+        model_weights(trainer.model, found.arrays, "params", found.path,
+                      "resume with the checkpoint's settings, or use another `logdir`")
+        if found.step > cfg.steps:
+            raise UserError(f"{found.path} is at step {found.step}, past `steps` {cfg.steps} (the total, not more "
+                            f"steps): set `steps` above {found.step} to train on, or evaluate it with towers.eval")
+        trainer.load_state_dict(found.arrays, where=found.path)
+        return found
+    existing = list_checkpoints(logdir) if os.path.isdir(logdir) else []
+    if existing:
+        raise UserError(f"{logdir} already holds checkpoints (newest {existing[0][1]}): "
+                        "set `resume` to continue that run, or choose another `logdir`")
+    return None
+
+
+def find_resume(cfg, logdir: str, dataset, n_towers: int) -> Resume | None:
     """What ``--resume`` continues from, after checking the data fits; None: start fresh.
 
     Each setting declares what its change does (``towers.settings``): one that
@@ -284,13 +322,15 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
     gets a note; the tower count and global batch get their own note; the rest
     pass silently.
 
-    ``say(line, note=False)`` reports; notes (warnings) go to stderr.
+    Checkpoints skipped (unreadable, non-finite) and a fresh start are
+    notices (``towers.errors.notice``); the notes on the continuation are the
+    ``Resume``'s.
     """
     if os.path.isdir(logdir):
         remove_stale(logdir)  # what writers killed mid-write left behind
-    found = latest_checkpoint(logdir, warn=lambda line: say(line, note=True), finite=True)
+    found = latest_checkpoint(logdir, warn=notice, finite=True)
     if found is None:
-        say(f"`resume`: no checkpoint in {logdir}; starting fresh", note=True)
+        notice(f"`resume`: no checkpoint in {logdir}; starting fresh")
         return None
     path, arrays = found
     ck = arrays["config"]
@@ -312,7 +352,6 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
             + ": resume with the same data settings, or use another `logdir`"
         )
     r = Resume(path, arrays)
-    say(f"resuming from {path}: step {r.step}, input at epoch {r.position[0]} index {r.position[1]}")
     old_towers, old_batch = int(arrays["n_towers"]), int(arrays["global_batch"])
     new_batch = cfg.batch_size * cfg.accumulate * n_towers
     old_k = ck.get("accumulate", 1)  # written before `accumulate` existed: 1
@@ -323,10 +362,10 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int, say) -> Resume | None:
                 "to an uninterrupted run")
         was, now = ((f" x {old_k} micro-batches", f" x {cfg.accumulate} micro-batches")
                     if (old_k, cfg.accumulate) != (1, 1) else ("", ""))
-        say(f"note: the checkpoint was written by {old_towers} tower(s) x {ck.get('batch_size')}{was}, "
-            f"this run has {n_towers} x {cfg.batch_size}{now}: {same}", note=True)
+        r.notes.append(f"note: the checkpoint was written by {old_towers} tower(s) x {ck.get('batch_size')}{was}, "
+                       f"this run has {n_towers} x {cfg.batch_size}{now}: {same}")
     if changes[NOTE]:
         changed = ", ".join(f"`{k}` {show(old)} -> {show(new)}" for k, old, new in changes[NOTE])
-        say(f"note: settings changed since the checkpoint ({changed}): "
-            "the continuation differs from an uninterrupted run", note=True)
+        r.notes.append(f"note: settings changed since the checkpoint ({changed}): "
+                       "the continuation differs from an uninterrupted run")
     return r

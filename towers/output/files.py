@@ -31,11 +31,9 @@ rename itself survives a power cut.  Readers see either no output (or the old
 one) or the complete new one.
 
 The sync points are those two fsyncs at the end of a successful write; a
-failure or interruption anywhere removes the owned folder, so no partial
-output and no temporary file remain.  :func:`sigterm_raises` turns SIGTERM
-into :class:`Terminated`, which unwinds like ``KeyboardInterrupt`` so the same
-cleanup runs (the command-line tools exit 143 = 128 + SIGTERM, as they exit
-130 = 128 + SIGINT on Ctrl-C).  A full disk (or quota) inside either context
+failure or interruption anywhere (any ``BaseException``, so Ctrl-C and a
+command line's SIGTERM too) removes the owned folder, so no partial output and
+no temporary file remain.  A full disk (or quota) inside either context
 becomes a :class:`DiskError` naming the output and what was being written.
 :func:`refuse_overwriting_inputs` stops an output that is one of the inputs.
 
@@ -75,10 +73,8 @@ import errno
 import os
 import re
 import shutil
-import signal
 import socket
 import tempfile
-import threading
 import time
 import zipfile
 
@@ -97,34 +93,6 @@ LOCK = "lock"  # the one lock file (see "Write failures and the lock")
 _TAG = ".tmp-"
 _OWNED = re.compile(r"\..*\.tmp-\d+-[a-z0-9_]{8}\Z")  # mkdtemp's 8 random characters
 _FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # disk full, quota exceeded
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived (see :func:`sigterm_raises`); a BaseException so only cleanup code sees it."""
-
-
-@contextlib.contextmanager
-def sigterm_raises():
-    """While active (main thread only), SIGTERM raises :class:`Terminated` once.
-
-    A second SIGTERM during the cleanup is ignored so that it cannot cut the
-    cleanup short; SIGKILL stays the hard stop.  A SIGTERM the parent set to
-    be ignored stays ignored.  The previous handler is restored on exit.
-    """
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
-        yield
-        return
-
-    def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def refuse_overwriting_inputs(output, inputs):
@@ -360,7 +328,7 @@ def write_npz(path, entries, compress=False):
     """Write ``entries``, ``(key, ArraySource or array)`` pairs, to the npz file ``path`` (or file object).
 
     Members carry a fixed timestamp, so equal arrays give byte-identical files.
-    Any exception, a KeyboardInterrupt or :class:`Terminated` included,
+    Any exception, a KeyboardInterrupt or another BaseException included,
     leaves the write as it is raised (the file is incomplete: write through
     :func:`atomic_path`, which removes it).
     """

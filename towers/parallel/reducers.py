@@ -35,8 +35,8 @@ buffers from one thread.
 """
 from __future__ import annotations
 
+from towers.devices import kernels
 from towers.devices.placement import on_stream
-from towers.nn import kernels
 from towers.parallel.allreduce import NcclAllReduce, NcclWorld
 
 

@@ -38,14 +38,14 @@ import sys
 
 import numpy as np
 
-from towers.cli import Parser, run_main
+from towers.cli import Parser, run_main, sigterm_raises
 from towers.data.dataset import load_npz, npz_has
 from towers.data.image import codec, folder
 from towers.data.tfrecord.framing import TFRecordWriter
 from towers.data.tfrecord.proto import SequenceExample
 from towers.data.tfrecord.schema import UsageError
 from towers.errors import UserError
-from towers.output.files import atomic_path, refuse_overwriting_inputs, sigterm_raises
+from towers.output.files import atomic_path, refuse_overwriting_inputs
 
 PROG = "images_to_tfrecord"
 _FORMAT = {"jpeg": b"JPEG", "png": b"PNG", "other": b""}

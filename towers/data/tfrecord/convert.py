@@ -26,9 +26,9 @@ import os
 import sys
 import time
 
-from towers.cli import Parser, run_main
+from towers.cli import Parser, run_main, sigterm_raises
 from towers.errors import flags_in_messages, render
-from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs, sigterm_raises, write_npz
+from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs, write_npz
 from towers.data.tfrecord.framing import COMPRESSIONS, TFRecordError, TFRecordReader
 from towers.data.tfrecord.columns import ColumnStore
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode, parse_image_decode

@@ -36,8 +36,8 @@ import zlib
 import numpy as np
 from numpy.lib import format as npy
 
-from towers.cli import Parser, run_main
-from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs, sigterm_raises
+from towers.cli import Parser, run_main, sigterm_raises
+from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs
 from towers.data.tfrecord.convert import check_output_file
 from towers.data.tfrecord.framing import TFRecordWriter
 from towers.data.tfrecord.proto import SequenceExample

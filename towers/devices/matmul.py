@@ -1,0 +1,91 @@
+"""Float32 matrix products on a GPU: one cuBLAS GEMM as ``cupy.matmul`` would call it, and their precision.
+
+``sgemm`` is the layers' device GEMM (``towers.nn.kernels.gemm``, ``bias_grad``,
+``col_sum``): ONE ``cublasGemmEx`` call on the current stream, with the compute
+type and algorithm ``cupy.matmul`` picks, without its Python-level dispatch.
+``set_tf32`` switches that compute type, CuPy's process-wide setting, between
+plain float32 and TF32 tensor cores (``tf32``); ``sgemm`` follows it, as
+``cupy.matmul`` does.  CuPy is imported on the first GPU call only.
+"""
+from __future__ import annotations
+
+import numpy
+
+from towers.devices.kernels import INT_MAX
+
+_CUBLAS: dict = {}  # what a device GEMM needs, found on the first one (CuPy imported lazily)
+_ONE = numpy.ones(1, dtype=numpy.float32)  # alpha and beta, read by cuBLAS from host memory
+_ZERO = numpy.zeros(1, dtype=numpy.float32)  # (CuPy's handles keep the host pointer mode)
+
+
+def sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> bool:
+    """``out = op(a) (m, k) @ op(b) (k, n)`` by cuBLAS; False (nothing done) when it can't.
+
+    cuBLAS is column-major: a row-major (r, c) array is the column-major
+    (c, r) matrix with leading dimension c, so the row-major ``out = A B`` is
+    computed as the column-major ``out^T = B^T A^T``: operands swapped, each
+    transposed exactly when asked.  A 1-D operand is a one-row matrix.
+    """
+    if not (a.dtype == b.dtype == out.dtype == numpy.float32 and m and n and k
+            and a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous
+            and max(a.size, b.size, out.size) <= INT_MAX):
+        return False
+    c = _CUBLAS or _cublas()
+    compute = c["compute"].get(c["compute_type"](numpy.float32))
+    if compute is None:  # a compute type set elsewhere (FP16, BF16...): cupy.matmul knows them all
+        return False
+    handle = c["handle"]()  # per device and thread; gemmEx sets its stream to the current one
+    algo = c["algos"].get(handle)
+    if algo is None:
+        algo = c["algos"][handle] = c["algo"]()
+    r32, ops = c["r32"], c["ops"]
+    c["gemmEx"](handle, ops[trans_b], ops[trans_a], n, m, k, c["one"],
+                b.data.ptr, r32, b.shape[-1], a.data.ptr, r32, a.shape[-1],
+                c["zero"], out.data.ptr, r32, n, compute, algo)
+    return True
+
+
+def _cublas() -> dict:
+    """The cuBLAS bindings, constants and CuPy settings ``_sgemm`` uses, as ``cupy.matmul`` picks them."""
+    import cupy
+    from cupy._core import _routines_linalg as linalg
+    from cupy_backends.cuda.api import runtime
+    from cupy_backends.cuda.libs import cublas
+
+    def algo():  # cupy.matmul's choice (tensordot_core_v11)
+        cc = int(cupy.cuda.Device().compute_capability)
+        return cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP if cc >= 80 else cublas.CUBLAS_GEMM_DEFAULT
+
+    _CUBLAS.update(
+        gemmEx=cublas.gemmEx, handle=cupy.cuda.device.get_cublas_handle, algos={}, algo=algo,
+        r32=runtime.CUDA_R_32F, ops={False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T},
+        one=_ONE.ctypes.data, zero=_ZERO.ctypes.data, compute_type=linalg.get_compute_type,
+        compute={linalg.COMPUTE_TYPE_DEFAULT: cublas.CUBLAS_COMPUTE_32F,
+                 linalg.COMPUTE_TYPE_TF32: cublas.CUBLAS_COMPUTE_32F_FAST_TF32,
+                 linalg.COMPUTE_TYPE_PEDANTIC: cublas.CUBLAS_COMPUTE_32F_PEDANTIC},
+    )
+    return _CUBLAS
+
+
+# -- matmul precision --------------------------------------------------------------------------
+
+
+def set_tf32(on: bool):
+    """Float32 matmuls of CuPy on TF32 tensor cores (``on``) or in plain float32.
+
+    Returns the previous setting, for ``restore_compute_type``.  The setting is
+    CuPy's, process-wide (every device and thread); TF32 keeps float32 range
+    with a 10-bit mantissa in the products (about 3e-4 relative error per GEMM).
+    """
+    from cupy._core import _routines_linalg as linalg
+
+    previous = linalg.get_compute_type(numpy.float32)
+    linalg.set_compute_type(numpy.float32, linalg.COMPUTE_TYPE_TF32 if on else linalg.COMPUTE_TYPE_DEFAULT)
+    return previous
+
+
+def restore_compute_type(previous) -> None:
+    """Put back the setting ``set_tf32`` returned."""
+    from cupy._core import _routines_linalg as linalg
+
+    linalg.set_compute_type(numpy.float32, previous)
