@@ -106,7 +106,7 @@ def test_raw_records_run_on_the_image_workers_pool_and_a_dead_worker_is_its_one_
     import signal
 
     from conftest import shared_file
-    from towers.data.image.workers import Workers
+    from towers.data.workers import Workers
     from towers.data.tfrecord.records import load_split
 
     path = str(shared_file("tfrecord-samples", "mnist_t10k_head1000.tfrecords"))

@@ -63,7 +63,7 @@ def _md5(path):
 
 def _tf_samples(name):
     """(encoded bytes, TensorFlow's decoded pixels) of a shared sample file."""
-    from towers.data.image.sources import RecordSource
+    from towers.data.sources import RecordSource
     from towers.data.tfrecord.index import file_index, positions
 
     path = str(shared_file("image-samples", f"{name}.tfrecords"))
@@ -365,7 +365,7 @@ class _OddSource:
 def test_an_answer_that_cannot_be_read_does_not_shift_the_next():
     import concurrent.futures
 
-    from towers.data.image.workers import Workers
+    from towers.data.workers import Workers
 
     workers = Workers(1)
     sid = workers.add(_OddSource(), Transform((2, 2, 1), "none", encoded=False))

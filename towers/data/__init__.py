@@ -4,7 +4,7 @@
     (rows)      (decode, augment,          (which rows,  (makes the      (in order,     (a tower's slice
                  normalize)                 in order)     rows)           ahead)         onto its device)
 
-- **source** (``image/sources.py``): random access to examples by row: npz
+- **source** (``sources.py``): random access to examples by row: npz
   arrays (``ArraySource``; plain npz training reads the array itself), TFRecord
   records raw (``RawRecordSource``) or encoded images (``RecordSource``), image
   files (``FileSource``).  TFRecord records are located by the record index
@@ -17,7 +17,7 @@
 - **sampler** (``batches.py``: ``Sampler``): the seeded per-epoch permutation
   and the input position (``data/epoch``, ``data/index``), kept and
   serialized once.
-- **worker pool** (``image/workers.py``: ``Workers``): one pool of processes,
+- **worker pool** (``workers.py``: ``Workers``): one pool of processes,
   each fed through its own pipe, that makes a chunk of rows straight into the
   batch's shared memory (a raw TFRecord chunk is gathered whole; other rows
   are read and transformed one by one); ``workers=0`` makes them in the

@@ -5,7 +5,7 @@ settings.  The data path has three stages:
 
 1. **sources** give random access to examples by row: npz members (read or
    memory-mapped), TFRecord records behind a record index, image files of a
-   folder (``towers.data.image.sources``);
+   folder (``towers.data.sources``);
 2. **per-example transforms** (decoding, augmentation, ``towers.data.image``)
    run in the input workers;
 3. **batches** (``towers.data.batches``) draw global batches from the examples.

@@ -4,7 +4,7 @@ A worker of a pool (``concurrent.futures.ProcessPoolExecutor``: the TFRecord
 readers) blocks on its task queue and outlives a parent killed with SIGKILL
 (the OOM killer), for minutes, together with multiprocessing's resource
 tracker, whose pipe the workers hold open; an image worker
-(``towers.data.image.workers``) sees its pipe close, but only once it has
+(``towers.data.workers``) sees its pipe close, but only once it has
 made the chunks already sent to it.  :func:`watch_parent`, called in a worker's initializer,
 starts a daemon thread that exits the worker as soon as its parent is gone:
 

@@ -1,13 +1,13 @@
-"""Image data: encoded images and image folders, decoded and augmented per example in the input workers.
+"""Image data: encoded images and image folders, decoded and augmented per example in the input workers
+(``towers.data.workers``, which serve raw TFRecord records too).
 
 Modules, in data-flow order:
 
     codec     bytes -> uint8 (H, W, C): JPEG (libjpeg-turbo via simplejpeg), PNG and the rest (Pillow); resize, encode
     folder    DIR/<class>/*.jpg|jpeg|png: classes, files, labels, the images' common size
-    sources   random access to examples by row: TFRecord records, image files, stored arrays
     augment   per-example transforms: decode, the named augmentations, normalize; draws from (seed, epoch, index)
-    workers   worker processes, batches handed back in shared memory, workers that end with their parent
-    array     ImageArray: a source, a transform and the workers as the examples array of a Dataset
+    array     ImageArray: a source (``towers.data.sources``), a transform and the worker pool
+              (``towers.data.workers``) as the examples array of a Dataset
     load      image data sets from paths and settings; the TensorFlow ImageNet layout proposed
     convert   the converter's --decode NAME:image:H,W,C (``tools.tfrecord_to_npz``), decoded in worker processes
     to_tfrecord  npz or image folder -> TFRecord shards in the ImageNet layout (``tools.images_to_tfrecord``)

@@ -3,7 +3,7 @@
 ``ImageArray`` has what the batch code needs from an examples array
 (``shape``, ``dtype``, ``len``, ``x[index array]``, ``x[a:b]``) and
 ``submit(rows, epochs)``, which starts one batch in the input workers
-(``towers.data.image.workers``) and returns an object whose ``result()`` is
+(``towers.data.workers``) and returns an object whose ``result()`` is
 the batch.  With ``epochs`` (training: ``towers.data.batches.BatchSource``
 passes each example's epoch) examples are augmented; without (indexing,
 evaluation) they take the deterministic path.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from towers.data.dataset import OnDemand
-from towers.data.image.workers import WorkerDied, transform_rows
+from towers.data.workers import WorkerDied, transform_rows
 from towers.data.tfrecord.framing import TFRecordError
 from towers.errors import TrainingError
 

@@ -2,7 +2,7 @@
 
 A :class:`Transform` turns one example (encoded bytes, or a uint8 (H, W, C)
 array) into the array the towers get.  It runs in the input workers
-(``towers.data.image.workers``), one example at a time, so it is plain NumPy,
+(``towers.data.workers``), one example at a time, so it is plain NumPy,
 Pillow and OpenCV on small arrays.
 
 **Random draws.**  Every random number of an example comes from

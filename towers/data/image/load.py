@@ -4,7 +4,7 @@
 data holds images to decode or to augment:
 
 ============================  ================================================================
-split given as                source (``towers.data.image.sources``)
+split given as                source (``towers.data.sources``)
 ============================  ================================================================
 a folder ``DIR/<class>/*``    ``FileSource`` (``towers.data.image.folder``), labels by sorted
                               class name, the class names kept
@@ -16,7 +16,7 @@ an npz, or raw TFRecord       ``ArraySource`` over its uint8 (N, H, W[, C]) exam
 The example shape is ``decode``'s, else ``image_size``, else (folders) the
 images' own when they all agree, else (arrays) the stored one.  The training
 split is augmented (``augment``), the test split takes the deterministic path,
-and both share the ``Workers`` (``towers.data.image.workers``).  Training and
+and both share the ``Workers`` (``towers.data.workers``).  Training and
 test labels mean the same classes or the data is refused: a test folder's
 classes match the training folder's by name, and class folders named by
 numbers (``0`` .. ``C-1``) match numbered labels (npz, TFRecord).
@@ -33,8 +33,8 @@ from towers.data.dataset import Dataset, load_npz, npz_has
 from towers.data.image import codec, folder
 from towers.data.image.array import ImageArray
 from towers.data.image.augment import Transform, parse_image_size
-from towers.data.image.sources import ArraySource, FileSource, RecordSource
-from towers.data.image.workers import Workers
+from towers.data.sources import ArraySource, FileSource, RecordSource
+from towers.data.workers import Workers
 from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
 from towers.data.tfrecord.proto import KIND_BYTES, SequenceExample
 from towers.data.inputs import expand_inputs, is_tfrecord

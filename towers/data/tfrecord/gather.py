@@ -152,7 +152,7 @@ class RecordFile:
 class RecordReader:
     """The one reader of indexed records: every path that reads a record at its indexed position comes here
     (raw examples: :class:`Gatherer`, one record at a time or after a gather; encoded images:
-    ``towers.data.image.sources.RecordSource``).
+    ``towers.data.sources.RecordSource``).
 
     :meth:`payload` checks what a record read must: its framing and both CRCs
     (``check_record``, a :class:`TFRecordError` naming file, record and

@@ -14,9 +14,9 @@ training from the file's ``tools.tfrecord_to_npz`` conversion.
 3. **Reading** (:class:`RecordArray`): an array-like (``shape``, ``dtype``,
    ``len``, ``x[index array]``, ``x[a:b]``) whose ``submit(indices)`` reads one
    global batch, in the calling thread (``workers=0``, the input thread) or in
-   the input workers (``towers.data.image.workers``: the one pool, which
+   the input workers (``towers.data.workers``: the one pool, which
    decodes and augments images too).  Either way its source
-   (``towers.data.image.sources.RawRecordSource``) has a
+   (``towers.data.sources.RawRecordSource``) has a
    :class:`~towers.data.tfrecord.gather.Gatherer` turn the positions into the
    examples, written straight into the batch's shared memory: one gather from
    the mapped files, every CRC checked (framing, payload, and the record
@@ -41,8 +41,8 @@ import threading
 import numpy as np
 
 from towers.data.dataset import OnDemand
-from towers.data.image.sources import RawRecordSource
-from towers.data.image.workers import WorkerDied, Workers
+from towers.data.sources import RawRecordSource
+from towers.data.workers import WorkerDied, Workers
 from towers.data.tfrecord.framing import TFRecordError
 from towers.data.tfrecord.index import (  # noqa: F401  (file_index, index_cache_paths: the index's API, here too)
     file_index, index_cache_paths, index_split, positions)
@@ -126,7 +126,7 @@ class RecordArray(OnDemand):
     """The examples of TFRecord files, read on demand: ``shape``, ``dtype``, ``len``, ``x[indices]``, ``x[a:b]``.
 
     ``submit(indices)`` starts reading those records (global row numbers, any
-    order) in the input workers (``towers.data.image.workers``, the one pool)
+    order) in the input workers (``towers.data.workers``, the one pool)
     and returns an object whose ``result()`` is the ``(len(indices), *shape)``
     array.  ``workers=0`` reads in the calling thread.  The workers start on
     the first read and end with :meth:`close` (or when the array is

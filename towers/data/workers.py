@@ -71,7 +71,7 @@ import numpy as np
 
 from towers.data.image.augment import uniforms
 from towers.data.image.codec import ImageError
-from towers.data.image.sources import SourceError
+from towers.data.sources import SourceError
 from towers.data.orphans import block_prefix, exit_if_orphaned, unlink, untrack, watch_parent
 from towers.data.spawning import UNGUARDED_EXIT, spawn_context, unguarded_error
 from towers.errors import UserError

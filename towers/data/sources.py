@@ -1,7 +1,7 @@
 """Sources, the first stage of the data pipeline: random access to examples by row number.
 
 A source is small and picklable (paths and per-row positions, no open
-files), so the input workers (``towers.data.image.workers``) rebuild it once
+files), so the input workers (``towers.data.workers``) rebuild it once
 and then read rows themselves.  ``refs(rows)`` picks what a chunk of rows
 needs to travel to a worker, ``read(ref)`` turns one of them into the
 example, ``where(ref)`` names it in a message.  The transforms
