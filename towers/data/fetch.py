@@ -33,7 +33,7 @@ import zlib
 
 import numpy as np
 
-from towers.errors import notice
+from towers.errors import info
 from towers.output.files import ArraySource, atomic_path, write_npz
 
 RETRIES = 1  # more tries of a failed download; pooch waits 1 s before the first
@@ -100,11 +100,6 @@ DATASETS = {
         "read": _cifar_dataset,
     },
 }
-
-
-def _say(message):
-    """The library's default: the ``towers`` logger (the command line prints its lines itself)."""
-    notice(message, logging.INFO)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -215,7 +210,7 @@ def _reason(exc):
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def ensure_file(store, filename, say=_say, progress=True):
+def ensure_file(store, filename, say=info, progress=True):
     """``store.abspath/filename`` as a verified copy: a file whose sum matches is kept, else pooch downloads it.
 
     ``store`` is a ``pooch.Pooch`` whose registry holds ``filename``'s sum; every failure is a FetchError.
@@ -252,7 +247,7 @@ def ensure_file(store, filename, say=_say, progress=True):
     return path
 
 
-def fetch(name, out_dir, base_url=None, files=None, say=_say, progress=True, retries=RETRIES):
+def fetch(name, out_dir, base_url=None, files=None, say=info, progress=True, retries=RETRIES):
     """Download dataset ``name`` into ``out_dir/raw`` and write ``out_dir/<name>.npz``; return its path.
 
     ``base_url`` replaces the dataset's server (files are fetched from base_url + "/" + file name);

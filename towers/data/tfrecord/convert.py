@@ -21,12 +21,11 @@ said through ``say`` (by default the ``towers`` logger); nothing is printed.
 See tools/README.md.
 """
 
-import logging
 import os
 import sys
 from dataclasses import dataclass
 
-from towers.errors import notice
+from towers.errors import info
 from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs, write_npz
 from towers.data.tfrecord.framing import TFRecordReader
 from towers.data.tfrecord.columns import ColumnStore
@@ -67,11 +66,6 @@ class Schema:
     files: int
     lines: list
     proposal: str | None
-
-
-def _say(message):
-    """The library's default: the ``towers`` logger (the command line prints its lines itself)."""
-    notice(message, logging.INFO)
 
 
 def check_output_file(output, example="out.npz", flag="-o"):
@@ -145,7 +139,7 @@ def _progress(total, shown):
                 disable=not (shown and sys.stderr.isatty()), file=sys.stderr, desc="converting")
 
 
-def read_all(paths, store, reading=Reading(), say=_say, ends=None):
+def read_all(paths, store, reading=Reading(), say=info, ends=None):
     """Feed every record of every file to ``store``; return the count of skipped records.
 
     ``ends``: a list that gets (path, records so far) after each file."""
@@ -179,7 +173,7 @@ def _check_decode(decode):
             parse_decode(spec)  # flag mistakes surface before a long read
 
 
-def schema(inputs, reading=Reading(), say=_say, decode=()):
+def schema(inputs, reading=Reading(), say=info, decode=()):
     """The :class:`Schema` of the records in ``inputs`` (paths or globs); reads everything, writes nothing.
 
     ``decode``: specs checked as :func:`convert` checks them (a mistake is refused before the read)."""
@@ -192,7 +186,7 @@ def schema(inputs, reading=Reading(), say=_say, decode=()):
 
 
 def convert(inputs, output, decode=(), x=None, y=None, compress=False, input_workers=None, reading=Reading(),
-            say=_say):
+            say=info):
     """Write the records of ``inputs`` (paths or globs) to the npz ``output`` atomically; a :class:`Converted`.
 
     ``decode``: ``NAME:DTYPE[:SHAPE]`` or ``NAME:image:H,W,C`` specs (dense arrays of bytes features);
