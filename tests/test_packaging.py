@@ -40,12 +40,31 @@ def test_the_tools_users_run_are_installed_as_console_scripts():
         assert getattr(importlib.import_module(f"tools.{tool}"), "main") is getattr(importlib.import_module(module), fn)
 
 
+def test_command_lines_sit_beside_train_and_the_library_imports_none():
+    # Before: the converters' and the fetcher's command lines lived in towers/data/ (towers.data.fetch:main,
+    # ...) and that library imported towers.cli.  Every console script is now a top-level module of towers,
+    # and nothing under towers/ below the top level imports towers.cli.
+    import ast
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    nested = {name: target for name, target in scripts.items() if target.count(".") != 1}
+    assert nested == {}, "a command line belongs beside towers/train.py"
+    for path in (REPO / "towers").rglob("*.py"):
+        if path.parent == REPO / "towers":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names] \
+                if isinstance(node, ast.ImportFrom) else []
+            assert "towers.cli" not in names, f"{path.relative_to(REPO)} imports towers.cli"
+
+
 def test_import_towers_loads_no_protobuf_and_npz_training_no_image_codec(tmp_path):
     # Before: `import towers` loaded protobuf (the TFRecord reader) and the converter's command line.
     # Protobuf stays installed for the TensorBoard writer, which a run loads when it starts writing; the
     # image codecs are hidden as uninstalled packages are (importing them raises).
     code = ("import sys\nimport towers\nassert 'google.protobuf' not in sys.modules, 'protobuf loaded'\n"
-            "assert 'towers.data.tfrecord.convert' not in sys.modules\n"
+            "assert 'towers.data.tfrecord.convert' not in sys.modules and 'towers.tfrecord_to_npz' not in sys.modules\n"
             "for m in ('PIL', 'simplejpeg'): sys.modules[m] = None\n"
             "from towers.train import main\n"
             "sys.exit(main(['--devices', 'cpu', '--steps', '3', '--quiet', '--logdir', sys.argv[1]]))")

@@ -7,6 +7,7 @@ The command-line tools run in process through their ``main(argv)``.
 """
 
 import gzip
+import logging
 import os
 import struct
 import zlib
@@ -147,6 +148,27 @@ def test_decode_and_x_y(tmp_path, capsys):
         assert np.array_equal(got["x"].reshape(1000, -1), want["image_raw"])
         assert np.array_equal(got["image_raw"], got["x"])
         assert got["y"].dtype == np.int64 and np.array_equal(got["y"], want["label"])
+
+
+def test_the_library_converts_and_reads_schemas_without_printing(tmp_path, capsys, caplog, notices):
+    # The converter is a library call with plain arguments (its command line is towers.tfrecord_to_npz):
+    # what it says goes to the towers logger, the schema comes back as lines.  Before: convert(args, say)
+    # took the argparse namespace and printed the schema itself.
+    caplog.set_level(logging.INFO, logger="towers")
+    src, out = sample("mnist_t10k_head1000"), tmp_path / "lib.npz"
+    done = converter.convert([str(src)], str(out), ["image_raw:uint8:28,28"], x="image_raw", y="label")
+    found = converter.schema([str(src)])
+    printed, err = capsys.readouterr()
+    # Nothing printed: stderr holds at most the notices, where a command line run earlier in this process
+    # (towers.cli.show_notices) has the logger print them.
+    assert printed == "" and set(err.splitlines()) <= set(notices)
+    assert (done.rows, done.kind, found.rows, found.kind, found.files) == (1000, "Example", 1000, "tf.train.Example", 1)
+    assert sorted(line.split()[0] for line in found.lines) == ["image_raw", "label", "pixels"]
+    assert f"{src}: compression auto -> none" in notices
+    status, _ = convert(capsys, src, "-o", tmp_path / "cli.npz", "--decode", "image_raw:uint8:28,28",
+                        "--x", "image_raw", "--y", "label")
+    assert status == 0
+    assert_same_npz(out, tmp_path / "cli.npz")
 
 
 def test_decode_to_wider_dtype_is_little_endian(tmp_path, capsys):

@@ -1,10 +1,10 @@
-"""``python -m tools.npz_to_tfrecord``: an npz in the converter's layout -> TFRecord (``towers.data.tfrecord.from_npz``).
+"""``python -m tools.npz_to_tfrecord``: an npz in the converter's layout -> TFRecord (``towers.npz_to_tfrecord``).
 
 See tools/README.md.
 """
 import sys
 
-from towers.data.tfrecord.from_npz import main
+from towers.npz_to_tfrecord import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,11 +1,11 @@
-"""``python -m tools.tfrecord_to_npz``: TFRecord files -> one .npz (``towers.data.tfrecord.convert``).
+"""``python -m tools.tfrecord_to_npz``: TFRecord files -> one .npz (``towers.tfrecord_to_npz``).
 
-The converter lives in the package (installed as ``towers-tfrecord-to-npz``);
+The command line lives in the package (installed as ``towers-tfrecord-to-npz``);
 this keeps the command line of a checkout.  See tools/README.md.
 """
 import sys
 
-from towers.data.tfrecord.convert import main
+from towers.tfrecord_to_npz import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="python -m tools.tfrecord_to_npz"))

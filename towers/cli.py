@@ -109,6 +109,31 @@ def _run(prog, body, more, interrupted, terminated) -> int:
         return status
 
 
+def run_writer(prog: str, write, report=None, more: dict | None = None) -> int:
+    """:func:`run_main` for a command that writes its output atomically (the converters).
+
+    ``write()`` runs with SIGTERM raising, so the writers clean up as on Ctrl-C,
+    and both say that no output was written; ``report(result)`` then says what
+    was written, outside that window.
+    """
+    def body():
+        with sigterm_raises():
+            done = write()
+        if report is not None:
+            report(done)
+
+    return run_main(prog, body, more, interrupted="interrupted: no output written",
+                    terminated="terminated (SIGTERM): no output written")
+
+
+def say_as(prog: str):
+    """A ``say(message)`` that prints ``prog: message`` on stderr: what a command passes to the library's
+    ``say`` parameters (whose default is the ``towers`` logger)."""
+    def say(message: str) -> None:
+        print(f"{prog}: {message}", file=sys.stderr)
+    return say
+
+
 def show_notices() -> None:
     """The library's notices (the ``towers`` logger: soft placement, an index being built, ...) as plain
     lines on stderr (idempotent)."""

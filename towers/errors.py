@@ -48,6 +48,12 @@ def notice(text: str, level: int = logging.WARNING) -> None:
     logging.getLogger("towers").log(level, render(text))
 
 
+def info(text: str) -> None:
+    """:func:`notice` at INFO: what a library call says on the way (the converters' and the fetcher's default
+    ``say``; their command lines print these lines themselves)."""
+    notice(text, logging.INFO)
+
+
 class _Message(Exception):
     def __str__(self) -> str:
         return render(super().__str__())

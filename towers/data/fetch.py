@@ -1,8 +1,5 @@
-"""Download MNIST, Fashion-MNIST or CIFAR-10 and write it as one towers ``.npz``.
-
-    python -m towers.data.fetch mnist|fashion-mnist|cifar10 -o DIR [--mirror URL]
-
-(``towers-fetch-data`` when installed, ``python -m tools.fetch_data`` in a checkout.)
+"""Download MNIST, Fashion-MNIST or CIFAR-10 and write it as one towers ``.npz`` (the library half of
+``towers-fetch-data``; its command line is :mod:`towers.fetch_data`).
 
 Downloading is pooch's (``pooch.create(...).fetch``).  For each raw file in the dataset's table
 (``DATASETS``: file name -> the sum its publisher lists, and where):
@@ -24,7 +21,7 @@ Limits: one file at a time; an interrupted download starts again from its first 
 resume); a SIGKILL mid-download leaves pooch's temporary file (``DIR/raw/tmp*``) behind.  Parsing holds
 one dataset in memory (CIFAR-10: about 180 MB of images plus the 162 MB tar's members, read one at a
 time).  MD5 is what the publishers list: it detects damaged or wrong files, not a deliberate forgery.
-Tests pass their own file table and base URL to :func:`fetch`; the CLI is a thin layer over it.
+Tests pass their own file table and base URL to :func:`fetch`; the command line is a thin layer over it.
 """
 
 import gzip
@@ -32,13 +29,11 @@ import logging
 import os
 import sys
 import tarfile
-import urllib.parse
 import zlib
 
 import numpy as np
 
-from towers.cli import Parser, run_main
-from towers.errors import notice
+from towers.errors import info
 from towers.output.files import ArraySource, atomic_path, write_npz
 
 RETRIES = 1  # more tries of a failed download; pooch waits 1 s before the first
@@ -105,11 +100,6 @@ DATASETS = {
         "read": _cifar_dataset,
     },
 }
-
-
-def _say(message):
-    """The library's default: the ``towers`` logger (the command line prints its lines itself)."""
-    notice(message, logging.INFO)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -220,7 +210,7 @@ def _reason(exc):
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def ensure_file(store, filename, say=_say, progress=True):
+def ensure_file(store, filename, say=info, progress=True):
     """``store.abspath/filename`` as a verified copy: a file whose sum matches is kept, else pooch downloads it.
 
     ``store`` is a ``pooch.Pooch`` whose registry holds ``filename``'s sum; every failure is a FetchError.
@@ -257,7 +247,7 @@ def ensure_file(store, filename, say=_say, progress=True):
     return path
 
 
-def fetch(name, out_dir, base_url=None, files=None, say=_say, progress=True, retries=RETRIES):
+def fetch(name, out_dir, base_url=None, files=None, say=info, progress=True, retries=RETRIES):
     """Download dataset ``name`` into ``out_dir/raw`` and write ``out_dir/<name>.npz``; return its path.
 
     ``base_url`` replaces the dataset's server (files are fetched from base_url + "/" + file name);
@@ -281,39 +271,3 @@ def fetch(name, out_dir, base_url=None, files=None, say=_say, progress=True, ret
         f"{arrays['x'].shape[1:]} uint8")
     return out
 
-
-# ---------------------------------------------------------------------------------------------------
-# Command line
-
-
-def _parser(prog):
-    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("dataset", choices=sorted(DATASETS), help="which dataset to download")
-    p.add_argument("-o", "--out-dir", required=True, metavar="DIR",
-                   help="writes DIR/<dataset>.npz; keeps the downloaded files in DIR/raw/")
-    p.add_argument("--mirror", metavar="URL",
-                   help="fetch the same file names from URL/<file> instead of the default server")
-    return p
-
-
-def main(argv=None, prog="towers-fetch-data"):
-    parser = _parser(prog)
-    args = parser.parse_args(argv)
-    if args.mirror is not None and urllib.parse.urlsplit(args.mirror).scheme not in ("http", "https"):
-        parser.error(f"--mirror {args.mirror}: give an http:// or https:// URL (files you already have go in "
-                     "DIR/raw/, where their sums are checked)")
-    if not args.out_dir:  # '' would write raw/ and the npz into the current folder
-        parser.error("-o must name a folder (it is empty); for example -o data")
-    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-        parser.error(f"-o {args.out_dir}: this is a file, not a folder; give a folder for the output")
-    def say(message):
-        print(f"{prog}: {message}", file=sys.stderr)
-
-    return run_main(prog, lambda: fetch(args.dataset, args.out_dir, base_url=args.mirror, say=say) and 0,
-                    more={FetchError: 1},
-                    interrupted=f"interrupted: no output written; the files already verified in "
-                                f"{os.path.join(args.out_dir, 'raw')} are kept and not downloaded again")
-
-
-if __name__ == "__main__":
-    sys.exit(main(prog="python -m towers.data.fetch"))

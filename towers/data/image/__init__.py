@@ -10,5 +10,6 @@ Modules, in data-flow order:
               (``towers.data.workers``) as the examples array of a Dataset
     load      image data sets from paths and settings; the TensorFlow ImageNet layout proposed
     convert   the converter's --decode NAME:image:H,W,C (``tools.tfrecord_to_npz``), decoded in worker processes
-    to_tfrecord  npz or image folder -> TFRecord shards in the ImageNet layout (``tools.images_to_tfrecord``)
+    to_tfrecord  npz or image folder -> TFRecord shards in the ImageNet layout (its command line:
+                 ``towers.images_to_tfrecord``)
 """

@@ -1,10 +1,5 @@
-"""Write an npz or an image folder as TFRecord shards in TensorFlow's ImageNet layout.
-
-Usage::
-
-    python -m tools.images_to_tfrecord mnist.npz -o mnist-train --encode jpeg --shards 4
-    python -m tools.images_to_tfrecord mnist.npz -o mnist-test --test --encode png
-    python -m tools.images_to_tfrecord photos/ -o photos.tfrecords
+"""Write an npz or an image folder as TFRecord shards in TensorFlow's ImageNet layout (the library half of
+``towers-images-to-tfrecord``; its command line is :mod:`towers.images_to_tfrecord`).
 
 Each record is a ``tf.train.Example`` as TensorFlow's
 ``build_imagenet_data.py`` writes it: ``image/encoded`` (the image),
@@ -17,28 +12,25 @@ Each record is a ``tf.train.Example`` as TensorFlow's
 ``image/object/bbox/label`` (int64).  Training reads them with ``--x-key
 image/encoded --y-key image/class/label --decode image/encoded:image:H,W,C``.
 
-An npz gives its ``x``/``y`` (``--test``: ``x_test``/``y_test``), uint8
-(N, H, W) or (N, H, W, C) with C 1 or 3, encoded with ``--encode`` (default
-jpeg, ``--quality`` 90, TensorFlow's ``encode_jpeg`` layout).  An image folder
-(``DIR/<class>/*.jpg|jpeg|png``) keeps each file's bytes unless ``--encode``
-asks to re-encode.  ``--shards N`` writes ``OUT-00000-of-0000N`` ...,
+An npz gives its ``x``/``y`` (``test``: ``x_test``/``y_test``), uint8
+(N, H, W) or (N, H, W, C) with C 1 or 3, encoded as ``encode`` says (default
+jpeg, ``quality`` 90, TensorFlow's ``encode_jpeg`` layout).  An image folder
+(``DIR/<class>/*.jpg|jpeg|png``) keeps each file's bytes unless ``encode``
+asks to re-encode.  ``shards`` N writes ``OUT-00000-of-0000N`` ...,
 records dealt out in order, as contiguous runs.
 
 Limits: the encoded records are held in memory until they are written
 (about the size of the output).  Outputs are written as :mod:`towers.output.files` describes: all shards appear
-together at the end, and an error, Ctrl-C or SIGTERM leaves none.  Exit
-status: 0, 1 for unreadable input or a full disk, 2 for a usage mistake, 130
-on Ctrl-C, 143 on SIGTERM.
+together at the end, and an error, Ctrl-C or SIGTERM leaves none.  A usage
+mistake is a ``UserError`` (``UsageError``), found before anything is written.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 import numpy as np
 
-from towers.cli import Parser, run_main, sigterm_raises
 from towers.data.dataset import load_npz, npz_has
 from towers.data.image import codec, folder
 from towers.data.tfrecord.framing import TFRecordWriter
@@ -47,7 +39,6 @@ from towers.data.tfrecord.schema import UsageError
 from towers.errors import UserError
 from towers.output.files import atomic_path, refuse_overwriting_inputs
 
-PROG = "images_to_tfrecord"
 _FORMAT = {"jpeg": b"JPEG", "png": b"PNG", "other": b""}
 
 
@@ -104,26 +95,32 @@ def _from_folder(root, encode, quality, offset):
         yield example(data, label + offset, shape, name, classes[label].encode())
 
 
-def convert(args) -> tuple[int, list[str]]:
-    """Write the shards; (records, their paths)."""
-    if args.shards < 1:
-        raise UsageError(f"--shards must be >= 1, got {args.shards}")
-    if not 1 <= args.quality <= 100:
-        raise UsageError(f"--quality must be 1..100, got {args.quality}")
-    is_folder = os.path.isdir(args.input)
-    if is_folder and args.test:
+def convert(input: str, output: str, encode: str | None = None, quality: int = 90, shards: int = 1,
+            test: bool = False, label_offset: int = 0) -> tuple[int, list[str]]:
+    """Write the records of the npz or image folder ``input`` as ``shards`` files named after ``output``;
+    (records, their paths).
+
+    ``encode``: ``jpeg`` or ``png`` (None: jpeg for an npz, each file's own bytes for a folder);
+    ``test``: an npz's ``x_test``/``y_test``; ``label_offset``: added to every label.
+    """
+    if shards < 1:
+        raise UsageError(f"--shards must be >= 1, got {shards}")
+    if not 1 <= quality <= 100:
+        raise UsageError(f"--quality must be 1..100, got {quality}")
+    is_folder = os.path.isdir(input)
+    if is_folder and test:
         raise UsageError("--test picks an npz's x_test/y_test; give the test folder itself instead")
-    outputs = shard_paths(args.output, args.shards)
+    outputs = shard_paths(output, shards)
     for out in outputs:
         folder_of = os.path.dirname(os.path.abspath(out))
         if not os.path.isdir(folder_of):
-            raise UsageError(f"-o {args.output}: the folder {folder_of} does not exist; create it first")
+            raise UsageError(f"-o {output}: the folder {folder_of} does not exist; create it first")
         if os.path.isdir(out):
-            raise UsageError(f"-o {args.output}: {out} is a folder; give a file path")
-    refuse_overwriting_inputs(args.output, [args.input] if not is_folder else [])
-    records = list(_from_folder(args.input, args.encode, args.quality, args.label_offset) if is_folder else
-                   _from_npz(args.input, args.test, args.encode or "jpeg", args.quality, args.label_offset))
-    bounds = np.linspace(0, len(records), args.shards + 1).astype(int)
+            raise UsageError(f"-o {output}: {out} is a folder; give a file path")
+    refuse_overwriting_inputs(output, [input] if not is_folder else [])
+    records = list(_from_folder(input, encode, quality, label_offset) if is_folder else
+                   _from_npz(input, test, encode or "jpeg", quality, label_offset))
+    bounds = np.linspace(0, len(records), shards + 1).astype(int)
     with contextlib.ExitStack() as stack:  # every shard is renamed into place only when all are written
         for out, a, b in zip(outputs, bounds[:-1], bounds[1:]):
             tmp = stack.enter_context(atomic_path(out))
@@ -131,30 +128,3 @@ def convert(args) -> tuple[int, list[str]]:
                 for payload in records[a:b]:
                     writer.write(payload)
     return len(records), outputs
-
-
-def main(argv=None, prog="python -m tools.images_to_tfrecord"):
-    """The command line; returns the exit status."""
-    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("input", metavar="IN", help="an npz (x, y) or an image folder DIR/<class>/*.jpg|jpeg|png")
-    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output file (or shard prefix)")
-    p.add_argument("--encode", choices=codec.FORMATS, help="encode as (npz: default jpeg; folder: keep the files)")
-    p.add_argument("--quality", type=int, default=90, help="JPEG quality 1..100 (default 90)")
-    p.add_argument("--shards", type=int, default=1, help="number of output files (default 1)")
-    p.add_argument("--test", action="store_true", help="npz: write x_test/y_test instead of x/y")
-    p.add_argument("--label-offset", type=int, default=0,
-                   help="added to every label (1: the ImageNet files' numbering, 0 unused)")
-    args = p.parse_args(argv)
-
-    def body():
-        with sigterm_raises():
-            n, outputs = convert(args)
-        print(f"{PROG}: wrote {n} records to {len(outputs)} file(s): {outputs[0]}"
-              + (f" ... {outputs[-1]}" if len(outputs) > 1 else ""), file=sys.stderr)
-
-    return run_main(PROG, body, interrupted="interrupted: no output written",
-                    terminated="terminated (SIGTERM): no output written")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

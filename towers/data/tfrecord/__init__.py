@@ -6,7 +6,7 @@ Modules, in data-flow order:
     proto      the tf.train.Example / SequenceExample messages, built at run time
     columns    parsed records -> columns (spilled to disk) and per-feature statistics
     schema     the ``--decode NAME:DTYPE[:SHAPE]`` syntax and its checks
-    convert    TFRecord -> npz (``towers-tfrecord-to-npz``, ``python -m tools.tfrecord_to_npz``)
-    from_npz   npz -> TFRecord (``python -m tools.npz_to_tfrecord``)
+    convert    TFRecord -> npz (its command line: ``towers.tfrecord_to_npz``)
+    from_npz   npz -> TFRecord (its command line: ``towers.npz_to_tfrecord``)
     records    training input: a record index, its cache, and parse workers behind an array
 """

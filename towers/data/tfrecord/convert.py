@@ -1,63 +1,71 @@
-"""Convert TFRecord files of tf.train.Example / SequenceExample records to one .npz.
+"""Convert TFRecord files of tf.train.Example / SequenceExample records to one .npz (the library half of
+``towers-tfrecord-to-npz``; its command line is :mod:`towers.tfrecord_to_npz`).
 
-Usage::
-
-    python -m tools.tfrecord_to_npz INPUT [INPUT ...] -o OUT.npz [options]
-    python -m tools.tfrecord_to_npz output.tfrecords -o mnist.npz \\
-        --decode image_raw:uint8:28,28 --x image_raw --y label
-
-Each INPUT is a path or a glob; a glob's matches are read in sorted order and
+Each input is a path or a glob; a glob's matches are read in sorted order and
 all inputs are concatenated in the order given.  The pipeline per file is
 :class:`towers.data.tfrecord.framing.TFRecordReader` (framing, both CRCs, decompression)
 -> :class:`towers.data.tfrecord.columns.ColumnStore` (protobuf parse, columns
-spilled to an owned temporary folder beside OUT, see :mod:`towers.output.files`) ->
-:func:`towers.output.files.write_npz` into a temporary file that is renamed to OUT
-only when everything succeeded.  An OUT that is one of the inputs is refused
+spilled to an owned temporary folder beside the output, see :mod:`towers.output.files`) ->
+:func:`towers.output.files.write_npz` into a temporary file that is renamed to the output
+only when everything succeeded.  An output that is one of the inputs is refused
 before anything is read.
 
-Exit status: 0 on success, 1 for damaged or unreadable input (one line naming
-file, record index and byte offset) or a full disk, 2 for a usage mistake
-(including OUT being an input), 130 on Ctrl-C, 143 on SIGTERM.  No OUT and no
-temporary files are left behind unless the status is 0; what a SIGKILL leaves
-is removed by the next run writing to the same folder.  See tools/README.md.
+Errors: :class:`UsageError` for a usage mistake (including the output being an
+input), :class:`TFRecordError` and :class:`UndecodableImage` for damaged or
+unreadable input (naming file, record index and byte offset), ``OSError`` /
+``DiskError`` for a full disk.  No output and no temporary files are left
+behind unless :func:`convert` returns; what a SIGKILL leaves is removed by the
+next conversion writing to the same folder.  What happens on the way (the
+compression detected, an empty file, dropped records, removed leftovers) is
+said through ``say`` (by default the ``towers`` logger); nothing is printed.
+See tools/README.md.
 """
 
 import os
 import sys
-import time
+from dataclasses import dataclass
 
-from towers.cli import Parser, run_main, sigterm_raises
-from towers.errors import flags_in_messages, render
+from towers.errors import info
 from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs, write_npz
-from towers.data.tfrecord.framing import COMPRESSIONS, TFRecordError, TFRecordReader
+from towers.data.tfrecord.framing import TFRecordReader
 from towers.data.tfrecord.columns import ColumnStore
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode, parse_image_decode
-from towers.data.image.convert import UndecodableImage, decode_images
+from towers.data.image.convert import decode_images
 from towers.data.image.load import propose
 from towers.data.inputs import expand_inputs
 
-PROG = "tfrecord_to_npz"
+CHUNK_SIZE = 8 << 20  # bytes read and converted per batch
 
 
-def _parser(prog):
-    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="TFRecord file or glob (matches read sorted)")
-    p.add_argument("-o", "--output", metavar="OUT.npz", help="output file (required unless --schema)")
-    p.add_argument("--compression", choices=COMPRESSIONS, default="auto",
-                   help="input compression; auto detects gzip/zlib per file (default: auto)")
-    p.add_argument("--decode", action="append", default=[], metavar="NAME:DTYPE[:SHAPE]",
-                   help="turn a fixed-length bytes feature into a dense array, e.g. image_raw:uint8:28,28")
-    p.add_argument("--x", metavar="NAME", help="also write this feature's dense array as 'x'")
-    p.add_argument("--y", metavar="NAME", help="also write this feature's dense array as 'y'")
-    p.add_argument("--schema", action="store_true", help="print the inferred schema and write nothing")
-    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
-                   help="skip: drop records whose payload CRC fails (framing intact) and count them")
-    p.add_argument("--compress", action="store_true", help="deflate the npz members (smaller, slower)")
-    p.add_argument("--chunk-size", type=int, default=8 << 20, metavar="BYTES",
-                   help="bytes read and converted per batch, > 0 (default 8 MiB)")
-    p.add_argument("--input-workers", type=int, default=None, metavar="N",
-                   help="processes that decode images for --decode NAME:image:H,W,C (default: one per core)")
-    return p
+@dataclass(frozen=True)
+class Reading:
+    """How the TFRecord files are read: ``compression`` (``auto`` detects gzip/zlib per file), ``on_error``
+    (``skip`` drops records whose payload CRC fails, framing intact, and counts them), ``chunk_size``
+    (bytes per batch, > 0) and ``progress`` (a tqdm bar on stderr, shown only when it is a terminal)."""
+    compression: str = "auto"
+    on_error: str = "stop"
+    chunk_size: int = CHUNK_SIZE
+    progress: bool = False
+
+
+@dataclass(frozen=True)
+class Converted:
+    """What :func:`convert` wrote (``kind``: Example or SequenceExample)."""
+    rows: int
+    kind: str
+    features: int
+    arrays: int
+
+
+@dataclass(frozen=True)
+class Schema:
+    """What :func:`schema` found: the records, their kind, one line per feature, and the settings that
+    train from the records' encoded images (``towers.data.image.load.propose``; None if they hold none)."""
+    rows: int
+    kind: str
+    files: int
+    lines: list
+    proposal: str | None
 
 
 def check_output_file(output, example="out.npz", flag="-o"):
@@ -90,26 +98,26 @@ def _decoded(store, name, dtype, shape, spec):
     return column.values.source(dtype=dtype, shape=(store.rows, *shape))
 
 
-def _entries(store, args, ends=()):
+def _entries(store, decode, x, y, input_workers, ends=()):
     """The npz members: the convention's keys, decoded arrays, and x/y (``ends``: (path, records so far) after
     each input file, to name an image that does not decode)."""
     entries = dict(store.entries())
     dense_key = {name: store.prefixes()[0] + name for name in store.context}
     decoded = {}
-    for spec in args.decode:
+    for spec in decode:
         image = parse_image_decode(spec)
         if image is not None:
             column = store.find(image[0])
             if column is None or column.is_list:
                 raise UsageError(f"--decode {spec}: no feature {image[0]!r}; see --schema for the names")
             entries[dense_key[column.key]] = decoded[dense_key[column.key]] = decode_images(
-                column, store.rows, image[1], store.spill_dir, args.input_workers, ends)
+                column, store.rows, image[1], store.spill_dir, input_workers, ends)
             continue
         name, dtype, shape = parse_decode(spec)
         source = _decoded(store, name, dtype, shape, spec)
         key = dense_key[store.find(name).key]
         entries[key] = decoded[key] = source
-    for flag, name in (("x", args.x), ("y", args.y)):
+    for flag, name in (("x", x), ("y", y)):
         if name is None:
             continue
         column = store.find(name)
@@ -125,21 +133,21 @@ def _entries(store, args, ends=()):
     return list(entries.items())
 
 
-def _progress(total):
+def _progress(total, shown):
     from tqdm import tqdm
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True,
-                disable=not sys.stderr.isatty(), file=sys.stderr, desc="converting")
+                disable=not (shown and sys.stderr.isatty()), file=sys.stderr, desc="converting")
 
 
-def read_all(paths, store, args, say, ends=None):
+def read_all(paths, store, reading=Reading(), say=info, ends=None):
     """Feed every record of every file to ``store``; return the count of skipped records.
 
     ``ends``: a list that gets (path, records so far) after each file."""
     skipped, last_choice = 0, None
-    with _progress(sum(os.path.getsize(p) for p in paths)) as bar:
+    with _progress(sum(os.path.getsize(p) for p in paths), reading.progress) as bar:
         for path in paths:
-            reader = TFRecordReader(path, args.compression, args.on_error, args.chunk_size)
-            if args.compression == "auto" and reader.compression != last_choice:
+            reader = TFRecordReader(path, reading.compression, reading.on_error, reading.chunk_size)
+            if reading.compression == "auto" and reader.compression != last_choice:
                 say(f"{path}: compression auto -> {reader.compression}")
                 last_choice = reader.compression
             if reader.size == 0:
@@ -159,63 +167,48 @@ def read_all(paths, store, args, say, ends=None):
     return skipped
 
 
-def convert(args, say):
-    paths = expand_inputs(args.inputs)
-    for spec in args.decode:
+def _check_decode(decode):
+    for spec in decode:
         if parse_image_decode(spec) is None:
             parse_decode(spec)  # flag mistakes surface before a long read
-    start = time.perf_counter()
-    if args.schema:
-        store = ColumnStore(None)
-        read_all(paths, store, args, say)
-        kind = "tf.train.SequenceExample" if store.sequence else "tf.train.Example"
-        print(f"{store.rows} records ({kind}) in {len(paths)} file(s)")
-        for line in store.schema_lines():
-            print(line)
-        hint = propose(args.inputs[0])
-        if hint:
-            with flags_in_messages():
-                print("proposed: " + render(hint).replace("--x-key", "--x").replace("--y-key", "--y"))
-        return
-    if args.output is None:
+
+
+def schema(inputs, reading=Reading(), say=info, decode=()):
+    """The :class:`Schema` of the records in ``inputs`` (paths or globs); reads everything, writes nothing.
+
+    ``decode``: specs checked as :func:`convert` checks them (a mistake is refused before the read)."""
+    paths = expand_inputs(inputs)
+    _check_decode(decode)
+    store = ColumnStore(None)
+    read_all(paths, store, reading, say)
+    return Schema(store.rows, "tf.train.SequenceExample" if store.sequence else "tf.train.Example", len(paths),
+                  list(store.schema_lines()), propose(inputs[0]))
+
+
+def convert(inputs, output, decode=(), x=None, y=None, compress=False, input_workers=None, reading=Reading(),
+            say=info):
+    """Write the records of ``inputs`` (paths or globs) to the npz ``output`` atomically; a :class:`Converted`.
+
+    ``decode``: ``NAME:DTYPE[:SHAPE]`` or ``NAME:image:H,W,C`` specs (dense arrays of bytes features);
+    ``x``/``y``: features whose dense arrays are also written as ``x``/``y``; ``compress``: deflate the
+    members; ``input_workers``: processes that decode images (None: one per core).  The output path and
+    the specs are checked before anything is read.
+    """
+    paths = expand_inputs(inputs)
+    _check_decode(decode)
+    if output is None:
         raise UsageError("give the output file with -o OUT.npz (or use --schema)")
-    check_output_file(args.output)
-    refuse_overwriting_inputs(args.output, paths)
+    check_output_file(output)
+    refuse_overwriting_inputs(output, paths)
     stale = []
-    with output_folder(args.output, stale) as folder:
+    with output_folder(output, stale) as folder:
         for path in stale:
             say(f"removed {path}: temporary files of a conversion that was killed")
         store = ColumnStore(folder)
         ends = []
-        read_all(paths, store, args, say, ends)
-        entries = _entries(store, args, ends)
-        with atomic_path(args.output, folder) as tmp:
-            write_npz(tmp, entries, compress=args.compress)
-    seconds = time.perf_counter() - start
-    kind = "SequenceExample" if store.sequence else "Example"
-    say(f"wrote {args.output}: {store.rows} {kind} records, {len(store.columns)} features, {len(entries)} arrays "
-        f"in {seconds:.1f} s ({store.rows / max(seconds, 1e-9):,.0f} records/s)")
-
-
-def main(argv=None, prog="towers-tfrecord-to-npz"):
-    """The command line (``towers-tfrecord-to-npz``, ``python -m tools.tfrecord_to_npz``); the exit status."""
-    parser = _parser(prog)
-    args = parser.parse_args(argv)
-    if args.input_workers is not None and args.input_workers < 0:
-        parser.error(f"--input-workers must be >= 0, got {args.input_workers}")
-    if args.chunk_size <= 0:  # 0 would read nothing and write an empty npz
-        parser.error(f"--chunk-size must be > 0 (bytes read per batch), got {args.chunk_size}")
-
-    def say(message):
-        print(f"{PROG}: {message}", file=sys.stderr)
-
-    def body():
-        with sigterm_raises():
-            convert(args, say)
-
-    return run_main(PROG, body, more={TFRecordError: 1, UndecodableImage: 1, UsageError: 2}, interrupted="interrupted: no output written",
-                    terminated="terminated (SIGTERM): no output written")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        read_all(paths, store, reading, say, ends)
+        entries = _entries(store, decode, x, y, input_workers, ends)
+        with atomic_path(output, folder) as tmp:
+            write_npz(tmp, entries, compress=compress)
+    return Converted(store.rows, "SequenceExample" if store.sequence else "Example", len(store.columns),
+                     len(entries))

@@ -1,8 +1,5 @@
-"""Write tf.train.Example (or SequenceExample) records from an npz in the converter's layout.
-
-Usage::
-
-    python -m tools.npz_to_tfrecord IN.npz -o OUT.tfrecords [--compression none|gzip|zlib]
+"""Write tf.train.Example (or SequenceExample) records from an npz in the converter's layout (the library half
+of ``towers-npz-to-tfrecord``; its command line is :mod:`towers.npz_to_tfrecord`).
 
 The npz must follow the layout :mod:`tools.tfrecord_to_npz` writes: for each
 feature ``F.present``, ``F.row_lengths``, ``F.values`` (and
@@ -15,13 +12,13 @@ uint8 with ``value_lengths`` is bytes, floating is float (written as float32),
 integer is int64.
 
 The output is written as :mod:`towers.output.files` describes (never over the input,
-no partial output or temporaries on failure, Ctrl-C or SIGTERM; exit status 0,
-1 for unreadable input or a full disk, 2 for a layout or usage mistake, 130 on
-Ctrl-C, 143 on SIGTERM).  An input that is damaged or is no zip at all is
-status 1, as a damaged TFRecord is for ``tools.tfrecord_to_npz``: a file cut
-short and a file of another kind look the same from its bytes.  A missing
-input, a folder, a ``.npy`` (one array) and an output path that cannot be a
-file are usage mistakes (2), found before anything is read.
+no partial output or temporaries on failure, Ctrl-C or SIGTERM).  An input that
+is damaged or is no zip at all is :class:`NpzError` (the command line's status 1),
+as a damaged TFRecord is for ``tools.tfrecord_to_npz``: a file cut short and a
+file of another kind look the same from its bytes.  A layout mistake is
+:class:`LayoutError`; a missing input, a folder, a ``.npy`` (one array) and an
+output path that cannot be a file are :class:`UsageError` (both status 2),
+found before anything is read.
 
 A present feature with no values is written as an empty list of its kind (as
 TensorFlow writes it); an absent one is left out of the record.  Limits: the
@@ -29,22 +26,17 @@ npz arrays are loaded into memory (the records are written one at a time).
 """
 
 import os
-import sys
 import zipfile
 import zlib
 
 import numpy as np
 from numpy.lib import format as npy
 
-from towers.cli import Parser, run_main, sigterm_raises
 from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs
 from towers.data.tfrecord.convert import check_output_file
 from towers.data.tfrecord.framing import TFRecordWriter
 from towers.data.tfrecord.proto import SequenceExample
 from towers.data.tfrecord.schema import UsageError
-
-PROG = "npz_to_tfrecord"
-
 
 class LayoutError(Exception):
     """The npz does not follow the converter's layout (exit status 2)."""
@@ -189,29 +181,3 @@ def write(npz_path, out_path, compression="none", removed=None):
                 writer.write(payload)
     return n
 
-
-def main(argv=None, prog="python -m tools.npz_to_tfrecord"):
-    """The command line; returns the exit status."""
-    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("input", metavar="IN.npz")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.tfrecords")
-    p.add_argument("--compression", choices=("none", "gzip", "zlib"), default="none")
-    args = p.parse_args(argv)
-
-    def say(message):
-        print(f"{PROG}: {message}", file=sys.stderr)
-
-    def body():
-        stale = []
-        with sigterm_raises():
-            n = write(args.input, args.output, args.compression, stale)
-        for path in stale:
-            say(f"removed {path}: temporary files of a conversion that was killed")
-        say(f"wrote {args.output}: {n} records ({args.compression})")
-
-    return run_main(PROG, body, more={LayoutError: 2, NpzError: 1}, interrupted="interrupted: no output written",
-                    terminated="terminated (SIGTERM): no output written")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
