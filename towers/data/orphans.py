@@ -20,7 +20,7 @@ thread submits first (the input thread, which ends before the run does).
 
 Shared memory left by a dead parent: the image workers' blocks are named
 :func:`block_prefix` (parent pid) + a random part and kept off
-multiprocessing's resource tracker (:func:`untrack`).  The tracker would
+multiprocessing's resource tracker (:func:`untracked_block`).  The tracker would
 unlink them after a ``kill -9`` as well, but it also prints ``There appear to
 be N leaked shared_memory objects`` for every run killed so; instead the
 watching thread of each worker unlinks its parent's blocks (by that prefix,
@@ -37,9 +37,10 @@ import contextlib
 import glob
 import multiprocessing
 import os
+import sys
 import threading
 import time
-from multiprocessing import resource_tracker
+from multiprocessing import shared_memory
 
 WATCH_SECONDS = 0.25  # how often a worker without a sentinel checks its parent pid
 PIPE_TO_SENTINEL_SECONDS = 1.0  # how long a worker whose pipe closed waits to see its parent gone
@@ -96,11 +97,38 @@ def block_prefix(pid: int) -> str:
     return f"towers-{pid}-batch-"
 
 
-def untrack(block) -> None:
-    """Keep ``block`` (a ``SharedMemory`` just made or attached) off the resource tracker, where the orphaned
-    workers can unlink it instead (Python < 3.13 tracks every block, even one only attached)."""
-    if os.path.isdir(SHM_DIR):
-        resource_tracker.unregister(block._name, "shared_memory")  # noqa: SLF001 - the tracker's own key
+_UNTRACKED = threading.Lock()
+
+
+class _NoTracker:
+    """Stands in for ``multiprocessing.resource_tracker`` inside ``shared_memory`` while a block is opened."""
+
+    @staticmethod
+    def register(name, rtype) -> None:
+        pass
+
+
+def untracked_block(name: str, create: bool = False, size: int = 0):
+    """A ``SharedMemory`` made (``create``) or attached that the resource tracker never hears of.
+
+    The orphaned workers unlink it instead (module doc).  Python >= 3.13 says
+    so with ``track=False``; before, every block is registered, even one only
+    attached, and registering then unregistering leaves a window: a process
+    killed between the two leaves the name with the tracker, which prints its
+    warning.  So ``shared_memory``'s tracker is stood in for while the block
+    opens (under a lock: towers' own blocks only come through here).  Without
+    ``/dev/shm`` (not Linux) the block stays with the tracker.
+    """
+    if not os.path.isdir(SHM_DIR):
+        return shared_memory.SharedMemory(name, create=create, size=size)
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name, create=create, size=size, track=False)
+    with _UNTRACKED:
+        tracker, shared_memory.resource_tracker = shared_memory.resource_tracker, _NoTracker
+        try:
+            return shared_memory.SharedMemory(name, create=create, size=size)
+        finally:
+            shared_memory.resource_tracker = tracker
 
 
 def unlink(block) -> None:

@@ -65,14 +65,13 @@ import signal
 import threading
 import weakref
 from collections import OrderedDict
-from multiprocessing import shared_memory
 
 import numpy as np
 
 from towers.data.image.augment import uniforms
 from towers.data.image.codec import ImageError
 from towers.data.sources import SourceError
-from towers.data.orphans import block_prefix, exit_if_orphaned, unlink, untrack, watch_parent
+from towers.data.orphans import block_prefix, exit_if_orphaned, unlink, untracked_block, watch_parent
 from towers.data.spawning import UNGUARDED_EXIT, spawn_context, unguarded_error
 from towers.errors import UserError
 
@@ -166,8 +165,7 @@ def _serve(conn, sources, parent: int) -> None:
 def _block(name: str):
     block = _BLOCKS.pop(name, None)
     if block is None:
-        block = shared_memory.SharedMemory(name)
-        untrack(block)  # Python < 3.13 tracks an attached block too: the main process owns it
+        block = untracked_block(name)  # the main process owns it
     _BLOCKS[name] = block
     while len(_BLOCKS) > ATTACHED:
         _BLOCKS.popitem(last=False)[1].close()
@@ -388,9 +386,8 @@ class Workers:
                 return free.pop(k)[0]
         # Named after this process, so that a block in /dev/shm says whose it is (and its orphaned workers
         # find it: towers.data.orphans).
-        block = shared_memory.SharedMemory(f"{block_prefix(os.getpid())}{secrets.token_hex(4)}", create=True,
-                                           size=max(nbytes, 1))
-        untrack(block)
+        block = untracked_block(f"{block_prefix(os.getpid())}{secrets.token_hex(4)}", create=True,
+                                size=max(nbytes, 1))
         self._blocks.append(block)
         return block
 
