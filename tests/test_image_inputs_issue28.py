@@ -275,3 +275,23 @@ def test_a_file_that_is_no_tfrecord_is_not_announced_as_being_indexed(tmp_path):
     _records(records, x, y)
     file_index(str(records), say=said.append)
     assert len(said) == 1 and said[0].startswith(f"indexing {records} (")
+
+
+def test_a_block_is_never_registered_with_the_resource_tracker(monkeypatch):
+    # Registered and then unregistered, a block has a window in which a killed process leaves it with the
+    # tracker, which then prints its 'leaked shared_memory objects' warning: it must never be registered.
+    from multiprocessing import resource_tracker
+
+    from towers.data.orphans import SHM_DIR, unlink, untracked_block
+
+    if not os.path.isdir(SHM_DIR):
+        pytest.skip("no /dev/shm: blocks stay with the tracker there")
+    registered = []
+    monkeypatch.setattr(resource_tracker, "register", lambda name, rtype: registered.append(name))
+    made = untracked_block(f"towers-test-{os.getpid()}-untracked", create=True, size=64)
+    try:
+        untracked_block(made.name).close()  # attached, as a worker does
+    finally:
+        unlink(made)
+        made.close()
+    assert registered == []
