@@ -79,6 +79,10 @@ def profile(model_name: str, shape: tuple, batch: int, steps: int, blas_threads:
         label = f"{i:2d} {type(layer).__name__} {getattr(layer, 'scope', '') or ''}".rstrip()
         layer.forward = clock.wrap(layer.forward, (label, "forward"))
         layer.backward = clock.wrap(layer.backward, (label, "backward"))
+        for inner in getattr(layer, "layers", ()):  # a Residual's body and shortcut: summed by kind of layer
+            kind = f"   blocks' {type(inner).__name__}"
+            inner.forward = clock.wrap(inner.forward, (kind, "forward"))
+            inner.backward = clock.wrap(inner.backward, (kind, "backward"))
     for name, kind in KINDS.items():
         setattr(kernels, name, clock.wrap(getattr(kernels, name), ("kind", kind), nested=True))
     limit = set_blas_threads(blas_threads)
@@ -114,7 +118,11 @@ def main(argv=None) -> int:
     labels = sorted({k[0] for k in ms if k[0] != "kind"})
     for label in labels:
         print(f"| {label:<32} | {ms.get((label, 'forward'), 0):8.2f} | {ms.get((label, 'backward'), 0):8.2f} |")
-    in_layers = sum(v for k, v in ms.items() if k[0] != "kind")
+    if any(label.startswith("   ") for label in labels):  # what the blocks do besides their layers
+        own = [sum(ms.get((label, ph), 0) * (-1 if label.startswith("   ") else 1) for label in labels
+                   if "Residual" in label or label.startswith("   ")) for ph in ("forward", "backward")]
+        print(f"| {'   blocks: the add, ReLU, copies':<32} | {own[0]:8.2f} | {own[1]:8.2f} |")
+    in_layers = sum(v for k, v in ms.items() if k[0] != "kind" and not k[0].startswith("   "))
     print(f"| {'loss, L2 and the rest':<32} | {total - in_layers:8.2f} | {'':>8} |")
     gemm, copies = ms.get(("kind", "gemm"), 0.0), ms.get(("kind", "copies"), 0.0)
     print(f"step {total:.2f} ms: gemm {gemm:.2f} ({gemm / total:.0%}), copies {copies:.2f} ({copies / total:.0%}), "
