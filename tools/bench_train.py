@@ -22,6 +22,13 @@ What is timed (samples/s, MNIST-shaped uint8 data, float32, SGD, L2 1e-4):
   network (same initialization scheme, batch norm momentum and epsilon, L2 on
   weights only, SGD momentum 0.9, EMA) at batch 128 on 2 threads.
 
+``--kernel-rows`` measures only issue 31's three rows (ResNet-20 2 x 32, LeNet-5
+2 x 50 with Adam, MLP 2 x 100; 2 CPU towers against PyTorch eager on 2
+threads), the median of alternating rounds, each printed with its target and
+the BLAS setup each Python found; ``--reference-python`` runs the PyTorch rows
+in another Python, ``--compare-root`` adds another towers checkout's rows to
+the same rounds (``kernel_rows``).
+
 Every measurement runs in its own subprocess (``--worker``), so BLAS/OpenMP
 thread settings of one library never leak into another, and the figure kept is
 the best of ``--repeats`` runs: the machine may be shared, and the best run is
