@@ -22,6 +22,13 @@ What is timed (samples/s, MNIST-shaped uint8 data, float32, SGD, L2 1e-4):
   network (same initialization scheme, batch norm momentum and epsilon, L2 on
   weights only, SGD momentum 0.9, EMA) at batch 128 on 2 threads.
 
+``--kernel-rows`` measures only issue 31's three rows (ResNet-20 2 x 32, LeNet-5
+2 x 50 with Adam, MLP 2 x 100; 2 CPU towers against PyTorch eager on 2
+threads), the median of alternating rounds, each printed with its target and
+the BLAS setup each Python found; ``--reference-python`` runs the PyTorch rows
+in another Python, ``--compare-root`` adds another towers checkout's rows to
+the same rounds (``kernel_rows``).
+
 Every measurement runs in its own subprocess (``--worker``), so BLAS/OpenMP
 thread settings of one library never leak into another, and the figure kept is
 the best of ``--repeats`` runs: the machine may be shared, and the best run is
@@ -64,7 +71,8 @@ def make_data(path: str, n: int = N_EXAMPLES, shape: tuple = (28, 28)) -> None:
 def _towers_loop(a) -> float:
     from towers import Config, Trainer
 
-    cfg = Config(n_gpu=a.towers, devices="cpu", data=a.data, model=a.model, steps=a.steps, lr=a.lr,
+    extra = {"optimizer": a.optimizer} if a.optimizer else {}
+    cfg = Config(n_gpu=a.towers, devices="cpu", data=a.data, model=a.model, steps=a.steps, lr=a.lr, **extra,
                  batch_size=a.batch_size, cpu_towers=a.cpu_towers, blas_threads=a.blas_threads, quiet=True,
                  log_every=max(1, a.steps // 4), logdir=tempfile.mkdtemp(prefix="bench-"))
     with Trainer(cfg) as trainer:
@@ -179,8 +187,11 @@ def _torch(a) -> float:
     weights = [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() in (2, 4)
                and (a.model == "resnet20" or p.dim() == 2)]  # L2 on weights, never on biases or BN
     others = [p for p in m.parameters() if all(p is not w for w in weights)]
-    opt = torch.optim.SGD([{"params": weights, "weight_decay": 1e-4}, {"params": others}], lr=a.lr,
-                          momentum=momentum)
+    groups = [{"params": weights, "weight_decay": 1e-4}, {"params": others}]
+    if a.optimizer == "adam":  # towers' Adam: TF's epsilon, L2 added to the gradient (torch's weight_decay)
+        opt = torch.optim.Adam(groups, lr=a.lr, eps=1e-8)
+    else:
+        opt = torch.optim.SGD(groups, lr=a.lr, momentum=momentum)
     params = list(m.parameters())
     ema = [p.detach().clone() for p in params]
     perm = torch.randperm(len(x))
@@ -246,7 +257,37 @@ def _tf_mirrored(a) -> float:
     return a.steps * gb / (time.perf_counter() - t0)
 
 
-WORKERS = {"towers-loop": _towers_loop, "towers-bare": _towers_bare, "pipeline": _pipeline,
+def blas_setup(torch_threads: int = 0) -> str:
+    """One line: the BLAS (and PyTorch's threads and kernels) this Python finds, as threadpoolctl reports them."""
+    parts = []
+    try:
+        import torch
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        parts.append(f"torch {torch.__version__} {torch.get_num_threads()} threads, "
+                     f"oneDNN {'on' if torch.backends.mkldnn.is_available() else 'off'}, "
+                     f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    except ImportError:
+        pass
+    try:
+        from threadpoolctl import threadpool_info
+
+        for i in threadpool_info():
+            parts.append(f"{i.get('internal_api')} {i.get('version')} {i.get('architecture') or ''} "
+                         f"{i.get('num_threads')} threads".replace("  ", " "))
+    except ImportError:
+        parts.append("threadpoolctl not installed")
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                                                    "MKL_NUM_THREADS") if k in os.environ)
+    return "; ".join(parts) + (f"; {env}" if env else "")
+
+
+def _blas_info(a) -> str:
+    return blas_setup(a.threads)
+
+
+WORKERS = {"blas-info": _blas_info, "towers-loop": _towers_loop, "towers-bare": _towers_bare, "pipeline": _pipeline,
            "torch": _torch, "tf-mirrored": _tf_mirrored}
 
 
@@ -259,35 +300,94 @@ def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _measure_once(data: str, worker: str, kw: dict) -> float | None:
-    """samples/s of one fresh subprocess; None if it failed.  ``kw["data"]`` overrides ``data``."""
+def _measure_once(data: str, worker: str, kw: dict):
+    """The worker's result (samples/s) from one fresh subprocess; None if it failed.
+
+    ``kw["data"]`` overrides ``data``; ``kw["python"]`` runs the worker with
+    another Python (a PyTorch venv), ``kw["root"]`` with another towers
+    checkout on ``PYTHONPATH`` (the code before a change, side by side).
+    """
     kw = dict(kw)
-    args = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--data", kw.pop("data", data)]
+    python, root = kw.pop("python", sys.executable), kw.pop("root", ROOT)
+    args = [python, str(Path(__file__).resolve()), "--worker", worker, "--data", kw.pop("data", data)]
     for k, v in kw.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
-    p = subprocess.run(args, capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    p = subprocess.run(args, capture_output=True, text=True, cwd=root,
+                       env=dict(os.environ, PYTHONPATH=str(root)))
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
     if p.returncode != 0 or not lines:
         print(f"  {worker} {kw} failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}", file=sys.stderr)
         return None
-    return json.loads(lines[-1])["samples_per_sec"]
+    return json.loads(lines[-1])["result"]
 
 
-def _measure_all(data: str, repeats: int, plan: dict) -> dict:
-    """Best samples/s per row over ``repeats`` rounds.
+def _measure_all(data: str, repeats: int, plan: dict, median: bool = False) -> dict:
+    """Samples/s per row over ``repeats`` rounds: the best run's, or with ``median`` the median run's.
 
     Rounds go over every row in turn (not each row ``repeats`` times in a row),
     so a burst of load from elsewhere on the machine hits all rows alike and the
     ratios stay side by side.
     """
-    best = dict.fromkeys(plan)
+    runs: dict = {name: [] for name in plan}
     for _ in range(repeats):
         for name, (worker, kw) in plan.items():
             v = _measure_once(data, worker, kw)
-            if v is not None and (best[name] is None or v > best[name]):
-                best[name] = v
-    return best
+            if v is not None:
+                runs[name].append(v)
+    pick = (lambda v: float(numpy.median(v))) if median else max
+    return {name: pick(v) if v else None for name, v in runs.items()}
+
+
+# The kernel rows of issue 31: (model, towers' per-tower batch, optimizer, lr, data, target towers / PyTorch).
+KERNEL_ROWS = (("ResNet-20, 32x32x3, 2 x 32, SGD momentum", "resnet20", 32, "sgd", 0.05, "cifar", 1.2),
+               ("LeNet-5, MNIST 28x28, 2 x 50, Adam", "lenet5", 50, "adam", 0.001, "mnist", 1.0),
+               ("MLP 784-500-10, MNIST, 2 x 100", "mlp", 100, "sgd", 0.1, "mnist", 1.3))
+
+
+def kernel_rows(data: dict, a) -> int:
+    """The kernel rows alone: each model with 2 CPU towers against PyTorch eager on 2 threads.
+
+    The same network, global batch and optimizer (L2 and EMA on both sides);
+    ``a.repeats`` rounds alternating over every row, the median kept;
+    ``a.compare_root``, when given, adds each towers row for that checkout
+    (the code before a change) to the same rounds.
+    """
+    ref = a.reference_python or sys.executable
+    plan, steps = {}, {"resnet20": a.resnet_steps, "lenet5": a.lenet_steps, "mlp": a.steps}
+    for title, model, b, opt, lr, d, _ in KERNEL_ROWS:
+        common = dict(steps=steps[model], model=model, lr=lr, optimizer=opt, data=data[d])
+        plan[(title, "towers")] = ("towers-loop", dict(common, towers=2, batch_size=b))
+        if a.compare_root:
+            plan[(title, "before")] = ("towers-loop", dict(common, towers=2, batch_size=b, root=a.compare_root))
+        if not a.no_torch:
+            plan[(title, "torch")] = ("torch", dict(common, global_batch=2 * b, threads=2, python=ref))
+    print(f"towers: {_measure_once('', 'blas-info', {})}")
+    if a.compare_root:
+        print(f"before ({a.compare_root}): {_measure_once('', 'blas-info', dict(root=a.compare_root))}")
+    if not a.no_torch:
+        print(f"PyTorch ({ref}): {_measure_once('', 'blas-info', dict(python=ref, threads=2))}")
+    print(f"measuring (median of {a.repeats} rounds over all rows, {os.cpu_count()} cores; "
+          f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())})...", flush=True)
+    r = _measure_all("", a.repeats, plan, median=True)
+    print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    cols = ["towers", "PyTorch", "towers / PyTorch", "target"] + (["before", "before / PyTorch"] if a.compare_root else [])
+    print("| row (samples/s) | " + " | ".join(cols) + " |")
+    print("| --- |" + " --- |" * len(cols))
+
+    def fmt(v, f="{:.0f}"):
+        return "n/a" if v is None else f.format(v)
+
+    for title, *_, target in KERNEL_ROWS:
+        t, p, bf = r[(title, "towers")], r.get((title, "torch")), r.get((title, "before"))
+        ratio = t / p if t and p else None
+        verdict = "" if ratio is None else (" met" if ratio >= target else " MISSED")
+        row = [fmt(t), fmt(p), fmt(ratio, "{:.2f}x") + verdict, f">= {target}x"]
+        if a.compare_root:
+            row += [fmt(bf), fmt(bf / p if bf and p else None, "{:.2f}x")]
+        print(f"| {title} | " + " | ".join(row) + " |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({" / ".join(k): v for k, v in r.items()}, indent=1))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -313,10 +413,18 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--batch-size", type=int, default=100)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--optimizer", default="")
     ap.add_argument("--only-resnet", action="store_true", help="measure the ResNet-20 rows alone")
+    ap.add_argument("--kernel-rows", action="store_true",
+                    help="the kernel rows alone: ResNet-20, LeNet-5 and MLP, 2 CPU towers against PyTorch eager on "
+                         "2 threads, median of --repeats alternating rounds, each with its target")
+    ap.add_argument("--reference-python", help="the Python that runs the PyTorch rows (a venv with torch); "
+                                               "default: this one")
+    ap.add_argument("--compare-root", help="another towers checkout (the code before a change) measured in the "
+                                           "same rounds as this one (--kernel-rows)")
     a = ap.parse_args(argv)
     if a.worker:
-        print(json.dumps({"samples_per_sec": WORKERS[a.worker](a)}), flush=True)
+        print(json.dumps({"result": WORKERS[a.worker](a)}), flush=True)
         return 0
 
     tmp = tempfile.mkdtemp(prefix="towers-bench-")
@@ -324,7 +432,10 @@ def main(argv=None) -> int:
     make_data(data)
     cifar = os.path.join(tmp, "cifar_shaped.npz")
     make_data(cifar, 2560, (32, 32, 3))
+    if a.kernel_rows:
+        return kernel_rows({"mnist": data, "cifar": cifar}, a)
     s = a.steps
+    have_torch, ref = bool(a.reference_python) or _have("torch"), a.reference_python or sys.executable
     plan = {
         "towers 1 tower, batch 100 (loop)": ("towers-loop", dict(towers=1, steps=s)),
         "towers 1 tower, batch 100, 1 BLAS thread (loop)": ("towers-loop", dict(towers=1, steps=s, blas_threads=1)),
@@ -336,25 +447,25 @@ def main(argv=None) -> int:
     }
     if a.only_resnet:  # the ResNet-20 rows alone (issue 18's target), without the MLP's and LeNet-5's
         plan, a.no_tf, a.no_lenet = {}, True, True
-    if not a.no_torch and _have("torch") and plan:
-        plan["PyTorch eager, batch 100"] = ("torch", dict(global_batch=100, steps=s))
-        plan["PyTorch eager, batch 200"] = ("torch", dict(global_batch=200, steps=s))
+    if not a.no_torch and have_torch and plan:
+        plan["PyTorch eager, batch 100"] = ("torch", dict(global_batch=100, steps=s, python=ref))
+        plan["PyTorch eager, batch 200"] = ("torch", dict(global_batch=200, steps=s, python=ref))
     if not a.no_tf and _have("tensorflow"):
         plan["TF MirroredStrategy 2 CPUs, global 200"] = ("tf-mirrored", dict(global_batch=200, steps=s))
     if not a.no_lenet:
         ls = a.lenet_steps
         plan["LeNet-5 towers 2 towers threads, global 200"] = (
             "towers-loop", dict(towers=2, steps=ls, model="lenet5", lr=0.05))
-        if not a.no_torch and _have("torch"):
+        if not a.no_torch and have_torch:
             plan["LeNet-5 PyTorch eager, batch 200"] = (
-                "torch", dict(global_batch=200, steps=ls, model="lenet5", lr=0.05))
+                "torch", dict(global_batch=200, steps=ls, model="lenet5", lr=0.05, python=ref))
     if not a.no_resnet:
         rs = a.resnet_steps
         plan["ResNet-20 towers 2 towers threads, 2 x 64, 32x32x3"] = (
             "towers-loop", dict(towers=2, steps=rs, model="resnet20", lr=0.05, batch_size=64, data=cifar))
-        if not a.no_torch and _have("torch"):
+        if not a.no_torch and have_torch:
             plan["ResNet-20 PyTorch eager, 2 threads, batch 128"] = (
-                "torch", dict(global_batch=128, steps=rs, model="resnet20", lr=0.05, threads=2, data=cifar))
+                "torch", dict(global_batch=128, steps=rs, model="resnet20", lr=0.05, threads=2, data=cifar, python=ref))
     print(f"measuring (best of {a.repeats} rounds over all rows, {os.cpu_count()} cores)...", flush=True)
     r = _measure_all(data, a.repeats, plan)
 

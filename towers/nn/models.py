@@ -44,12 +44,11 @@ def lenet5(input_shape: tuple, num_classes: int) -> Sequential:
     (relu(max(a, b)) == max(relu(a), relu(b))), so the function and its
     gradient are the book's, while the ReLU touches 4x fewer values.
     """
-    # The whole-batch algorithm: the published LeNet-5 runs' bits depend on it.
     return Sequential([
-        Conv2D("layer1-conv1", 32, 5, algorithm="whole"),
+        Conv2D("layer1-conv1", 32, 5),
         MaxPool2D(2),  # layer2-pool1: no parameters, so no scope
         ReLU(),
-        Conv2D("layer3-conv2", 64, 5, algorithm="whole"),
+        Conv2D("layer3-conv2", 64, 5),
         MaxPool2D(2),  # layer4-pool2
         ReLU(),
         Flatten(),
