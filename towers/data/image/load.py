@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from towers.data.dataset import Dataset, load_npz, npz_has
-from towers.data.image import codec, folder
+from towers.data.image import cache, codec, folder
 from towers.data.image.array import ImageArray
 from towers.data.image.augment import Transform, parse_image_size
 from towers.data.sources import ArraySource, FileSource, RecordSource
@@ -179,9 +179,24 @@ def _test_labels(train, test, test_path, n_classes):
     return label[test.labels]
 
 
+def _cache(train, size, augment, normalize, seed, pool):
+    """The cache of ``train`` (empty), the transform that reads it (None: a gather) and the pool id of its
+    decode stage, registered before the pool starts."""
+    cached = cache.CachedSource(np.zeros((len(train.source),) + tuple(size), np.uint8), "decoded images")
+    decode = Transform(size, "none", None, seed, True)
+    identity = augment == "none" and normalize is None
+    return cached, None if identity else Transform(size, augment, normalize, seed, False), decode, \
+        pool.add(train.source, decode)
+
+
 def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_error="stop", workers=2,
-                augment="none", normalize=None, image_size=None, seed=0, say=None) -> Dataset:
-    """A ``Dataset`` of ``ImageArray`` examples (see the module docstring); every problem is a UserError."""
+                augment="none", normalize=None, image_size=None, seed=0, say=None, cache_mib=None,
+                progress=False) -> Dataset:
+    """A ``Dataset`` of ``ImageArray`` examples (see the module docstring); every problem is a UserError.
+
+    ``cache_mib``: the decoded-image cache's budget in MiB (``towers.data.image.cache``; None or 0: off);
+    ``progress``: show its decoding as a progress bar.
+    """
     spec = parse_image_decode(decode) if decode else None
     if decode and spec is None:
         raise UserError(f"`decode` {decode} reads raw bytes; with an image folder, `augment` or `normalize` give "
@@ -193,8 +208,23 @@ def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_erro
     size = _size(train, spec, image_size)
     pool = Workers(workers)
     n_classes = len(train.classes) if train.classes else int(train.labels.max()) + 1
-    x = ImageArray(str(path), train.source, Transform(size, augment, normalize, seed, train.source.encoded),
-                   train.labels, pool, on_error, say)
+    transform = Transform(size, augment, normalize, seed, train.source.encoded)
+    fill = None
+    if cache_mib and cache.cacheable(train.source, augment):
+        need = cache.nbytes(len(train.source), size)
+        if need <= cache_mib * cache.MIB:
+            fill = _cache(train, size, augment, normalize, seed, pool)
+        elif say:
+            say(f"{path}: the {len(train.source)} decoded training images need {need / cache.MIB:.1f} MiB, over "
+                f"`cache_images_mib` {cache_mib}: they are decoded every epoch; set `cache_images_mib` "
+                f"{-(-need // cache.MIB)} or more to decode them once")
+    if fill is None:
+        x = ImageArray(str(path), train.source, transform, train.labels, pool, on_error, say)
+    else:
+        cached, cached_transform, decode, decode_sid = fill
+        # Without augmentation or normalization a batch is a gather from memory: no worker hand-off.
+        x = ImageArray(str(path), cached, cached_transform, train.labels,
+                       pool if cached_transform is not None else Workers(0), on_error, say)
     tx = ty = None
     if test is not None:
         ty = _test_labels(train, test, test_path, n_classes)
@@ -203,6 +233,13 @@ def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_erro
                             f"0..{n_classes - 1}")
         tx = ImageArray(str(test_path or path), test.source,
                         Transform(size, augment, normalize, seed, test.source.encoded), ty, pool, on_error, say)
+    if fill is not None:
+        cache.fill(cached, train.source, decode, pool, decode_sid, progress)
+        if cached_transform is None and test is None:
+            pool.close()  # it decoded the cache; nothing else reads through it
+        if say:
+            say(f"{path}: decoded-image cache: {len(cached)} images of {'x'.join(map(str, size))}, "
+                f"{cached.array.nbytes / cache.MIB:.1f} MiB in memory, decoded once for every epoch")
     return Dataset(x, train.labels, n_classes, tx, ty, class_names=train.classes)
 
 
