@@ -32,7 +32,8 @@ REPORTED = 10
 
 
 class ImageArray(OnDemand):
-    """``len(source)`` examples of ``transform.shape`` made by ``workers`` from ``source``."""
+    """``len(source)`` examples of ``transform.shape`` made by ``workers`` from ``source`` (``transform`` None:
+    gathered by the source, a decoded-image cache read without augmentation)."""
 
     augments = True  # BatchSource passes the examples' epochs to submit
 

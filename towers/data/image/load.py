@@ -16,7 +16,9 @@ an npz, or raw TFRecord       ``ArraySource`` over its uint8 (N, H, W[, C]) exam
 The example shape is ``decode``'s, else ``image_size``, else (folders) the
 images' own when they all agree, else (arrays) the stored one.  The training
 split is augmented (``augment``), the test split takes the deterministic path,
-and both share the ``Workers`` (``towers.data.workers``).  Training and
+and both share the ``Workers`` (``towers.data.workers``).  With ``cache_mib``, an
+encoded training split whose decoded pixels fit the budget is decoded once
+(``towers.data.image.cache``) and its array reads them from memory.  Training and
 test labels mean the same classes or the data is refused: a test folder's
 classes match the training folder's by name, and class folders named by
 numbers (``0`` .. ``C-1``) match numbered labels (npz, TFRecord).
@@ -234,7 +236,11 @@ def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_erro
         tx = ImageArray(str(test_path or path), test.source,
                         Transform(size, augment, normalize, seed, test.source.encoded), ty, pool, on_error, say)
     if fill is not None:
-        cache.fill(cached, train.source, decode, pool, decode_sid, progress)
+        try:
+            cache.fill(cached, train.source, decode, pool, decode_sid, progress)
+        except BaseException:  # a worker died, Ctrl-C: no worker outlives the load
+            pool.close()
+            raise
         if cached_transform is None and test is None:
             pool.close()  # it decoded the cache; nothing else reads through it
         if say:
