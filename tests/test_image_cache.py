@@ -34,28 +34,25 @@ def _train(logdir, data, steps=7, resume=False, **settings):
     return _md5(os.path.join(logdir, "final.npz")), cached
 
 
-@pytest.mark.parametrize("augment", ["none", "cifar"])
-def test_the_cache_trains_the_weights_of_decoding_every_epoch_and_of_the_decoded_npz(tmp_path, augment):
+@pytest.mark.parametrize("images", [{}, {"augment": "cifar"}, {"augment": "cifar", "normalize": "0.5,0.25"}],
+                         ids=["gathered", "cropped in the input thread", "normalized in the workers"])
+def test_the_cache_trains_the_weights_of_decoding_every_epoch_and_of_the_decoded_npz(tmp_path, images):
     x, y = _images()
     path = _records(tmp_path / "d.tfrecords", x, y)
-    streamed, cached = _train(tmp_path / "stream", path, input_workers=2, augment=augment, cache_images=False,
-                              **KEYS)
+    streamed, cached = _train(tmp_path / "stream", path, input_workers=2, cache_images=False, **images, **KEYS)
     assert not cached
     for workers in (0, 2):
-        assert _train(tmp_path / f"cache{workers}", path, input_workers=workers, augment=augment, **KEYS) == \
-            (streamed, True)
+        assert _train(tmp_path / f"cache{workers}", path, input_workers=workers, **images, **KEYS) == (streamed, True)
     # An npz of the same decoded pixels (what tools.tfrecord_to_npz --decode writes) trains the same weights.
     ds = load_dataset(path, **KEYS, workers=0)
     try:
         np.savez(tmp_path / "decoded.npz", x=ds.x[:], y=ds.y)
     finally:
         ds.close()
-    npz = {} if augment == "none" else dict(augment=augment)
-    assert _train(tmp_path / "npz", tmp_path / "decoded.npz", input_workers=0, **npz)[0] == streamed
+    assert _train(tmp_path / "npz", tmp_path / "decoded.npz", input_workers=0, **images)[0] == streamed
     # Across a resume: a checkpoint written without the cache goes on with it to the same bytes.
-    _train(tmp_path / "resumed", path, steps=3, input_workers=1, augment=augment, cache_images=False, **KEYS)
-    assert _train(tmp_path / "resumed", path, resume=True, input_workers=2, augment=augment, **KEYS) == \
-        (streamed, True)
+    _train(tmp_path / "resumed", path, steps=3, input_workers=1, cache_images=False, **images, **KEYS)
+    assert _train(tmp_path / "resumed", path, resume=True, input_workers=2, **images, **KEYS) == (streamed, True)
 
 
 def test_an_image_folder_is_cached_to_the_same_weights(tmp_path):

@@ -80,7 +80,8 @@ class Trainer:
         shipped = dataset
         if dataset is None:
             cpu_towers = 0 if cluster else sum(not d.is_gpu for d in self.placement.towers)
-            cache = cfg.cache_images_mib if cfg.cache_images and not cluster else None  # one host (the data travels to hosts)
+            # The decoded-image cache is for one host: a cluster's data set travels to its hosts.
+            cache = cfg.cache_images_mib if cfg.cache_images and not cluster else None
             dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode,
                                    on_error=cfg.on_error, workers=input_workers(cfg.input_workers, cpu_towers),
                                    augment=cfg.augment, normalize=cfg.normalize, image_size=cfg.image_size,

@@ -16,8 +16,11 @@ draws from (seed, epoch, index), so augmentation still differs each epoch
 and the batches are byte-identical to those made without the cache, and to
 those of an npz holding the same decoded pixels, whatever the worker count
 and across a resume.  Without augmentation or normalization the batch is a
-gather from the array in the input thread (no worker hand-off); with them,
-the input workers augment rows sent with each chunk, as for an npz.
+gather from the array in the input thread (no worker hand-off); ``cifar``
+crops run in the input thread too (cheaper than sending the pixels); the
+float work of ``tf-cifar10`` and ``normalize`` runs in the input workers, on
+the rows sent with each chunk, as for an npz (``towers.data.image.load``
+gives the figures).
 
 **Not cached:** ``augment`` imagenet (it decodes each crop from the encoded
 image at a DCT scale, so pixels decoded once at full size would change its
