@@ -67,9 +67,13 @@ def test_a_set_over_the_budget_streams_with_a_notice_of_the_size_it_needs(tmp_pa
     x, y = _images(1100, size=32)  # 1,126,400 decoded bytes: over 1 MiB, under 2
     path = _records(tmp_path / "d.tfrecords", x, y)
     decode = dict(KEYS, decode="image/encoded:image:32,32,1")
-    with caplog.at_level(logging.INFO, logger="towers"):
+    log = logging.getLogger("towers")
+    log.addHandler(caplog.handler)  # a command line run in this process may have stopped its propagation
+    try:
         over = load_dataset(path, **decode, workers=0, cache_mib=1)
         under = load_dataset(path, **decode, workers=0, cache_mib=2)
+    finally:
+        log.removeHandler(caplog.handler)
     try:
         assert isinstance(over.x.source, RecordSource) and isinstance(under.x.source, CachedSource)
         lines = [r.getMessage() for r in caplog.records]
