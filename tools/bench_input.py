@@ -46,14 +46,28 @@ training (target >= 0.9).
 
 Ratios: 2 workers / 1 worker (target >= 1.7), towers / tf.data (>= 1.0),
 towers / DataLoader (>= 1.5), JPEG training / npz training (>= 0.9).
+
+``--jpeg-epochs [--rounds 3]`` measures issue 31's row instead: ``python -m
+towers.train`` with default flags (MLP, 2 towers) for 50 epochs of the first
+6,000 MNIST digits, written as a JPEG TFRecord by ``tools.images_to_tfrecord``,
+against the same run from the npz of the same decoded pixels
+(``tools.tfrecord_to_npz --decode``), and the JPEG run with
+``--no-cache-images`` (every epoch decodes again), in alternating rounds; wall
+time of the whole command, as a user sees it; the median round of each.  It
+prints JPEG / npz (target >= 0.9) and whether the final weights are the same
+bytes.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import itertools
 import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -136,7 +150,12 @@ def main(argv=None):
     p.add_argument("--images", action="store_true", help="the image rows instead: decode + augmentation")
     p.add_argument("--reference-python", metavar="PYTHON",
                    help="an interpreter with TensorFlow and PyTorch/torchvision for the reference image rows")
+    p.add_argument("--jpeg-epochs", action="store_true",
+                   help="issue 31's row instead: MLP from a JPEG TFRecord of 6,000 digits, 50 epochs, against the npz")
+    p.add_argument("--rounds", type=int, default=3, help="--jpeg-epochs: alternating rounds (median)")
     args = p.parse_args(argv)
+    if args.jpeg_epochs:
+        return jpeg_epochs_main(args)
     if args.images:
         return image_main(args)
     x, y = _data(args.records)
@@ -407,6 +426,53 @@ def image_main(args):
             theirs = rows.get(f"{kind}: {fw}, 2 workers")
             if theirs:
                 print(f"{kind}: towers / {fw}, 2 workers: {ours / theirs:.2f}  (target >= {target})")
+
+
+
+# -- issue 31's row: MLP from a JPEG TFRecord, 50 epochs, default flags, against the decoded npz ----------------
+
+JPEG_DIGITS, JPEG_EPOCHS = 6000, 50
+JPEG_FLAGS = ("--x-key", "image/encoded", "--y-key", "image/class/label", "--decode", "image/encoded:image:28,28,1")
+
+
+def _tool(*args):
+    subprocess.run([sys.executable, "-m", *args], check=True, cwd=Path(__file__).resolve().parents[1],
+                   stdout=subprocess.DEVNULL)
+
+
+def _timed_run(data, logdir, *flags):
+    """Wall seconds of ``python -m towers.train`` (default flags but the data's and ``flags``), and its weights' md5."""
+    steps = JPEG_DIGITS * JPEG_EPOCHS // 100  # the default global batch: 100 (one tower where no GPU is found)
+    t0 = time.perf_counter()
+    _tool("towers.train", "--data", data, "--steps", str(steps), "--quiet", "--logdir", logdir, *flags)
+    seconds = time.perf_counter() - t0
+    with open(os.path.join(logdir, "final.npz"), "rb") as f:
+        return seconds, hashlib.md5(f.read()).hexdigest()
+
+
+def jpeg_epochs_main(args):
+    x, y = _data(JPEG_DIGITS)
+    with tempfile.TemporaryDirectory(prefix="bench_jpeg-") as tmp:
+        digits, jpeg, npz = (os.path.join(tmp, name) for name in ("digits.npz", "digits.tfrecords", "decoded.npz"))
+        np.savez(digits, x=x, y=y)
+        _tool("tools.images_to_tfrecord", digits, "-o", jpeg)
+        _tool("tools.tfrecord_to_npz", jpeg, "-o", npz, "--decode", JPEG_FLAGS[-1], "--x", "image/encoded", "--y",
+              "image/class/label")
+        runs = {"npz": (npz,), "JPEG (cache)": (jpeg, *JPEG_FLAGS), "JPEG (--no-cache-images)": (jpeg, *JPEG_FLAGS,
+                                                                                                 "--no-cache-images")}
+        seconds, weights = {name: [] for name in runs}, {}
+        for r in range(args.rounds):
+            for k, (name, flags) in enumerate(runs.items()):
+                t, weights[name] = _timed_run(flags[0], os.path.join(tmp, f"run{r}-{k}"), *flags[1:])
+                seconds[name].append(t)
+    median = {name: statistics.median(ts) for name, ts in seconds.items()}
+    print(f"MLP from a JPEG TFRecord of {JPEG_DIGITS:,} MNIST digits, {JPEG_EPOCHS} epochs, default flags "
+          f"({os.cpu_count()} cores), median of {args.rounds} alternating rounds, wall time of the command:")
+    for name, t in median.items():
+        print(f"  {name:26s} {t:8.2f} s  (rounds: {', '.join(f'{v:.2f}' for v in seconds[name])})")
+    for name in ("JPEG (cache)", "JPEG (--no-cache-images)"):
+        same = "same final weights" if weights[name] == weights["npz"] else "final weights DIFFER"
+        print(f"{name} / npz: {median['npz'] / median[name]:.2f}  (target >= 0.9; {same})")
 
 
 if __name__ == "__main__":

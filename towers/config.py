@@ -121,6 +121,14 @@ class Config:
         "0.485,0.456,0.406,0.229,0.224,0.225 (examples become float32; not with --augment tf-cifar10)",
         group="images", check=Text(parse=_normalize_format), resume=NOTE, type="str | None",
         metavar="MEAN,STD")
+    cache_images: bool = switch(
+        "images: decode an encoded-image training set (TFRecord, image folder) once and train from memory when "
+        "it fits under --cache-images-mib (not with --augment imagenet); results are the same either way",
+        group="images", resume=SILENT, on=True)
+    cache_images_mib: int = setting(
+        2048, "images: memory budget of the decoded-image cache in MiB (a larger set is decoded every epoch, "
+        "with a notice of the size it needs)", group="images", check=Integer(1), resume=SILENT, type="int",
+        metavar="MIB")
     # model
     model: str = setting(
         "mlp", "`mlp`, `lenet5`, `cifar10` (TF's CIFAR-10 tutorial model), `resnet20`, `resnet32`, `resnet56` "

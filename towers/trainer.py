@@ -80,10 +80,12 @@ class Trainer:
         shipped = dataset
         if dataset is None:
             cpu_towers = 0 if cluster else sum(not d.is_gpu for d in self.placement.towers)
+            # The decoded-image cache is for one host: a cluster's data set travels to its hosts.
+            cache = cfg.cache_images_mib if cfg.cache_images and not cluster else None
             dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode,
                                    on_error=cfg.on_error, workers=input_workers(cfg.input_workers, cpu_towers),
                                    augment=cfg.augment, normalize=cfg.normalize, image_size=cfg.image_size,
-                                   seed=cfg.seed)
+                                   seed=cfg.seed, cache_mib=cache, progress=not cfg.quiet)
             self._owned_data = dataset  # its TFRecord workers end with this trainer
         elif not isinstance(dataset, Dataset):
             raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "

@@ -14,6 +14,9 @@
   batch at a time).
 - **transform** (``image/augment.py``): decode, augment, normalize, one
   example at a time, its draws from (seed, epoch, index).
+  An encoded-image training set that fits the budget is decoded once
+  (``image/cache.py``: the decode stage's pixels, before augmentation) and
+  then read from memory (``CachedSource``).
 - **sampler** (``batches.py``: ``Sampler``): the seeded per-epoch permutation
   and the input position (``data/epoch``, ``data/index``), kept and
   serialized once.

@@ -30,14 +30,16 @@ from towers.errors import UserError, notice
 
 
 def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_error="stop", workers=2,
-                 augment="none", normalize=None, image_size=None, seed=0):
+                 augment="none", normalize=None, image_size=None, seed=0, cache_mib=None, progress=False):
     """Load and validate training (and test) data: npz files, TFRecord files or globs of shards, image folders.
 
     Every problem is a UserError.  A ``test_path`` file's own ``x_test``/``y_test``
     come first, then its training keys.  ``decode``, ``on_error`` and
     ``workers`` are for TFRecord data (``towers.data.tfrecord.records``) and
     images; ``augment``, ``normalize``, ``image_size`` and ``seed`` (of the
-    augmentation's draws) for images (``towers.data.image.load``).
+    augmentation's draws) for images (``towers.data.image.load``); ``cache_mib`` is the budget of the
+    decoded-image cache (``towers.data.image.cache``; None or 0: decode every epoch) and ``progress`` shows
+    its decoding as a progress bar.
     """
     images = (bool(decode) and parse_image_decode(decode) is not None) or is_image_folder(path) or \
         is_image_folder(test_path) or augment != "none" or normalize is not None or image_size is not None
@@ -45,7 +47,7 @@ def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_err
         from towers.data.image.load import load_images
 
         return load_images(path, x_key, y_key, test_path, decode, on_error, workers, augment, normalize, image_size,
-                           seed, say=notice)
+                           seed, say=notice, cache_mib=cache_mib, progress=progress)
     try:
         return _load(path, x_key, y_key, test_path, decode, on_error, workers)
     except UsageError as e:

@@ -84,11 +84,11 @@ def make_rows(source, transform, refs, epochs, indices, out) -> list[tuple[int, 
 
     ``transform`` None: the source makes the whole chunk at once
     (``source.read_rows``: raw TFRecord examples, gathered and parsed a batch
-    at a time); else each example is read and transformed (:func:`transform_rows`).
+    at a time; decoded images gathered from their cache, which returns the rows
+    that failed); else each example is read and transformed (:func:`transform_rows`).
     """
     if transform is None:
-        source.read_rows(refs, out)
-        return []
+        return source.read_rows(refs, out) or []
     return transform_rows(source, transform, refs, epochs, indices, out)
 
 

@@ -6,6 +6,7 @@ Modules, in data-flow order:
     codec     bytes -> uint8 (H, W, C): JPEG (libjpeg-turbo via simplejpeg), PNG and the rest (Pillow); resize, encode
     folder    DIR/<class>/*.jpg|jpeg|png: classes, files, labels, the images' common size
     augment   per-example transforms: decode, the named augmentations, normalize; draws from (seed, epoch, index)
+    cache     the decoded-image cache: a training set that fits the budget decoded once, before augmentation
     array     ImageArray: a source (``towers.data.sources``), a transform and the worker pool
               (``towers.data.workers``) as the examples array of a Dataset
     load      image data sets from paths and settings; the TensorFlow ImageNet layout proposed

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from towers.data.dataset import OnDemand
-from towers.data.workers import WorkerDied, transform_rows
+from towers.data.workers import WorkerDied, layout, make_rows
 from towers.data.tfrecord.framing import TFRecordError
 from towers.errors import TrainingError
 
@@ -32,7 +32,8 @@ REPORTED = 10
 
 
 class ImageArray(OnDemand):
-    """``len(source)`` examples of ``transform.shape`` made by ``workers`` from ``source``."""
+    """``len(source)`` examples of ``transform.shape`` made by ``workers`` from ``source`` (``transform`` None:
+    gathered by the source, a decoded-image cache read without augmentation)."""
 
     augments = True  # BatchSource passes the examples' epochs to submit
 
@@ -40,8 +41,9 @@ class ImageArray(OnDemand):
         self.name, self.source, self.transform = name, source, transform
         self._labels, self._workers, self._on_error, self._say = labels, workers, on_error, say
         self._sid = workers.add(source, transform)
-        self.shape = (len(source),) + tuple(transform.shape)
-        self.dtype, self.ndim = transform.dtype, len(self.shape)
+        example, self.dtype = layout(source, transform)  # no transform: the source gathers rows (a cache)
+        self.shape = (len(source),) + tuple(example)
+        self.ndim = len(self.shape)
         self.skipped = 0
 
     @property
@@ -80,8 +82,8 @@ class ImageArray(OnDemand):
                     continue
                 one = out[k:k + 1]
                 # The replacement takes the draws of the row it stands for (epoch, row).
-                if not transform_rows(self.source, self.transform, self.source.refs([j]),
-                                      None if epochs is None else epochs[k:k + 1], rows[k:k + 1], one):
+                if not make_rows(self.source, self.transform, self.source.refs([j]),
+                                 None if epochs is None else epochs[k:k + 1], rows[k:k + 1], one):
                     break
             else:
                 raise TrainingError(f"{message}; and no other example of its class {int(label)} can be made")

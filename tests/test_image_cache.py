@@ -1,0 +1,137 @@
+"""The decoded-image cache (towers.data.image.cache): the same results as decoding every epoch, and the same
+answers to bad input.
+
+Each test compares a run with the cache against the same run without it (``cache_images`` False) or from an
+npz of the same decoded pixels, on this machine, so float32 rounding is the same on both sides.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from test_data_pipeline import _rewrite_in_place, _stale, _swappable
+from test_images import DECODE, FLAGS, _folder, _images, _md5, _records
+from towers import Config, Trainer
+from towers.data.image.cache import CachedSource
+from towers.data.loading import load_dataset
+from towers.data.sources import RecordSource
+from towers.data.tfrecord.index import file_index
+from towers.errors import TrainingError
+
+KEYS = dict(x_key="image/encoded", y_key="image/class/label", decode=DECODE)
+
+
+def _train(logdir, data, steps=7, resume=False, **settings):
+    cfg = Config(data=str(data), devices="cpu", n_gpu=2, batch_size=20, steps=steps, logdir=str(logdir), quiet=True,
+                 checkpoint_every=3, summary_every=0, resume=resume, **settings)
+    with Trainer(cfg) as t:
+        cached = isinstance(getattr(t.dataset.x, "source", None), CachedSource)
+        t.fit()
+    return _md5(os.path.join(logdir, "final.npz")), cached
+
+
+@pytest.mark.parametrize("images", [{}, {"augment": "cifar"}, {"augment": "cifar", "normalize": "0.5,0.25"}],
+                         ids=["gathered", "cropped in the input thread", "normalized in the workers"])
+def test_the_cache_trains_the_weights_of_decoding_every_epoch_and_of_the_decoded_npz(tmp_path, images):
+    x, y = _images()
+    path = _records(tmp_path / "d.tfrecords", x, y)
+    streamed, cached = _train(tmp_path / "stream", path, input_workers=2, cache_images=False, **images, **KEYS)
+    assert not cached
+    for workers in (0, 2):
+        assert _train(tmp_path / f"cache{workers}", path, input_workers=workers, **images, **KEYS) == (streamed, True)
+    # An npz of the same decoded pixels (what tools.tfrecord_to_npz --decode writes) trains the same weights.
+    ds = load_dataset(path, **KEYS, workers=0)
+    try:
+        np.savez(tmp_path / "decoded.npz", x=ds.x[:], y=ds.y)
+    finally:
+        ds.close()
+    assert _train(tmp_path / "npz", tmp_path / "decoded.npz", input_workers=0, **images)[0] == streamed
+    # Across a resume: a checkpoint written without the cache goes on with it to the same bytes.
+    _train(tmp_path / "resumed", path, steps=3, input_workers=1, cache_images=False, **images, **KEYS)
+    assert _train(tmp_path / "resumed", path, resume=True, input_workers=2, **images, **KEYS) == (streamed, True)
+
+
+def test_an_image_folder_is_cached_to_the_same_weights(tmp_path):
+    x, y = _images(45, size=14)  # fitted to 12 x 12 as it is decoded
+    root = _folder(tmp_path / "imgs", x, y)
+    settings = dict(input_workers=1, augment="cifar", image_size="12,12,1")
+    streamed, cached = _train(tmp_path / "s", root, cache_images=False, **settings)
+    assert not cached and _train(tmp_path / "c", root, **settings) == (streamed, True)
+
+
+def test_a_set_over_the_budget_streams_with_a_notice_of_the_size_it_needs(tmp_path, caplog):
+    x, y = _images(1100, size=32)  # 1,126,400 decoded bytes: over 1 MiB, under 2
+    path = _records(tmp_path / "d.tfrecords", x, y)
+    decode = dict(KEYS, decode="image/encoded:image:32,32,1")
+    log = logging.getLogger("towers")
+    log.addHandler(caplog.handler)  # a command line run in this process may have stopped its propagation
+    try:
+        over = load_dataset(path, **decode, workers=0, cache_mib=1)
+        under = load_dataset(path, **decode, workers=0, cache_mib=2)
+    finally:
+        log.removeHandler(caplog.handler)
+    try:
+        assert isinstance(over.x.source, RecordSource) and isinstance(under.x.source, CachedSource)
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("need 1.1 MiB, over cache_images_mib 1:" in line and "set cache_images_mib 2 or more" in line
+                   for line in lines) == 1, lines
+        assert any("decoded-image cache: 1100 images of 32x32x1, 1.1 MiB" in line for line in lines), lines
+        rows = np.array([5, 1099, 0, 5])
+        assert np.array_equal(over.x[rows], under.x[rows])
+    finally:
+        over.close()
+        under.close()
+
+
+def test_a_corrupt_image_stops_or_is_counted_the_same_with_the_cache(tmp_path):
+    x, y = _images()
+    path = _records(tmp_path / "bad.tfrecords", x, y, bad={17})
+    args = ("--data", path, *FLAGS, "--augment", "cifar", "--devices", "cpu", "--n-gpu", "2", "--batch-size", "10",
+            "--steps", "13", "--checkpoint-every", "0", "--input-workers", "1", "--quiet")
+    runs = {}
+    for name, extra in (("cache", ()), ("stream", ("--no-cache-images",))):
+        stop = run_cli(*args, *extra, "--logdir", str(tmp_path / f"stop-{name}"))
+        assert stop.returncode == 1 and not (tmp_path / f"stop-{name}" / "final.npz").exists()
+        skip = run_cli(*args, *extra, "--on-error", "skip", "--logdir", str(tmp_path / f"skip-{name}"))
+        assert skip.returncode == 0, skip.stderr
+        runs[name] = (stop.stderr.strip().splitlines()[-1],
+                      [line for line in skip.stderr.splitlines() if "skipped" in line],
+                      _md5(tmp_path / f"skip-{name}" / "final.npz"))
+    line, skipped, _ = runs["cache"]
+    assert "record 17" in line and "not a decodable image" in line and "--on-error skip" in line
+    assert len(skipped) > 1 and f"({len(skipped)} so far" in skipped[-1]  # 260 examples: read in each epoch
+    assert runs["cache"] == runs["stream"]
+
+
+def test_a_file_rewritten_before_the_cache_reads_it_is_noticed_and_one_rewritten_after_is_not_read(tmp_path):
+    x, y = _images(200)
+    path = _records(tmp_path / "d.tfrecords", x, y)
+    index = file_index(path)  # the cached index the next load starts from
+    i, j = _swappable(index, y)
+    order = np.arange(len(y))
+    order[[i, j]] = [j, i]
+    _rewrite_in_place(path, x, y, order)
+    ds = load_dataset(path, **KEYS, workers=2, augment="cifar", cache_mib=64)
+    try:
+        assert isinstance(ds.x.source, CachedSource)
+        others = np.setdiff1d(np.arange(len(y)), [i, j])[:40]
+        ds.x.submit(others, np.zeros(40, np.int64)).result()  # the rows that were checked are served
+        with pytest.raises(TrainingError) as info:  # as without the cache: when the moved record is read
+            ds.x.submit(np.array([0, i, 1]), np.zeros(3, np.int64)).result()
+        assert str(info.value) == _stale(path, index, i)
+    finally:
+        ds.close()
+
+    # After the cache is full the file is not read again: the run keeps the copy it checked.
+    _records(path, x, y)
+    ds = load_dataset(path, **KEYS, workers=0, cache_mib=64)
+    try:
+        before = ds.x[:]
+        _rewrite_in_place(path, x, y, order)
+        assert np.array_equal(ds.x[:], before)
+    finally:
+        ds.close()
