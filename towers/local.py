@@ -3,7 +3,8 @@
 ``LocalExecutor(cfg, dataset, model, placement, reducer, share)`` builds one
 ``Tower`` per device (``towers.step.tower``), the reducer
 (``towers.parallel.reducers``), the optimizers and the EMA (``towers.optim``)
-and the ``StepEngine`` that runs a step over them (``towers.step.engine``).
+and the ``StepEngine`` that runs a step over them (``towers.step.engine``)
+with the sync mode's keeper (``towers.parallel.sync``).
 
 Its input: the run's global batches from the seeded shuffle
 (``towers.data.batches.BatchSource``), of which this process takes the rows
@@ -35,6 +36,7 @@ from towers.optim.optimizers import make_optimizer
 from towers.optim.schedule import make_schedule
 from towers.output import checkpoint
 from towers.parallel.reducers import Reducer, make_reducer
+from towers.parallel.sync import GradientAveraging, PeriodicAveraging
 from towers.profiling import PhaseTimer
 from towers.step.engine import StepEngine, check_indices
 from towers.step.tower import ModelState, build_towers
@@ -135,8 +137,9 @@ class LocalExecutor(Executor):
             self.blas_threads = cfg.blas_threads or (max(1, cpu_count() // n) if threads else cpu_count())
             self._blas = set_blas_threads(self.blas_threads)
         self.schedule = make_schedule(cfg, len(self.dataset.x), self.examples_per_step)
-        self.engine = StepEngine(self.towers, reducer, self.ema, self.schedule, l2=cfg.l2, weights_mode=weights_mode,
-                                 average_every=cfg.average_every, timer=self.timer, threads=threads,
+        keeper = (PeriodicAveraging(reducer, self.timer, self.ema, cfg.average_every) if weights_mode
+                  else GradientAveraging(reducer, self.timer))
+        self.engine = StepEngine(self.towers, keeper, self.schedule, l2=cfg.l2, timer=self.timer, threads=threads,
                                  device_data=self.device_data, sync_bn=cfg.sync_bn)
         self.model_state = ModelState(self.towers, self.model)
 

@@ -10,7 +10,8 @@ model (replicas)   ``params/<name>``, ``buffers/<name>``       ``towers.step.tow
 optimizer          its slots: ``momentum/<name>``, ...         ``towers.optim.optimizers``
 EMA                ``ema/<name>``                              ``towers.optim.ema``
 input position     ``data/epoch``, ``data/index``              ``towers.data.batches``
-step engine        ``step``, ``sync/n_averages``               ``towers.step.engine``
+step engine        ``step``                                    ``towers.step.engine``
+replica keeper     ``sync/n_averages``                         ``towers.parallel.sync``
 checkpoint format  ``format``, ``config``, ``data/shape``, ...  ``towers.output.checkpoint``
 =================  ==========================================  ===========================
 

@@ -28,6 +28,11 @@ average over ``ranks`` leaders, so the result is the mean over every tower
 whatever the group sizes; every tower ends with the same bytes, which keeps
 replicas bit-identical.
 
+``Counted(reducer)`` is the one place all-reduces are counted (the
+communication report's ``all_reduces``): the step engine's replica keeper
+(``towers.parallel.sync``) reduces through it; sync-BN's small statistic
+averages go to the wrapped reducer and are not counted.
+
 Limits: only ``DeviceMean`` on the host (``splittable``) may be called on
 slices of the buffers from several threads at once (concurrent CPU tower
 threads each reduce their share); NCCL and cross-host reducers take whole
@@ -139,6 +144,31 @@ class Hierarchical(Reducer):
             self.across.close()
         finally:
             self.local.close()
+
+
+class Counted(Reducer):
+    """``reducer`` with a count of the all-reduces issued through it (``count``).
+
+    Rule: one all-reduce is one call over whole buffers, or over slice 0 of
+    them; threads reducing the other slices of the same buffers at the same
+    time add nothing, so a sliced all-reduce counts once.  A ``noop`` reducer
+    is not called and counts nothing.  Only the thread of slice 0 counts.
+    """
+
+    def __init__(self, reducer: Reducer):
+        self.reducer, self.count = reducer, 0
+        self.splittable, self.noop = reducer.splittable, reducer.noop
+
+    def average(self, buffers: list, part: slice | None = None) -> None:
+        """Average ``buffers`` (``part``: the slice of the whole buffers they are, or None)."""
+        if self.noop:
+            return
+        self.reducer.average(buffers)
+        if part is None or part.start == 0:
+            self.count += 1
+
+    def close(self) -> None:
+        self.reducer.close()
 
 
 def make_reducer(placement, streams: list, nccl=None, world: NcclWorld | None = None,

@@ -1,4 +1,4 @@
-"""Keeping data-parallel replicas together: sync modes and the replica check.
+"""Keeping data-parallel replicas together: sync modes, their keepers and the replica check.
 
 ``--sync grads`` (default), as in the TF multi-GPU example and Ray's gradient
 averaging: one all-reduce of the gradient buffer per step; every replica then
@@ -13,6 +13,25 @@ up with the number of averages.  With K=1 and plain SGD this is the same
 computation as grads mode up to float rounding (the mean of the updated
 weights equals the weights updated with the mean gradient).
 
+The step engine (``towers.step.engine``) decides who runs a step (one
+worker, or one thread per tower) and delegates how replicas stay together to
+one keeper, which reduces through ``Counted(reducer)`` (the run's all-reduce
+count, ``towers.parallel.reducers``):
+
+* ``GradientAveraging`` (grads mode; the parameter-server halves, whose
+  hosts run grads): ``shared`` -- a worker's update needs every tower's
+  gradients, so on tower threads the engine puts its barrier between compute
+  and update; then ``reduce`` averages the gradient buffers (whole, or slice
+  ``part`` of every tower's by each thread) and ``apply`` runs every replica's
+  optimizer step on them;
+* ``PeriodicAveraging(period)`` (weights mode, like PyTorch's
+  ``PeriodicModelAverager``): not shared -- each tower updates alone, with no
+  barrier; every ``period`` steps ``step_done`` joins the tower threads and
+  averages the parameters, every optimizer slot and the model buffers, then
+  the EMA follows.  It owns the averages' count (the EMA's, saved as
+  ``sync/n_averages``) and the step of the last average, when replicas are
+  compared.
+
 Limits: between averages the replicas differ by design, so they are compared
 only right after an average; a single process that owns every device has no
 true asynchronous mode (see the README's table).
@@ -23,6 +42,8 @@ import numpy
 
 from towers.errors import TrainingError
 from towers.devices.placement import to_host
+from towers.parallel.reducers import Counted
+from towers.state import count
 
 MODES = ("grads", "weights", "ps", "async")  # ps, async: several hosts (towers.cluster)
 
@@ -49,3 +70,134 @@ def check_replicas(replicas, step: int, atol: float = 0.0) -> None:
                 f"replica check failed at step {step}: tower {i} differs from tower 0 "
                 f"by up to {float(diff[j]):.3g} (at {where}); replicas have diverged"
             )
+
+
+class Keeping:
+    """How replicas stay together: the interface the step engine calls (see the module docstring).
+
+    ``reducer`` is wrapped in ``Counted`` (``reducer.count``: the all-reduces);
+    ``timer`` is the run's ``PhaseTimer``.  The defaults are those of a keeper
+    whose replicas always agree and that saves no averages.
+    """
+
+    #: whether a tower's update needs every tower's gradients (a barrier after compute)
+    shared = True
+
+    def __init__(self, reducer, timer):
+        self.reducer, self.timer = Counted(reducer), timer
+
+    def update(self, towers: list, part: slice | None, lr: float, step: int, on: int) -> None:
+        """After compute: update ``towers`` (all of them when ``shared``, slice ``part`` of their
+        buffers or whole buffers; else the worker's own towers, whole), on worker ``on``'s timer."""
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def step_done(self, towers: list, step: int, wait) -> None:
+        """The step count became ``step``; ``wait()`` joins the tower threads."""
+
+    def finish(self, towers: list, step: int, wait) -> None:
+        """End of training at ``step``."""
+
+    def agreed(self, step: int) -> None:
+        """The replicas were just set to one value at ``step`` (a load, ``set_weights``)."""
+
+    def comparable(self, step: int) -> bool:
+        """Whether replicas are meant to agree now (the engine then compares them)."""
+        return True
+
+    def atol(self, towers: list) -> float:
+        """The replica check's tolerance (0: bit-identical); after a host sync point."""
+        return 0.0
+
+    def state_dict(self) -> dict:
+        # Every mode writes the key, so a checkpoint's keys do not depend on `sync`.
+        return {"sync/n_averages": numpy.int64(0)}
+
+    def prepare(self, state: dict, where: str):
+        """Check ``sync/n_averages``; return the function of the loaded step that sets this keeper."""
+        n = count(state, "sync/n_averages", where) if "sync/n_averages" in state else 0
+        return lambda step: self._loaded(step, n)
+
+    def _loaded(self, step: int, n_averages: int) -> None:
+        pass
+
+    def _mean(self, buffers: list, on: int = 0, part: slice | None = None) -> None:
+        """The reducer over ``buffers``, timed on worker ``on`` and counted."""
+        if self.reducer.noop:
+            return
+        with self.timer("all-reduce", on):
+            self.reducer.average(buffers, part)
+
+
+class GradientAveraging(Keeping):
+    """Grads mode: reduce the gradients, then every replica applies the same update."""
+
+    def update(self, towers, part, lr, step, on) -> None:
+        self.reduce(towers, part, on)
+        self.apply(towers, part, lr, step, on)
+
+    def reduce(self, towers: list, part: slice | None = None, on: int = 0) -> None:
+        """Every tower's gradient buffer (or its slice ``part``) becomes the mean over all towers."""
+        self._mean([t.replica.grads if part is None else t.replica.grads[part] for t in towers], on, part)
+
+    @staticmethod
+    def apply(towers: list, part: slice | None, lr: float, step: int, on: int = 0) -> None:
+        """Every tower's optimizer step on its (averaged) gradients; a slice on worker ``on``'s timer."""
+        for t in towers:
+            t.update(t.replica.grads if part is None else t.replica.grads[part], lr, step, part,
+                     timer=None if part is None else towers[on].timer)
+
+
+class PeriodicAveraging(Keeping):
+    """Weights mode: each tower updates alone; every ``period`` steps average, then the EMA follows."""
+
+    shared = False
+
+    def __init__(self, reducer, timer, ema, period: int):
+        super().__init__(reducer, timer)
+        self.ema, self.period = ema, period
+        self.n_averages = 0  # weight averages so far: the EMA's count
+        self.last_average = None  # step count right after the last average
+
+    def update(self, towers, part, lr, step, on) -> None:
+        for t in towers:
+            t.update(t.replica.grads, lr, step)
+
+    def step_done(self, towers, step, wait) -> None:
+        if step % self.period == 0:
+            self.average(towers, step, wait)
+
+    def average(self, towers: list, step: int, wait) -> None:
+        """Average parameters, optimizer state and model buffers over the towers, then update the EMA."""
+        wait()  # the tower threads' updates are complete
+        reps = [t.replica for t in towers]
+        self._mean([r.params for r in reps])
+        for slot in towers[0].optimizer.state:
+            self._mean([t.optimizer.state[slot] for t in towers])
+        if reps[0].buffers.size:
+            self._mean([r.buffers for r in reps])
+        self.n_averages += 1
+        with towers[0].scope():
+            self.ema.update(reps[0].params, self.n_averages - 1)
+        self.last_average = step
+
+    def finish(self, towers, step, wait) -> None:
+        """A last average if steps were taken since."""
+        if self.last_average != step:
+            self.average(towers, step, wait)
+
+    def agreed(self, step: int) -> None:
+        self.last_average = step
+
+    def comparable(self, step: int) -> bool:
+        return self.last_average == step  # between averages replicas differ by design
+
+    def atol(self, towers: list) -> float:
+        # An average leaves them equal up to the reducer's rounding.
+        return 1e-6 * max(1.0, float(abs(to_host(towers[0].replica.params)).max()))
+
+    def state_dict(self) -> dict:
+        return {"sync/n_averages": numpy.int64(self.n_averages)}
+
+    def _loaded(self, step: int, n_averages: int) -> None:
+        # Checkpoints are taken right after an average.
+        self.n_averages, self.last_average = n_averages, step

@@ -1,4 +1,4 @@
-"""The step engine: one synchronous step over every tower, and its weights-mode and parameter-server variants.
+"""The step engine: who runs one synchronous step over every tower; how replicas stay together is its keeper's.
 
 A step on one global batch of ``towers x batch_size x accumulate`` host
 examples (or, with the training set on the GPUs, its row indices) runs four
@@ -9,42 +9,50 @@ named stages per tower:
                with ``accumulate`` K > 1, stages 1-2 run once per micro-batch
                of ``batch_size`` rows and the buffer ends as their mean
                gradient (``Replica.mean_loss_and_grads``);
-3. all-reduce: ``reducer.average`` over every tower's gradient buffer
-               (``towers.parallel.reducers``);
-4. update:     every replica applies the same optimizer update; the first
-               one also updates the EMA in the same pass (``towers.optim``).
+3. all-reduce: in grads mode, ``reducer.average`` over every tower's
+               gradient buffer (``towers.parallel.reducers``);
+4. update:     the optimizer update (``towers.optim``); in grads mode every
+               replica applies the same one and the first also updates the
+               EMA in the same pass.
+
+Stages 3-4 and what happens between steps belong to the keeper
+(``towers.parallel.sync``): ``GradientAveraging`` (3 then 4 on every tower)
+or ``PeriodicAveraging`` (weights mode: 4 on each tower alone, and every K
+steps an average of the weights, optimizer state and model buffers, which
+the EMA follows).  A ``shared`` keeper needs every tower's gradients before
+any update.
 
 Who runs the stages is the *worker* layout, the one difference between the
 two ways towers run:
 
 * one worker owning every tower (GPU towers, whose stages are queued on their
-  streams tower after tower; serial CPU towers): compute each tower, one
-  reduce over whole buffers, update each tower;
+  streams tower after tower; serial CPU towers): compute each tower, then the
+  keeper's update over whole buffers;
 * one worker per tower, concurrently on ``towers.devices.cpu_threads`` threads
-  (CPU towers): worker i computes tower i, waits at a barrier, then reduces and
-  updates slice i of EVERY tower's buffers, so the all-reduce and the update
-  are split across cores.
+  (CPU towers): worker i computes tower i; with a ``shared`` keeper it waits
+  at a barrier, then reduces and updates slice i of EVERY tower's buffers, so
+  the all-reduce and the update are split across cores (a reducer that does
+  not split: tower 0's thread does both over whole buffers).
 
-Both call the same ``_work``.  ``weights`` mode skips stage 3; every
-``average_every`` steps the weights, the optimizer state and the model
-buffers are averaged instead and the EMA follows.  ``gradients`` and
-``apply_gradients`` are stages 1-3 and 4 apart, for parameter servers
-(``towers.cluster``).
+Both call the same ``_work``.  ``gradients`` and ``apply_gradients`` are
+stages 1-3 and 4 apart, for parameter servers (``towers.cluster``), through
+the gradient keeper's ``reduce`` and ``apply``.
 
 Sync points: none inside a step on a GPU; with tower threads ``run`` returns
-when tower 0's share is done and ``synchronize`` joins the rest.  The loss
-leaves the device only when asked for (``want_loss``).
+when tower 0's share is done and ``synchronize`` joins the rest (the keeper
+joins them before an average).  The loss leaves the device only when asked
+for (``want_loss``).
 
-All-reduces are counted here, in ``_reduce``, the one place a step engine
-calls its reducer over whole buffers (the threaded grads step counts its one
-sliced all-reduce in ``run``): one per step, whatever ``accumulate``.
+All-reduces are counted once, by the keeper's ``Counted`` reducer
+(``all_reduces``): one per step in grads mode, whatever ``accumulate`` (a
+sliced all-reduce counts at slice 0); one per averaged buffer in weights
+mode; sync-BN's statistic averages are not counted.
 """
 from __future__ import annotations
 
 import numpy
 
 from towers.devices.cpu_threads import TowerThreads, chunks
-from towers.devices.placement import to_host
 from towers.errors import UserError
 from towers.nn.context import TowerSync
 from towers.parallel.sync import check_replicas
@@ -52,22 +60,18 @@ from towers.state import count
 
 
 class StepEngine:
-    """Runs steps over ``towers`` with ``reducer`` (see the module docstring).
+    """Runs steps over ``towers``; ``keeper`` keeps their replicas together (see the module docstring).
 
-    ``threads``: run each tower on its own thread (CPU towers; the reducer must
-    be ``splittable``).  ``schedule(step)`` is the learning rate of the step
-    after ``step`` updates.  ``timer`` is the run's ``PhaseTimer``.
+    ``threads``: run each tower on its own thread (CPU towers; the keeper's
+    reducer must be ``splittable``).  ``schedule(step)`` is the learning rate
+    of the step after ``step`` updates.  ``timer`` is the run's ``PhaseTimer``.
     """
 
-    def __init__(self, towers: list, reducer, ema, schedule, *, l2: float, weights_mode: bool,
-                 average_every: int, timer, threads: bool = False, device_data=None, sync_bn: bool = False):
-        self.towers, self.reducer, self.ema, self.schedule = towers, reducer, ema, schedule
-        self.l2, self.weights_mode, self.average_every = l2, weights_mode, average_every
-        self.timer, self.device_data = timer, device_data
+    def __init__(self, towers: list, keeper, schedule, *, l2: float, timer, threads: bool = False,
+                 device_data=None, sync_bn: bool = False):
+        self.towers, self.keeper, self.schedule = towers, keeper, schedule
+        self.l2, self.timer, self.device_data = l2, timer, device_data
         self.step = 0
-        self.n_averages = 0  # weight averages so far: the EMA's count in weights mode
-        self.last_average = None  # step count right after the last weight average
-        self.all_reduces = 0  # collectives issued, for the communication report
         self._pool = None
         n = len(towers)
         if (threads or sync_bn) and n > 1:
@@ -75,10 +79,11 @@ class StepEngine:
             # A reducer that takes slices splits the all-reduce and the update
             # among the threads; else (NCCL, GPUs, across hosts) tower 0's thread
             # does both over whole buffers once every tower has its gradients.
-            self._parts = (chunks(towers[0].replica.params.size, n) if reducer.splittable and threads
+            self._parts = (chunks(towers[0].replica.params.size, n) if keeper.reducer.splittable and threads
                            else [None] * n)
         if sync_bn and n > 1:
-            mean = SyncMean(n, reducer, self._pool.barrier)
+            # The wrapped reducer: batch statistics are not counted as all-reduces.
+            mean = SyncMean(n, keeper.reducer.reducer, self._pool.barrier)
             for t in towers:
                 t.replica.context.sync = mean.for_tower(t.index)
         self._losses = [None] * n
@@ -86,6 +91,11 @@ class StepEngine:
     @property
     def threaded(self) -> bool:
         return self._pool is not None
+
+    @property
+    def all_reduces(self) -> int:
+        """Collectives issued, for the communication report."""
+        return self.keeper.reducer.count
 
     # -- one step ----------------------------------------------------------------------
 
@@ -97,13 +107,11 @@ class StepEngine:
             self._work(range(len(self.towers)), None, x, y, indices, want_loss, lr, step)
         else:
             # The arguments are bound to this step's call, not stored on self:
-            # without a barrier (weights mode) a late tower thread of the last
-            # step could otherwise read this step's batch.
+            # without a barrier (a keeper that is not shared) a late tower thread
+            # of the last step could otherwise read this step's batch.
             self._pool.run(lambda i: self._work([i], self._parts[i], x, y, None, want_loss, lr, step, threaded=True))
-            if not self.weights_mode and not self.reducer.noop:
-                self.all_reduces += 1  # one all-reduce (shared out in slices among the threads)
-            elif want_loss:
-                self._pool.wait()  # no barrier in weights mode: wait for every tower's loss
+            if want_loss and not self.keeper.shared:
+                self._pool.wait()  # no barrier: wait for every tower's loss
         return self._step_done(list(self._losses) if want_loss else None)
 
     def _stage_indices(self, indices) -> None:
@@ -112,35 +120,25 @@ class StepEngine:
                 self.device_data.upload(indices)  # the step's indices: one copy per GPU
 
     def _work(self, mine, part, x, y, indices, want_loss, lr, step, threaded: bool = False) -> None:
-        """A worker's share of a step: compute its towers; then reduce and update ``part`` of every tower.
+        """A worker's share of a step: compute its towers; then the keeper updates.
 
-        ``part`` None: whole buffers, by the worker that owns every tower or, on
-        threads, by tower 0's after the barrier.
+        A keeper that is not ``shared`` updates the worker's own towers.  A
+        shared one updates ``part`` of every tower's buffers (None: whole
+        buffers, by the worker that owns every tower or, on threads, by tower
+        0's after the barrier).
         """
         for i in mine:
             self._losses[i] = self._compute(i, x, y, indices, want_loss, step)
-        if self.weights_mode:  # each tower steps alone; averages happen every K steps
-            for i in mine:
-                self.towers[i].update(self.towers[i].replica.grads, lr, step)
-            return
         on = mine[0]
+        if not self.keeper.shared:
+            self.keeper.update([self.towers[i] for i in mine], None, lr, step, on)
+            return
         if threaded:
             with self.timer("barrier", on):
                 self._pool.barrier.wait()  # every tower's gradients are complete
             if part is None and on != 0:
                 return  # tower 0's thread reduces and updates whole buffers
-        if part is None and not threaded:
-            self._reduce([t.replica.grads for t in self.towers], on)
-        elif part is None:
-            with self.timer("all-reduce", on):
-                self.reducer.average([t.replica.grads for t in self.towers])
-        else:
-            grads = [t.replica.grads[part] for t in self.towers]
-            with self.timer("all-reduce", on):
-                self.reducer.average(grads)
-        for t in self.towers:
-            t.update(t.replica.grads if part is None else t.replica.grads[part], lr, step, part,
-                     timer=None if part is None else self.towers[on].timer)
+        self.keeper.update(self.towers, part, lr, step, on)
 
     def _compute(self, i: int, x, y, indices, want_loss: bool, step: int):
         """Tower ``i``'s slice (rows ``i*r .. (i+1)*r`` of the host batch, or of the device rows) through stages 1-2.
@@ -153,23 +151,13 @@ class StepEngine:
         r = t.rows
         return t.compute(x[i * r: (i + 1) * r], y[i * r: (i + 1) * r], self.l2, want_loss, step)
 
-    def _reduce(self, buffers: list, on: int = 0) -> None:
-        """The reducer over whole buffers, counted."""
-        if self.reducer.noop:
-            return
-        with self.timer("all-reduce", on):
-            self.reducer.average(buffers)
-        self.all_reduces += 1
-
     def _step_done(self, losses):
         self.step += 1
-        # Weights mode: every K steps average the weights, then the EMA follows.
-        if self.weights_mode and self.step % self.average_every == 0:
-            self.average_weights()
+        self.keeper.step_done(self.towers, self.step, self._wait_threads)
         self.timer.step_done()
         return losses
 
-    # -- parameter servers: stages 1-3 and 4 apart -----------------------------------
+    # -- parameter servers: stages 1-3 and 4 apart (a GradientAveraging keeper) -----------
 
     def gradients(self, x, y, want_loss: bool = False):
         """Stages 1-3 without the update: every tower's ``grads`` ends as the mean gradient."""
@@ -178,7 +166,7 @@ class StepEngine:
             raise UserError("`sync_bn` averages batch statistics inside a synchronous step of one host's towers: "
                             "not with a parameter server")
         losses = [self._compute(i, x, y, None, want_loss, self.step) for i in range(len(self.towers))]
-        self._reduce([t.replica.grads for t in self.towers])
+        self.keeper.reduce(self.towers)
         return losses if want_loss else None
 
     def apply_gradients(self, grads) -> None:
@@ -188,52 +176,34 @@ class StepEngine:
         for t in self.towers:
             with t.scope():
                 t.replica.grads[...] = t.device.xp.asarray(grads)
-            t.update(t.replica.grads, lr, step)
+        self.keeper.apply(self.towers, None, lr, step)
         self._step_done(None)
-
-    # -- weights mode ------------------------------------------------------------------
-
-    def average_weights(self) -> None:
-        """Average parameters, optimizer state and model buffers over the towers, then update the EMA."""
-        if self._pool is not None:
-            self._pool.wait()  # the tower threads' updates are complete
-        reps = [t.replica for t in self.towers]
-        self._reduce([r.params for r in reps])
-        for slot in self.towers[0].optimizer.state:
-            self._reduce([t.optimizer.state[slot] for t in self.towers])
-        if reps[0].buffers.size:
-            self._reduce([r.buffers for r in reps])
-        self.n_averages += 1
-        with self.towers[0].scope():
-            self.ema.update(reps[0].params, self.n_averages - 1)
-        self.last_average = self.step
-
-    def finish(self) -> None:
-        """End of training: in weights mode, a last average if steps were taken since."""
-        if self.weights_mode and self.last_average != self.step:
-            self.average_weights()
-
-    def agreed(self) -> None:
-        """The replicas were just set to one value (a load, ``set_weights``): the next check compares against it."""
-        self.last_average = self.step
 
     # -- keeping replicas together --------------------------------------------------------
 
+    def finish(self) -> None:
+        """End of training (weights mode: a last average if steps were taken since)."""
+        self.keeper.finish(self.towers, self.step, self._wait_threads)
+
+    def agreed(self) -> None:
+        """The replicas were just set to one value (a load, ``set_weights``): the next check compares against it."""
+        self.keeper.agreed(self.step)
+
     def check_replicas(self) -> bool:
-        """Compare replicas now if they are meant to agree; return whether it ran."""
-        if self.weights_mode and self.last_average != self.step:
-            return False  # between averages replicas differ by design
+        """Compare replicas now if the keeper means them to agree; return whether it ran."""
+        if not self.keeper.comparable(self.step):
+            return False
         self.synchronize()
-        atol = 0.0
-        if self.weights_mode:  # an average leaves them equal up to the reducer's rounding
-            atol = 1e-6 * max(1.0, float(abs(to_host(self.towers[0].replica.params)).max()))
-        check_replicas([t.replica for t in self.towers], self.step, atol)
+        check_replicas([t.replica for t in self.towers], self.step, self.keeper.atol(self.towers))
         return True
+
+    def _wait_threads(self) -> None:
+        if self._pool is not None:
+            self._pool.wait()
 
     def synchronize(self) -> None:
         """Host sync point: tower threads and GPU streams finish what was issued."""
-        if self._pool is not None:
-            self._pool.wait()
+        self._wait_threads()
         for t in self.towers:
             if t.stream is not None:
                 t.stream.synchronize()
@@ -241,18 +211,16 @@ class StepEngine:
     # -- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"step": numpy.int64(self.step), "sync/n_averages": numpy.int64(self.n_averages)}
+        return {"step": numpy.int64(self.step), **self.keeper.state_dict()}
 
     def prepare(self, state: dict, where: str):
-        """Check ``step`` and ``sync/n_averages``; return the function that sets them."""
+        """Check ``step`` and the keeper's keys (``sync/n_averages``); return the function that sets them."""
         step = count(state, "step", where)
-        n_averages = count(state, "sync/n_averages", where) if "sync/n_averages" in state else 0
+        set_keeper = self.keeper.prepare(state, where)
 
         def apply():
-            self.step, self.n_averages = step, n_averages
-            # Checkpoints are taken right after an average (weights mode) or hold
-            # every replica's identical weights (grads mode).
-            self.last_average = step
+            self.step = step
+            set_keeper(step)
         return apply
 
     def close(self) -> None:

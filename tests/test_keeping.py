@@ -1,0 +1,96 @@
+"""The step engine's keepers (``towers.parallel.sync``) and the one all-reduce count (``Counted``).
+
+The engine runs a step and hands the update to its keeper: a keeper of our
+own that never averages must leave each tower where one tower alone would be.
+The count is the communication report's: one per grads step on serial or
+threaded towers (a sliced all-reduce counts once), sync-BN's statistic
+averages not counted.
+"""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+import towers
+from towers.parallel.reducers import Counted, Reducer
+from towers.parallel.sync import Keeping
+
+SMALL = dict(devices="cpu", hidden=16, batch_size=8, lr=0.1, optimizer="sgd", blas_threads=1, lr_decay=1.0, quiet=True,
+             summary_every=0, log_every=1000, checkpoint_every=0)
+
+
+class Alone(Keeping):
+    """Each tower updates on its own gradient and nothing is ever averaged."""
+
+    shared = False
+
+    def update(self, towers_, part, lr, step, on):
+        assert part is None
+        for t in towers_:
+            t.update(t.replica.grads, lr, step)
+
+    def comparable(self, step):
+        return False
+
+
+def _batches(steps: int, rows: int):
+    rng = numpy.random.default_rng(3)
+    return [(rng.integers(0, 256, (rows, 8, 8)).astype(numpy.uint8), rng.integers(0, 10, rows).astype(numpy.int32))
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("cpu_towers", ["serial", "threads"])
+def test_a_custom_keeper_decides_how_replicas_stay_together(cpu_towers):
+    steps, b = 4, SMALL["batch_size"]
+    data = _batches(steps, 2 * b)
+    with towers.Trainer(towers.Config(**SMALL, n_gpu=2, cpu_towers=cpu_towers)) as tr:
+        tr.engine.keeper = Alone(tr.reducer, tr.timer)
+        for x, y in data:
+            tr.train_step(x, y)
+        tr.synchronize()
+        assert tr.all_reduces == 0  # the keeper never reduced
+        assert tr.check_replicas() is False
+        got = [r.params.copy() for r in tr.replicas]
+    for i in range(2):  # tower i trained alone on its slice of every batch
+        with towers.Trainer(towers.Config(**SMALL, n_gpu=1)) as one:
+            for x, y in data:
+                one.train_step(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
+            numpy.testing.assert_allclose(got[i], one.replicas[0].params, rtol=1e-6, atol=1e-7)
+    assert not numpy.array_equal(got[0], got[1])
+
+
+def bn_model():
+    return [towers.Flatten(), towers.Dense("fc1", 12), towers.BatchNorm("bn"), towers.ReLU(), towers.Dense("fc2", 10)]
+
+
+@pytest.mark.parametrize("cpu_towers, sync_bn", [("serial", False), ("threads", False), ("threads", True),
+                                                 ("serial", True)])
+def test_one_all_reduce_per_grads_step_on_any_schedule(cpu_towers, sync_bn):
+    steps = 5
+    with towers.Trainer(towers.Config(**SMALL, n_gpu=2, cpu_towers=cpu_towers, sync_bn=sync_bn),
+                        model=bn_model()) as tr:
+        for x, y in _batches(steps, 2 * SMALL["batch_size"]):
+            tr.train_step(x, y)
+        tr.synchronize()
+        assert tr.engine.threaded == (cpu_towers == "threads" or sync_bn)
+        assert tr.all_reduces == steps
+
+
+class Sum(Reducer):
+    """Adds one to every element: enough to see which calls reach the reducer."""
+
+    splittable = True
+
+    def average(self, buffers):
+        for b in buffers:
+            b += 1
+
+
+def test_counted_counts_a_sliced_all_reduce_once():
+    bufs = [numpy.zeros(10, numpy.float32) for _ in range(2)]
+    c = Counted(Sum())
+    c.average(bufs)
+    assert c.count == 1
+    for part in (slice(5, 10), slice(0, 5)):  # the slices of one all-reduce, in any order
+        c.average([b[part] for b in bufs], part)
+    assert c.count == 2 and all((b == 2).all() for b in bufs)
