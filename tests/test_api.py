@@ -300,3 +300,21 @@ def test_a_resumed_runs_figures_count_its_own_steps(tmp_path):
     assert res.returncode == 0, res.stderr
     done = [ln for ln in res.stdout.splitlines() if ln.startswith("done:")][0]
     assert done.startswith("done: 20 steps (to step 60)") and "1.00 all-reduces/step" in done, done
+
+
+def test_a_closed_trainer_refuses_finish_and_check_replicas_as_on_a_cluster():
+    tr = Trainer(Config(devices="cpu", n_gpu=2, hidden=8, batch_size=10, steps=2))
+    tr.close()
+    tr.synchronize()  # nothing to wait for
+    for call in (tr.finish, tr.check_replicas):
+        with pytest.raises(UserError, match="closed"):
+            call()
+
+
+def test_an_attribute_error_inside_the_executor_is_not_hidden(monkeypatch):
+    from towers.local import LocalExecutor
+
+    monkeypatch.setattr(LocalExecutor, "replicas", property(lambda self: self.no_such_part), raising=False)
+    with Trainer(Config(devices="cpu", hidden=8, batch_size=10, steps=2)) as tr:
+        with pytest.raises(AttributeError, match="no_such_part"):
+            tr.replicas

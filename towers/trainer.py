@@ -91,8 +91,12 @@ class Trainer:
             raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "
                             f"got {type(dataset).__name__}")
         self.dataset = dataset
-        self.model = build_model(model if model is not None else cfg.model, dataset.example_shape,
-                                 dataset.num_classes, cfg.hidden)
+        try:
+            self.model = build_model(model if model is not None else cfg.model, dataset.example_shape,
+                                     dataset.num_classes, cfg.hidden)
+        except BaseException:
+            self.close()  # the data's input workers end with a refused model too
+            raise
         # -- the executor: from here on, device memory (or actors).
         self._closed = False
         try:
@@ -119,8 +123,12 @@ class Trainer:
     def __getattr__(self, name: str):
         """The executor's own parts (``towers``, ``engine``, ``ema``, ``source``, ``host_pids``, ...)."""
         executor = self.__dict__.get("executor")
-        if executor is not None and not name.startswith("__") and hasattr(executor, name):
-            return getattr(executor, name)
+        if executor is not None and not name.startswith("__"):
+            try:
+                return getattr(executor, name)
+            except AttributeError:
+                if hasattr(type(executor), name) or name in vars(executor):
+                    raise  # the executor has it: the error came from inside it, keep it
         where = f" (nor has its {type(executor).__name__})" if executor is not None else ""
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{where}")
 
@@ -219,15 +227,17 @@ class Trainer:
 
     def finish(self) -> None:
         """End of training: in weights mode, a last average if steps were taken since."""
+        self._open()
         self.executor.finish()
 
     def check_replicas(self) -> bool:
         """Compare replicas now if they are meant to agree; return whether it ran (a host sync)."""
+        self._open()
         return self.executor.check_replicas()
 
     def synchronize(self) -> None:
-        """Host sync point: tower threads and GPU streams finish what was issued."""
-        if self.executor is not None:
+        """Host sync point: tower threads and GPU streams finish what was issued (nothing once closed)."""
+        if self.executor is not None and not self._closed:
             self.executor.synchronize()
 
     # -- weights and state as name -> array dicts ------------------------------------------

@@ -91,7 +91,8 @@ class Host(TrainerActor):
         cfg, rank = self.cfg, self.rank
         self.towers = towers_per_host
         sync = cfg.sync if cfg.sync in ("grads", "weights") else "grads"
-        one = dataclasses.replace(cfg, hosts=1, ray_address=None, sync=sync, logdir=None, resume=False)
+        one = dataclasses.replace(cfg, hosts=1, ray_address=None, sync=sync, logdir=None, resume=False,
+                                  cache_images=False)  # the decoded-image cache is one host's (README)
         if cfg.sync in ("ps", "async"):
             reducer = None
             self.ps = HostSide(Board.attach(board), rank)

@@ -104,7 +104,7 @@ class ParameterServer(TrainerActor):
         self.cfg, self.towers = cfg, towers_per_host
         per_update = sum(towers_per_host) if cfg.sync == "ps" else towers_per_host[0]
         one = dataclasses.replace(cfg, hosts=1, n_gpu=1, devices="cpu", batch_size=per_update * cfg.batch_size,
-                                  sync="grads", ray_address=None, logdir=None, resume=False)
+                                  sync="grads", ray_address=None, logdir=None, resume=False, cache_images=False)
         self.trainer = trainer_class(one, model=model, dataset=dataset, placement=Placement(towers=[CPU]))
         self.board = Board.attach(handle)
         self.server = self.board.cell("server")
