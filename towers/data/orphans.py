@@ -1,11 +1,11 @@
 """Input worker processes that end with their parent.
 
-A worker of a pool (``concurrent.futures.ProcessPoolExecutor``: the TFRecord
-readers) blocks on its task queue and outlives a parent killed with SIGKILL
-(the OOM killer), for minutes, together with multiprocessing's resource
-tracker, whose pipe the workers hold open; an image worker
-(``towers.data.workers``) sees its pipe close, but only once it has
-made the chunks already sent to it.  :func:`watch_parent`, called in a worker's initializer,
+A worker of a process pool (the input pool, ``towers.data.workers``, or the
+converter's ``concurrent.futures.ProcessPoolExecutor``) would outlive a parent
+killed with SIGKILL (the OOM killer): an input worker sees its pipe close only
+once it has made the chunks already sent to it, and a pool worker blocked on
+its task queue waits for minutes, together with multiprocessing's resource
+tracker, whose pipe the workers hold open.  :func:`watch_parent`, called in a worker's initializer,
 starts a daemon thread that exits the worker as soon as its parent is gone:
 
 - a process started by multiprocessing waits on its parent's *sentinel*, a
