@@ -158,18 +158,21 @@ def test_sync_bn_combines_the_towers_statistics_without_cancelling():
     numpy.testing.assert_allclose(states[0][0]["moving_mean"], 0.9 * x64.mean(axis=0), rtol=1e-6)
 
 
-def _resnet_step(dtype, x, y, n: int, masks: dict):
+def _resnet_step(dtype, x, y, n: int, masks: dict, fused=None):
     """The mean gradient of one sync-BN step of ResNet-20 on ``n`` towers (threads), as float64.
 
     ``masks``: the ReLU masks per (tower, call); a float32 step records them,
-    a float64 step applies them (see the test).
+    a float64 step applies them (see the test).  ``fused``: the fused CPU
+    kernels (``towers.nn.fused_cpu``), and each tower's own statistics (no
+    sync-BN: the fused kernels are for those).
     """
     model = resnet(3)(x.shape[1:], 10).build(x.shape[1:])
     reps = [Replica(model, numpy, dtype=dtype) for _ in range(n)]
     s = BarrierSync(n)
     for i, r in enumerate(reps):
         r.set_params(model.init_params(0))
-        r.context.tower, r.context.sync = i, s.for_tower(i)
+        r.context.tower, r.context.sync = i, s.for_tower(i) if fused is None else None
+        r.context.fused = fused
     b = len(x) // n
     calls = threading.local()
     record = kernels.relu_backward
@@ -216,4 +219,24 @@ def test_one_sync_bn_step_of_resnet20_lands_near_float64():
     g64 = _resnet_step(numpy.float64, x, y, 2, masks)
     assert len(masks) == 2 * 19  # every ReLU of both towers
     # The update is -lr * g (SGD's first step, with or without momentum).
+    assert numpy.linalg.norm(g32 - g64) / numpy.linalg.norm(g64) < 1e-5
+
+
+def test_one_fused_step_of_resnet20_lands_near_float64():
+    """The same step through numba's fused batch norm (``cpu_kernels``), one tower, against float64.
+
+    The float32 step runs the fused kernels (float64 sums); the float64 step
+    the NumPy path.  The fused kernels keep the centred moments, so they land
+    as near as the NumPy path does.
+    """
+    pytest.importorskip("numba", reason="numba is not installed: the fused CPU kernels are optional")
+    from towers.nn import fused_cpu
+
+    rng = numpy.random.default_rng(0)
+    x = ((128 + rng.integers(-4, 5, (8, 32, 32, 3))) / 255).astype(numpy.float32)
+    y = rng.integers(0, 10, 8)
+    masks: dict = {}
+    g32 = _resnet_step(numpy.float32, x, y, 1, masks, fused_cpu.load("numba"))
+    g64 = _resnet_step(numpy.float64, x, y, 1, masks)
+    assert len(masks) == 19
     assert numpy.linalg.norm(g32 - g64) / numpy.linalg.norm(g64) < 1e-5

@@ -33,7 +33,7 @@ import numpy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from towers.devices.cpu_threads import set_blas_threads  # noqa: E402
-from towers.nn import kernels  # noqa: E402
+from towers.nn import fused_cpu, kernels  # noqa: E402
 from towers.nn.models import build_model  # noqa: E402
 from towers.nn.replica import Replica  # noqa: E402
 
@@ -66,11 +66,13 @@ class Clock:
         return timed
 
 
-def profile(model_name: str, shape: tuple, batch: int, steps: int, blas_threads: int) -> tuple[dict, float]:
+def profile(model_name: str, shape: tuple, batch: int, steps: int, blas_threads: int,
+            cpu_kernels: str = "auto") -> tuple[dict, float]:
     """(ms per step per key, ms per whole step) of one tower's ``loss_and_grads``."""
     model = build_model(model_name, shape, 10)
     rep = Replica(model, numpy)
     rep.set_params(model.init_params(0))
+    rep.context.fused = fused_cpu.load(cpu_kernels)  # as the trainer's CPU towers get them
     rng = numpy.random.default_rng(0)
     x = rng.random((batch,) + shape, dtype=numpy.float32)
     y = rng.integers(0, 10, batch).astype(numpy.int32)
@@ -104,9 +106,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=100, help="one tower's batch")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--blas-threads", type=int, default=1)
+    ap.add_argument("--cpu-kernels", default="auto", choices=fused_cpu.MODES,
+                    help="batch norm's fused numba kernels (auto, numba) or NumPy's operations (numpy)")
     a = ap.parse_args(argv)
     shape = tuple(int(s) for s in a.shape.split(","))
-    ms, total = profile(a.model, shape, a.batch, a.steps, a.blas_threads)
+    ms, total = profile(a.model, shape, a.batch, a.steps, a.blas_threads, a.cpu_kernels)
     from threadpoolctl import threadpool_info
 
     blas = [f"{i.get('internal_api')} {i.get('version')} {i.get('architecture')}" for i in threadpool_info()

@@ -24,6 +24,12 @@ layers through their workspaces (``ws.ctx``):
     and every tower makes the same sequence of calls (one per batch-norm layer
     forward, one per backward), so the calls pair up.
 
+``fused``
+    None, or the fused CPU kernels of ``towers.nn.fused_cpu.load`` (the
+    ``cpu_kernels`` setting): layers that have a fused form (batch norm) use
+    them on host arrays.  Set by ``towers.step.tower.build_towers`` for CPU
+    towers; a ``Replica`` made by hand runs the NumPy code.
+
 ``host_rng(ctx, path)`` is the generator a layer at ``path`` draws its masks
 from: ``numpy.random.default_rng([seed, tower, step, *path])``, drawn on the
 host so that a CPU and a GPU tower of the same index draw the same mask.
@@ -43,6 +49,7 @@ class StepContext:
     tower: int = 0
     seed: int = 0
     sync: TowerSync | None = None
+    fused: object = None
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,40 @@ class BatchNorm(Layer):
             if self.center:
                 yw += xp.tile(p["beta"], r)
             return y
+        xc = ws.array("xc", x2.shape, x2.dtype)
+        xcw = xc.reshape(xw.shape)
+        fused = _fused(ctx, x2)
+        if fused is not None:  # the same moments in two passes that only read (towers.nn.fused_cpu)
+            shift, off, var = fused.bn_moments(x2)
+            mean = shift + off
+        else:
+            mean, var, off = self._moments(xp, ctx, x2, xw, xc, xcw, y, yw, ws)
+        var = xp.maximum(var, dt(0))
+        d = dt(1.0 - ema_decay(self.momentum, ctx.step))
+        for name, batch in (("moving_mean", mean), ("moving_variance", var)):
+            buf = p[name]
+            buf -= (buf - batch) * d
+        inv_std = dt(1) / xp.sqrt(var + dt(self.epsilon))
+        a = gamma * inv_std
+        # y = (xc - off) * a + beta: off is small (rounding, or this tower's
+        # distance from the global batch's mean), so nothing cancels.
+        b = -off * a
+        if self.center:
+            b += p["beta"]
+        if fused is not None:
+            fused.center_scale(x2, shift, a, b, xc, y.reshape(x2.shape))
+        else:
+            xp.multiply(xcw, xp.tile(a, r), out=yw)
+            yw += xp.tile(b, r)
+        ws.saved.update(xc=xc, off=off, inv_std=inv_std, a=a, x_shape=x.shape)
+        return y
+
+    @staticmethod
+    def _moments(xp, ctx, x2, xw, xc, xcw, y, yw, ws):
+        """(mean, var, off) of (M, C) ``x2`` from moments around a shift (module doc), ``xc = x - shift``."""
+        m, c = x2.shape
+        dt = x2.dtype.type
+        r = _repeats(m, c)
         # The shift: this tower's mean as float32 rounds it (a GEMV).  The
         # values centred on it (kept for backward) are small, so their moments
         # (two GEMVs and a square) hold float32's precision of the spread, not
@@ -140,8 +174,6 @@ class BatchNorm(Layer):
         shift *= dt(1.0 / m)
         if ctx.sync is not None:
             shift = _coarse(xp, shift)  # so that the gather through an average is exact (see _combine)
-        xc = ws.array("xc", x2.shape, x2.dtype)
-        xcw = xc.reshape(xw.shape)
         xp.subtract(xw, xp.tile(shift, r), out=xcw)
         moments = ws.array("moments", (2, c), x2.dtype)  # mean(xc), mean(xc^2)
         kernels.col_sum(xc, moments[0], ws)
@@ -155,22 +187,7 @@ class BatchNorm(Layer):
             mean = shift + off
         else:
             mean, var, off = _combine(ctx.sync, shift, moments, ws)
-        var = xp.maximum(var, dt(0))
-        d = dt(1.0 - ema_decay(self.momentum, ctx.step))
-        for name, batch in (("moving_mean", mean), ("moving_variance", var)):
-            buf = p[name]
-            buf -= (buf - batch) * d
-        inv_std = dt(1) / xp.sqrt(var + dt(self.epsilon))
-        a = gamma * inv_std
-        # y = (xc - off) * a + beta: off is small (rounding, or this tower's
-        # distance from the global batch's mean), so nothing cancels.
-        b = -off * a
-        if self.center:
-            b += p["beta"]
-        xp.multiply(xcw, xp.tile(a, r), out=yw)
-        yw += xp.tile(b, r)
-        ws.saved.update(xc=xc, off=off, inv_std=inv_std, a=a, x_shape=x.shape)
-        return y
+        return mean, var, off
 
     def backward(self, p, g, dy, ws, need_dx):
         xp, ctx, c = ws.xp, ws.ctx, self.c
@@ -184,9 +201,13 @@ class BatchNorm(Layer):
         # sums[0] = sum(dy), sums[1] = sum(dy * xhat) = inv_std * (sum(dy * xc) - off * sum(dy)):
         # centred values, and off small, so the difference does not cancel.
         sums = ws.array("sums", (2, c), dy2.dtype)
-        kernels.col_sum(dy2, sums[0], ws)
-        xp.multiply(dyw, xcw, out=dxw)  # dx's buffer as scratch until it holds dx
-        kernels.col_sum(dx.reshape(-1, c), sums[1], ws)
+        fused = _fused(ctx, dy2)
+        if fused is not None:
+            sums[...] = fused.bn_backward_sums(dy2, xc)
+        else:
+            kernels.col_sum(dy2, sums[0], ws)
+            xp.multiply(dyw, xcw, out=dxw)  # dx's buffer as scratch until it holds dx
+            kernels.col_sum(dx.reshape(-1, c), sums[1], ws)
         sums[1] -= off * sums[0]
         sums[1] *= inv_std
         if self.scale:
@@ -203,11 +224,22 @@ class BatchNorm(Layer):
         #    = a * (xc * k + dy + c0): four passes, no scratch
         k = -inv_std * means[1]
         c0 = off * inv_std * means[1] - means[0]
-        xp.multiply(xcw, xp.tile(k, r), out=dxw)
-        dxw += dyw
-        dxw += xp.tile(c0, r)
-        dxw *= xp.tile(a, r)
+        if fused is not None:
+            fused.bn_backward_dx(dy2, xc, k, c0, a, dx.reshape(-1, c))
+        else:
+            xp.multiply(xcw, xp.tile(k, r), out=dxw)
+            dxw += dyw
+            dxw += xp.tile(c0, r)
+            dxw *= xp.tile(a, r)
         return dx.reshape(s["x_shape"])
+
+
+def _fused(ctx, a):
+    """The fused CPU kernels for this step's array ``a`` (``ctx.fused``), or None: GPU arrays, and
+    ``sync_bn``, whose moments are gathered across towers, take the array-operation path."""
+    if ctx.fused is None or ctx.sync is not None or not kernels.on_host(a):
+        return None
+    return ctx.fused
 
 
 def _combine(sync, shift, moments, ws):

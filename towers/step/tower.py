@@ -20,6 +20,7 @@ import numpy
 from towers.data.staging import Stager
 from towers.devices.placement import on_stream
 from towers.errors import UserError
+from towers.nn import fused_cpu
 from towers.nn.replica import Replica
 from towers.state import Layout, under
 
@@ -94,6 +95,7 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0) ->
     batch_size, seed = cfg.batch_size, cfg.seed
     init = model.init_params(seed)
     streams: dict[int, object] = {}
+    fused = fused_cpu.load(cfg.cpu_kernels) if any(not d.is_gpu for d in placement.towers) else None
     towers = []
     for i, dev in enumerate(placement.towers):
         with dev.scope():
@@ -109,6 +111,7 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0) ->
             replica = Replica(model, dev.xp, label_smoothing=cfg.label_smoothing)
             replica.set_params(init)
             replica.context.tower, replica.context.seed = first_tower + i, seed
+            replica.context.fused = None if dev.is_gpu else fused
         stager = Stager(dev, stream, batch_size, dataset.example_shape, dataset.x.dtype)
         towers.append(Tower(i, dev, stream, replica, stager, timer.for_tower(i), cfg.accumulate,
                             first_tower + i))

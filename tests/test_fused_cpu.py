@@ -1,0 +1,138 @@
+"""Batch norm through numba's fused CPU kernels (``towers.nn.fused_cpu``) against its NumPy path.
+
+The NumPy path is the reference (its precision is checked against float64 in
+``tests/test_sync_bn.py``).  The fused kernels sum in another order (float64
+sums), so the two agree within float32 rounding, not bit for bit.  Skipped
+where numba is not installed; ``cpu_kernels`` numpy and auto then run NumPy.
+"""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from towers import Config
+from towers.errors import UserError
+from towers.nn import fused_cpu
+from towers.nn.context import StepContext
+from towers.nn.layers import Workspace
+from towers.nn.normalization import BatchNorm
+
+numba = pytest.importorskip("numba", reason="numba is not installed: the fused CPU kernels are optional")
+
+
+def _bn_step(x, dy, fused, scale=True, center=True, step=3):
+    """One training forward and backward of a BatchNorm on ``x``; (y, dx, grads, moving stats)."""
+    c = x.shape[-1]
+    bn = BatchNorm("bn", scale=scale, center=center)
+    bn.build(x.shape[1:])
+    rng = numpy.random.default_rng(1)
+    dt = x.dtype
+    p = {"gamma": (1 + 0.5 * rng.standard_normal(c)).astype(dt), "beta": rng.standard_normal(c).astype(dt),
+         "moving_mean": rng.standard_normal(c).astype(dt), "moving_variance": (1 + rng.random(c)).astype(dt)}
+    g = {"gamma": numpy.zeros(c, dt), "beta": numpy.zeros(c, dt)}
+    ctx = StepContext(step=step, fused=fused)
+    ws = Workspace(numpy, ctx, (0,))
+    y = bn.forward(p, x, ws).copy()
+    dx = bn.backward(p, g, dy, ws, True).copy()
+    return y, dx, g, (p["moving_mean"], p["moving_variance"])
+
+
+def _close(a, b, what, rtol=2e-5):
+    scale = float(numpy.abs(b).max()) or 1.0
+    err = float(numpy.abs(a - b).max()) / scale
+    assert err <= rtol, f"{what}: max error {err:.2e} of the largest value, more than float32 rounding"
+
+
+@pytest.mark.parametrize("shape", [(8, 6, 5, 16), (4, 9, 7, 3), (50, 10), (2, 3, 3, 64)])
+@pytest.mark.parametrize("scale, center", [(True, True), (False, False)])
+def test_fused_batch_norm_equals_the_numpy_path(shape, scale, center):
+    rng = numpy.random.default_rng(0)
+    # A large mean beside a small spread: the case the shifted moments exist for.
+    x = (100 + 0.01 * rng.standard_normal(shape)).astype(numpy.float32)
+    dy = rng.standard_normal(shape).astype(numpy.float32)
+    want = _bn_step(x, dy, None, scale, center)
+    got = _bn_step(x, dy, fused_cpu.load("numba"), scale, center)
+    _close(got[0], want[0], "y")
+    _close(got[1], want[1], "dx", rtol=5e-5)
+    for k in want[2]:
+        _close(got[2][k], want[2][k], f"d{k}", rtol=5e-5)
+    _close(got[3][0], want[3][0], "moving mean", rtol=1e-6)
+    _close(got[3][1], want[3][1], "moving variance", rtol=5e-5)
+
+
+def test_fused_batch_norm_gradient_matches_finite_differences():
+    """float64 through the fused kernels: dx and dgamma, dbeta against central differences of sum(y * w)."""
+    rng = numpy.random.default_rng(2)
+    shape = (3, 4, 5, 6)
+    x = (3 + rng.standard_normal(shape))
+    w = rng.standard_normal(shape)  # the loss is sum(y * w): dy = w
+    fused = fused_cpu.load("numba")
+    _, dx, g, _ = _bn_step(x, w, fused)
+    c = shape[-1]
+    bn = BatchNorm("bn")
+    bn.build(shape[1:])
+
+    def loss(xv, gamma, beta):
+        p = {"gamma": gamma, "beta": beta, "moving_mean": numpy.zeros(c), "moving_variance": numpy.ones(c)}
+        return float((bn.forward(p, xv, Workspace(numpy, StepContext(fused=fused), (0,))) * w).sum())
+
+    r = numpy.random.default_rng(1)
+    gamma = (1 + 0.5 * r.standard_normal(c))
+    beta = r.standard_normal(c)
+    eps = 1e-6
+    for idx in [(0, 0, 0, 0), (1, 2, 3, 4), (2, 3, 4, 5), (0, 1, 4, 2)]:
+        xp_, xm = x.copy(), x.copy()
+        xp_[idx] += eps
+        xm[idx] -= eps
+        fd = (loss(xp_, gamma, beta) - loss(xm, gamma, beta)) / (2 * eps)
+        assert abs(fd - dx[idx]) <= 1e-6 * max(1.0, abs(fd)), (idx, fd, dx[idx])
+    for j in range(c):
+        for name in ("gamma", "beta"):
+            plus, minus = gamma.copy(), gamma.copy()
+            bp, bm = beta.copy(), beta.copy()
+            if name == "gamma":
+                plus[j] += eps
+                minus[j] -= eps
+            else:
+                bp[j] += eps
+                bm[j] -= eps
+            fd = (loss(x, plus, bp) - loss(x, minus, bm)) / (2 * eps)
+            assert abs(fd - g[name][j]) <= 1e-6 * max(1.0, abs(fd)), (name, j, fd, g[name][j])
+
+
+def test_cpu_kernels_setting():
+    assert fused_cpu.load("numpy") is None
+    assert fused_cpu.load("auto") is not None and fused_cpu.load("numba").bn_moments is fused_cpu.load("auto").bn_moments
+    with pytest.raises(UserError, match="cpu_kernels"):
+        fused_cpu.load("fast")
+    with pytest.raises(UserError, match="cpu_kernels .fast. is unknown"):
+        Config(cpu_kernels="fast").resolved()
+
+
+def _bn_run(cpu_kernels, **kw):
+    """Ten steps of a small batch-norm model on the embedded data, 2 CPU towers; the final weights."""
+    import towers
+
+    model = [towers.Flatten(), towers.Dense("fc1", 24), towers.BatchNorm("bn"), towers.ReLU(), towers.Dense("fc2", 10)]
+    cfg = Config(devices="cpu", n_gpu=2, steps=10, quiet=True, summary_every=0, log_every=1000, checkpoint_every=0,
+                 cpu_kernels=cpu_kernels, **kw)
+    with towers.Trainer(cfg, model=model) as t:
+        t.fit()
+        return t.get_weights()
+
+
+def test_the_setting_picks_the_kernels_of_a_training_run():
+    """`cpu_kernels` numba trains through the fused kernels: near the NumPy run, and not its bits."""
+    ref, got = _bn_run("numpy"), _bn_run("numba")
+    assert ref.keys() == got.keys()
+    assert any(not numpy.array_equal(ref[k], got[k]) for k in ref), "numba gave NumPy's bits: not used"
+    # One scale for all: fc1's biases feed a batch norm, so their gradient is rounding noise around 0.
+    _close(numpy.concatenate([got[k].ravel() for k in ref]), numpy.concatenate([ref[k].ravel() for k in ref]),
+           "the weights", rtol=1e-4)
+
+
+def test_without_numba_auto_is_numpy_and_numba_is_refused(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "numba", None)  # hidden, as an uninstalled package is
+    assert fused_cpu.load("auto") is None
+    with pytest.raises(UserError, match="numba is not installed"):
+        fused_cpu.load("numba")
