@@ -30,16 +30,48 @@ def _reference_backward(x, dy, k):
     return dx
 
 
+def _reference_forward(x, k):
+    n, h, w, c = x.shape
+    y = numpy.empty((n, -(-h // k), -(-w // k), c), x.dtype)
+    for i in range(y.shape[1]):
+        for j in range(y.shape[2]):
+            y[:, i, j] = x[:, i * k: i * k + k, j * k: j * k + k].max(axis=(1, 2))  # NaN wins, as numpy.max
+    return y
+
+
+@pytest.mark.parametrize("which", ["numpy", "numba"])
+def test_maxpool_a_nan_wins_its_window(which):
+    x = numpy.arange(2 * 4 * 4 * 3, dtype=numpy.float32).reshape(2, 4, 4, 3)
+    x[0, 1, 1, 0] = x[1, 2, 3, 2] = numpy.nan  # after the window's first element, so a plain `>` would skip it
+    y = numpy.empty((2, 2, 2, 3), numpy.float32)
+    kernels.maxpool(x, y, 2, _kernels(which))
+    numpy.testing.assert_array_equal(y, _reference_forward(x, 2))
+    assert numpy.isnan(y[0, 0, 0, 0]) and numpy.isnan(y[1, 1, 1, 2]) and numpy.isnan(y).sum() == 2
+
+
+def _kernels(which):
+    """The NumPy path (a plain workspace), or numba's fused kernels (``cpu_kernels`` numba) when installed."""
+    from towers.nn.context import StepContext
+    from towers.nn import fused_cpu
+
+    if which == "numpy":
+        return Workspace(numpy)
+    pytest.importorskip("numba", reason="numba is not installed: the fused CPU kernels are optional")
+    return Workspace(numpy, StepContext(fused=fused_cpu.load("numba")))
+
+
+@pytest.mark.parametrize("which", ["numpy", "numba"])
 @pytest.mark.parametrize("shape, k", [((2, 6, 8, 3), 2), ((3, 7, 5, 4), 2), ((2, 9, 7, 2), 3)])
-def test_maxpool_backward_equals_the_first_maximum_of_each_window(shape, k):
+def test_maxpool_equals_the_max_and_the_first_maximum_of_each_window(shape, k, which):
     rng = numpy.random.default_rng(0)
     # Few distinct values: many windows hold tied maxima, in every tap position.
     x = rng.integers(-2, 3, shape).astype(numpy.float32)
     ho, wo = -(-shape[1] // k), -(-shape[2] // k)
     y = numpy.empty((shape[0], ho, wo, shape[3]), numpy.float32)
     dy = rng.standard_normal(y.shape).astype(numpy.float32)
-    ws = Workspace(numpy)
+    ws = _kernels(which)
     kernels.maxpool(x, y, k, ws)
+    numpy.testing.assert_array_equal(y, _reference_forward(x, k))
     for _ in range(2):  # the second call reuses the workspace's masks: no state left from the first
         dx = kernels.maxpool_backward(x, y, dy, k, ws)
         assert dx.shape == x.shape

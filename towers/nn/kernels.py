@@ -531,14 +531,27 @@ def _windows(x, k: int, out_hw: tuple, ws):
     return x.reshape(n, ho, k, wo, k, c)
 
 
+def _fused_for(x, other, ws):
+    """The step's fused CPU kernels (``ctx.fused``, ``towers.nn.fused_cpu``) for C-contiguous host arrays, or None."""
+    fused = getattr(ws.ctx, "fused", None)
+    if fused is None or not (on_host(x) and x.flags.c_contiguous and other.flags.c_contiguous):
+        return None
+    return fused
+
+
 def maxpool(x, y, k: int, ws) -> None:
     """``y (n, ho, wo, c)``: the max of each k x k window of ``x (n, h, w, c)`` (stride k, SAME).
 
     NumPy: k*k elementwise maxima over strided window views (several times
-    faster than a reduction over the two non-adjacent window axes).
+    faster than a reduction over the two non-adjacent window axes); with the
+    step's fused CPU kernels (``cpu_kernels``), one compiled pass.
     """
     n, ho, wo, c = y.shape
     h, w = x.shape[1:3]
+    fused = _fused_for(x, y, ws)
+    if fused is not None:  # one compiled pass (towers.nn.fused_cpu): the same maxima
+        fused.maxpool(x, k, y)
+        return
     if on_host(x) or x.size > INT_MAX:
         xp = ws.xp
         win = _windows(x, k, (ho, wo), ws)
@@ -560,6 +573,11 @@ def maxpool_backward(x, y, dy, k: int, ws):
     """
     n, ho, wo, c = y.shape
     h, w = x.shape[1:3]
+    fused = _fused_for(x, dy, ws)
+    if fused is not None:  # one compiled pass: the same first maxima, dy * 1 and 0 are exact
+        dx = ws.array("dx", x.shape, dy.dtype)
+        fused.maxpool_backward(x, y, dy, k, dx)
+        return dx
     if on_host(x) or x.size > INT_MAX:
         xp = ws.xp
         win = _windows(x, k, (ho, wo), ws)
