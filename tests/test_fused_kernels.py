@@ -76,3 +76,24 @@ def test_maxpool_equals_the_max_and_the_first_maximum_of_each_window(shape, k, w
         dx = kernels.maxpool_backward(x, y, dy, k, ws)
         assert dx.shape == x.shape
         numpy.testing.assert_array_equal(dx, _reference_backward(x, dy, k))
+
+
+def test_fused_relu_kernels_give_numpys_bits():
+    """A residual block's add + ReLU and the ReLU's backward: the compiled pass against the NumPy passes, bit for bit,
+    NaN, inf and signed zeros included."""
+    rng = numpy.random.default_rng(3)
+    special = numpy.array([numpy.nan, -0.0, 0.0, -1.0, 1.0, numpy.inf, -numpy.inf], numpy.float32)
+    h = numpy.concatenate([special, special, rng.standard_normal(1000).astype(numpy.float32)]).reshape(-1, 3)
+    s = numpy.concatenate([special, special[::-1], rng.standard_normal(1000).astype(numpy.float32)]).reshape(-1, 3)
+    dy = numpy.concatenate([special[::-1], special, rng.standard_normal(1000).astype(numpy.float32)]).reshape(-1, 3)
+    out = {}
+    for which in ("numpy", "numba"):
+        ws = _kernels(which)
+        y = numpy.empty_like(h)
+        kernels.add_relu(h, s, y, ws)
+        d = dy.copy()
+        with numpy.errstate(invalid="ignore"):  # inf * 0, as the trainer's tower scope allows
+            kernels.relu_backward(y, d, numpy.empty(y.shape, bool) if which == "numpy" else None, ws)
+        out[which] = (y.view(numpy.int32), d.view(numpy.int32))
+    numpy.testing.assert_array_equal(out["numba"][0], out["numpy"][0])
+    numpy.testing.assert_array_equal(out["numba"][1], out["numpy"][1])

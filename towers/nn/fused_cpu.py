@@ -1,4 +1,4 @@
-"""Fused CPU kernels compiled by numba (optional): batch norm and max-pooling in a few passes.
+"""Fused CPU kernels compiled by numba (optional): batch norm, max-pooling and ReLU in fewer passes.
 
 NumPy runs one pass over memory per operation.  Batch norm's training step
 is about seven of them forward (a GEMV for the shift, the centring, two
@@ -22,6 +22,10 @@ backward, one pass that writes each window's ``dy`` at its first maximal
 element and 0 elsewhere, instead of NumPy's k*k compare-and-mask passes
 (LeNet-5's two poolings: 6.1 to 2.3 ms of a tower's step).  Both are exact,
 so they give NumPy's bits.
+
+ReLU: a residual block's ``maximum(h + s, 0)`` in one pass instead of two,
+and the backward ``dy *= (y > 0)`` in one pass instead of a mask and a
+multiply; exact, NumPy's bits.
 
 The kernels release the GIL (``nogil``), so two CPU tower threads run them at
 once.  Batch norm's results equal the NumPy path's up to float32 rounding
@@ -201,5 +205,20 @@ def _compile():
                                 dx[b, r, q, ch] = dy[b, i, j, ch] if take else 0
                                 left[ch] = left[ch] and not take
 
-    return types.SimpleNamespace(maxpool=maxpool, maxpool_backward=maxpool_backward, bn_moments=bn_moments, center_scale=center_scale, bn_backward_sums=bn_backward_sums,
+    @jit
+    def add_relu(h, s, y):  # pragma: no cover - compiled
+        """``y = maximum(h + s, 0)`` over flat arrays, the sum rounded first (NaN passes, -0.0 gives 0.0: as
+        ``numpy.maximum`` against zeros)."""
+        for i in range(y.size):
+            v = h[i] + s[i]
+            y[i] = v if (v > 0 or v != v) else 0
+
+    @jit
+    def relu_backward(y, dy):  # pragma: no cover - compiled
+        """In place over flat arrays: ``dy *= (y > 0)`` as 1.0 / 0.0 (signs and NaN follow the multiply)."""
+        one, zero = dy.dtype.type(1), dy.dtype.type(0)
+        for i in range(dy.size):
+            dy[i] = dy[i] * (one if y[i] > 0 else zero)
+
+    return types.SimpleNamespace(add_relu=add_relu, relu_backward=relu_backward, maxpool=maxpool, maxpool_backward=maxpool_backward, bn_moments=bn_moments, center_scale=center_scale, bn_backward_sums=bn_backward_sums,
                                  bn_backward_dx=bn_backward_dx)

@@ -234,8 +234,8 @@ class ReLU(Layer):
         if not need_dx:
             return None
         y = ws.saved["y"]
-        mask = ws.array("mask", y.shape, bool) if kernels.on_host(y) else None
-        kernels.relu_backward(y, dy, mask)  # dy is the next layer's scratch: safe in place
+        mask = ws.array("mask", y.shape, bool) if kernels.on_host(y) and ws.ctx.fused is None else None
+        kernels.relu_backward(y, dy, mask, ws)  # dy is the next layer's scratch: safe in place
         return dy
 
 

@@ -152,8 +152,7 @@ class Residual(Layer):
         for i, layer in enumerate(self.short_layers, nb):
             s = layer.forward(parts[i], s, ws.child(i))
         y = ws.array("y", h.shape, h.dtype)
-        ws.xp.add(h, s.reshape(h.shape), out=y)
-        kernels.relu(y, y)
+        kernels.add_relu(h, s.reshape(h.shape), y, ws)
         ws.saved["y"] = y
         return y
 
@@ -161,8 +160,8 @@ class Residual(Layer):
         nb = len(self.body)
         pp, gp = self._parts(p, ws, "p_parts"), self._parts(g, ws, "g_parts")
         y = ws.saved["y"]
-        mask = ws.array("mask", y.shape, bool) if kernels.on_host(y) else None
-        kernels.relu_backward(y, dy, mask)  # dy is the next layer's scratch: safe in place
+        mask = ws.array("mask", y.shape, bool) if kernels.on_host(y) and ws.ctx.fused is None else None
+        kernels.relu_backward(y, dy, mask, ws)  # dy is the next layer's scratch: safe in place
         d = dy
         if not self.body[-1].keeps_dy:  # it may write into its dy, which the shortcut reads after it
             d = ws.array("d_body", y.shape, y.dtype)
