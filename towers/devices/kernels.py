@@ -137,6 +137,27 @@ def on_host(a) -> bool:
     return isinstance(a, numpy.ndarray)
 
 
+# Bytes of each buffer in one block of a blocked host pass.  Several in-place
+# NumPy passes over one block (Adam + EMA: 12 passes over 6 buffers) then run in
+# L1/L2 instead of streaming multi-megabyte buffers from memory once per pass.
+# Measured on 1.65M float32 (LeNet-5's share of one tower thread; 48 KiB L1d,
+# 2 MiB L2 per core): Adam + EMA 6.2 ms whole, 3.9 ms at 256 KiB blocks (4.0 at
+# 128 and 512 KiB, 4.9 at 1 MiB, 5.3 at 32 KiB where the per-call cost shows);
+# SGD + EMA 2.5 -> 1.5 ms.  In bytes, so float64 (gradient checks) keeps the
+# same working set.
+HOST_BLOCK_BYTES = 256 * 1024
+
+
+def host_blocks(start: int, stop: int, itemsize: int):
+    """Slices that cut ``[start, stop)`` into consecutive blocks of ``HOST_BLOCK_BYTES`` (the last one shorter).
+
+    For host passes that are elementwise: running all of them block by block
+    gives the same bits as running each over the whole range.
+    """
+    step = max(1, HOST_BLOCK_BYTES // itemsize)
+    return [slice(i, min(i + step, stop)) for i in range(start, stop, step)]
+
+
 _FUNCS: dict = {}  # (RawKernel, device id) -> its loaded CUDA function
 _BLOCK_DIMS = (_BLOCK,)
 _MAX_GRID = 65535 * 8
