@@ -138,14 +138,16 @@ def on_host(a) -> bool:
 
 
 # Bytes of each buffer in one block of a blocked host pass.  Several in-place
-# NumPy passes over one block (Adam + EMA: 12 passes over 6 buffers) then run in
-# L1/L2 instead of streaming multi-megabyte buffers from memory once per pass.
-# Measured on 1.65M float32 (LeNet-5's share of one tower thread; 48 KiB L1d,
-# 2 MiB L2 per core): Adam + EMA 6.2 ms whole, 3.9 ms at 256 KiB blocks (4.0 at
-# 128 and 512 KiB, 4.9 at 1 MiB, 5.3 at 32 KiB where the per-call cost shows);
-# SGD + EMA 2.5 -> 1.5 ms.  In bytes, so float64 (gradient checks) keeps the
-# same working set.
-HOST_BLOCK_BYTES = 256 * 1024
+# NumPy passes over one block (Adam + EMA: 15 passes over 6 buffers) then run in
+# L1/L2 instead of each streaming a multi-megabyte buffer from memory.  Smaller
+# blocks mean more NumPy calls, each a hand-off of the GIL when CPU tower
+# threads update concurrently.  Measured on this project's 2-core Xeon (48 KiB
+# L1d, 2 MiB L2 per core), Adam + EMA of one tower and Adam of the other over
+# half of LeNet-5's 1.66M parameters, ms per step: one thread 5.26 unblocked,
+# 3.13 at 256 KiB, 3.16 at 512, 3.41 at 768, 3.81 at 1 MiB; two threads at once
+# (each its half) 5.30 unblocked, 5.46 at 256 KiB, 4.26 at 512, 4.20 at 768,
+# 4.36 at 1 MiB.  In bytes, so float64 (gradient checks) keeps the working set.
+HOST_BLOCK_BYTES = 512 * 1024
 
 
 def host_blocks(start: int, stop: int, itemsize: int):

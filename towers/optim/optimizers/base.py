@@ -22,7 +22,7 @@ declares, beside its update:
   kernel, ``towers.optim.kernels``) and ``_cpu_update`` (in-place NumPy passes
   over preallocated scratch: no allocation per step).  ``_cpu_update`` must be
   elementwise (no reduction over the buffer): ``step`` runs it, then the EMA,
-  block by block (``towers.devices.kernels.host_blocks``, 256 KiB per buffer),
+  block by block (``towers.devices.kernels.host_blocks``, 512 KiB per buffer),
   so the passes over a block hit L1/L2 instead of each streaming the whole
   buffer from memory (Adam + EMA: 15 passes over 13 MB buffers for LeNet-5);
   the bits are those of whole-buffer passes.
