@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy
 
+from towers.devices.kernels import host_blocks
 from towers.devices.placement import array_module
 from towers.optim.kernels import flat_kernel
 
@@ -64,7 +65,8 @@ class EMA:
         if isinstance(self.shadow, numpy.ndarray):
             if self._tmp is None:
                 self._tmp = numpy.empty_like(self.shadow)
-            self.apply(params, one_minus_d, self._tmp)
+            for b in host_blocks(0, self.shadow.size, self.shadow.itemsize):  # in cache: see Optimizer.step
+                self.apply(params[b], one_minus_d, self._tmp[b], b)
         else:
             flat_kernel(("p",), ("one_minus_d",), ("e",), self.GPU_BODY.format(p="p"), "towers_ema")(
                 params, one_minus_d, self.shadow)
