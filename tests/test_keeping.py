@@ -44,6 +44,11 @@ def test_a_custom_keeper_decides_how_replicas_stay_together(cpu_towers):
     steps, b = 4, SMALL["batch_size"]
     data = _batches(steps, 2 * b)
     with towers.Trainer(towers.Config(**SMALL, n_gpu=2, cpu_towers=cpu_towers)) as tr:
+        # Grads mode's CPU towers share one parameter buffer: a keeper that updates them apart is refused.
+        with pytest.raises(ValueError, match="share one parameter buffer"):
+            tr.engine.keeper = Alone(tr.reducer, tr.timer)
+    # Weights mode builds them apart; its keeper is then replaced.
+    with towers.Trainer(towers.Config(**SMALL, n_gpu=2, cpu_towers=cpu_towers, sync="weights")) as tr:
         tr.engine.keeper = Alone(tr.reducer, tr.timer)
         for x, y in data:
             tr.train_step(x, y)

@@ -97,7 +97,13 @@ class LocalExecutor(Executor):
     def _build(self, reducer) -> None:
         cfg, devices = self.cfg, self.placement.towers
         self.timer = PhaseTimer(cfg.profile, len(devices))
-        self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self.share.first_tower)
+        weights_mode = cfg.sync == "weights"
+        keeping = PeriodicAveraging if weights_mode else GradientAveraging
+        # CPU towers share one parameter buffer when every replica applies the same
+        # update (``build_towers``); a reducer handed in (NCCL ranks, a stand-in for
+        # them) reduces every tower's own buffers, so its towers keep their own.
+        self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self.share.first_tower,
+                                   share=keeping.same_updates and reducer is None)
         streams = [t.stream for t in self.towers]
         self.timer.syncs = [s.synchronize if s is not None else None for s in streams]
         # GPU towers: a training set that fits stays on the devices (steps then
@@ -116,11 +122,11 @@ class LocalExecutor(Executor):
             self.ema = EMA(self.towers[0].replica.params, cfg.ema_decay)
         # In grads mode the EMA is fused into the first tower's update; in
         # weights mode it follows the averaged weights (towers.parallel.sync).
-        weights_mode = cfg.sync == "weights"
         for t in self.towers:
             with t.device.scope():
                 fused = self.ema if t.index == 0 and not weights_mode else None
-                t.optimizer = make_optimizer(cfg, t.replica.params, fused)
+                # A tower that shares another's buffer is updated by that tower's optimizer.
+                t.optimizer = None if t.shares_params else make_optimizer(cfg, t.replica.params, fused)
         # Devices were validated by placement.resolve before any communicator.
         if reducer is None:
             reducer = make_reducer(self.placement, streams)
@@ -138,7 +144,7 @@ class LocalExecutor(Executor):
             self._blas = set_blas_threads(self.blas_threads)
         self.schedule = make_schedule(cfg, len(self.dataset.x), self.examples_per_step)
         keeper = (PeriodicAveraging(reducer, self.timer, self.ema, cfg.average_every) if weights_mode
-                  else GradientAveraging(reducer, self.timer))
+                  else keeping(reducer, self.timer))
         self.engine = StepEngine(self.towers, keeper, self.schedule, l2=cfg.l2, timer=self.timer, threads=threads,
                                  device_data=self.device_data, sync_bn=cfg.sync_bn)
         self.model_state = ModelState(self.towers, self.model)
@@ -180,7 +186,7 @@ class LocalExecutor(Executor):
 
     @property
     def optimizers(self) -> list:
-        return [t.optimizer for t in self.towers]
+        return [t.optimizer for t in self.towers if t.optimizer is not None]
 
     def towers_text(self) -> str:
         return ", ".join(map(str, self.towers))
@@ -298,8 +304,9 @@ class LocalExecutor(Executor):
         set_model()
         self.ema.set_state(ema)
         for t in self.towers:
-            with t.device.scope():
-                t.optimizer.set_state(slots)
+            if t.optimizer is not None:
+                with t.device.scope():
+                    t.optimizer.set_state(slots)
         set_counters()
         self._start_input(self.step, position)
 

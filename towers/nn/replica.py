@@ -34,13 +34,21 @@ class Replica:
     same for the buffers, set to the model's initial values.  All arrays live
     on ``xp`` (NumPy or CuPy; for CuPy the caller makes the right device
     current).  ``label_smoothing`` applies to the training loss only.
+    ``params``, when given, is the parameter buffer to use (another
+    replica's: the two then share their weights); gradients and buffers are
+    always the replica's own.
     """
 
-    def __init__(self, model: Sequential, xp, dtype=numpy.float32, label_smoothing: float = 0.0):
+    def __init__(self, model: Sequential, xp, dtype=numpy.float32, label_smoothing: float = 0.0, params=None):
         self.model, self.xp, self.dtype = model, xp, numpy.dtype(dtype)
         self.label_smoothing = float(label_smoothing)
         self.context = StepContext()
-        self.params = xp.zeros(model.size, dtype=self.dtype)
+        if params is not None and (params.shape != (model.size,) or params.dtype != self.dtype
+                                   or not params.flags.c_contiguous):
+            raise ValueError(f"a shared parameter buffer must be a contiguous ({model.size},) {self.dtype} array, "
+                             f"got {params.shape} {params.dtype}")
+        # ``params``: another replica's buffer, shared (CPU towers in grads mode, towers.step.tower).
+        self.params = params if params is not None else xp.zeros(model.size, dtype=self.dtype)
         self.grads = xp.zeros(model.size, dtype=self.dtype)
         self.buffers = xp.asarray(model.init_buffers(), dtype=self.dtype)
         self.param, self.grad, self.buffer = {}, {}, {}

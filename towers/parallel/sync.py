@@ -82,6 +82,9 @@ class Keeping:
 
     #: whether a tower's update needs every tower's gradients (a barrier after compute)
     shared = True
+    #: whether every replica applies the same update to the same weights at every step, so that CPU
+    #: towers may share one parameter buffer, updated once (``towers.step.tower.build_towers``)
+    same_updates = False
 
     def __init__(self, reducer, timer):
         self.reducer, self.timer = Counted(reducer), timer
@@ -130,6 +133,8 @@ class Keeping:
 
 class GradientAveraging(Keeping):
     """Grads mode: reduce the gradients, then every replica applies the same update."""
+
+    same_updates = True
 
     def update(self, towers, part, lr, step, on) -> None:
         self.reduce(towers, part, on)

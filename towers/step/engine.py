@@ -69,7 +69,8 @@ class StepEngine:
 
     def __init__(self, towers: list, keeper, schedule, *, l2: float, timer, threads: bool = False,
                  device_data=None, sync_bn: bool = False):
-        self.towers, self.keeper, self.schedule = towers, keeper, schedule
+        self.towers, self.schedule = towers, schedule
+        self.keeper = keeper
         self.l2, self.timer, self.device_data = l2, timer, device_data
         self.step = 0
         self._pool = None
@@ -87,6 +88,18 @@ class StepEngine:
             for t in towers:
                 t.replica.context.sync = mean.for_tower(t.index)
         self._losses = [None] * n
+
+    @property
+    def keeper(self):
+        return self._keeper
+
+    @keeper.setter
+    def keeper(self, keeper) -> None:
+        """The keeper; refused when the towers share a parameter buffer and it updates replicas apart."""
+        if not keeper.same_updates and any(t.shares_params for t in self.towers):
+            raise ValueError(f"{type(keeper).__name__} does not apply the same update to every replica, but these "
+                             "CPU towers share one parameter buffer: build them with share=False")
+        self._keeper = keeper
 
     @property
     def threaded(self) -> bool:

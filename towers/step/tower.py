@@ -33,11 +33,13 @@ class Tower:
     """One tower: device, stream, replica, stager, optimizer (set by the trainer), timer."""
 
     def __init__(self, index: int, device, stream, replica: Replica, stager: Stager, timer, accumulate: int = 1,
-                 global_index: int | None = None):
+                 global_index: int | None = None, shares_params: bool = False):
         self.index, self.device, self.stream = index, device, stream
         self.replica, self.stager, self.timer = replica, stager, timer
         self.accumulate = accumulate  # micro-batches per step
         self.optimizer = None
+        # Its replica's parameters are an earlier tower's buffer (``build_towers``): that tower's update is its own.
+        self.shares_params = shares_params
         self.global_index = index if global_index is None else global_index  # among every host's towers
 
     @property
@@ -78,7 +80,12 @@ class Tower:
             yield batch
 
     def update(self, grads, lr: float, step: int, part: slice | None = None, timer=None) -> None:
-        """Stage 4: this replica's optimizer step (``part``: a slice of the flat buffers, CPU only)."""
+        """Stage 4: this replica's optimizer step (``part``: a slice of the flat buffers, CPU only).
+
+        Nothing for a tower that ``shares_params``: the owner's step updated the buffer they share.
+        """
+        if self.shares_params:
+            return
         with self.scope(), (timer or self.timer)("update+EMA"):
             self.optimizer.step(grads, lr, step, part)
 
@@ -86,16 +93,23 @@ class Tower:
         return str(self.device)
 
 
-def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0) -> list[Tower]:
+def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, share: bool = False) -> list[Tower]:
     """One tower per placed device, replicas identical (one seeded draw), streams per GPU.
 
     ``first_tower``: the global index of this host's first tower (dropout masks
-    are drawn per global tower).
+    are drawn per global tower).  ``share``: the keeper applies the same update
+    to every replica (``Keeping.same_updates``), so CPU towers share the first
+    CPU tower's parameter buffer and only that tower's optimizer steps.
     """
     batch_size, seed = cfg.batch_size, cfg.seed
     init = model.init_params(seed)
     streams: dict[int, object] = {}
     fused = fused_cpu.load(cfg.cpu_kernels) if any(not d.is_gpu for d in placement.towers) else None
+    # ``share`` (a keeper whose replicas apply the same update to the same
+    # weights: grads mode): CPU towers (one process's memory) share the first
+    # CPU tower's parameter buffer, and its optimizer step is the only one: the
+    # update, the EMA and their memory traffic once, not once per tower.
+    cpu_params = None
     towers = []
     for i, dev in enumerate(placement.towers):
         with dev.scope():
@@ -108,13 +122,16 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0) ->
             if dev.is_gpu:
                 stream = streams.get(dev.index) or dev.xp.cuda.Stream(non_blocking=True)
                 streams[dev.index] = stream
-            replica = Replica(model, dev.xp, label_smoothing=cfg.label_smoothing)
+            shares = share and not dev.is_gpu and cpu_params is not None
+            replica = Replica(model, dev.xp, label_smoothing=cfg.label_smoothing, params=cpu_params if shares else None)
+            if share and not dev.is_gpu and cpu_params is None:
+                cpu_params = replica.params
             replica.set_params(init)
             replica.context.tower, replica.context.seed = first_tower + i, seed
             replica.context.fused = None if dev.is_gpu else fused
         stager = Stager(dev, stream, batch_size, dataset.example_shape, dataset.x.dtype)
         towers.append(Tower(i, dev, stream, replica, stager, timer.for_tower(i), cfg.accumulate,
-                            first_tower + i))
+                            first_tower + i, shares_params=shares))
     return towers
 
 
