@@ -136,3 +136,26 @@ def test_without_numba_auto_is_numpy_and_numba_is_refused(monkeypatch):
     assert fused_cpu.load("auto") is None
     with pytest.raises(UserError, match="numba is not installed"):
         fused_cpu.load("numba")
+
+
+def test_warm_up_loads_every_kernel_for_float32():
+    fused_cpu.warm_up(fused_cpu.load("numba"))
+    kernels = vars(fused_cpu._COMPILED[0])
+    assert len(kernels) >= 8
+    for name, dispatcher in kernels.items():
+        assert any("float32" in str(sig) for sig in dispatcher.signatures), f"{name} is not warmed up"
+
+
+def test_a_model_without_fused_layers_does_not_import_numba(tmp_path):
+    """The default MLP has no batch norm, pooling or residual block: its run never pays numba's import."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import sys\nfrom towers.train import main\n"
+            "rc = main(['--devices', 'cpu', '--n-gpu', '2', '--steps', '3', '--quiet', '--logdir', sys.argv[1]])\n"
+            "assert 'numba' not in sys.modules, 'numba imported'\nsys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr

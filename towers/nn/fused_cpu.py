@@ -75,6 +75,24 @@ def load(mode: str = "auto"):
     return _Kernels()
 
 
+def warm_up(kernels) -> None:
+    """Call every kernel once on tiny float32 arrays: numba's import and each kernel's machine code (from the
+    disk cache, or compiled: about a second a kernel, once per machine) happen here, not in a timed step."""
+    import numpy
+
+    f = numpy.float32
+    x, y, v = numpy.zeros((1, 2, 2, 2), f), numpy.zeros((1, 1, 1, 2), f), numpy.zeros(2, f)
+    x2, flat = x.reshape(-1, 2), x.reshape(-1)
+    kernels.bn_moments(x2)
+    kernels.center_scale(x2, v, v, v, x2.copy(), x2.copy())
+    kernels.bn_backward_sums(x2, x2)
+    kernels.bn_backward_dx(x2, x2, v, v, v, x2.copy())
+    kernels.maxpool(x, 2, y)
+    kernels.maxpool_backward(x, y, y, 2, x.copy())
+    kernels.add_relu(flat, flat, flat.copy())
+    kernels.relu_backward(flat, flat.copy())
+
+
 def installed() -> bool:
     """Whether numba can be imported (without importing it)."""
     if "numba" in sys.modules:

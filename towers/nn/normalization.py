@@ -94,6 +94,7 @@ class BatchNorm(Layer):
     """
 
     keeps_dy = True  # backward reads dy only
+    fused_cpu = True
 
     def __init__(self, scope: str, momentum: float = 0.99, epsilon: float = 1e-3,
                  scale: bool = True, center: bool = True):

@@ -62,6 +62,8 @@ class PadShortcut(Layer):
 class Residual(Layer):
     """``relu(body(x) + shortcut(x))`` (see the module doc); ``scope`` prefixes its layers' names."""
 
+    fused_cpu = True  # the add and the ReLU, and the body's batch norms
+
     def __init__(self, body, shortcut=None, scope: str | None = None):
         body = list(body) if isinstance(body, (list, tuple)) else [body]
         if not body or not all(isinstance(l, Layer) for l in body):

@@ -104,7 +104,11 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
     batch_size, seed = cfg.batch_size, cfg.seed
     init = model.init_params(seed)
     streams: dict[int, object] = {}
-    fused = fused_cpu.load(cfg.cpu_kernels) if any(not d.is_gpu for d in placement.towers) else None
+    fused = None
+    if any(not d.is_gpu for d in placement.towers) and any(layer.fused_cpu for layer in model.layers):
+        fused = fused_cpu.load(cfg.cpu_kernels)
+        if fused is not None:
+            fused_cpu.warm_up(fused)  # numba's import and its cached kernels now, not inside the first step
     # ``share`` (a keeper whose replicas apply the same update to the same
     # weights: grads mode): CPU towers (one process's memory) share the first
     # CPU tower's parameter buffer, and its optimizer step is the only one: the
