@@ -7,6 +7,8 @@ where numba is not installed; ``cpu_kernels`` numpy and auto then run NumPy.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy
 import pytest
 
@@ -131,10 +133,31 @@ def test_the_setting_picks_the_kernels_of_a_training_run():
            "the weights", rtol=1e-4)
 
 
-def test_without_numba_auto_is_numpy_and_numba_is_refused(monkeypatch):
-    monkeypatch.setitem(__import__("sys").modules, "numba", None)  # hidden, as an uninstalled package is
+def test_without_numba_auto_is_numpy_and_numba_is_refused(monkeypatch, notices):
+    monkeypatch.setattr(fused_cpu, "_COMPILED", [])  # this process loaded them already
+    monkeypatch.setitem(sys.modules, "numba", None)  # hidden, as an uninstalled package is
     assert fused_cpu.load("auto") is None
+    assert not notices  # not installed is a choice: nothing to say
     with pytest.raises(UserError, match="numba is not installed"):
+        fused_cpu.load("numba")
+
+
+class _BrokenNumba:
+    """A meta-path finder for which numba is installed but fails to import, as a release too old for NumPy does."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numba":
+            raise ImportError("Numba needs NumPy 2.3 or less")
+        return None
+
+
+def test_a_numba_that_fails_to_import_is_named(monkeypatch, notices):
+    monkeypatch.setattr(fused_cpu, "_COMPILED", [])
+    monkeypatch.delitem(sys.modules, "numba", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenNumba()] + sys.meta_path)
+    assert fused_cpu.load("auto") is None
+    assert any("numba does not import (Numba needs NumPy 2.3 or less)" in m for m in notices)
+    with pytest.raises(UserError, match="numba does not import .*pip install -U numba"):
         fused_cpu.load("numba")
 
 

@@ -39,45 +39,64 @@ arrays of one float dtype; the per-tower statistics only (``sync_bn`` keeps the
 NumPy path, whose moments it gathers across towers).
 
 ``load(mode)`` is the one entry point (the ``cpu_kernels`` setting):
-``"auto"`` gives these kernels when numba is installed and None otherwise,
+``"auto"`` gives these kernels when numba imports and None otherwise,
 ``"numba"`` requires it, ``"numpy"`` gives None (layers then run their NumPy
-code).
+code).  ``towers.step.tower.build_towers`` loads them only for a model with a
+layer that uses them (``Layer.fused_cpu``), and warms them up there.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 import types
 
-from towers.errors import UserError
+from towers.errors import UserError, notice
 
 MODES = ("auto", "numba", "numpy")
-_COMPILED: list = []  # [the namespace of numba dispatchers], made on first use
+_COMPILED: list = []  # [the namespace of numba dispatchers, or the ImportError], made on the first load
 _LOCK = threading.Lock()
 
 
 def load(mode: str = "auto"):
     """The fused kernels for ``mode`` (module doc), or None for NumPy's array operations.
 
-    numba is imported on the kernels' first use, not here: a run whose model
-    has no batch norm never pays for it.
+    Imports numba (about 0.2 s): call it only for a model that has fused
+    layers (``Layer.fused_cpu``).  With ``auto``, a numba that is missing or
+    fails to import (a release that does not support this NumPy) leaves NumPy
+    in charge, with a notice when it is installed but broken; ``numba``
+    refuses to run without it.
     """
     if mode not in MODES:
         raise UserError(f"`cpu_kernels` {mode!r} is unknown: use one of {', '.join(MODES)}")
     if mode == "numpy":
         return None
-    if not installed():
+    with _LOCK:
+        if not _COMPILED:
+            try:
+                _COMPILED.append(_compile())
+            except ImportError as e:
+                _COMPILED.append(e)
+    kernels = _COMPILED[0]
+    if isinstance(kernels, ImportError):
+        missing = isinstance(kernels, ModuleNotFoundError) and kernels.name == "numba"
+        why = "numba is not installed" if missing else f"numba does not import ({kernels})"
         if mode == "numba":
-            raise UserError("`cpu_kernels` numba: numba is not installed; install it (pip install numba) "
-                            "or set `cpu_kernels` to auto or numpy")
+            raise UserError(f"`cpu_kernels` numba: {why}; install a numba that supports NumPy "
+                            f"{_numpy_version()} (pip install -U numba) or set `cpu_kernels` to auto or numpy")
+        if not missing:
+            notice(f"CPU kernels: {why}; NumPy runs batch norm, pooling and ReLU")
         return None
-    return _Kernels()
+    return kernels
+
+
+def _numpy_version() -> str:
+    import numpy
+
+    return numpy.__version__
 
 
 def warm_up(kernels) -> None:
-    """Call every kernel once on tiny float32 arrays: numba's import and each kernel's machine code (from the
-    disk cache, or compiled: about a second a kernel, once per machine) happen here, not in a timed step."""
+    """Call every kernel once on tiny float32 arrays, so that each kernel's machine code is loaded from the disk
+    cache (or compiled: about a second a kernel, once per machine) here, not in a timed step."""
     import numpy
 
     f = numpy.float32
@@ -91,24 +110,6 @@ def warm_up(kernels) -> None:
     kernels.maxpool_backward(x, y, y, 2, x.copy())
     kernels.add_relu(flat, flat, flat.copy())
     kernels.relu_backward(flat, flat.copy())
-
-
-def installed() -> bool:
-    """Whether numba can be imported (without importing it)."""
-    if "numba" in sys.modules:
-        return sys.modules["numba"] is not None  # None: hidden, as an uninstalled package is
-    return importlib.util.find_spec("numba") is not None
-
-
-class _Kernels:
-    """The kernels by name; the first lookup imports numba and makes the dispatchers (once per process)."""
-
-    def __getattr__(self, name):
-        if not _COMPILED:
-            with _LOCK:  # two tower threads may look up their first kernel at once
-                if not _COMPILED:
-                    _COMPILED.append(_compile())
-        return getattr(_COMPILED[0], name)
 
 
 def _compile():
