@@ -177,25 +177,19 @@ def _compile():
         """``y (n, ho, wo, c)``: the max of each k x k window of ``x (n, h, w, c)``, stride k, windows cut at the
         bottom and right edges (SAME).  A NaN wins its window, as in ``numpy.maximum``."""
         n, h, w, c = x.shape
-        ho, wo = y.shape[1], y.shape[2]
-        for b in range(n):
-            for i in range(ho):
-                for j in range(wo):
+        for b in range(n):  # x in memory order: each window's first tap comes first and sets its y
+            for r in range(h):
+                i, a = r // k, r % k
+                for q in range(w):
+                    j, first = q // k, a == 0 and q % k == 0
                     for ch in range(c):
-                        y[b, i, j, ch] = x[b, i * k, j * k, ch]
-                    for a in range(k):
-                        r = i * k + a
-                        if r >= h:
-                            break
-                        for e in range(k):
-                            q = j * k + e
-                            if q >= w or (a == 0 and e == 0):
-                                continue
-                            for ch in range(c):
-                                v = x[b, r, q, ch]
-                                m = y[b, i, j, ch]
-                                if v > m or (v != v and m == m):
-                                    y[b, i, j, ch] = v
+                        v = x[b, r, q, ch]
+                        if first:
+                            y[b, i, j, ch] = v
+                        else:
+                            m = y[b, i, j, ch]
+                            if v > m or (v != v and m == m):
+                                y[b, i, j, ch] = v
 
     @jit
     def maxpool_backward(x, y, dy, k, dx):  # pragma: no cover - compiled
