@@ -22,10 +22,12 @@ What is timed (samples/s, MNIST-shaped uint8 data, float32, SGD, L2 1e-4):
   network (same initialization scheme, batch norm momentum and epsilon, L2 on
   weights only, SGD momentum 0.9, EMA) at batch 128 on 2 threads.
 
-``--kernel-rows`` measures only issue 31's three rows (ResNet-20 2 x 32, LeNet-5
+``--kernel-rows`` measures only issue 31's rows (ResNet-20 2 x 32, LeNet-5
 2 x 50 with Adam, MLP 2 x 100; 2 CPU towers against PyTorch eager on 2
 threads), the median of alternating rounds, each printed with its target and
-the BLAS setup each Python found; ``--reference-python`` runs the PyTorch rows
+the BLAS setup each Python found, then its fourth row, the MLP from a JPEG
+TFRecord against npz (``tools/bench_input.py --jpeg-epochs``; not with
+``--no-jpeg-row``); ``--reference-python`` runs the PyTorch rows
 in another Python, ``--compare-root`` adds another towers checkout's rows to
 the same rounds (``kernel_rows``).
 
@@ -387,6 +389,11 @@ def kernel_rows(data: dict, a) -> int:
         print(f"| {title} | " + " | ".join(row) + " |")
     if a.json:
         Path(a.json).write_text(json.dumps({" / ".join(k): v for k, v in r.items()}, indent=1))
+    if not a.no_jpeg_row:
+        # The fourth row (JPEG TFRecord against npz) is the input benchmark's own measurement: run it, not a copy.
+        print(flush=True)
+        subprocess.run([sys.executable, "-m", "tools.bench_input", "--jpeg-epochs", "--rounds", str(a.repeats)],
+                       cwd=ROOT, check=True)
     return 0
 
 
@@ -418,6 +425,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-rows", action="store_true",
                     help="the kernel rows alone: ResNet-20, LeNet-5 and MLP, 2 CPU towers against PyTorch eager on "
                          "2 threads, median of --repeats alternating rounds, each with its target")
+    ap.add_argument("--no-jpeg-row", action="store_true",
+                    help="--kernel-rows without its fourth row (MLP from a JPEG TFRecord against npz, "
+                         "tools/bench_input.py --jpeg-epochs)")
     ap.add_argument("--reference-python", help="the Python that runs the PyTorch rows (a venv with torch); "
                                                "default: this one")
     ap.add_argument("--compare-root", help="another towers checkout (the code before a change) measured in the "
