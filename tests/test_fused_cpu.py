@@ -182,3 +182,37 @@ def test_a_model_without_fused_layers_does_not_import_numba(tmp_path):
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+def test_without_a_writable_cache_the_kernels_are_compiled_each_run(monkeypatch, notices):
+    """A read-only install and no home: numba has nowhere to cache (it raises when a kernel is defined)."""
+    import numba.core.caching
+
+    monkeypatch.setattr(fused_cpu, "_COMPILED", [])
+    monkeypatch.setattr(numba.core.caching.CacheImpl, "_locator_classes", [])  # no writable place found
+    kernels = fused_cpu.load("auto")
+    assert kernels is not None
+    assert any("numba cannot cache them" in m and "NUMBA_CACHE_DIR" in m for m in notices)
+    x = numpy.arange(8, dtype=numpy.float32).reshape(4, 2)
+    shift, off, var = kernels.bn_moments(x)
+    numpy.testing.assert_allclose(shift + off, x.mean(axis=0), rtol=1e-6)
+
+
+def test_a_resume_notes_a_change_of_the_kernels_that_ran(tmp_path, notices):
+    """The checkpoint records what ran batch norm (numba or numpy), not the setting: auto is either."""
+    import towers
+
+    def run(kernels, steps, resume):
+        model = [towers.Flatten(), towers.Dense("fc1", 24), towers.BatchNorm("bn"), towers.ReLU(),
+                 towers.Dense("fc2", 10)]
+        cfg = Config(devices="cpu", n_gpu=2, steps=steps, quiet=True, summary_every=0, log_every=1000,
+                     checkpoint_every=4, cpu_kernels=kernels, logdir=str(tmp_path), resume=resume)
+        with towers.Trainer(cfg, model=model) as t:
+            t.fit()
+
+    changed = "the CPU kernels changed since the checkpoint"
+    run("numba", 4, False)
+    run("auto", 8, True)  # numba again: nothing to say
+    assert not any(changed in m for m in notices)
+    run("numpy", 12, True)
+    assert any(f"{changed} (numba -> numpy" in m for m in notices)

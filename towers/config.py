@@ -243,8 +243,8 @@ class Config:
     cpu_kernels: str = setting(
         "auto", "CPU batch norm, max-pooling and ReLU through fused kernels compiled by numba (`numba`; `auto`: when "
         "numba imports) or NumPy's array operations (`numpy`); batch norm's agree to float32 rounding, the rest bit "
-        "for bit",
-        group="performance", check=Choice(("auto", "numba", "numpy")), resume=NOTE, type="str", metavar="MODE")
+        "for bit (models with batch norm, pooling or residual blocks; a resume notes a change of what ran)",
+        group="performance", check=Choice(("auto", "numba", "numpy")), resume=SILENT, type="str", metavar="MODE")
     tf32: bool = switch("GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 "
         "relative error (off: plain float32)", group="performance", resume=NOTE)
 

@@ -104,6 +104,8 @@ class LocalExecutor(Executor):
         # them) reduces every tower's own buffers, so its towers keep their own.
         self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self.share.first_tower,
                                    share=keeping.same_updates and reducer is None)
+        # What runs the CPU towers' batch norm (a checkpoint records it; a resume notes a change).
+        self.cpu_kernels = "numba" if any(t.replica.context.fused is not None for t in self.towers) else "numpy"
         streams = [t.stream for t in self.towers]
         self.timer.syncs = [s.synchronize if s is not None else None for s in streams]
         # GPU towers: a training set that fits stays on the devices (steps then
@@ -289,7 +291,7 @@ class LocalExecutor(Executor):
                  **self.towers[0].optimizer.state_dict(layout), **self.position.state_dict(self.step),
                  **self.engine.state_dict()}
         n = self.share.update_towers
-        state.update(checkpoint.metadata(self.cfg, self.dataset, n, n * self.tower_batch))
+        state.update(checkpoint.metadata(self.cfg, self.dataset, n, n * self.tower_batch, self.cpu_kernels))
         return state
 
     def load_state_dict(self, state: dict, where: str) -> None:

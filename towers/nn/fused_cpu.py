@@ -72,9 +72,13 @@ def load(mode: str = "auto"):
     with _LOCK:
         if not _COMPILED:
             try:
-                _COMPILED.append(_compile())
+                _COMPILED.append(_compile(cache=True))
             except ImportError as e:
                 _COMPILED.append(e)
+            except RuntimeError as e:  # numba found no writable place for its cache
+                notice(f"CPU kernels: numba cannot cache them ({e}); they are compiled at every start "
+                       "(about a second each): set NUMBA_CACHE_DIR to a writable folder")
+                _COMPILED.append(_compile(cache=False))
     kernels = _COMPILED[0]
     if isinstance(kernels, ImportError):
         missing = isinstance(kernels, ModuleNotFoundError) and kernels.name == "numba"
@@ -112,11 +116,16 @@ def warm_up(kernels) -> None:
     kernels.relu_backward(flat, flat.copy())
 
 
-def _compile():
-    """The kernels as numba dispatchers (each compiled per dtype on its first call)."""
+def _compile(cache: bool):
+    """The kernels as numba dispatchers (each compiled per dtype on its first call; ``cache``: on disk).
+
+    With ``cache``, numba looks for a writable folder for it when each kernel
+    is defined (beside this file, then the user's cache folder), and raises
+    ``RuntimeError`` when there is none (a read-only install, no home).
+    """
     import numba
     import numpy
-    jit = numba.njit(nogil=True, cache=True, error_model="numpy")
+    jit = numba.njit(nogil=True, cache=cache, error_model="numpy")
 
     @jit
     def bn_moments(x):  # pragma: no cover - compiled; tested through the layer
@@ -193,7 +202,7 @@ def _compile():
 
     @jit
     def maxpool_backward(x, y, dy, k, dx):  # pragma: no cover - compiled
-        """``dx``: each window's ``dy`` at its FIRST element equal to the window's max (row-major), 0 elsewhere.
+        """``dx``: each window's ``dy`` at its FIRST element equal to the window's max (row-major), ``dy * 0`` elsewhere.
 
         The windows tile the input (stride k), so every element of ``dx`` is
         written once: no zeroing pass.
@@ -201,6 +210,7 @@ def _compile():
         n, h, w, c = x.shape
         ho, wo = y.shape[1], y.shape[2]
         left = numpy.empty(c, numpy.bool_)  # per channel: the window's maximum is still unclaimed
+        one, zero = dy.dtype.type(1), dy.dtype.type(0)
         for b in range(n):
             for i in range(ho):
                 for j in range(wo):
@@ -215,7 +225,8 @@ def _compile():
                                 break
                             for ch in range(c):
                                 take = left[ch] and x[b, r, q, ch] == y[b, i, j, ch]
-                                dx[b, r, q, ch] = dy[b, i, j, ch] if take else 0
+                                # dy * 1 or dy * 0, as NumPy's masked multiply: -0.0 and NaN where it gives them
+                                dx[b, r, q, ch] = dy[b, i, j, ch] * (one if take else zero)
                                 left[ch] = left[ch] and not take
 
     @jit

@@ -151,13 +151,19 @@ def model_weights(model, arrays: dict, prefix: str, path: str, fix: str) -> dict
 
 # -- the metadata a checkpoint adds to the trainer's state dict ---------------------------
 
-META = ("format", "data/shape", "data/num_classes", "n_towers", "global_batch", "config", "data/classes")
+META = ("format", "data/shape", "data/num_classes", "n_towers", "global_batch", "config", "data/classes",
+        "cpu_kernels")
 
 
-def metadata(cfg, dataset, n_towers: int, global_batch: int) -> dict:
-    """The checkpoint format's own keys: what a resume checks the data and the run against."""
+def metadata(cfg, dataset, n_towers: int, global_batch: int, cpu_kernels: str = "numpy") -> dict:
+    """The checkpoint format's own keys: what a resume checks the data and the run against.
+
+    ``cpu_kernels``: what ran batch norm on the CPU towers, ``numba`` or
+    ``numpy`` (``towers.nn.fused_cpu``), which the ``cpu_kernels`` setting
+    alone does not say (``auto`` is either).
+    """
     return {
-        "format": numpy.int64(FORMAT),
+        "format": numpy.int64(FORMAT), "cpu_kernels": numpy.array(cpu_kernels),
         "data/shape": numpy.array(dataset.x.shape, dtype=numpy.int64),
         "data/num_classes": numpy.int64(dataset.num_classes),
         "n_towers": numpy.int64(n_towers), "global_batch": numpy.int64(global_batch),
@@ -306,6 +312,12 @@ def resume(trainer, logdir: str) -> Resume | None:
             raise UserError(f"{found.path} is at step {found.step}, past `steps` {cfg.steps} (the total, not more "
                             f"steps): set `steps` above {found.step} to train on, or evaluate it with towers.eval")
         trainer.load_state_dict(found.arrays, where=found.path)
+        # A checkpoint without the key was written before numba's kernels existed: NumPy's.
+        old, new = str(found.arrays.get("cpu_kernels", "numpy")), getattr(trainer, "cpu_kernels", None)
+        if new is not None and old != new:
+            found.notes.append(f"note: the CPU kernels changed since the checkpoint ({old} -> {new}, see "
+                               "`cpu_kernels`): batch norm's sums round differently, so the continuation differs "
+                               "from an uninterrupted run by float rounding")
         return found
     existing = list_checkpoints(logdir) if os.path.isdir(logdir) else []
     if existing:

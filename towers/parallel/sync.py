@@ -2,7 +2,9 @@
 
 ``--sync grads`` (default), as in the TF multi-GPU example and Ray's gradient
 averaging: one all-reduce of the gradient buffer per step; every replica then
-applies the same update, so replicas stay bit-identical.
+applies the same update, so replicas stay bit-identical.  CPU towers that
+reduce through the host's own mean share one parameter buffer instead, which
+one optimizer step updates (``same_updates``, ``towers.step.tower.build_towers``).
 
 ``--sync weights --average-every K``, as in Ray's weight averaging (local SGD):
 each tower updates with its own slice's gradient; every K steps the parameter
@@ -23,7 +25,7 @@ count, ``towers.parallel.reducers``):
   gradients, so on tower threads the engine puts its barrier between compute
   and update; then ``reduce`` averages the gradient buffers (whole, or slice
   ``part`` of every tower's by each thread) and ``apply`` runs every replica's
-  optimizer step on them;
+  optimizer step on them (one step for towers sharing a buffer: ``Tower.update``);
 * ``PeriodicAveraging(period)`` (weights mode, like PyTorch's
   ``PeriodicModelAverager``): not shared -- each tower updates alone, with no
   barrier; every ``period`` steps ``step_done`` joins the tower threads and

@@ -183,7 +183,8 @@ class StepEngine:
         return losses if want_loss else None
 
     def apply_gradients(self, grads) -> None:
-        """Stage 4 with given mean gradients (one host array): every replica's update, then the step ends."""
+        """Stage 4 with given mean gradients (one host array): every replica's update (one for towers sharing a
+        buffer), then the step ends."""
         self.synchronize()
         lr, step = self.schedule(self.step), self.step
         for t in self.towers:
