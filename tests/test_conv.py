@@ -40,13 +40,14 @@ def _check_grads(model, x, y, l2=1e-2, eps=1e-6, seed=0):
 
 @pytest.mark.parametrize("in_shape", [(7, 6), (6, 5, 2)])
 @pytest.mark.parametrize("padding", ["SAME", "VALID"])
-def test_conv_pool_gradients(in_shape, padding):
+@pytest.mark.parametrize("filters", [2, 5])  # c2: fewer or more filters than its 3 input channels (_dw_from_x)
+def test_conv_pool_gradients(in_shape, padding, filters):
     # Odd sizes exercise SAME padding of both the convolution and the pool;
     # two convolutions make the first one's input gradient path (col2im) count.
     rng = numpy.random.default_rng(1)
     model = Sequential([
         Conv2D("c1", 3, 3, padding=padding, regularize=True), ReLU(), MaxPool2D(2),
-        Conv2D("c2", 2, 3, padding="SAME"), ReLU(), Flatten(), Dense("fc", 3, bias=0.1),
+        Conv2D("c2", filters, 3, padding="SAME"), ReLU(), Flatten(), Dense("fc", 3, bias=0.1),
     ]).build(in_shape)
     x = rng.normal(size=(2,) + in_shape)
     y = numpy.array([0, 2])

@@ -268,17 +268,19 @@ def test_strided_convolution_matches_direct_sums(stride, padding):
     assert ho == expect_hw
 
 
+@pytest.mark.parametrize("filters", [4, 24])  # F < C and F > C: dW from dy's im2col, or from x's (_dw_from_x)
 @pytest.mark.parametrize("shape,stride", [((6, 5, 3), 1), ((40, 40, 16), 1), ((40, 40, 16), 2)])
-def test_chunked_convolution_equals_the_whole_batch_algorithm(shape, stride):
+def test_chunked_convolution_equals_the_whole_batch_algorithm(shape, stride, filters):
     # (40, 40, 16) at 3x3 makes chunks of a few images: the CPU's cache-sized path.
     rng = numpy.random.default_rng(4)
     x = rng.normal(size=(9,) + shape)
     out = []
     for how in ("chunked", "whole"):
-        conv = Conv2D("c", 4, 3, padding="same", stride=stride, algorithm=how)
+        conv = Conv2D("c", filters, 3, padding="same", stride=stride, algorithm=how)
         m = Sequential([conv]).build(shape)
         assert (len(conv._chunks(x)) > 1) == (how == "chunked" and shape[0] > 10)
-        dy = numpy.random.default_rng(5).normal(size=(9,) + conv.out_hw + (4,))
+        assert conv._dw_from_x == (how == "chunked" and stride == 1 and filters > shape[-1])
+        dy = numpy.random.default_rng(5).normal(size=(9,) + conv.out_hw + (filters,))
         r = Replica(m, numpy, dtype=numpy.float64)
         r.set_params(rng.normal(size=m.size) if not out else out[0][0])
         y = r.forward(x, training=True).copy()
