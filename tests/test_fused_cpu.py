@@ -104,7 +104,8 @@ def test_fused_batch_norm_gradient_matches_finite_differences():
 
 def test_cpu_kernels_setting():
     assert fused_cpu.load("numpy") is None
-    assert fused_cpu.load("auto") is not None and fused_cpu.load("numba").bn_moments is fused_cpu.load("auto").bn_moments
+    auto, numba_ = fused_cpu.load("auto"), fused_cpu.load("numba")
+    assert auto is not None and numba_.bn_moments is auto.bn_moments
     with pytest.raises(UserError, match="cpu_kernels"):
         fused_cpu.load("fast")
     with pytest.raises(UserError, match="cpu_kernels .fast. is unknown"):

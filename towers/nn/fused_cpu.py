@@ -19,7 +19,7 @@ value once per pass and keeps the per-channel sums in registers:
 
 Max-pooling (k x k windows, stride k): forward, one pass over the windows;
 backward, one pass that writes each window's ``dy`` at its first maximal
-element and 0 elsewhere, instead of NumPy's k*k compare-and-mask passes
+element and ``dy * 0`` elsewhere, instead of NumPy's k*k compare-and-mask passes
 (LeNet-5's two poolings: 6.1 to 2.3 ms of a tower's step).  Both are exact,
 so they give NumPy's bits.
 
@@ -202,7 +202,7 @@ def _compile(cache: bool):
 
     @jit
     def maxpool_backward(x, y, dy, k, dx):  # pragma: no cover - compiled
-        """``dx``: each window's ``dy`` at its FIRST element equal to the window's max (row-major), ``dy * 0`` elsewhere.
+        """``dx``: each window's ``dy`` at its FIRST element equal to its max (row-major), ``dy * 0`` elsewhere.
 
         The windows tile the input (stride k), so every element of ``dx`` is
         written once: no zeroing pass.
@@ -244,5 +244,6 @@ def _compile(cache: bool):
         for i in range(dy.size):
             dy[i] = dy[i] * (one if y[i] > 0 else zero)
 
-    return types.SimpleNamespace(add_relu=add_relu, relu_backward=relu_backward, maxpool=maxpool, maxpool_backward=maxpool_backward, bn_moments=bn_moments, center_scale=center_scale, bn_backward_sums=bn_backward_sums,
-                                 bn_backward_dx=bn_backward_dx)
+    return types.SimpleNamespace(bn_moments=bn_moments, center_scale=center_scale, bn_backward_sums=bn_backward_sums,
+                                 bn_backward_dx=bn_backward_dx, maxpool=maxpool, maxpool_backward=maxpool_backward,
+                                 add_relu=add_relu, relu_backward=relu_backward)
