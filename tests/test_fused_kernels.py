@@ -104,3 +104,22 @@ def test_fused_relu_kernels_give_numpys_bits():
         out[which] = (y.view(numpy.int32), d.view(numpy.int32))
     numpy.testing.assert_array_equal(out["numba"][0], out["numpy"][0])
     numpy.testing.assert_array_equal(out["numba"][1], out["numpy"][1])
+
+
+def test_fused_l2_gradient_gives_numpys_bits():
+    """``g += l2 * w``: the compiled pass rounds the product, then the sum, as NumPy's two passes do (no fused
+    multiply-add), NaN, inf, signed zeros and an overflowing product included."""
+    from towers.nn import fused_cpu
+
+    pytest.importorskip("numba", reason="numba is not installed: the fused CPU kernels are optional")
+    rng = numpy.random.default_rng(7)
+    w = rng.standard_normal(5000).astype(numpy.float32)
+    g = rng.standard_normal(5000).astype(numpy.float32)
+    w[:5], g[:5] = [1, -0.0, -1, 3e38, numpy.nan], [numpy.nan, -0.0, numpy.inf, 3e38, 1]
+    want, got = g.copy(), g.copy()
+    with numpy.errstate(all="ignore"):
+        kernels.add_scaled(want, w, 1e-4, numpy.empty_like(w))
+        kernels.add_scaled(got, w, 1e-4, None, fused_cpu.load("numba"))
+        kernels.add_scaled(g, w, 2.0, None, fused_cpu.load("numba"))  # 3e38 * 2 overflows to inf, as in NumPy
+    numpy.testing.assert_array_equal(got.view(numpy.int32), want.view(numpy.int32))
+    assert numpy.isinf(g[3])

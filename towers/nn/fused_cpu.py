@@ -25,7 +25,8 @@ so they give NumPy's bits.
 
 ReLU: a residual block's ``maximum(h + s, 0)`` in one pass instead of two,
 and the backward ``dy *= (y > 0)`` in one pass instead of a mask and a
-multiply; exact, NumPy's bits.
+multiply; L2's gradient ``g += l2 * w`` in one pass instead of two (LeNet-5:
+1.6 M regularized weights); exact, NumPy's bits.
 
 The kernels release the GIL (``nogil``), so two CPU tower threads run them at
 once.  Batch norm's results equal the NumPy path's up to float32 rounding
@@ -114,6 +115,7 @@ def warm_up(kernels) -> None:
     kernels.maxpool_backward(x, y, y, 2, x.copy())
     kernels.add_relu(flat, flat, flat.copy())
     kernels.relu_backward(flat, flat.copy())
+    kernels.add_scaled(flat.copy(), flat, f(0))
 
 
 def _compile(cache: bool):
@@ -244,6 +246,12 @@ def _compile(cache: bool):
         for i in range(dy.size):
             dy[i] = dy[i] * (one if y[i] > 0 else zero)
 
+    @jit
+    def add_scaled(g, w, s):  # pragma: no cover - compiled
+        """In place over flat arrays: ``g += s * w``, the product rounded first (L2's gradient)."""
+        for i in range(g.size):
+            g[i] += w[i] * s
+
     return types.SimpleNamespace(bn_moments=bn_moments, center_scale=center_scale, bn_backward_sums=bn_backward_sums,
                                  bn_backward_dx=bn_backward_dx, maxpool=maxpool, maxpool_backward=maxpool_backward,
-                                 add_relu=add_relu, relu_backward=relu_backward)
+                                 add_relu=add_relu, relu_backward=relu_backward, add_scaled=add_scaled)

@@ -250,12 +250,17 @@ def relu_backward(y, dy, mask=None, ws=None) -> None:
     launch_named("relu_backward", y.size, y, dy, _i(y.size))
 
 
-def add_scaled(g, w, s, tmp=None) -> None:
+def add_scaled(g, w, s, tmp=None, fused=None) -> None:
     """In place: ``g += s * w`` with ``s * w`` rounded first (the L2 gradient).
 
-    ``tmp`` is the NumPy path's scratch, shaped like ``w``.
+    ``tmp`` is the NumPy path's scratch, shaped like ``w``; ``fused``, the
+    step's fused CPU kernels (``cpu_kernels``): one compiled pass instead of
+    two, the same products and sums.
     """
     s = g.dtype.type(s)
+    if fused is not None and on_host(g) and g.flags.c_contiguous and w.flags.c_contiguous:
+        fused.add_scaled(g, w, s)
+        return
     if on_host(g) or g.size > INT_MAX:
         xp = array_module(g)
         tmp = tmp if tmp is not None else xp.empty_like(w)

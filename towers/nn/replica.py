@@ -145,7 +145,7 @@ class Replica:
                 # grads += l2 * w: one fused kernel on a GPU; on the CPU two
                 # in-place passes over a scratch buffer (no temporary per step).
                 tmp = self._loss_ws.array("l2", w.shape, w.dtype) if kernels.on_host(w) else None
-                kernels.add_scaled(self.grads[: self._nreg], w, l2, tmp)
+                kernels.add_scaled(self.grads[: self._nreg], w, l2, tmp, self.context.fused)
                 if want_loss:
                     loss = loss + self.dtype.type(l2 / 2) * self.xp.dot(w, w)
         return loss
