@@ -33,7 +33,7 @@ Two algorithms, ``algorithm=``:
   backward 19 ms -> 14 ms).  With more filters than input channels (F > C,
   LeNet-5's conv2) ``dW = cols(x)^T @ dy`` from x's im2col is faster instead
   (``_dw_from_x``: a k*k*C-wide im2col and a better-shaped GEMM), and dy's
-  im2col gives the input gradient alone.  At other strides, and for the first layer
+  im2col gives the input gradient alone (on the CPU, where it was measured).  At other strides, and for the first layer
   (no input gradient, and a narrow ``x``), ``dW = cols.T @ dy`` from
   ``x``'s im2col, and ``dcols = dy @ W.T`` and col2im.  On a GPU: one
   chunk, the whole batch.
@@ -186,9 +186,11 @@ class Conv2D(Layer):
             kernels.bias_grad(dy2, g["biases"], ws)
         gw = g["weights"].reshape(-1, f)
         if need_dx and self._dx_conv:
-            if self._dw_from_x:
+            # Measured on the CPU only: a GPU keeps its path (and its results).
+            from_x = self._dw_from_x and kernels.on_host(dy)
+            if from_x:
                 self._weight_grad(x, dy2, gw, ws)
-            return self._backward_as_conv(p["weights"], None if self._dw_from_x else gw, x, dy, ws)
+            return self._backward_as_conv(p["weights"], None if from_x else gw, x, dy, ws)
         chunks = self._weight_grad(x, dy2, gw, ws)
         if not need_dx:
             return None
