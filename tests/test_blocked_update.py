@@ -69,8 +69,15 @@ def _bits(a):
 @pytest.mark.parametrize("part", PARTS, ids=str)
 @pytest.mark.parametrize("with_ema", [False, True], ids=["no-ema", "ema"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_blocked_step_is_bit_identical_to_whole_slice_passes(variant, with_ema, part):
+@pytest.mark.parametrize("form", ["blocked", "fused"])
+def test_blocked_step_is_bit_identical_to_whole_slice_passes(variant, with_ema, part, form):
+    """``form`` fused: the optimizer's ``cpu_loop`` compiled by numba (``cpu_kernels``), one element at a time."""
     (blocked, old), rng = _pair(variant, with_ema)
+    if form == "fused":
+        pytest.importorskip("numba", reason="numba is not installed: the fused CPU kernels are optional")
+        from towers.nn import fused_cpu
+
+        blocked.fused = fused_cpu.load("numba")
     part = PARTS[part]
     for step in range(3):
         grads = (rng.standard_normal(N) * 0.1).astype(np.float32)

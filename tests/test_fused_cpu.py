@@ -164,8 +164,8 @@ def test_a_numba_that_fails_to_import_is_named(monkeypatch, notices):
 
 def test_warm_up_loads_every_kernel_for_float32():
     fused_cpu.warm_up(fused_cpu.load("numba"))
-    kernels = vars(fused_cpu._COMPILED[0])
-    assert len(kernels) >= 8
+    kernels = {k: v for k, v in vars(fused_cpu._COMPILED[0]).items() if k != "loop"}  # loop: the optimizers'
+    assert len(kernels) >= 9
     for name, dispatcher in kernels.items():
         assert any("float32" in str(sig) for sig in dispatcher.signatures), f"{name} is not warmed up"
 
@@ -217,3 +217,21 @@ def test_a_resume_notes_a_change_of_the_kernels_that_ran(tmp_path, notices):
     assert not any(changed in m for m in notices)
     run("numpy", 12, True)
     assert any(f"{changed} (numba -> numpy" in m for m in notices)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_lenet5_trains_to_numpys_bits_through_the_exact_kernels(optimizer):
+    """LeNet-5 has no batch norm: its max-pooling, ReLU, L2 and optimizer kernels are exact, so numba's run and
+    NumPy's end on the same bits (and numba's kernels ran: the run says which)."""
+    import towers
+
+    out = {}
+    for kernels in ("numba", "numpy"):
+        cfg = Config(devices="cpu", n_gpu=2, model="lenet5", optimizer=optimizer, batch_size=16, steps=4, quiet=True,
+                     summary_every=0, log_every=1000, checkpoint_every=0, cpu_kernels=kernels)
+        with towers.Trainer(cfg) as t:
+            t.fit()
+            assert t.cpu_kernels == kernels
+            assert all(o.fused is not None for o in t.optimizers) == (kernels == "numba")
+            out[kernels] = {k: v.tobytes() for k, v in {**t.get_weights(), **t.get_weights(ema=True)}.items()}
+    assert out["numba"] == out["numpy"]

@@ -129,6 +129,11 @@ class LocalExecutor(Executor):
                 fused = self.ema if t.index == 0 and not weights_mode else None
                 # A tower that shares another's buffer is updated by that tower's optimizer.
                 t.optimizer = None if t.shares_params else make_optimizer(cfg, t.replica.params, fused)
+            if t.optimizer is not None and not t.device.is_gpu:
+                # The run's fused CPU kernels (models with batch norm, pooling or residual blocks) update in one
+                # compiled pass; loaded now, not in the first step.
+                t.optimizer.fused = t.replica.context.fused
+                t.optimizer.warm_up()
         # Devices were validated by placement.resolve before any communicator.
         if reducer is None:
             reducer = make_reducer(self.placement, streams)

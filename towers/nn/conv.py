@@ -96,7 +96,7 @@ class Conv2D(Layer):
         self._dx_conv = self.algorithm == "chunked" and s == 1 and max(self.pad) <= k - 1
         # dW from x's im2col (k*k*C wide) rather than from dy's (k*k*F): one more im2col, and a GEMM
         # with the long side k*k*C, which BLAS runs faster when F > C (LeNet-5's conv2, 32 -> 64
-        # channels: backward 22.9 -> 20.4 ms at batch 50; with F == C, as in ResNet-20, dy's is faster).
+        # channels: backward 22.4 -> 20.5 ms at batch 50; with F == C, as in ResNet-20, dy's is faster).
         self._dw_from_x = self._dx_conv and self.filters > c
         init = (f"normal:{(2.0 / (k * k * c)) ** 0.5}" if self.stddev == "he"
                 else f"truncated_normal:{float(self.stddev)}")

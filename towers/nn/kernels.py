@@ -258,8 +258,9 @@ def add_scaled(g, w, s, tmp=None, fused=None) -> None:
     two, the same products and sums.
     """
     s = g.dtype.type(s)
-    if fused is not None and on_host(g) and g.flags.c_contiguous and w.flags.c_contiguous:
-        fused.add_scaled(g, w, s)
+    if (fused is not None and on_host(g) and g.shape == w.shape and g.dtype == w.dtype and g.flags.c_contiguous
+            and w.flags.c_contiguous):
+        fused.add_scaled(g.reshape(-1), w.reshape(-1), s)  # the compiled loop walks flat arrays
         return
     if on_host(g) or g.size > INT_MAX:
         xp = array_module(g)

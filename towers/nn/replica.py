@@ -142,9 +142,11 @@ class Replica:
         with timer("backward"):
             if self._nreg and l2:
                 w = self.params[: self._nreg]
-                # grads += l2 * w: one fused kernel on a GPU; on the CPU two
-                # in-place passes over a scratch buffer (no temporary per step).
-                tmp = self._loss_ws.array("l2", w.shape, w.dtype) if kernels.on_host(w) else None
+                # grads += l2 * w: one fused kernel on a GPU; on the CPU one compiled
+                # pass with the fused CPU kernels, else two in-place passes over a
+                # scratch buffer (no temporary per step).
+                tmp = (self._loss_ws.array("l2", w.shape, w.dtype)
+                       if kernels.on_host(w) and self.context.fused is None else None)
                 kernels.add_scaled(self.grads[: self._nreg], w, l2, tmp, self.context.fused)
                 if want_loss:
                     loss = loss + self.dtype.type(l2 / 2) * self.xp.dot(w, w)

@@ -62,6 +62,23 @@ class Adam(Optimizer):
         tmp *= lr_t
         p -= tmp
 
+    def _loop_args(self, part, scalars):
+        lr_t, b1, b2, eps = scalars
+        return (self.state["adam_m"][part], self.state["adam_v"][part], lr_t, b1, b2, b1.dtype.type(1) - b1,
+                b2.dtype.type(1) - b2, eps)
+
+    @staticmethod
+    def cpu_loop(p, g, e, omd, m, v, lr_t, b1, b2, c1, c2, eps):  # pragma: no cover - compiled by numba
+        """``_cpu_update`` (``c1``, ``c2``: 1 - b1, 1 - b2) and the EMA one element at a time: the same roundings."""
+        for i in range(p.size):
+            mi = m[i] * b1 + g[i] * c1
+            vi = v[i] * b2 + (g[i] * g[i]) * c2
+            m[i], v[i] = mi, vi
+            pn = p[i] - (mi / (numpy.sqrt(vi) + eps)) * lr_t
+            p[i] = pn
+            if e.size:
+                e[i] = e[i] - (e[i] - pn) * omd
+
 
 def moments(m, v, g, tmp, b1, b2) -> None:
     """Adam's moment updates in place (``tmp``: scratch): m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2."""

@@ -68,3 +68,23 @@ class AdamW(Optimizer):
         numpy.divide(m, tmp, out=tmp)
         tmp *= step_size
         p -= tmp
+
+    def _loop_args(self, part, scalars):
+        keep, step_size, inv_root_bc2, b1, b2, eps = scalars
+        one = b1.dtype.type(1)
+        return (self.state["adam_m"][part], self.state["adam_v"][part], keep, step_size, inv_root_bc2, b1, b2,
+                one - b1, one - b2, eps)
+
+    @staticmethod
+    def cpu_loop(p, g, e, omd, m, v, keep, step_size, inv_root_bc2, b1, b2, c1, c2, eps):  # pragma: no cover
+        """``_cpu_update`` (``c1``, ``c2``: 1 - b1, 1 - b2) and the EMA one element at a time: the same roundings
+        (compiled by numba)."""
+        for i in range(p.size):
+            pk = p[i] * keep
+            mi = m[i] * b1 + g[i] * c1
+            vi = v[i] * b2 + (g[i] * g[i]) * c2
+            m[i], v[i] = mi, vi
+            pn = pk - (mi / (numpy.sqrt(vi) * inv_root_bc2 + eps)) * step_size
+            p[i] = pn
+            if e.size:
+                e[i] = e[i] - (e[i] - pn) * omd

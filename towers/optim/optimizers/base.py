@@ -18,9 +18,13 @@ declares, beside its update:
   ``GENERIC``) a run gets with it when the model gives none;
 * ``all_slots`` and ``slot_init``: its state buffers' names, as checkpoints
   store them, and their initial values;
-* the update itself, twice: ``GPU_BODY`` (CUDA source of one fused elementwise
-  kernel, ``towers.optim.kernels``) and ``_cpu_update`` (in-place NumPy passes
-  over preallocated scratch: no allocation per step).  ``_cpu_update`` must be
+* the update itself, three times: ``GPU_BODY`` (CUDA source of one fused
+  elementwise kernel, ``towers.optim.kernels``), ``_cpu_update`` (in-place NumPy
+  passes over preallocated scratch: no allocation per step) and ``cpu_loop``
+  (the same arithmetic element by element, with the EMA, for numba: one pass
+  with the run's fused CPU kernels, ``towers.nn.fused_cpu``).  ``cpu_loop``
+  must round as ``_cpu_update`` does, operation by operation
+  (``tests/test_blocked_update.py`` compares their bits for every optimizer).  ``_cpu_update`` must be
   elementwise (no reduction over the buffer): ``step`` runs it, then the EMA,
   block by block (``towers.devices.kernels.host_blocks``, 512 KiB per buffer),
   so the passes over a block hit L1/L2 instead of each streaming the whole
@@ -55,6 +59,7 @@ class Optimizer:
     variant = ""  # distinguishes kernels of one class whose source differs
 
     def __init__(self, params, ema=None):
+        self.fused = None  # the fused CPU kernels (towers.nn.fused_cpu), set by the executor; None: NumPy passes
         self.params = params
         self.xp = array_module(params)
         self.dtype = params.dtype.type
@@ -120,6 +125,12 @@ class Optimizer:
         t = self.dtype
         one_minus_d = t(1.0 - ema_decay(self.ema.decay, step)) if self.ema is not None else t(0.0)
         scalars = [t(v) for v in self._scalars(lr, step)]
+        if self.xp is numpy and self.fused is not None:
+            # One compiled pass over the slice, element by element: the same roundings as the passes below.
+            part = slice(None) if part is None else part
+            e = self.ema.shadow[part] if self.ema is not None else self.params[:0]
+            self.fused.loop(self.cpu_loop)(self.params[part], grads, e, one_minus_d, *self._loop_args(part, scalars))
+            return
         if self.xp is numpy:
             # Block by block: the update then the EMA of one block while it is in cache.
             lo, hi, _ = (slice(None) if part is None else part).indices(self.params.size)
@@ -156,3 +167,27 @@ class Optimizer:
 
     def _cpu_update(self, p, g, tmp, scalars, state) -> None:
         raise NotImplementedError
+
+    # The update and the EMA over a slice, one element at a time, as ``_cpu_update``'s passes round them:
+    # ``cpu_loop(p, g, e, one_minus_d, *_loop_args(part, scalars))`` (``e`` empty without an EMA), compiled
+    # by numba (``towers.nn.fused_cpu.loop``) when the run has the fused CPU kernels.
+    @staticmethod
+    def cpu_loop(p, g, e, one_minus_d, *args):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _loop_args(self, part: slice, scalars: list) -> tuple:
+        raise NotImplementedError
+
+    def warm_up(self) -> None:
+        """Compile (or load from numba's cache) the fused loop on a one-element copy of every buffer: not in a step."""
+        if self.fused is None:
+            return
+        saved = (self.params, self.state, self.ema)
+        try:
+            self.params = self.params[:1].copy()
+            self.state = {k: v[:1].copy() for k, v in self.state.items()}
+            if self.ema is not None:
+                self.ema = type(self.ema)(self.params, self.ema.decay)
+            self.step(self.params.copy(), 0.0, 0)
+        finally:
+            self.params, self.state, self.ema = saved

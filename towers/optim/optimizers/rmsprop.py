@@ -81,3 +81,27 @@ class RMSProp(Optimizer):
         mom *= mu
         mom += tmp
         p -= mom
+
+    def _loop_args(self, part, scalars):
+        lr, rho, mu, eps = scalars
+        mg = self.state["rmsprop_mg"][part] if self.centered else self.params[part][:0]
+        return (self.state["rmsprop_ms"][part], self.state["rmsprop_mom"][part], mg, lr, rho, rho.dtype.type(1) - rho,
+                mu, eps, self.centered)
+
+    @staticmethod
+    def cpu_loop(p, g, e, omd, ms, mom, mg, lr, rho, c, mu, eps, centered):  # pragma: no cover - compiled by numba
+        """``_cpu_update`` (``c``: 1 - rho) and the EMA one element at a time: the same roundings."""
+        for i in range(p.size):
+            msi = ms[i] * rho + (g[i] * g[i]) * c
+            ms[i] = msi
+            d = msi
+            if centered:
+                mgi = mg[i] * rho + g[i] * c
+                mg[i] = mgi
+                d = msi - mgi * mgi
+            mi = mom[i] * mu + (g[i] / numpy.sqrt(d + eps)) * lr
+            mom[i] = mi
+            pn = p[i] - mi
+            p[i] = pn
+            if e.size:
+                e[i] = e[i] - (e[i] - pn) * omd

@@ -74,3 +74,21 @@ class SGD(Optimizer):
                 step = tmp
         numpy.multiply(step, lr, out=tmp)
         p -= tmp
+
+    def _loop_args(self, part, scalars):
+        lr, mu = scalars
+        v = self.state["momentum"][part] if "momentum" in self.state else self.params[part][:0]
+        return (v, lr, mu, bool(self.momentum), self.nesterov)
+
+    @staticmethod
+    def cpu_loop(p, g, e, omd, v, lr, mu, momentum, nesterov):  # pragma: no cover - compiled by numba
+        """``_cpu_update`` and the EMA one element at a time (``Optimizer.step``): the same roundings."""
+        for i in range(p.size):
+            step = g[i]
+            if momentum:
+                v[i] = v[i] * mu + g[i]
+                step = v[i] * mu + g[i] if nesterov else v[i]
+            pn = p[i] - step * lr
+            p[i] = pn
+            if e.size:
+                e[i] = e[i] - (e[i] - pn) * omd
