@@ -141,7 +141,8 @@ class Trainer:
 
     @property
     def global_batch(self) -> int:
-        return self.cfg.batch_size * self.cfg.accumulate * self.n_towers
+        """Examples of one step over every tower (the executor's ``examples_per_step``: one formula)."""
+        return self.executor.examples_per_step
 
     @property
     def examples_per_step(self) -> int:
