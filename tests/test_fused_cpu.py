@@ -114,11 +114,13 @@ def test_cpu_kernels_setting():
 
 def _bn_run(cpu_kernels, **kw):
     """Ten steps of a small batch-norm model on the embedded data, 2 CPU towers; the final weights."""
+    import tempfile
+
     import towers
 
     model = [towers.Flatten(), towers.Dense("fc1", 24), towers.BatchNorm("bn"), towers.ReLU(), towers.Dense("fc2", 10)]
     cfg = Config(devices="cpu", n_gpu=2, steps=10, quiet=True, summary_every=0, log_every=1000, checkpoint_every=0,
-                 cpu_kernels=cpu_kernels, **kw)
+                 cpu_kernels=cpu_kernels, logdir=tempfile.mkdtemp(prefix="towers-bn-"), **kw)
     with towers.Trainer(cfg, model=model) as t:
         t.fit()
         return t.get_weights()
@@ -170,19 +172,22 @@ def test_warm_up_loads_every_kernel_for_float32():
         assert any("float32" in str(sig) for sig in dispatcher.signatures), f"{name} is not warmed up"
 
 
-def test_a_model_without_fused_layers_does_not_import_numba(tmp_path):
-    """The default MLP has no batch norm, pooling or residual block: its run never pays numba's import."""
-    import subprocess
-    import sys
+@pytest.mark.parametrize("size, scale", [(1, 0.5), (1027, 0.5), (1027, 1 / 3), (64, 1.0)])
+def test_the_fused_mean_of_two_towers_has_numpys_bits(size, scale):
+    """``(a + b) * scale`` into both in one pass: NumPy's add, scale and copy, bit for bit (specials included)."""
+    from towers.devices import kernels
 
-    from conftest import REPO
-
-    code = ("import sys\nfrom towers.train import main\n"
-            "rc = main(['--devices', 'cpu', '--n-gpu', '2', '--steps', '3', '--quiet', '--logdir', sys.argv[1]])\n"
-            "assert 'numba' not in sys.modules, 'numba imported'\nsys.exit(rc)")
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr
+    rng = numpy.random.default_rng(size)
+    a = (rng.standard_normal(size) * 10.0 ** rng.integers(-40, 38, size)).astype(numpy.float32)
+    b = (rng.standard_normal(size) * 10.0 ** rng.integers(-40, 38, size)).astype(numpy.float32)
+    specials = numpy.array([numpy.inf, -numpy.inf, numpy.nan, -0.0, 1e-45, 3e38], numpy.float32)
+    a[: min(size, 6)], b[-min(size, 6):] = specials[: min(size, 6)], specials[::-1][: min(size, 6)]
+    ref_a, ref_b, got_a, got_b = a.copy(), b.copy(), a.copy(), b.copy()
+    with numpy.errstate(all="ignore"):
+        kernels.mean2(ref_a, ref_b, scale)
+    kernels.mean2(got_a, got_b, scale, fused_cpu.load("numba"))
+    assert got_a.tobytes() == ref_a.tobytes() and got_b.tobytes() == ref_a.tobytes()
+    assert not numpy.array_equal(got_b, b, equal_nan=True), "nothing was averaged"
 
 
 def test_without_a_writable_cache_the_kernels_are_compiled_each_run(monkeypatch, notices):
@@ -219,19 +224,41 @@ def test_a_resume_notes_a_change_of_the_kernels_that_ran(tmp_path, notices):
     assert any(f"{changed} (numba -> numpy" in m for m in notices)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-def test_lenet5_trains_to_numpys_bits_through_the_exact_kernels(optimizer):
-    """LeNet-5 has no batch norm: its max-pooling, ReLU, L2 and optimizer kernels are exact, so numba's run and
+@pytest.mark.parametrize("model, optimizer", [("lenet5", "adam"), ("lenet5", "sgd"), ("mlp", "sgd"),
+                                              ("mlp", "rmsprop")])
+def test_models_without_batch_norm_train_to_numpys_bits_through_the_exact_kernels(model, optimizer, tmp_path):
+    """No batch norm: the max-pooling, ReLU, L2, all-reduce and optimizer kernels are exact, so numba's run and
     NumPy's end on the same bits (and numba's kernels ran: the run says which)."""
     import towers
 
     out = {}
     for kernels in ("numba", "numpy"):
-        cfg = Config(devices="cpu", n_gpu=2, model="lenet5", optimizer=optimizer, batch_size=16, steps=4, quiet=True,
-                     summary_every=0, log_every=1000, checkpoint_every=0, cpu_kernels=kernels)
+        cfg = Config(devices="cpu", n_gpu=2, model=model, optimizer=optimizer, batch_size=16, steps=4, quiet=True,
+                     summary_every=0, log_every=1000, checkpoint_every=0, cpu_kernels=kernels,
+                     logdir=str(tmp_path / kernels))
         with towers.Trainer(cfg) as t:
             t.fit()
             assert t.cpu_kernels == kernels
             assert all(o.fused is not None for o in t.optimizers) == (kernels == "numba")
+            assert (t.reducer.fused is not None) == (kernels == "numba")  # the mean of the two towers
             out[kernels] = {k: v.tobytes() for k, v in {**t.get_weights(), **t.get_weights(ema=True)}.items()}
     assert out["numba"] == out["numpy"]
+
+
+def test_a_model_without_batch_norm_resumes_across_kernels_to_the_same_bits(tmp_path, notices):
+    """Only batch norm rounds otherwise through numba: an MLP written with numba's kernels and resumed with NumPy's
+    says nothing and ends on the uninterrupted run's bits."""
+    import towers
+
+    def run(kernels, steps, logdir, resume=False):
+        cfg = Config(devices="cpu", n_gpu=2, steps=steps, quiet=True, summary_every=0, log_every=1000,
+                     checkpoint_every=4, cpu_kernels=kernels, logdir=str(logdir), resume=resume)
+        with towers.Trainer(cfg) as t:
+            t.fit()
+            assert t.cpu_kernels == kernels
+            return {k: v.tobytes() for k, v in {**t.get_weights(), **t.get_weights(ema=True)}.items()}
+
+    run("numba", 4, tmp_path / "split")
+    resumed = run("numpy", 8, tmp_path / "split", resume=True)
+    assert not any("the CPU kernels changed" in m for m in notices)
+    assert resumed == run("numpy", 8, tmp_path / "whole")

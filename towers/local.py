@@ -104,7 +104,7 @@ class LocalExecutor(Executor):
         # them) reduces every tower's own buffers, so its towers keep their own.
         self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self.share.first_tower,
                                    share=keeping.same_updates and reducer is None)
-        # What runs the CPU towers' batch norm (a checkpoint records it; a resume notes a change).
+        # What runs the CPU towers' fused kernels (a checkpoint records it; a resume notes a change).
         self.cpu_kernels = "numba" if any(t.replica.context.fused is not None for t in self.towers) else "numpy"
         streams = [t.stream for t in self.towers]
         self.timer.syncs = [s.synchronize if s is not None else None for s in streams]
@@ -130,13 +130,12 @@ class LocalExecutor(Executor):
                 # A tower that shares another's buffer is updated by that tower's optimizer.
                 t.optimizer = None if t.shares_params else make_optimizer(cfg, t.replica.params, fused)
             if t.optimizer is not None and not t.device.is_gpu:
-                # The run's fused CPU kernels (models with batch norm, pooling or residual blocks) update in one
-                # compiled pass; loaded now, not in the first step.
+                # The run's fused CPU kernels update in one compiled pass; loaded now, not in the first step.
                 t.optimizer.fused = t.replica.context.fused
                 t.optimizer.warm_up()
         # Devices were validated by placement.resolve before any communicator.
         if reducer is None:
-            reducer = make_reducer(self.placement, streams)
+            reducer = make_reducer(self.placement, streams, fused=self.towers[0].replica.context.fused)
         elif not isinstance(reducer, Reducer):
             reducer = reducer(self.placement, streams)
         self.reducer = reducer

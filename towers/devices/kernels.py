@@ -206,9 +206,17 @@ def check_contiguous(*arrays) -> None:
 # -- the reducers' mean of two towers on one device ---------------------------------------
 
 
-def mean2(a, b, scale) -> None:
-    """In place: ``a`` and ``b`` both become ``(a + b) * scale`` (two towers sharing a device)."""
+def mean2(a, b, scale, fused=None) -> None:
+    """In place: ``a`` and ``b`` both become ``(a + b) * scale`` (two towers sharing a device).
+
+    On the host: NumPy's add, scale and copy (three passes), or with
+    ``fused``, the run's fused CPU kernels (``towers.nn.fused_cpu``), one
+    compiled pass over 1-D contiguous arrays with the same roundings.
+    """
     scale = a.dtype.type(scale)
+    if fused is not None and on_host(a) and a.ndim == b.ndim == 1 and a.flags.c_contiguous and b.flags.c_contiguous:
+        fused.mean2(a, b, scale)
+        return
     if on_host(a) or a.size > INT_MAX or a.dtype != numpy.float32:
         a += b
         a *= scale

@@ -125,15 +125,15 @@ class Layer:
 
     ``keeps_dy``: True where ``backward`` only reads ``dy`` (never writes into
     it), so a container may hand the same ``dy`` to another layer afterwards
-    (``Residual``: body and shortcut) instead of a copy.  ``fused_cpu``: True
-    where the layer has kernels in ``towers.nn.fused_cpu`` worth loading numba
-    for (about 0.5 s at start-up): CPU towers get them only for a model with
-    such a layer.
+    (``Residual``: body and shortcut) instead of a copy.  ``fused_rounding``:
+    True where the layer's fused CPU kernels (``towers.nn.fused_cpu``) round
+    otherwise than its NumPy operations (batch norm's float64 sums), so that
+    the ``cpu_kernels`` that ran are part of what reproduces its results.
     """
 
     scope: str | None = None
     keeps_dy: bool = False
-    fused_cpu: bool = False
+    fused_rounding: bool = False
 
     def build(self, in_shape: tuple) -> tuple[list[Param], tuple]:
         return [], tuple(in_shape)

@@ -94,7 +94,7 @@ class BatchNorm(Layer):
     """
 
     keeps_dy = True  # backward reads dy only
-    fused_cpu = True
+    fused_rounding = True  # numba's moments sum in float64, NumPy's in float32 GEMVs
 
     def __init__(self, scope: str, momentum: float = 0.99, epsilon: float = 1e-3,
                  scale: bool = True, center: bool = True):

@@ -61,8 +61,6 @@ class _Pool2D(Layer):
 class MaxPool2D(_Pool2D):
     """k x k max-pooling at ``stride`` (default k), TF ``padding`` (default SAME)."""
 
-    fused_cpu = True  # the tiling windows (stride k, SAME)
-
     def __init__(self, ksize: int = 2, stride: int | None = None, padding="SAME"):
         super().__init__(ksize, stride, padding, "MaxPool2D")
 

@@ -62,8 +62,6 @@ class PadShortcut(Layer):
 class Residual(Layer):
     """``relu(body(x) + shortcut(x))`` (see the module doc); ``scope`` prefixes its layers' names."""
 
-    fused_cpu = True  # the add and the ReLU, and the body's batch norms
-
     def __init__(self, body, shortcut=None, scope: str | None = None):
         body = list(body) if isinstance(body, (list, tuple)) else [body]
         if not body or not all(isinstance(l, Layer) for l in body):
@@ -90,6 +88,11 @@ class Residual(Layer):
         self.layers = self.body + self.short_layers
         self._has_short_params = any(self._names[len(self.body):])
         return params, tuple(out)
+
+    @property
+    def fused_rounding(self) -> bool:
+        """Whether one of its layers rounds otherwise through the fused CPU kernels (``Layer``); built first."""
+        return any(layer.fused_rounding for layer in self.layers)
 
     def exports(self, framework):
         """Its layers' declarations, under their names inside the block (``conv1/weights``).  Each is handed

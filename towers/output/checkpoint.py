@@ -158,7 +158,7 @@ META = ("format", "data/shape", "data/num_classes", "n_towers", "global_batch", 
 def metadata(cfg, dataset, n_towers: int, global_batch: int, cpu_kernels: str = "numpy") -> dict:
     """The checkpoint format's own keys: what a resume checks the data and the run against.
 
-    ``cpu_kernels``: what ran batch norm on the CPU towers, ``numba`` or
+    ``cpu_kernels``: what ran the CPU towers' fused kernels, ``numba`` or
     ``numpy`` (``towers.nn.fused_cpu``), which the ``cpu_kernels`` setting
     alone does not say (``auto`` is either).
     """
@@ -314,7 +314,8 @@ def resume(trainer, logdir: str) -> Resume | None:
         trainer.load_state_dict(found.arrays, where=found.path)
         # A checkpoint without the key was written before numba's kernels existed: NumPy's.
         old, new = str(found.arrays.get("cpu_kernels", "numpy")), getattr(trainer, "cpu_kernels", None)
-        if new is not None and old != new:
+        # Only batch norm's kernels round otherwise (``Layer.fused_rounding``): elsewhere the bits are the same.
+        if new is not None and old != new and any(layer.fused_rounding for layer in trainer.model.layers):
             found.notes.append(f"note: the CPU kernels changed since the checkpoint ({old} -> {new}, see "
                                "`cpu_kernels`): batch norm's sums round differently, so the continuation differs "
                                "from an uninterrupted run by float rounding")

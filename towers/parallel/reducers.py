@@ -66,10 +66,14 @@ class DeviceMean(Reducer):
     ``groups``: tower indices per device; ``devices``/``streams``: per tower.
     Alone (one group, ``scale`` = 1 / towers) it is the mean of towers sharing
     a device; inside ``Hierarchical`` its two halves surround the leaders' mean.
+    Two towers alone take one pass (``kernels.mean2``): one kernel on a GPU,
+    and on the CPU one compiled loop when ``fused`` holds the run's fused CPU
+    kernels (``towers.nn.fused_cpu``), with NumPy's roundings either way.
     """
 
-    def __init__(self, groups: list[list[int]], devices: list, streams: list, scale: float):
+    def __init__(self, groups: list[list[int]], devices: list, streams: list, scale: float, fused=None):
         self.groups, self.devices, self.streams, self.scale = groups, devices, streams, scale
+        self.fused = fused
         self.noop = all(len(g) == 1 for g in groups) and scale == 1.0
         self.splittable = not any(d.is_gpu for d in devices)
 
@@ -78,6 +82,9 @@ class DeviceMean(Reducer):
         return [g[0] for g in self.groups]
 
     def average(self, buffers: list) -> None:
+        if len(self.groups) == 1 and len(buffers) == 2 and not self.devices[0].is_gpu and self.fused is not None:
+            kernels.mean2(buffers[0], buffers[1], self.scale, self.fused)
+            return
         if len(self.groups) == 1 and len(buffers) == 2 and self.devices[0].is_gpu:
             # Two GPU towers sharing the only device: sum, scale and hand-back
             # in one kernel (the arithmetic of gather and scatter, fused).
@@ -172,7 +179,7 @@ class Counted(Reducer):
 
 
 def make_reducer(placement, streams: list, nccl=None, world: NcclWorld | None = None,
-                 across: Reducer | None = None, total_towers: int | None = None) -> Reducer:
+                 across: Reducer | None = None, total_towers: int | None = None, fused=None) -> Reducer:
     """The reducer for ``placement``'s towers (``streams``: one per tower, None on the CPU).
 
     * one device group, alone on its host: ``DeviceMean``;
@@ -180,14 +187,15 @@ def make_reducer(placement, streams: list, nccl=None, world: NcclWorld | None = 
     * ``across`` (the cluster's cross-host mean of CPU hosts): ``Hierarchical(DeviceMean, across)``,
       the local sum scaled by 1 / (this host's towers) and ``across`` weighting hosts by their towers.
 
-    ``nccl`` replaces ``cupy.cuda.nccl``; ``total_towers`` is every host's towers (``world``).
+    ``nccl`` replaces ``cupy.cuda.nccl``; ``total_towers`` is every host's towers (``world``); ``fused``, the
+    run's fused CPU kernels, for a lone ``DeviceMean`` of two CPU towers.
     """
     devices, groups = list(placement.towers), placement.groups
     n = len(devices)
     if across is not None:
         return Hierarchical(DeviceMean([list(range(n))], devices, streams, 1.0 / n), across)
     if world is None and len(groups) == 1:
-        return DeviceMean(groups, devices, streams, 1.0 / n)
+        return DeviceMean(groups, devices, streams, 1.0 / n, fused)
     ranks = len(groups) if world is None else world.n_ranks
     towers = n if world is None else world.total_towers
     local = DeviceMean(groups, devices, streams, ranks / towers)
