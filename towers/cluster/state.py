@@ -24,9 +24,10 @@ def towers_per_update(cfg, towers_per_host: list[int]) -> int:
 
 
 def cluster_state(state: dict, cfg, dataset, towers_per_host: list[int]) -> dict:
-    """``state`` with the run's metadata."""
+    """``state`` (a host's or the server's own ``Trainer.state_dict()``) with the run's metadata; what ran its
+    CPU kernels stays that trainer's."""
     n = towers_per_update(cfg, towers_per_host)
-    state.update(checkpoint.metadata(cfg, dataset, n, n * cfg.batch_size * cfg.accumulate))
+    state.update(checkpoint.metadata(cfg, dataset, n, n * cfg.batch_size * cfg.accumulate, str(state["cpu_kernels"])))
     return state
 
 
