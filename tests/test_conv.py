@@ -15,10 +15,11 @@ def _loss(replica, x, y, l2):
     return float(replica.loss_and_grads(x, y, l2, want_loss=True))
 
 
-def _check_grads(model, x, y, l2=1e-2, eps=1e-6, seed=0):
-    """Every parameter gradient (and the input path) against central differences."""
+def _check_grads(model, x, y, l2=1e-2, eps=1e-6, seed=0, fused=None):
+    """Every parameter gradient (and the input path) against central differences (``fused``: the CPU kernels)."""
     rng = numpy.random.default_rng(seed)
     r = Replica(model, numpy, dtype=numpy.float64)
+    r.context.fused = fused
     # Random, not the init: biases non-zero, and no exact ties in max-pool windows.
     r.set_params(rng.normal(0, 0.3, model.size))
     _loss(r, x, y, l2)
@@ -41,9 +42,16 @@ def _check_grads(model, x, y, l2=1e-2, eps=1e-6, seed=0):
 @pytest.mark.parametrize("in_shape", [(7, 6), (6, 5, 2)])
 @pytest.mark.parametrize("padding", ["SAME", "VALID"])
 @pytest.mark.parametrize("filters", [2, 5])  # c2: fewer or more filters than its 3 input channels (_dw_from_x)
-def test_conv_pool_gradients(in_shape, padding, filters):
+@pytest.mark.parametrize("cpu_kernels", ["numpy", "numba"])  # numba: c2's input gradient by the compiled col2im
+def test_conv_pool_gradients(in_shape, padding, filters, cpu_kernels):
     # Odd sizes exercise SAME padding of both the convolution and the pool;
     # two convolutions make the first one's input gradient path (col2im) count.
+    fused = None
+    if cpu_kernels == "numba":
+        pytest.importorskip("numba", reason="numba is not installed: the fused CPU kernels are optional")
+        from towers.nn import fused_cpu
+
+        fused = fused_cpu.load("numba")
     rng = numpy.random.default_rng(1)
     model = Sequential([
         Conv2D("c1", 3, 3, padding=padding, regularize=True), ReLU(), MaxPool2D(2),
@@ -51,7 +59,7 @@ def test_conv_pool_gradients(in_shape, padding, filters):
     ]).build(in_shape)
     x = rng.normal(size=(2,) + in_shape)
     y = numpy.array([0, 2])
-    _check_grads(model, x, y)
+    _check_grads(model, x, y, fused=fused)
 
 
 def test_lenet5_shapes_names_and_small_gradients():

@@ -172,6 +172,23 @@ def test_warm_up_loads_every_kernel_for_float32():
         assert any("float32" in str(sig) for sig in dispatcher.signatures), f"{name} is not warmed up"
 
 
+@pytest.mark.parametrize("shape, stride, pad", [((2, 14, 14, 5, 5, 3), 1, (2, 2)), ((3, 4, 3, 3, 3, 4), 2, (1, 0)),
+                                               ((2, 6, 6, 3, 3, 2), 1, (0, 0)), ((1, 5, 5, 5, 5, 1), 1, (2, 2))])
+def test_the_fused_col2im_has_numpys_bits(shape, stride, pad):
+    """The compiled gather sums each input pixel's taps in NumPy's order (strided adds into zeros): same bits."""
+    from towers.nn import kernels
+
+    n, ho, wo, k, _, c = shape
+    hw = ((ho - 1) * stride + k - 2 * pad[0], (wo - 1) * stride + k - 2 * pad[1])
+    rng = numpy.random.default_rng(ho)
+    dcols = (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 3, shape)).astype(numpy.float32)
+    ref = kernels.col2im(dcols, hw, pad, Workspace(numpy, StepContext(), (0,)), stride).copy()
+    out = numpy.full((n,) + hw + (c,), numpy.nan, numpy.float32)  # every element must be written
+    got = kernels.col2im(dcols, hw, pad, Workspace(numpy, StepContext(fused=fused_cpu.load("numba")), (0,)), stride,
+                         out)
+    assert got is out and got.tobytes() == ref.tobytes()
+
+
 @pytest.mark.parametrize("size, scale", [(1, 0.5), (1027, 0.5), (1027, 1 / 3), (64, 1.0)])
 def test_the_fused_mean_of_two_towers_has_numpys_bits(size, scale):
     """``(a + b) * scale`` into both in one pass: NumPy's add, scale and copy, bit for bit (specials included)."""
@@ -224,19 +241,26 @@ def test_a_resume_notes_a_change_of_the_kernels_that_ran(tmp_path, notices):
     assert any(f"{changed} (numba -> numpy" in m for m in notices)
 
 
-@pytest.mark.parametrize("model, optimizer", [("lenet5", "adam"), ("lenet5", "sgd"), ("mlp", "sgd"),
-                                              ("mlp", "rmsprop")])
+def _pool_model():
+    """A convolution (more filters than channels, but the first layer: no input gradient), max-pooling, ReLU."""
+    import towers
+
+    return [towers.Conv2D("c1", 8, 3), towers.MaxPool2D(2), towers.ReLU(), towers.Flatten(), towers.Dense("fc", 10)]
+
+
+@pytest.mark.parametrize("model, optimizer", [("pool", "adam"), ("pool", "sgd"), ("mlp", "sgd"), ("mlp", "rmsprop")])
 def test_models_without_batch_norm_train_to_numpys_bits_through_the_exact_kernels(model, optimizer, tmp_path):
-    """No batch norm: the max-pooling, ReLU, L2, all-reduce and optimizer kernels are exact, so numba's run and
-    NumPy's end on the same bits (and numba's kernels ran: the run says which)."""
+    """No batch norm and no input gradient of a convolution with more filters than channels: the max-pooling,
+    ReLU, L2, all-reduce and optimizer kernels are exact, so numba's run and NumPy's end on the same bits (and
+    numba's kernels ran: the run says which)."""
     import towers
 
     out = {}
     for kernels in ("numba", "numpy"):
-        cfg = Config(devices="cpu", n_gpu=2, model=model, optimizer=optimizer, batch_size=16, steps=4, quiet=True,
+        cfg = Config(devices="cpu", n_gpu=2, optimizer=optimizer, batch_size=16, steps=4, quiet=True,
                      summary_every=0, log_every=1000, checkpoint_every=0, cpu_kernels=kernels,
-                     logdir=str(tmp_path / kernels))
-        with towers.Trainer(cfg) as t:
+                     logdir=str(tmp_path / kernels), **({"model": model} if model == "mlp" else {}))
+        with towers.Trainer(cfg, model=_pool_model() if model == "pool" else None) as t:
             t.fit()
             assert t.cpu_kernels == kernels
             assert all(o.fused is not None for o in t.optimizers) == (kernels == "numba")
@@ -262,3 +286,22 @@ def test_a_model_without_batch_norm_resumes_across_kernels_to_the_same_bits(tmp_
     resumed = run("numpy", 8, tmp_path / "split", resume=True)
     assert not any("the CPU kernels changed" in m for m in notices)
     assert resumed == run("numpy", 8, tmp_path / "whole")
+
+
+def test_lenet5_takes_its_input_gradient_by_col2im_through_numba(tmp_path):
+    """LeNet-5's conv2 (32 -> 64 channels) takes dx by the compiled col2im with the fused kernels and by dy's
+    im2col without: other sums, so the runs agree to float32 rounding, not bit for bit, and the layer says so."""
+    import towers
+
+    out = {}
+    for kernels in ("numba", "numpy"):
+        cfg = Config(devices="cpu", n_gpu=2, model="lenet5", batch_size=16, steps=4, quiet=True, summary_every=0,
+                     log_every=1000, checkpoint_every=0, cpu_kernels=kernels, logdir=str(tmp_path / kernels))
+        with towers.Trainer(cfg) as t:
+            t.fit()
+            assert [layer.fused_rounding for layer in t.model.layers if isinstance(layer, towers.Conv2D)] == [
+                True, True]  # both have F > C; only conv2 needs an input gradient
+            out[kernels] = t.get_weights()
+    assert any(out["numba"][k].tobytes() != out["numpy"][k].tobytes() for k in out["numpy"]), "col2im did not run"
+    for k in out["numpy"]:
+        _close(out["numba"][k], out["numpy"][k], k, rtol=1e-5)

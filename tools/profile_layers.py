@@ -72,8 +72,7 @@ def profile(model_name: str, shape: tuple, batch: int, steps: int, blas_threads:
     model = build_model(model_name, shape, 10)
     rep = Replica(model, numpy)
     rep.set_params(model.init_params(0))
-    # As the trainer's CPU towers get them: only for a model with a layer that uses them.
-    rep.context.fused = fused_cpu.load(cpu_kernels) if any(layer.fused_cpu for layer in model.layers) else None
+    rep.context.fused = fused_cpu.load(cpu_kernels)  # as CPU towers do (towers.step.tower.build_towers)
     rng = numpy.random.default_rng(0)
     x = rng.random((batch,) + shape, dtype=numpy.float32)
     y = rng.integers(0, 10, batch).astype(numpy.int32)

@@ -125,6 +125,7 @@ def warm_up(kernels) -> None:
     kernels.relu_backward(flat, flat.copy())
     kernels.add_scaled(flat.copy(), flat, f(0))
     kernels.mean2(flat.copy(), flat.copy(), f(0.5))
+    kernels.col2im(numpy.zeros((1, 1, 1, 2, 2, 2), f), x.copy(), 0, 0, 1)
 
 
 def _compile(cache: bool):
@@ -262,6 +263,28 @@ def _compile(cache: bool):
             g[i] += w[i] * s
 
     @jit
+    def col2im(dcols, dx, top, left, stride):  # pragma: no cover - compiled
+        """``dx (n, h, w, c)`` from ``dcols (n, ho, wo, k, k, c)``: each element the sum of the taps that read it,
+        in tap order (i, j) from 0, as NumPy's strided adds into a zeroed buffer round it (a gather, one pass)."""
+        n, ho, wo, k, _, c = dcols.shape
+        h, w = dx.shape[1], dx.shape[2]
+        for b in range(n):
+            for r in range(h):
+                for q in range(w):
+                    for ch in range(c):
+                        dx[b, r, q, ch] = 0
+                    for i in range(k):
+                        y = r + top - i
+                        if y < 0 or y % stride or y // stride >= ho:
+                            continue
+                        for j in range(k):
+                            x = q + left - j
+                            if x < 0 or x % stride or x // stride >= wo:
+                                continue
+                            for ch in range(c):
+                                dx[b, r, q, ch] += dcols[b, y // stride, x // stride, i, j, ch]
+
+    @jit
     def mean2(a, b, s):  # pragma: no cover - compiled
         """In place over flat arrays: ``a`` and ``b`` both become ``(a + b) * s``, the sum rounded first (the
         all-reduce of two CPU towers: NumPy's add, scale and copy in one pass)."""
@@ -284,4 +307,4 @@ def _compile(cache: bool):
     return types.SimpleNamespace(loop=loop, bn_moments=bn_moments, center_scale=center_scale, bn_backward_sums=bn_backward_sums,
                                  bn_backward_dx=bn_backward_dx, maxpool=maxpool, maxpool_backward=maxpool_backward,
                                  add_relu=add_relu, relu_backward=relu_backward, add_scaled=add_scaled,
-                                 mean2=mean2)
+                                 mean2=mean2, col2im=col2im)

@@ -455,17 +455,24 @@ def run_im2col(step) -> None:
     dst[...] = win
 
 
-def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1):
+def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1, out=None):
     """Return ``dx (n, h, w, c)``: each tap of ``dcols (n, ho, wo, k, k, c)`` added back where it was read.
 
     NumPy (and CuPy for ``stride`` > 1): k*k strided adds into a zeroed padded
-    buffer, in (i, j) order, then the interior is cropped into ``dx``.  CUDA:
-    one thread per ``dx`` element sums its taps in the same order (a gather: no
-    atomics, deterministic).  ``dx`` lives in ``ws`` (NumPy, VALID padding: the
-    padded buffer itself).
+    buffer, in (i, j) order, then the interior is cropped into ``dx``.  CUDA,
+    and the step's fused CPU kernels (``cpu_kernels``): one pass in which each
+    ``dx`` element sums its taps in the same order (a gather: no atomics, the
+    same bits).  ``dx`` lives in ``ws`` (NumPy, VALID padding: the padded
+    buffer itself), or in ``out`` (a C-contiguous (n, h, w, c) host array)
+    with the fused kernels.
     """
     n, ho, wo, k, _, c = dcols.shape
     h, w = in_hw
+    fused = _fused_for(dcols, dcols, ws)
+    if fused is not None:
+        dx = out if out is not None and out.flags.c_contiguous else ws.array("dx", (n, h, w, c), dcols.dtype)
+        fused.col2im(dcols, dx, pad[0], pad[1], stride)
+        return dx
     if on_host(dcols) or stride != 1 or dcols.size > INT_MAX:
         hp, wp = (ho - 1) * stride + k, (wo - 1) * stride + k
         dpad = ws.array("dpad", (n, hp, wp, c), dcols.dtype)
