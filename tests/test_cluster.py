@@ -99,7 +99,11 @@ def test_model_buffers_are_averaged_across_hosts(local_ray, sync):
 
 
 def test_async_converges_and_reports_staleness(local_ray, tmp_path, capsys):
-    with cluster(hosts=2, n_gpu=1, sync="async", steps=300, hidden=64, logdir=str(tmp_path)) as t:
+    # An async update is one host's gradient (100 examples), half of the synchronous run's global batch, so
+    # half its learning rate (0.4, not the mlp's 0.8): at 0.8 the run ends at 0.93-0.96 EMA accuracy but now
+    # and then, with the same staleness, at 0.65 (the order in which the server meets the hosts' gradients is
+    # the machine's timing); at 0.4 twelve runs gave 0.942-0.947.
+    with cluster(hosts=2, n_gpu=1, sync="async", steps=300, hidden=64, lr=0.4, logdir=str(tmp_path)) as t:
         result = t.fit()
     assert result["step"] == 300 and result["test_accuracy_ema"] > 0.9
     assert result["staleness_max"] >= 1 and 0 < result["staleness_mean"] <= result["staleness_max"]
