@@ -207,6 +207,34 @@ def test_the_fused_mean_of_two_towers_has_numpys_bits(size, scale):
     assert not numpy.array_equal(got_b, b, equal_nan=True), "nothing was averaged"
 
 
+def test_auto_loads_numba_for_models_it_serves():
+    """``auto``: for 100k parameters or more, or a layer whose results depend on it; not for a small model alone."""
+    import towers
+    from towers.nn.models import build_model
+
+    assert fused_cpu.worth_loading(build_model("mlp", (28, 28), 10, 500))  # 397,510 parameters
+    assert not fused_cpu.worth_loading(build_model("mlp", (8, 8), 10, 500))  # the default digits MLP: 37,510
+    small_bn = towers.Sequential([towers.Flatten(), towers.Dense("fc1", 8), towers.BatchNorm("bn"),
+                                  towers.Dense("fc2", 10)]).build((8, 8))
+    assert small_bn.size < fused_cpu.WORTH_PARAMS and fused_cpu.worth_loading(small_bn)
+    assert fused_cpu.worth_loading(build_model("lenet5", (28, 28), 10))
+
+
+def test_the_default_run_does_not_import_numba(tmp_path):
+    """The default MLP (37.5 k parameters) gains less from the fused kernels than numba's start costs it."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import sys\nfrom towers.train import main\n"
+            "rc = main(['--devices', 'cpu', '--n-gpu', '2', '--steps', '3', '--quiet', '--logdir', sys.argv[1]])\n"
+            "assert 'numba' not in sys.modules, 'numba imported'\nsys.exit(rc)")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+
+
 def test_without_a_writable_cache_the_kernels_are_compiled_each_run(monkeypatch, notices):
     """A read-only install and no home: numba has nowhere to cache (it raises when a kernel is defined)."""
     import numba.core.caching

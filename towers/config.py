@@ -241,10 +241,11 @@ class Config:
     measure_scaling: bool = switch(
         "after the run, time 1 tower alone and print the scaling efficiency", group="performance", resume=SILENT)
     cpu_kernels: str = setting(
-        "auto", "CPU towers' batch norm, max-pooling, ReLU, L2 gradient, all-reduce mean and optimizer update "
-        "through fused kernels compiled by numba (`numba`; `auto`: when numba imports) or NumPy's array operations "
-        "(`numpy`); batch norm's agree to float32 rounding, the rest bit for bit (a resume notes a change of what "
-        "ran batch norm)",
+        "auto", "CPU towers' batch norm, max-pooling, ReLU, col2im, L2 gradient, all-reduce mean and optimizer "
+        "update through fused kernels compiled by numba (`numba`; `auto`: when numba imports, for models with batch "
+        "norm, a convolution with more filters than input channels, or 100k parameters or more) or NumPy's array "
+        "operations (`numpy`); batch norm's and those convolutions' results agree to float32 rounding, the rest bit "
+        "for bit (a resume notes a change of what ran them)",
         group="performance", check=Choice(("auto", "numba", "numpy")), resume=SILENT, type="str", metavar="MODE")
     tf32: bool = switch("GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 "
         "relative error (off: plain float32)", group="performance", resume=NOTE)

@@ -48,12 +48,13 @@ NumPy path, whose moments it gathers across towers).
 ``load(mode)`` is the one entry point (the ``cpu_kernels`` setting):
 ``"auto"`` gives these kernels when numba imports and None otherwise,
 ``"numba"`` requires it, ``"numpy"`` gives None (layers then run their NumPy
-code).  ``towers.step.tower.build_towers`` loads them for every run with CPU
-towers (the optimizer, L2 and all-reduce kernels serve every model: the
-default MLP's step 3.4 -> 2.9 ms), and warms them up there.  Cost: numba's
-import, about 0.3 s a run, and the first run on a machine compiles them
-(about 2 s).
+code).  ``towers.step.tower.build_towers`` loads them for CPU towers and
+warms them up there; with ``auto`` only for a model ``worth_loading`` them.
+Cost: numba's start, about 0.75 s a process (its import, then the first
+kernel's machine code: LLVM starts), and the first run on a machine compiles
+them (about 2 s).
 """
+
 from __future__ import annotations
 
 import threading
@@ -65,11 +66,22 @@ MODES = ("auto", "numba", "numpy")
 _COMPILED: list = []  # [the namespace of numba dispatchers, or the ImportError], made on the first load
 _LOCK = threading.Lock()
 
+#: ``auto`` loads the kernels for models of this many parameters or more: the update, L2 and all-reduce passes
+#: they fuse grow with the model (the MLP 784-500-10, 0.4 M: 0.4-0.5 ms of a 3.4 ms step saved; the default
+#: digits MLP, 37.5 k: about 0.12 ms, so numba's start, 0.75 s, costs its 2,000-step run more than it saves).
+WORTH_PARAMS = 100_000
+
+
+def worth_loading(model) -> bool:
+    """Whether ``auto`` loads the kernels for ``model`` (built): ``WORTH_PARAMS`` or more parameters, or a layer
+    whose results depend on them (``Layer.fused_rounding``: a model's results never depend on its size)."""
+    return model.size >= WORTH_PARAMS or any(layer.fused_rounding for layer in model.layers)
+
 
 def load(mode: str = "auto"):
     """The fused kernels for ``mode`` (module doc), or None for NumPy's array operations.
 
-    Imports numba (about 0.3 s) on the first call.  With ``auto``, a numba that is missing or
+    Imports numba (about 0.25 s) on the first call.  With ``auto``, a numba that is missing or
     fails to import (a release that does not support this NumPy) leaves NumPy
     in charge, with a notice when it is installed but broken; ``numba``
     refuses to run without it.

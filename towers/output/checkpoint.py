@@ -314,11 +314,12 @@ def resume(trainer, logdir: str) -> Resume | None:
         trainer.load_state_dict(found.arrays, where=found.path)
         # A checkpoint without the key was written before numba's kernels existed: NumPy's.
         old, new = str(found.arrays.get("cpu_kernels", "numpy")), getattr(trainer, "cpu_kernels", None)
-        # Only batch norm's kernels round otherwise (``Layer.fused_rounding``): elsewhere the bits are the same.
+        # Only batch norm and a convolution with more filters than channels round otherwise through the
+        # fused kernels (``Layer.fused_rounding``): elsewhere the bits are the same.
         if new is not None and old != new and any(layer.fused_rounding for layer in trainer.model.layers):
             found.notes.append(f"note: the CPU kernels changed since the checkpoint ({old} -> {new}, see "
-                               "`cpu_kernels`): batch norm's sums round differently, so the continuation differs "
-                               "from an uninterrupted run by float rounding")
+                               "`cpu_kernels`): batch norm's and some convolutions' sums round differently, so "
+                               "the continuation differs from an uninterrupted run by float rounding")
         return found
     existing = list_checkpoints(logdir) if os.path.isdir(logdir) else []
     if existing:

@@ -105,7 +105,7 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
     init = model.init_params(seed)
     streams: dict[int, object] = {}
     fused = None
-    if any(not d.is_gpu for d in placement.towers):
+    if any(not d.is_gpu for d in placement.towers) and (cfg.cpu_kernels != "auto" or fused_cpu.worth_loading(model)):
         fused = fused_cpu.load(cfg.cpu_kernels)
         if fused is not None:
             fused_cpu.warm_up(fused)  # numba's import and its cached kernels now, not inside the first step
