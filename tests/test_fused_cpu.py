@@ -112,23 +112,21 @@ def test_cpu_kernels_setting():
         Config(cpu_kernels="fast").resolved()
 
 
-def _bn_run(cpu_kernels, **kw):
+def _bn_run(cpu_kernels, logdir, **kw):
     """Ten steps of a small batch-norm model on the embedded data, 2 CPU towers; the final weights."""
-    import tempfile
-
     import towers
 
     model = [towers.Flatten(), towers.Dense("fc1", 24), towers.BatchNorm("bn"), towers.ReLU(), towers.Dense("fc2", 10)]
     cfg = Config(devices="cpu", n_gpu=2, steps=10, quiet=True, summary_every=0, log_every=1000, checkpoint_every=0,
-                 cpu_kernels=cpu_kernels, logdir=tempfile.mkdtemp(prefix="towers-bn-"), **kw)
+                 cpu_kernels=cpu_kernels, logdir=str(logdir), **kw)
     with towers.Trainer(cfg, model=model) as t:
         t.fit()
         return t.get_weights()
 
 
-def test_the_setting_picks_the_kernels_of_a_training_run():
+def test_the_setting_picks_the_kernels_of_a_training_run(tmp_path):
     """`cpu_kernels` numba trains through the fused kernels: near the NumPy run, and not its bits."""
-    ref, got = _bn_run("numpy"), _bn_run("numba")
+    ref, got = _bn_run("numpy", tmp_path / "numpy"), _bn_run("numba", tmp_path / "numba")
     assert ref.keys() == got.keys()
     assert any(not numpy.array_equal(ref[k], got[k]) for k in ref), "numba gave NumPy's bits: not used"
     # One scale for all: fc1's biases feed a batch norm, so their gradient is rounding noise around 0.
@@ -297,15 +295,18 @@ def test_models_without_batch_norm_train_to_numpys_bits_through_the_exact_kernel
     assert out["numba"] == out["numpy"]
 
 
-def test_a_model_without_batch_norm_resumes_across_kernels_to_the_same_bits(tmp_path, notices):
-    """Only batch norm rounds otherwise through numba: an MLP written with numba's kernels and resumed with NumPy's
-    says nothing and ends on the uninterrupted run's bits."""
+@pytest.mark.parametrize("model", ["mlp", "pool"])
+def test_a_model_whose_results_do_not_depend_on_the_kernels_resumes_across_them_to_the_same_bits(
+        model, tmp_path, notices):
+    """No batch norm, and no input gradient of a convolution with more filters than channels (the pool model's is
+    its first layer): a run written with numba's kernels and resumed with NumPy's says nothing and ends on the
+    uninterrupted run's bits."""
     import towers
 
     def run(kernels, steps, logdir, resume=False):
         cfg = Config(devices="cpu", n_gpu=2, steps=steps, quiet=True, summary_every=0, log_every=1000,
                      checkpoint_every=4, cpu_kernels=kernels, logdir=str(logdir), resume=resume)
-        with towers.Trainer(cfg) as t:
+        with towers.Trainer(cfg, model=_pool_model() if model == "pool" else None) as t:
             t.fit()
             assert t.cpu_kernels == kernels
             return {k: v.tobytes() for k, v in {**t.get_weights(), **t.get_weights(ema=True)}.items()}
@@ -327,8 +328,10 @@ def test_lenet5_takes_its_input_gradient_by_col2im_through_numba(tmp_path):
                      log_every=1000, checkpoint_every=0, cpu_kernels=kernels, logdir=str(tmp_path / kernels))
         with towers.Trainer(cfg) as t:
             t.fit()
-            assert [layer.fused_rounding for layer in t.model.layers if isinstance(layer, towers.Conv2D)] == [
-                True, True]  # both have F > C; only conv2 needs an input gradient
+            convs = [(i, layer) for i, layer in enumerate(t.model.layers) if isinstance(layer, towers.Conv2D)]
+            # Both have more filters than channels; conv1 is the first layer and takes no input gradient.
+            assert [layer.fused_rounding(input_grad=i > 0) for i, layer in convs] == [False, True]
+            assert fused_cpu.rounds_otherwise(t.model)
             out[kernels] = t.get_weights()
     assert any(out["numba"][k].tobytes() != out["numpy"][k].tobytes() for k in out["numpy"]), "col2im did not run"
     for k in out["numpy"]:

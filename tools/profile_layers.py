@@ -72,7 +72,8 @@ def profile(model_name: str, shape: tuple, batch: int, steps: int, blas_threads:
     model = build_model(model_name, shape, 10)
     rep = Replica(model, numpy)
     rep.set_params(model.init_params(0))
-    rep.context.fused = fused_cpu.load(cpu_kernels)  # as CPU towers do (towers.step.tower.build_towers)
+    # As CPU towers get them (towers.step.tower.build_towers), except that auto loads them for any model here.
+    rep.context.fused = fused_cpu.load(cpu_kernels)
     rng = numpy.random.default_rng(0)
     x = rng.random((batch,) + shape, dtype=numpy.float32)
     y = rng.integers(0, 10, batch).astype(numpy.int32)

@@ -27,7 +27,7 @@ layers through their workspaces (``ws.ctx``):
 ``fused``
     None, or the fused CPU kernels of ``towers.nn.fused_cpu.load`` (the
     ``cpu_kernels`` setting): layers that have a fused form (batch norm,
-    max-pooling, ReLU) use
+    max-pooling, ReLU, a convolution's col2im) use
     them on host arrays.  Set by ``towers.step.tower.build_towers`` for CPU
     towers; a ``Replica`` made by hand runs the NumPy code.
 

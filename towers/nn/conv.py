@@ -33,10 +33,15 @@ Two algorithms, ``algorithm=``:
   backward 19 ms -> 14 ms).  With more filters than input channels (F > C,
   LeNet-5's conv2) ``dW = cols(x)^T @ dy`` from x's im2col is faster instead
   (``_dw_from_x``: a k*k*C-wide im2col and a better-shaped GEMM), and dy's
-  im2col gives the input gradient alone (on the CPU, where it was measured).  At other strides, and for the first layer
-  (no input gradient, and a narrow ``x``), ``dW = cols.T @ dy`` from
-  ``x``'s im2col, and ``dcols = dy @ W.T`` and col2im.  On a GPU: one
-  chunk, the whole batch.
+  im2col gives the input gradient alone (on the CPU, where it was measured);
+  with the fused CPU kernels (``cpu_kernels``) such a layer takes the input
+  gradient by ``dcols = dy @ W.T`` (k*k*C wide, not k*k*F) and their
+  compiled col2im, one gathering pass (LeNet-5's conv2 backward 20.1 ->
+  18.3 ms; NumPy's col2im is slower than dy's im2col there, so the two
+  modes sum it in different orders).  At other strides, and for the first
+  layer (no input gradient, and a narrow ``x``), ``dW = cols.T @ dy`` from
+  ``x``'s im2col, and ``dcols = dy @ W.T`` and col2im (compiled, with the
+  same bits, under the fused kernels).  On a GPU: one chunk, the whole batch.
 * ``"whole"``: the batch's ``cols`` in one piece, kept for backward; the input
   gradient by ``dcols = dy @ W.T`` and col2im (kh*kw strided adds into a padded
   buffer on the CPU, one gathering kernel on a GPU).  No built-in model uses
@@ -208,11 +213,10 @@ class Conv2D(Layer):
                 view[...] = part
         return dx.reshape(ws.saved["x_shape"])
 
-    @property
-    def fused_rounding(self) -> bool:
+    def fused_rounding(self, input_grad: bool = True) -> bool:
         """With more filters than input channels the fused CPU kernels take dx by col2im, NumPy by dy's im2col:
-        other sums (``Layer``)."""
-        return getattr(self, "_dw_from_x", False)
+        other sums, where the input gradient is taken (``Layer``)."""
+        return input_grad and getattr(self, "_dw_from_x", False)
 
     def _weight_grad(self, x, dy2, gw, ws) -> list:
         """``gw = cols(x)^T @ dy``, chunk by chunk from x's im2col (the forward's, when it is one chunk); the chunks."""

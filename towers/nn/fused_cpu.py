@@ -1,4 +1,4 @@
-"""Fused CPU kernels compiled by numba (optional): batch norm, max-pooling, ReLU, L2 and updates in fewer passes.
+"""Fused CPU kernels compiled by numba (optional): batch norm, pooling, ReLU, col2im, L2, means, updates.
 
 NumPy runs one pass over memory per operation.  Batch norm's training step
 is about seven of them forward (a GEMV for the shift, the centring, two
@@ -34,13 +34,18 @@ into both, in one pass instead of three (``towers.parallel.reducers``); and
 element, as its NumPy passes round them) compiled into one pass over a tower
 thread's slice.  All exact, NumPy's bits.
 
+col2im (``towers.nn.kernels.col2im``): each input pixel gathers its taps in
+one pass, in the order of NumPy's strided adds (exact).  A convolution with
+more filters than input channels takes its input gradient through it, where
+NumPy takes dy's im2col instead (``towers.nn.conv``): other sums.
+
 The kernels release the GIL (``nogil``), so two CPU tower threads run them at
-once.  Batch norm's results equal the NumPy path's up to float32 rounding
-(other summation orders, float64 sums), not bit for bit: a run's
+once.  Batch norm's results, and those convolutions', equal the NumPy path's
+up to float32 rounding, not bit for bit (``rounds_otherwise``): a run's
 ``cpu_kernels`` setting is part of what makes its results reproducible.
 
-numba compiles each kernel on its first call (about a second per kernel and
-dtype) and caches the machine code on disk beside this file (or in
+numba compiles each kernel on its first call (about 2 s for all of them, once
+per machine) and caches the machine code on disk beside this file (or in
 ``NUMBA_CACHE_DIR``), so later runs load it.  Limits: C-contiguous (M, C)
 arrays of one float dtype; the per-tower statistics only (``sync_bn`` keeps the
 NumPy path, whose moments it gathers across towers).
@@ -73,9 +78,16 @@ WORTH_PARAMS = 100_000
 
 
 def worth_loading(model) -> bool:
-    """Whether ``auto`` loads the kernels for ``model`` (built): ``WORTH_PARAMS`` or more parameters, or a layer
-    whose results depend on them (``Layer.fused_rounding``: a model's results never depend on its size)."""
-    return model.size >= WORTH_PARAMS or any(layer.fused_rounding for layer in model.layers)
+    """Whether ``auto`` loads the kernels for ``model`` (built): ``WORTH_PARAMS`` or more parameters, or results
+    that depend on them (``rounds_otherwise``: a model's results never depend on its size)."""
+    return model.size >= WORTH_PARAMS or rounds_otherwise(model)
+
+
+def rounds_otherwise(model) -> bool:
+    """Whether these kernels change ``model``'s (built) results: a layer's ``fused_rounding``, where layers
+    after the first with trainable parameters take their input gradient (``Replica._backward``)."""
+    first = min((li for li, _, prm in model.params if prm.trainable), default=0)
+    return any(layer.fused_rounding(input_grad=i > first) for i, layer in enumerate(model.layers))
 
 
 def load(mode: str = "auto"):

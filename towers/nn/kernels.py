@@ -470,7 +470,8 @@ def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1, out=None):
     h, w = in_hw
     fused = _fused_for(dcols, dcols, ws)
     if fused is not None:
-        dx = out if out is not None and out.flags.c_contiguous else ws.array("dx", (n, h, w, c), dcols.dtype)
+        fits = out is not None and out.flags.c_contiguous and out.shape == (n, h, w, c) and out.dtype == dcols.dtype
+        dx = out if fits else ws.array("dx", (n, h, w, c), dcols.dtype)
         fused.col2im(dcols, dx, pad[0], pad[1], stride)
         return dx
     if on_host(dcols) or stride != 1 or dcols.size > INT_MAX:

@@ -125,15 +125,17 @@ class Layer:
 
     ``keeps_dy``: True where ``backward`` only reads ``dy`` (never writes into
     it), so a container may hand the same ``dy`` to another layer afterwards
-    (``Residual``: body and shortcut) instead of a copy.  ``fused_rounding``:
-    True where the layer's fused CPU kernels (``towers.nn.fused_cpu``) round
-    otherwise than its NumPy operations (batch norm's float64 sums), so that
-    the ``cpu_kernels`` that ran are part of what reproduces its results.
+    (``Residual``: body and shortcut) instead of a copy.
     """
 
     scope: str | None = None
     keeps_dy: bool = False
-    fused_rounding: bool = False
+
+    def fused_rounding(self, input_grad: bool = True) -> bool:
+        """Whether the fused CPU kernels (``towers.nn.fused_cpu``) round this layer otherwise than its NumPy
+        operations (batch norm's float64 sums), so that the ``cpu_kernels`` that ran are part of what reproduces
+        its results; ``input_grad``: its backward computes the input gradient (not the first layer's)."""
+        return False
 
     def build(self, in_shape: tuple) -> tuple[list[Param], tuple]:
         return [], tuple(in_shape)

@@ -94,7 +94,9 @@ class BatchNorm(Layer):
     """
 
     keeps_dy = True  # backward reads dy only
-    fused_rounding = True  # numba's moments sum in float64, NumPy's in float32 GEMVs
+
+    def fused_rounding(self, input_grad: bool = True) -> bool:
+        return True  # numba's moments sum in float64, NumPy's in float32 GEMVs
 
     def __init__(self, scope: str, momentum: float = 0.99, epsilon: float = 1e-3,
                  scale: bool = True, center: bool = True):

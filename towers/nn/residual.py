@@ -89,10 +89,10 @@ class Residual(Layer):
         self._has_short_params = any(self._names[len(self.body):])
         return params, tuple(out)
 
-    @property
-    def fused_rounding(self) -> bool:
-        """Whether one of its layers rounds otherwise through the fused CPU kernels (``Layer``); built first."""
-        return any(layer.fused_rounding for layer in self.layers)
+    def fused_rounding(self, input_grad: bool = True) -> bool:
+        """Whether one of its layers (each takes its input gradient) rounds otherwise through the fused CPU
+        kernels (``Layer``); built first."""
+        return any(layer.fused_rounding() for layer in self.layers)
 
     def exports(self, framework):
         """Its layers' declarations, under their names inside the block (``conv1/weights``).  Each is handed

@@ -39,6 +39,7 @@ import numpy
 
 from towers.config import checkpoint_settings
 from towers.errors import TrainingError, UserError, notice
+from towers.nn import fused_cpu
 from towers.settings import NOTE, REFUSE, SILENT, resume_changes, show
 from towers.state import Layout, under
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, remove_stale, writing
@@ -315,8 +316,8 @@ def resume(trainer, logdir: str) -> Resume | None:
         # A checkpoint without the key was written before numba's kernels existed: NumPy's.
         old, new = str(found.arrays.get("cpu_kernels", "numpy")), getattr(trainer, "cpu_kernels", None)
         # Only batch norm and a convolution with more filters than channels round otherwise through the
-        # fused kernels (``Layer.fused_rounding``): elsewhere the bits are the same.
-        if new is not None and old != new and any(layer.fused_rounding for layer in trainer.model.layers):
+        # fused kernels (``fused_cpu.rounds_otherwise``): elsewhere the bits are the same.
+        if new is not None and old != new and fused_cpu.rounds_otherwise(trainer.model):
             found.notes.append(f"note: the CPU kernels changed since the checkpoint ({old} -> {new}, see "
                                "`cpu_kernels`): batch norm's and some convolutions' sums round differently, so "
                                "the continuation differs from an uninterrupted run by float rounding")
