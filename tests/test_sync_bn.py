@@ -177,12 +177,12 @@ def _resnet_step(dtype, x, y, n: int, masks: dict, fused=None):
     calls = threading.local()
     record = kernels.relu_backward
 
-    def relu_backward(y, dy, mask=None, ws=None):
+    def relu_backward(y, dy, ws=None):
         key = (calls.tower, calls.count)
         calls.count += 1
         if dtype == numpy.float32:
             masks[key] = y > 0
-            record(y, dy, mask, ws)
+            record(y, dy, ws)
         else:
             dy *= masks[key]
 

@@ -192,10 +192,9 @@ class Conv2D(Layer):
         gw = g["weights"].reshape(-1, f)
         # F > C on CPU towers with the fused kernels: dW from x's im2col and dx by col2im, one compiled gather
         # (LeNet-5's conv2: dx 10.6 -> 8.1 ms at batch 50); without them NumPy's col2im is slower than dy's im2col.
-        by_col2im = self._dw_from_x and kernels.on_host(dy) and ws.ctx.fused is not None
-        if need_dx and self._dx_conv and not by_col2im:
-            # Measured on the CPU only: a GPU keeps its path (and its results).
-            from_x = self._dw_from_x and kernels.on_host(dy)
+        # Measured on the CPU only: a GPU keeps its path (and its results).
+        from_x = self._dw_from_x and kernels.on_host(dy)
+        if need_dx and self._dx_conv and not (from_x and ws.ctx.fused is not None):
             if from_x:
                 self._weight_grad(x, dy2, gw, ws)
             return self._backward_as_conv(p["weights"], None if from_x else gw, x, dy, ws)

@@ -220,7 +220,7 @@ def host_zeros(shape: tuple, dtype):
 def add_relu(h, s, y, ws) -> None:
     """``y = maximum(h + s, 0)`` (a residual block's output): one compiled pass with the step's fused CPU
     kernels (``cpu_kernels``), else an add and ``relu``; the same bits either way."""
-    fused = _fused_for(h, s, ws)
+    fused = fused_for(ws, h, s)
     if fused is not None and y.flags.c_contiguous:
         fused.add_relu(h.reshape(-1), s.reshape(-1), y.reshape(-1))
         return
@@ -228,21 +228,21 @@ def add_relu(h, s, y, ws) -> None:
     relu(y, y)
 
 
-def relu_backward(y, dy, mask=None, ws=None) -> None:
+def relu_backward(y, dy, ws=None) -> None:
     """In place: ``dy *= (y > 0)`` (as 1.0 / 0.0, so signs and NaN follow the multiply).
 
-    ``mask`` is the NumPy path's scratch: a bool array shaped like ``y``
-    (a quarter of a float mask's memory traffic: the two passes take 0.63
-    instead of 0.90 ms on a 4 MB activation, with the same products).  With
-    ``ws``'s fused CPU kernels (``cpu_kernels``): one compiled pass, the same products.
+    NumPy: through a bool mask shaped like ``y``, ``ws``'s scratch (a quarter
+    of a float mask's memory traffic: the two passes take 0.63 instead of 0.90
+    ms on a 4 MB activation, with the same products).  With ``ws``'s fused CPU
+    kernels (``cpu_kernels``): one compiled pass, the same products.
     """
-    fused = _fused_for(y, dy, ws) if ws is not None else None
+    fused = fused_for(ws, y, dy)
     if fused is not None:
         fused.relu_backward(y.reshape(-1), dy.reshape(-1))
         return
     if on_host(y) or y.size > INT_MAX:
         xp = array_module(y)
-        mask = mask if mask is not None else xp.empty(y.shape, dtype=bool)
+        mask = ws.array("mask", y.shape, bool) if ws is not None else xp.empty(y.shape, dtype=bool)
         xp.greater(y, 0, out=mask)
         xp.multiply(dy, mask, out=dy)
         return
@@ -468,7 +468,7 @@ def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1, out=None):
     """
     n, ho, wo, k, _, c = dcols.shape
     h, w = in_hw
-    fused = _fused_for(dcols, dcols, ws)
+    fused = fused_for(ws, dcols)
     if fused is not None:
         fits = out is not None and out.flags.c_contiguous and out.shape == (n, h, w, c) and out.dtype == dcols.dtype
         dx = out if fits else ws.array("dx", (n, h, w, c), dcols.dtype)
@@ -561,10 +561,11 @@ def _windows(x, k: int, out_hw: tuple, ws):
     return x.reshape(n, ho, k, wo, k, c)
 
 
-def _fused_for(x, other, ws):
-    """The step's fused CPU kernels (``ctx.fused``, ``towers.nn.fused_cpu``) for C-contiguous host arrays, or None."""
-    fused = getattr(ws.ctx, "fused", None)
-    if fused is None or not (on_host(x) and x.flags.c_contiguous and other.flags.c_contiguous):
+def fused_for(ws, *arrays):
+    """The step's fused CPU kernels (``ws.ctx.fused``, ``towers.nn.fused_cpu``) for C-contiguous host ``arrays``,
+    or None (no workspace, no kernels, or an array they do not take)."""
+    fused = getattr(ws.ctx, "fused", None) if ws is not None else None
+    if fused is None or not all(on_host(a) and a.flags.c_contiguous for a in arrays):
         return None
     return fused
 
@@ -578,7 +579,7 @@ def maxpool(x, y, k: int, ws) -> None:
     """
     n, ho, wo, c = y.shape
     h, w = x.shape[1:3]
-    fused = _fused_for(x, y, ws)
+    fused = fused_for(ws, x, y)
     if fused is not None:  # one compiled pass (towers.nn.fused_cpu): the same maxima
         fused.maxpool(x, k, y)
         return
@@ -603,7 +604,7 @@ def maxpool_backward(x, y, dy, k: int, ws):
     """
     n, ho, wo, c = y.shape
     h, w = x.shape[1:3]
-    fused = _fused_for(x, dy, ws)
+    fused = fused_for(ws, x, dy)
     if fused is not None:  # one compiled pass: the same first maxima, dy * 1 and 0 are exact
         dx = ws.array("dx", x.shape, dy.dtype)
         fused.maxpool_backward(x, y, dy, k, dx)

@@ -240,8 +240,7 @@ class ReLU(Layer):
         if not need_dx:
             return None
         y = ws.saved["y"]
-        mask = ws.array("mask", y.shape, bool) if kernels.on_host(y) and ws.ctx.fused is None else None
-        kernels.relu_backward(y, dy, mask, ws)  # dy is the next layer's scratch: safe in place
+        kernels.relu_backward(y, dy, ws)  # dy is the next layer's scratch: safe in place
         return dy
 
 

@@ -136,7 +136,7 @@ class BatchNorm(Layer):
             return y
         xc = ws.array("xc", x2.shape, x2.dtype)
         xcw = xc.reshape(xw.shape)
-        fused = _fused(ctx, x2)
+        fused = _fused(ws, x2)
         if fused is not None:  # the same moments in two passes that only read (towers.nn.fused_cpu)
             shift, off, var = fused.bn_moments(x2)
             mean = shift + off
@@ -204,7 +204,7 @@ class BatchNorm(Layer):
         # sums[0] = sum(dy), sums[1] = sum(dy * xhat) = inv_std * (sum(dy * xc) - off * sum(dy)):
         # centred values, and off small, so the difference does not cancel.
         sums = ws.array("sums", (2, c), dy2.dtype)
-        fused = _fused(ctx, dy2)
+        fused = _fused(ws, dy2)
         if fused is not None:
             sums[...] = fused.bn_backward_sums(dy2, xc)
         else:
@@ -237,12 +237,10 @@ class BatchNorm(Layer):
         return dx.reshape(s["x_shape"])
 
 
-def _fused(ctx, a):
-    """The fused CPU kernels for this step's array ``a`` (``ctx.fused``), or None: GPU arrays, and
+def _fused(ws, a):
+    """The fused CPU kernels for this step's array ``a`` (``kernels.fused_for``), or None: GPU arrays, and
     ``sync_bn``, whose moments are gathered across towers, take the array-operation path."""
-    if ctx.fused is None or ctx.sync is not None or not kernels.on_host(a):
-        return None
-    return ctx.fused
+    return None if ws.ctx.sync is not None else kernels.fused_for(ws, a)
 
 
 def _combine(sync, shift, moments, ws):

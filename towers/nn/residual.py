@@ -165,8 +165,7 @@ class Residual(Layer):
         nb = len(self.body)
         pp, gp = self._parts(p, ws, "p_parts"), self._parts(g, ws, "g_parts")
         y = ws.saved["y"]
-        mask = ws.array("mask", y.shape, bool) if kernels.on_host(y) and ws.ctx.fused is None else None
-        kernels.relu_backward(y, dy, mask, ws)  # dy is the next layer's scratch: safe in place
+        kernels.relu_backward(y, dy, ws)  # dy is the next layer's scratch: safe in place
         d = dy
         if not self.body[-1].keeps_dy:  # it may write into its dy, which the shortcut reads after it
             d = ws.array("d_body", y.shape, y.dtype)

@@ -82,9 +82,6 @@ class DeviceMean(Reducer):
         return [g[0] for g in self.groups]
 
     def average(self, buffers: list) -> None:
-        if len(self.groups) == 1 and len(buffers) == 2 and not self.devices[0].is_gpu and self.fused is not None:
-            kernels.mean2(buffers[0], buffers[1], self.scale, self.fused)
-            return
         if len(self.groups) == 1 and len(buffers) == 2 and self.devices[0].is_gpu:
             # Two GPU towers sharing the only device: sum, scale and hand-back
             # in one kernel (the arithmetic of gather and scatter, fused).
@@ -93,6 +90,9 @@ class DeviceMean(Reducer):
                 _after(a, b)
                 kernels.mean2(buffers[0], buffers[1], self.scale)
                 _after(b, a)
+            return
+        if len(self.groups) == 1 and len(buffers) == 2 and self.fused is not None:  # CPU: one compiled pass
+            kernels.mean2(buffers[0], buffers[1], self.scale, self.fused)
             return
         self.gather(buffers)
         self.scatter(buffers)
