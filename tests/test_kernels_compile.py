@@ -1,0 +1,109 @@
+"""Every CUDA kernel of towers compiles under NVRTC, without a GPU, for sm_80 and sm_90.
+
+NVRTC needs no device (``nvidia-cuda-nvrtc-cu12``, in requirements.txt), so a
+syntax or type error in a kernel fails here, with NVRTC's log and its line
+numbers, instead of on the GPU machine.  CuPy's own ``compile_using_nvrtc``
+asks for a device first, so the program is built through
+``cupy_backends.cuda.libs.nvrtc`` directly.  Compiled:
+
+* the one CUDA module of the layer, data and reducer kernels
+  (``towers.devices.kernels.source()``), and every name of ``kernel_names()``
+  is a ``__global__`` function in it;
+* every fused optimizer update (``Optimizer._gpu_kernel``) of every optimizer
+  of the registry, in each of its variants, with and without the EMA, with the
+  kernel's own compile options;
+* the EMA's standalone update (``EMA.update`` on the GPU).
+"""
+import re
+
+import numpy as np
+import pytest
+
+import towers  # noqa: F401 - registers the layers' kernels into the module
+from towers.devices import kernels
+from towers.optim.ema import EMA
+from towers.optim.kernels import flat_kernel
+from towers.optim.optimizers import OPTIMIZERS
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed")
+try:
+    NVRTC_VERSION = nvrtc.getVersion()
+except Exception as e:  # the library itself is missing: nvidia-cuda-nvrtc-cu12 is not installed
+    pytest.skip(f"NVRTC cannot be loaded ({type(e).__name__}: {e}); pip install nvidia-cuda-nvrtc-cu12",
+                allow_module_level=True)
+
+ARCHS = ["sm_80", "sm_90"]
+
+# Constructor arguments of each variant whose kernel source differs; an optimizer of the registry that is not
+# listed here is compiled with its defaults (a new optimizer is covered; list its variants here).
+VARIANTS = {
+    "sgd": {"plain": {}, "momentum": dict(momentum=0.9), "nesterov": dict(momentum=0.9, nesterov=True)},
+    "adam": {"plain": {}},
+    "adamw": {"plain": {}},
+    "rmsprop": {"plain": {}, "centered": dict(centered=True), "momentum": dict(momentum=0.9)},
+}
+CASES = [(name, variant) for name in OPTIMIZERS for variant in VARIANTS.get(name, {"plain": {}})]
+
+
+def compile_cuda(source: str, name: str, options=(), arch="sm_90") -> None:
+    """Compile ``source`` with NVRTC; a failure's message holds NVRTC's log and the source lines it names."""
+    opts = [*options, f"-arch={arch}"]
+    prog = nvrtc.createProgram(source, name + ".cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+            return
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    pytest.fail(f"{name} does not compile with {' '.join(opts)} ({error}):\n{log}\n{_lines_named(source, log)}",
+                pytrace=False)
+
+
+def _lines_named(source: str, log: str, around: int = 3) -> str:
+    """The source lines NVRTC's log names (``name.cu(12): error``), numbered, with ``around`` lines each side."""
+    lines = source.splitlines()
+    wanted = sorted({k for n in re.findall(r"\.cu\((\d+)\)", log)
+                     for k in range(int(n) - around, int(n) + around + 1) if 1 <= k <= len(lines)})
+    return "source lines:\n" + "\n".join(f"{k:5d}  {lines[k - 1]}" for k in wanted) if wanted else ""
+
+
+def _params():
+    return np.linspace(-1, 1, 64, dtype=np.float32)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_kernel_module_compiles(arch):
+    compile_cuda(kernels.source(), "towers_kernels", arch=arch)
+
+
+def test_every_registered_kernel_is_defined_in_the_module():
+    defined = set(re.findall(r"__global__\s+void\s+(\w+)\s*\(", kernels.source()))
+    missing = [n for n in kernels.kernel_names() if "towers_" + n not in defined]
+    assert not missing, f"kernel_names() lists kernels the module does not define: {missing}"
+    assert len(kernels.kernel_names()) >= 3
+
+
+def test_every_optimizer_has_its_variants_listed():
+    """A variant table naming an optimizer the registry lacks is stale."""
+    assert set(VARIANTS) <= set(OPTIMIZERS), set(VARIANTS) - set(OPTIMIZERS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("with_ema", [False, True], ids=["no-ema", "ema"])
+@pytest.mark.parametrize("name, variant", CASES, ids=[f"{n}-{v}" for n, v in CASES])
+def test_every_fused_optimizer_update_compiles(name, variant, with_ema, arch):
+    params = _params()
+    ema = EMA(params, 0.99) if with_ema else None
+    opt = OPTIMIZERS[name](params, ema=ema, **VARIANTS.get(name, {}).get(variant, {}))
+    kernel = opt._gpu_kernel()
+    assert f"void {kernel.raw.name}(" in kernel.source
+    compile_cuda(kernel.source, kernel.raw.name, tuple(kernel.raw.options), arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_standalone_ema_update_compiles(arch):
+    kernel = flat_kernel(("p",), ("one_minus_d",), ("e",), EMA.GPU_BODY.format(p="p"), "towers_ema")
+    compile_cuda(kernel.source, kernel.raw.name, tuple(kernel.raw.options), arch)
