@@ -32,10 +32,10 @@ driver, test or benchmark cannot hang the check):
    (``read_bench``), and the wall time of each step.
 
 A step that passes its limit is interrupted (SIGINT to its process group,
-so pytest still writes its summary and xml), then killed ``GRACE`` (10) s
+so pytest still writes its summary and xml), then killed ``GRACE`` (5) s
 later; the summary says so.  With the default limits the check takes at
-most 540 s plus the probes (at most 80 s) and 10 s of grace per stopped
-step; less in practice, as the steps end on their own.
+most 600 s: 300 + 240 s of steps, 20 + 30 s of probes, 5 s of grace per
+stopped step; less in practice, as the steps end on their own.
 
 ``--cpu-smoke`` runs the same pipeline on a machine without a GPU, to check
 the command itself: the facts note that there is no GPU, every GPU test
@@ -73,8 +73,8 @@ TESTS_TIMEOUT = 300.0  # seconds for the whole pytest run
 BENCH_TIMEOUT = 240.0  # seconds for the whole benchmark
 PER_TEST_TIMEOUT = 120  # pytest-timeout's --timeout, when it is installed
 PROBE_TIMEOUT = 20.0  # nvidia-smi -L and the CuPy probe, run at once
-TORCH_TIMEOUT = 60.0  # importing torch (slow, optional)
-GRACE = 10.0  # seconds between the SIGINT of a step past its limit and its SIGKILL
+TORCH_TIMEOUT = 30.0  # importing torch (slow, optional)
+GRACE = 5.0  # seconds between the SIGINT of a step past its limit and its SIGKILL
 MESSAGE_CHARS = 150  # a failure message's first line is cut to this in the summary
 
 # The CuPy probe, run as ``python -c``: prints one JSON object.  Every question is asked on its own,
