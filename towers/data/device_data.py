@@ -52,7 +52,8 @@ class DeviceData:
     ``upload(indices)`` sends a step's global batch of row indices: per GPU ONE
     fill of a pinned buffer with its towers' slices, ONE host-to-device copy
     and ONE event, on the GPU's stream (towers sharing a GPU share its stream,
-    as the trainer makes them).  ``stage(i)`` then gathers tower ``i``'s rows.
+    as the trainer makes them) and returns which of two index buffers holds
+    them; ``stage(i, k, buffer)`` then gathers tower ``i``'s micro-batch ``k``.
     """
 
     def __init__(self, devices, streams, dataset, batch: int, accumulate: int = 1):
@@ -69,6 +70,7 @@ class DeviceData:
         for i, dev in enumerate(self.devices):
             members.setdefault(dev.index, []).append(i)
         self.groups, self._slot, self.towers = [], {}, [None] * len(self.devices)
+        self._k = 0  # the index buffer the next upload fills (every GPU's pair flips together)
         for index, towers in members.items():
             stream = self.streams[towers[0]]
             if any(self.streams[i] is not stream for i in towers):
@@ -87,7 +89,6 @@ class DeviceData:
                     "slices": [[[a[j, k * m:(k + 1) * m] for k in range(self.accumulate)] for j in range(n)]
                                for a in idx],
                     "events": [cupy.cuda.Event(disable_timing=True) for _ in range(2)],
-                    "k": 0, "current": None,
                     "data": (cupy.asarray(x_host), cupy.asarray(y32)),  # one copy per GPU
                 }
                 for j, i in enumerate(towers):
@@ -97,31 +98,34 @@ class DeviceData:
             with dev.scope():
                 self.towers[i] = (cupy.empty(shape, dtype=numpy.float32), cupy.empty((self.batch,), dtype=numpy.int32))
 
-    def upload(self, indices) -> None:
+    def upload(self, indices) -> int:
         """Send the global batch's row indices (host ints, ``batch x accumulate`` a tower, in tower order) to each GPU.
 
+        Returns which of the two index buffers holds them, for ``stage``.
         Sync point: before refilling a pinned buffer the host waits for the
         copy out of it issued two steps earlier (an event), never for compute.
         """
         rows = numpy.asarray(indices).reshape(len(self.devices), self.batch * self.accumulate)
+        k = self._k
+        self._k ^= 1
         for g in self.groups:
-            k = g["k"]
-            g["k"] ^= 1
             event = g["events"][k]
             event.synchronize()  # the copy out of this pinned buffer (two steps ago) is done
             g["pinned"][k][...] = rows[g["rows"]]
             with g["device"].scope():
                 g["idx"][k].data.copy_from_host_async(g["ptrs"][k], g["nbytes"], g["stream"])
                 event.record(g["stream"])
-            g["current"] = k
+        return k
 
-    def stage(self, i: int, k: int = 0):
-        """(x float32, y int32) of tower ``i`` on its device: its micro-batch ``k`` of the last ``upload``.
+    def stage(self, i: int, k: int, buffer: int):
+        """(x float32, y int32) of tower ``i`` on its device: its micro-batch ``k`` of the upload that returned
+        ``buffer``.
 
-        Call with tower ``i``'s device current and its stream entered.
+        Call with tower ``i``'s device current and its stream entered (the
+        gather is queued behind the index copy on that stream).
         """
         group, j = self._slot[i]
         xd, yd = group["data"]
         x, y = self.towers[i]
-        kernels.gather_batch(xd, yd, group["slices"][group["current"]][j][k], x, y, self.scale)
+        kernels.gather_batch(xd, yd, group["slices"][buffer][j][k], x, y, self.scale)
         return x, y

@@ -56,7 +56,7 @@ from towers.devices.cpu_threads import TowerThreads, chunks
 from towers.errors import UserError
 from towers.nn.context import TowerSync
 from towers.parallel.sync import check_replicas
-from towers.state import count
+from towers.state import check_host, count
 
 
 class StepEngine:
@@ -115,24 +115,31 @@ class StepEngine:
     def run(self, x, y, want_loss: bool = False, indices=None):
         """One step on host batch ``x``, ``y`` (or device rows ``indices``); the towers' losses when ``want_loss``."""
         lr, step = self.schedule(self.step), self.step
+        # The step's device rows go up once, before any tower gathers its slice
+        # (GPU towers on threads too: sync-BN runs them on the pool).  ``staged``
+        # names this step's index buffers: a tower thread of the last step that
+        # is still running reads its own step's, not these.
+        staged = self._stage_indices(indices)
         if self._pool is None:
-            self._stage_indices(indices)
-            self._work(range(len(self.towers)), None, x, y, indices, want_loss, lr, step)
+            self._work(range(len(self.towers)), None, x, y, staged, want_loss, lr, step)
         else:
             # The arguments are bound to this step's call, not stored on self:
             # without a barrier (a keeper that is not shared) a late tower thread
             # of the last step could otherwise read this step's batch.
-            self._pool.run(lambda i: self._work([i], self._parts[i], x, y, None, want_loss, lr, step, threaded=True))
+            self._pool.run(lambda i: self._work([i], self._parts[i], x, y, staged, want_loss, lr, step,
+                                                threaded=True))
             if want_loss and not self.keeper.shared:
                 self._pool.wait()  # no barrier: wait for every tower's loss
         return self._step_done(list(self._losses) if want_loss else None)
 
-    def _stage_indices(self, indices) -> None:
-        if indices is not None:
-            with self.timer("stage"):
-                self.device_data.upload(indices)  # the step's indices: one copy per GPU
+    def _stage_indices(self, indices):
+        """Send a step's device rows (one copy per GPU); the handle of their buffers, or None for a host batch."""
+        if indices is None:
+            return None
+        with self.timer("stage"):
+            return self.device_data.upload(indices)
 
-    def _work(self, mine, part, x, y, indices, want_loss, lr, step, threaded: bool = False) -> None:
+    def _work(self, mine, part, x, y, staged, want_loss, lr, step, threaded: bool = False) -> None:
         """A worker's share of a step: compute its towers; then the keeper updates.
 
         A keeper that is not ``shared`` updates the worker's own towers.  A
@@ -141,7 +148,7 @@ class StepEngine:
         0's after the barrier).
         """
         for i in mine:
-            self._losses[i] = self._compute(i, x, y, indices, want_loss, step)
+            self._losses[i] = self._compute(i, x, y, staged, want_loss, step)
         on = mine[0]
         if not self.keeper.shared:
             self.keeper.update([self.towers[i] for i in mine], None, lr, step, on)
@@ -153,14 +160,16 @@ class StepEngine:
                 return  # tower 0's thread reduces and updates whole buffers
         self.keeper.update(self.towers, part, lr, step, on)
 
-    def _compute(self, i: int, x, y, indices, want_loss: bool, step: int):
+    def _compute(self, i: int, x, y, staged, want_loss: bool, step: int):
         """Tower ``i``'s slice (rows ``i*r .. (i+1)*r`` of the host batch, or of the device rows) through stages 1-2.
 
         ``r`` is the tower's ``rows``: ``batch_size`` x ``accumulate``, run as that many micro-batches.
+        ``staged``: the handle ``DeviceData.upload`` gave for this step's device rows, or None (a host batch).
         """
         t = self.towers[i]
-        if indices is not None:
-            return t.compute(None, None, self.l2, want_loss, step, stage=lambda k: self.device_data.stage(i, k))
+        if staged is not None:
+            return t.compute(None, None, self.l2, want_loss, step,
+                             stage=lambda k: self.device_data.stage(i, k, staged))
         r = t.rows
         return t.compute(x[i * r: (i + 1) * r], y[i * r: (i + 1) * r], self.l2, want_loss, step)
 
@@ -271,6 +280,7 @@ class SyncMean:
 
 def check_indices(indices, global_batch: int, n: int):
     """``indices`` as host ints if they are one global batch of rows of an ``n``-row set, else a ``UserError``."""
+    check_host(indices, "train_step_at: the row numbers")
     indices = numpy.asarray(indices)
     if len(indices) != global_batch or not numpy.issubdtype(indices.dtype, numpy.integer) or (
             int(indices.min()) < 0 or int(indices.max()) >= n):  # the gather kernel does not check
