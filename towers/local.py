@@ -154,6 +154,12 @@ class LocalExecutor(Executor):
         self.engine = StepEngine(self.towers, keeper, self.schedule, l2=cfg.l2, timer=self.timer, threads=threads,
                                  device_data=self.device_data, sync_bn=cfg.sync_bn)
         self.model_state = ModelState(self.towers, self.model)
+        # What was built above (initial weights, the EMA's shadow, optimizer
+        # slots, the training set on the devices) was copied on CuPy's legacy
+        # default stream, which the towers' non-blocking streams are not
+        # ordered with: wait for it once, so the first step reads whole values.
+        for index in sorted({d.index for d in devices if d.is_gpu}):
+            devices[0].xp.cuda.Device(index).synchronize()
 
     def _start_input(self, step: int, position) -> None:
         """The shuffle from ``position`` (epoch, index), reached after ``step`` steps."""
@@ -245,9 +251,9 @@ class LocalExecutor(Executor):
         slice there; otherwise the rows are taken on the host.  Either way the
         same float32 batch reaches each tower.
         """
+        indices = check_indices(indices, self.local_batch, len(self.dataset.x))
         if self.device_data is None:
             return self.engine.run(self.dataset.x[indices], self.dataset.y[indices], want_loss)
-        indices = check_indices(indices, self.local_batch, len(self.dataset.x))
         return self.engine.run(None, None, want_loss, indices)
 
     def gradients(self, x, y, want_loss: bool = False):
@@ -282,7 +288,8 @@ class LocalExecutor(Executor):
         flat, buffers = self.model_state.read_named(weights, "set_weights", buffers_optional=ema)
         self.synchronize()
         if ema:
-            self.ema.set_state(flat)
+            with self.towers[0].scope():  # the EMA lives on tower 0's device: its stream orders the copy
+                self.ema.set_state(flat)
             self.model_state.set(None, buffers)  # the buffers, when given, are every replica's
             return
         self.model_state.set(flat, buffers)
@@ -307,11 +314,15 @@ class LocalExecutor(Executor):
         position = self.position.read_state(state, where)
         set_counters = self.engine.prepare(state, where)
         self.synchronize()
+        # Each copy on the stream of the tower that reads it next (its device, and
+        # ordered before its next step: the towers' streams do not wait for the
+        # legacy default stream).
         set_model()
-        self.ema.set_state(ema)
+        with self.towers[0].scope():
+            self.ema.set_state(ema)
         for t in self.towers:
             if t.optimizer is not None:
-                with t.device.scope():
+                with t.scope():
                     t.optimizer.set_state(slots)
         set_counters()
         self._start_input(self.step, position)

@@ -182,9 +182,14 @@ class ModelState:
         return lambda: self.set(w, b)
 
     def set(self, weights, buffers=None) -> None:
-        """Every tower's weights and buffers from host flat arrays (None: left as they are)."""
+        """Every tower's weights and buffers from host flat arrays (None: left as they are).
+
+        The copies are queued on each tower's stream (``Tower.scope``), so the
+        tower's next step reads the new values: its stream is not ordered with
+        CuPy's legacy default stream.
+        """
         for t in self.towers:
-            with t.device.scope():
+            with t.scope():
                 if weights is not None:
                     t.replica.set_params(weights)
                 if buffers is not None:
