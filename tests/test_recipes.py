@@ -120,7 +120,7 @@ def test_nesterov_matches_hand_computation_and_its_ema():
     plain = SGD(p0.copy(), momentum=0.9)
     plain.step(numpy.ones(50, numpy.float32), 0.1, 0)
     assert not numpy.allclose(plain.params, p0 - 0.1 * (1 + 0.9))  # plain momentum steps by v alone
-    assert "g + mu * momentum" in SGD(p0.copy(), 0.9, nesterov=True).GPU_BODY
+    assert "(momentum * mu + g) * lr" in SGD(p0.copy(), 0.9, nesterov=True).GPU_BODY  # the GPU steps the same way
 
 
 def test_the_settings_line_names_the_recipe_and_the_default_line_is_unchanged():

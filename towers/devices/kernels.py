@@ -31,10 +31,12 @@ arithmetic in the same order (``gather_batch`` gives the CPU's values on the
 same inputs; ``tests/test_gpu.py`` checks both against NumPy).  No atomics:
 results are deterministic.
 
-Limits: float32 (``gather_batch`` also reads uint8), C-contiguous arrays, fewer
-than 2**31 elements per array (index arithmetic is 32-bit for speed; larger
-arrays take the array operations on the device instead).  Launches go on the
-current stream; nothing here synchronizes.
+Limits: float32 (``gather_batch`` also reads uint8), C-contiguous arrays, at
+most ``MAX_ELEMENTS`` elements per array (index arithmetic is 32-bit for
+speed, and the grid-stride loop's last index plus its stride must stay below
+2**31; larger arrays, and arrays of another dtype, take the array operations
+on the device instead: ``takes`` says which).  Launches go on the current
+stream; nothing here synchronizes.
 """
 from __future__ import annotations
 
@@ -42,8 +44,13 @@ import numpy
 
 from towers.devices.placement import array_module
 
-INT_MAX = 2**31 - 1  # the kernels' index arithmetic is 32-bit: larger arrays take the array operations
+INT_MAX = 2**31 - 1  # cuBLAS's int sizes (towers.devices.matmul)
 _BLOCK = 256
+_MAX_GRID = 65535 * 8
+# The kernels' index arithmetic is 32-bit: the grid-stride loop's ``i += stride``
+# must not pass 2**31 - 1 for any i < n, so n leaves room for one stride.
+MAX_ELEMENTS = INT_MAX - _BLOCK * _MAX_GRID
+_F32 = numpy.dtype(numpy.float32)
 
 # The module's text is _HEAD + the registered parts + _OWN + _TAIL (``source``).
 _HEAD = r"""
@@ -162,8 +169,20 @@ def host_blocks(start: int, stop: int, itemsize: int):
 
 _FUNCS: dict = {}  # (RawKernel, device id) -> its loaded CUDA function
 _BLOCK_DIMS = (_BLOCK,)
-_MAX_GRID = 65535 * 8
 _i = numpy.int32  # a kernel's int argument
+
+
+def takes(*arrays) -> bool:
+    """Whether the float kernels take these device arrays: float32, at most ``MAX_ELEMENTS`` elements each.
+
+    A kernel reads its buffers as ``float*``: an array of another dtype (a
+    user's layer computing in float64) would be misread, so the callers give
+    such arrays to CuPy's array operations instead.
+    """
+    for a in arrays:
+        if a.dtype != _F32 or a.size > MAX_ELEMENTS:
+            return False
+    return True
 
 
 def launch(kernel, n: int, *args) -> None:
@@ -217,7 +236,7 @@ def mean2(a, b, scale, fused=None) -> None:
     if fused is not None and on_host(a) and a.ndim == b.ndim == 1 and a.flags.c_contiguous and b.flags.c_contiguous:
         fused.mean2(a, b, scale)
         return
-    if on_host(a) or a.size > INT_MAX or a.dtype != numpy.float32:
+    if on_host(a) or not takes(a, b):
         a += b
         a *= scale
         b[...] = a
@@ -233,7 +252,7 @@ def gather_batch(xd, yd, idx, xo, yo, scale) -> None:
 
     ``xd`` is (N, ...) uint8 or float32, ``yd`` (N,) int32, ``idx`` int64 rows.
     """
-    if on_host(xd) or xo.size > INT_MAX or xd.dtype not in (numpy.uint8, numpy.float32):
+    if on_host(xd) or not takes(xo) or xd.dtype not in (numpy.uint8, numpy.float32):
         rows = xd[idx]
         if scale is not None:
             array_module(xd).multiply(rows, numpy.float32(scale), out=xo, casting="unsafe")

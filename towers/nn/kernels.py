@@ -37,9 +37,10 @@ and of the row sum's order.  ``tests/test_gpu.py`` checks each kernel against
 its NumPy version.  No kernel uses atomics: results are deterministic, so
 replicas stay bit-identical.
 
-Limits: float32 activations, C-contiguous arrays, fewer than 2**31 elements per
-array (index arithmetic is 32-bit for speed; larger arrays take the NumPy-style
-array operations on the device instead, which CuPy runs as well).  The CUDA
+Limits: float32 activations, C-contiguous arrays, at most
+``towers.devices.kernels.MAX_ELEMENTS`` elements per array (index arithmetic is
+32-bit for speed; larger arrays, and arrays of another dtype, take the
+NumPy-style array operations on the device instead, which CuPy runs as well).  The CUDA
 text of these kernels is registered, when this module is imported, with
 ``towers.devices.kernels``: the one CUDA module of towers' kernels (with the
 reducers' and the data's), compiled once by NVRTC and kept in CuPy's on-disk
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.kernels import INT_MAX, check_contiguous, launch_named, on_host, register
+from towers.devices.kernels import check_contiguous, launch_named, on_host, register, takes
 from towers.devices.matmul import sgemm
 from towers.devices.placement import array_module
 
@@ -180,7 +181,7 @@ register(_SOURCE, ("bias_add", "relu", "relu_backward", "add_scaled", "softmax_x
 
 def bias_add(y, b) -> None:
     """In place: ``y (rows, cols) += b (cols,)``."""
-    if on_host(y) or y.size > INT_MAX:
+    if on_host(y) or not takes(y, b):
         y += b
         return
     launch_named("bias_add", y.size, y, b, _i(y.size), _i(b.size))
@@ -196,7 +197,7 @@ def relu(x, y) -> None:
     if on_host(x):
         numpy.maximum(x, host_zeros(x.shape, x.dtype), out=y)
         return
-    if x.size > INT_MAX:
+    if not takes(x, y):
         array_module(x).maximum(x, 0, out=y)
         return
     check_contiguous(x)
@@ -240,7 +241,7 @@ def relu_backward(y, dy, ws=None) -> None:
     if fused is not None:
         fused.relu_backward(y.reshape(-1), dy.reshape(-1))
         return
-    if on_host(y) or y.size > INT_MAX:
+    if on_host(y) or not takes(y, dy):
         xp = array_module(y)
         mask = ws.array("mask", y.shape, bool) if ws is not None else xp.empty(y.shape, dtype=bool)
         xp.greater(y, 0, out=mask)
@@ -262,7 +263,7 @@ def add_scaled(g, w, s, tmp=None, fused=None) -> None:
             and w.flags.c_contiguous):
         fused.add_scaled(g.reshape(-1), w.reshape(-1), s)  # the compiled loop walks flat arrays
         return
-    if on_host(g) or g.size > INT_MAX:
+    if on_host(g) or not takes(g, w):
         xp = array_module(g)
         tmp = tmp if tmp is not None else xp.empty_like(w)
         xp.multiply(w, s, out=tmp)
@@ -348,12 +349,12 @@ def softmax_xent(logits, labels, ws, want_loss: bool):
     xp = ws.xp
     n, c = logits.shape
     prob = ws.array("prob", (n, c), logits.dtype)
-    if on_host(logits) or logits.size > INT_MAX:
+    if on_host(logits) or not takes(logits):
         return _softmax_xent_arrays(xp, logits, labels, ws, prob, want_loss)
     check_contiguous(logits)
-    if labels.dtype != numpy.int32 or not labels.flags.c_contiguous:
+    if on_host(labels) or labels.dtype != numpy.int32 or not labels.flags.c_contiguous:
         lab = ws.array("labels", (n,), numpy.int32)
-        lab[...] = labels
+        lab[...] = ws.xp.asarray(labels)  # host labels: CuPy does not assign NumPy arrays
         labels = lab
     row_loss = ws.array("row_loss", (n,), logits.dtype)
     launch_named("softmax_xent", n, logits, labels, prob, row_loss, _i(n), _i(c), logits.dtype.type(1.0 / n))
@@ -398,7 +399,7 @@ def im2col(x, cols, pad: tuple, ws, stride: int = 1) -> None:
     """
     n, ho, wo, k, _, c = cols.shape
     h, w = x.shape[1:3]
-    if on_host(x) or stride != 1 or max(x.size, cols.size) > INT_MAX:
+    if on_host(x) or stride != 1 or not takes(x, cols):
         src = padded(ws, "xpad", x, pad, ((ho - 1) * stride + k, (wo - 1) * stride + k), 0)
         if on_host(src):
             dst, win = _window_rows(src, cols, stride)
@@ -474,7 +475,7 @@ def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1, out=None):
         dx = out if fits else ws.array("dx", (n, h, w, c), dcols.dtype)
         fused.col2im(dcols, dx, pad[0], pad[1], stride)
         return dx
-    if on_host(dcols) or stride != 1 or dcols.size > INT_MAX:
+    if on_host(dcols) or stride != 1 or not takes(dcols):
         hp, wp = (ho - 1) * stride + k, (wo - 1) * stride + k
         dpad = ws.array("dpad", (n, hp, wp, c), dcols.dtype)
         dpad.fill(0)
@@ -583,7 +584,7 @@ def maxpool(x, y, k: int, ws) -> None:
     if fused is not None:  # one compiled pass (towers.nn.fused_cpu): the same maxima
         fused.maxpool(x, k, y)
         return
-    if on_host(x) or x.size > INT_MAX:
+    if on_host(x) or not takes(x, y):
         xp = ws.xp
         win = _windows(x, k, (ho, wo), ws)
         y[...] = win[:, :, 0, :, 0, :]
@@ -609,7 +610,7 @@ def maxpool_backward(x, y, dy, k: int, ws):
         dx = ws.array("dx", x.shape, dy.dtype)
         fused.maxpool_backward(x, y, dy, k, dx)
         return dx
-    if on_host(x) or x.size > INT_MAX:
+    if on_host(x) or not takes(x, y, dy):
         xp = ws.xp
         win = _windows(x, k, (ho, wo), ws)
         dwin = ws.array("dwin", win.shape, dy.dtype)

@@ -34,7 +34,7 @@ class EMA:
 
     # The update as CUDA source over the new weights ``{p}`` (fused into the
     # optimizers' kernels, or run alone by ``update``).
-    GPU_BODY = "e = e - one_minus_d * (e - {p});\n"
+    GPU_BODY = "e = e - (e - {p}) * one_minus_d;\n"
 
     def __init__(self, params, decay: float):
         self.decay = float(decay)

@@ -11,15 +11,24 @@ ElementwiseKernel's argument inspection, about 20).  CuPy compiles a kernel
 on its first launch and caches the binary on disk (``CUPY_CACHE_DIR``), so
 later runs skip NVRTC.
 
+Exactness: the kernels are compiled with ``--fmad=false`` (``OPTIONS``), so
+NVRTC does not contract ``a * b + c`` into one fused multiply-add: each
+product and sum rounds to float32 on its own, as NumPy's passes do.  An
+optimizer's ``GPU_BODY`` writes its products and sums in the order of its
+NumPy passes (``_cpu_update``; ``sqrt`` and ``/`` are IEEE-rounded, NVRTC's
+default), so the GPU update gives the CPU's bits on the same inputs
+(``tests/test_gpu.py`` compares them for every optimizer).
+
 Limits: float32, C-contiguous flat buffers of one size (the replica's
-parameter, gradient, slot and shadow buffers are), fewer than 2**31 elements.
+parameter, gradient, slot and shadow buffers are), at most
+``towers.devices.kernels.MAX_ELEMENTS`` elements (32-bit index arithmetic).
 """
 from __future__ import annotations
 
 import numpy
 
 _CACHE: dict = {}
-_INT_MAX = 2**31 - 1
+OPTIONS = ("--fmad=false",)  # NVRTC options of every update kernel (see the module docstring)
 
 
 class FlatKernel:
@@ -35,14 +44,16 @@ class FlatKernel:
         self.source = (f'typedef float T;\nextern "C" __global__ void {name}({", ".join(params)}) {{\n'
                        f"    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {{\n"
                        f"        {load}\n{body}\n        {store}\n    }}\n}}\n")
-        self.raw = cupy.RawKernel(self.source, name)
+        self.raw = cupy.RawKernel(self.source, name, options=OPTIONS)
 
     def __call__(self, *args) -> None:
-        from towers.devices.kernels import launch
+        from towers.devices.kernels import MAX_ELEMENTS, launch
 
         n = args[0].size
-        if n > _INT_MAX:
-            raise ValueError(f"fused update of {n} elements: at most {_INT_MAX}")
+        if n > MAX_ELEMENTS:
+            raise ValueError(f"fused update of {n} elements: at most {MAX_ELEMENTS}")
+        if args[0].dtype != numpy.float32:  # the kernel reads float32: another dtype would be misread
+            raise TypeError(f"fused update of {args[0].dtype} buffers: float32 only")
         launch(self.raw, n, *args, numpy.int32(n))
 
 

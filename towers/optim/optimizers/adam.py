@@ -32,9 +32,10 @@ class Adam(Optimizer):
     # The learning rate is TensorFlow's AdamOptimizer default.
     defaults = {"lr": 0.001, "lr_decay": 1.0, "l2": 1e-4}
     all_slots = slots = ("adam_m", "adam_v")
-    GPU_BODY = ("adam_m = b1 * adam_m + (1 - b1) * g;\n"
-                "adam_v = b2 * adam_v + (1 - b2) * g * g;\n"
-                "T p_new = p - lr_t * adam_m / (sqrt(adam_v) + eps);\n")
+    # The products and sums of ``_cpu_update``, in its order (``towers.optim.kernels``: no FMA contraction).
+    GPU_BODY = ("adam_m = adam_m * b1 + g * (1 - b1);\n"
+                "adam_v = adam_v * b2 + (g * g) * (1 - b2);\n"
+                "T p_new = p - (adam_m / (sqrt(adam_v) + eps)) * lr_t;\n")
 
     def __init__(self, params, beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8, ema=None):
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)

@@ -36,9 +36,10 @@ class AdamW(Optimizer):
     reads = ("beta1", "beta2", "epsilon", "weight_decay")
     defaults = {"lr": 0.001, "lr_decay": 1.0, "l2": 0.0}  # torch's lr; the decay replaces L2
     all_slots = slots = ("adam_m", "adam_v")
-    GPU_BODY = ("adam_m = b1 * adam_m + (1 - b1) * g;\n"
-                "adam_v = b2 * adam_v + (1 - b2) * g * g;\n"
-                "T p_new = p * keep - step_size * adam_m / (sqrt(adam_v) * inv_root_bc2 + eps);\n")
+    # The products and sums of ``_cpu_update``, in its order (``towers.optim.kernels``: no FMA contraction).
+    GPU_BODY = ("adam_m = adam_m * b1 + g * (1 - b1);\n"
+                "adam_v = adam_v * b2 + (g * g) * (1 - b2);\n"
+                "T p_new = p * keep - (adam_m / (sqrt(adam_v) * inv_root_bc2 + eps)) * step_size;\n")
 
     def __init__(self, params, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.01, ema=None):
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)

@@ -23,8 +23,10 @@ declares, beside its update:
   passes over preallocated scratch: no allocation per step) and ``cpu_loop``
   (the same arithmetic element by element, with the EMA, for numba: one pass
   with the run's fused CPU kernels, ``towers.nn.fused_cpu``).  ``cpu_loop``
-  must round as ``_cpu_update`` does, operation by operation
-  (``tests/test_blocked_update.py`` compares their bits for every optimizer).  ``_cpu_update`` must be
+  and ``GPU_BODY`` must round as ``_cpu_update`` does, operation by operation:
+  the same products and sums in the same order (the GPU kernel is compiled
+  without FMA contraction; ``tests/test_blocked_update.py`` compares the CPU
+  forms' bits for every optimizer, ``tests/test_gpu.py`` the GPU's).  ``_cpu_update`` must be
   elementwise (no reduction over the buffer): ``step`` runs it, then the EMA,
   block by block (``towers.devices.kernels.host_blocks``, 512 KiB per buffer),
   so the passes over a block hit L1/L2 instead of each streaming the whole

@@ -43,9 +43,10 @@ class RMSProp(Optimizer):
         self.variant = "_centered" if self.centered else ""
         super().__init__(params, ema)
         mean_square = "rmsprop_ms - rmsprop_mg * rmsprop_mg" if self.centered else "rmsprop_ms"
-        self.GPU_BODY = ("rmsprop_ms = rho * rmsprop_ms + (1 - rho) * g * g;\n"
-                         + ("rmsprop_mg = rho * rmsprop_mg + (1 - rho) * g;\n" if self.centered else "")
-                         + f"rmsprop_mom = mu * rmsprop_mom + lr * g / sqrt({mean_square} + eps);\n"
+        # The products and sums of ``_cpu_update``, in its order (``towers.optim.kernels``: no FMA contraction).
+        self.GPU_BODY = ("rmsprop_ms = rmsprop_ms * rho + (g * g) * (1 - rho);\n"
+                         + ("rmsprop_mg = rmsprop_mg * rho + g * (1 - rho);\n" if self.centered else "")
+                         + f"rmsprop_mom = rmsprop_mom * mu + (g / sqrt({mean_square} + eps)) * lr;\n"
                          "T p_new = p - rmsprop_mom;\n")
 
     @classmethod

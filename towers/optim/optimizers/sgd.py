@@ -37,9 +37,10 @@ class SGD(Optimizer):
         self.slots = ("momentum",) if self.momentum else ()
         self.variant = "_nesterov" if self.nesterov else ""
         super().__init__(params, ema)
-        step = "(g + mu * momentum)" if self.nesterov else "momentum"
-        self.GPU_BODY = (f"momentum = mu * momentum + g;\nT p_new = p - lr * {step};\n" if self.momentum
-                         else "T p_new = p - lr * g;\n")
+        # The products and sums of ``_cpu_update``, in its order (``towers.optim.kernels``: no FMA contraction).
+        step = "(momentum * mu + g)" if self.nesterov else "momentum"
+        self.GPU_BODY = (f"momentum = momentum * mu + g;\nT p_new = p - {step} * lr;\n" if self.momentum
+                         else "T p_new = p - g * lr;\n")
 
     @classmethod
     def from_config(cls, cfg, params, ema=None):
