@@ -70,8 +70,16 @@ class Layout:
         return named
 
 
+def check_host(a, what: str) -> None:
+    """A ``UserError`` starting with ``what`` if ``a`` is a device array (CuPy's): the API takes host arrays."""
+    if hasattr(a, "__cuda_array_interface__"):
+        raise UserError(f"{what} is a {type(a).__module__.split('.')[0]}.{type(a).__name__} in GPU memory; give a "
+                        "host (NumPy) array, e.g. its .get(): towers copies each tower's share to its device itself")
+
+
 def check_array(a, shape: tuple, what: str, whose: str = "expected") -> None:
-    """A real, finite array of ``shape``, or a ``UserError`` that starts with ``what``."""
+    """A real, finite host array of ``shape``, or a ``UserError`` that starts with ``what``."""
+    check_host(a, what)
     if tuple(numpy.shape(a)) != tuple(shape):
         raise UserError(f"{what} has shape {tuple(numpy.shape(a))}, {whose} is {tuple(shape)}")
     a = numpy.asarray(a)

@@ -38,6 +38,7 @@ from towers.local import LocalExecutor
 from towers.nn.models import build_model
 from towers.optim.optimizers import SLOTS
 from towers.output import checkpoint
+from towers.state import check_host
 
 
 class Trainer:
@@ -202,6 +203,8 @@ class Trainer:
 
     def _check_examples(self, x, y, where: str, n: int | None):
         """(x, y) as arrays if they are examples and labels of this data set (``n`` of them), else a UserError (cheap)."""
+        check_host(x, f"{where}: x")
+        check_host(y, f"{where}: y")
         # Lists (of examples, of labels) were taken before these checks: keep taking them.
         x = x if hasattr(x, "dtype") else numpy.asarray(x)
         y = y if hasattr(y, "dtype") else numpy.asarray(y)
