@@ -318,3 +318,44 @@ def test_an_attribute_error_inside_the_executor_is_not_hidden(monkeypatch):
     with Trainer(Config(devices="cpu", hidden=8, batch_size=10, steps=2)) as tr:
         with pytest.raises(AttributeError, match="no_such_part"):
             tr.replicas
+
+
+class _DeviceArray:
+    """An array in GPU memory as the API sees one: NumPy's interface plus CUDA's (CuPy arrays have both)."""
+
+    def __init__(self, a):
+        self.a = np.asarray(a)
+        self.dtype, self.shape = self.a.dtype, self.a.shape
+        self.__cuda_array_interface__ = {"shape": self.a.shape, "typestr": self.a.dtype.str, "data": (0, False),
+                                         "version": 3}
+
+    def __len__(self):
+        return len(self.a)
+
+
+def test_device_arrays_given_to_the_api_are_one_user_error():
+    """train_step, train_step_at, evaluate, set_weights and load_state_dict take host arrays: a CuPy array is one
+    line saying so (it was a TypeError from deep inside NumPy or CuPy)."""
+    with Trainer(Config(devices="cpu", n_gpu=2, hidden=16, batch_size=10), dataset=towers.load_dataset(str(DIGITS))) as tr:
+        x, y = tr.dataset.x[:20], tr.dataset.y[:20]
+        for call in (lambda: tr.train_step(_DeviceArray(x), y), lambda: tr.train_step(x, _DeviceArray(y)),
+                     lambda: tr.train_step_at(_DeviceArray(np.arange(20))),
+                     lambda: tr.evaluate(x=_DeviceArray(x), y=y)):
+            with pytest.raises(UserError, match="in GPU memory; give a host"):
+                call()
+        w = tr.get_weights()
+        name = next(iter(w))
+        with pytest.raises(UserError, match=f"{name}.*in GPU memory"):
+            tr.set_weights({**w, name: _DeviceArray(w[name])})
+        state = tr.state_dict()
+        with pytest.raises(UserError, match="in GPU memory"):
+            tr.load_state_dict({**state, "params/" + name: _DeviceArray(w[name])})
+
+
+def test_train_step_at_checks_its_row_numbers_without_the_data_on_a_device():
+    with Trainer(Config(devices="cpu", n_gpu=2, hidden=16, batch_size=10), dataset=towers.load_dataset(str(DIGITS))) as tr:
+        n = len(tr.dataset.x)
+        for bad in (np.arange(19), np.full(20, n), np.full(20, -1), np.zeros(20, np.float32)):
+            with pytest.raises(UserError, match="train_step_at takes one global batch of 20 row numbers"):
+                tr.train_step_at(bad)
+        tr.train_step_at(np.arange(20))
