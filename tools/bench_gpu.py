@@ -3,35 +3,71 @@
     python tools/bench_gpu.py                      # on a machine with a CUDA GPU
     python tools/bench_gpu.py --quick              # tiny CPU smoke run (no GPU needed)
     python tools/bench_gpu.py --json OUT.json --verbose
+    python tools/bench_gpu.py --models resnet20,resnet56,cifar10 --no-main-job [--torch-compile]
 
-What one run measures (MNIST-shaped synthetic uint8 data, 28x28, 10 classes):
+What one run measures (``--models``, default MLP,LeNet-5; synthetic uint8 data
+of each model's shape, 10 learnable classes):
 
 * towers, MLP 784-500-10, batch 100 per tower, the trainer's defaults (lr 0.8,
-  L2 1e-4, EMA 0.99): 1 tower on GPU 0; 2 towers sharing GPU 0 (global 200);
-  N towers on N GPUs when there are several GPUs (skipped with a note otherwise);
+  L2 1e-4, EMA 0.99) on MNIST-shaped data (28x28): 1 tower on GPU 0; 2 towers
+  sharing GPU 0 (global 200); N towers on N GPUs when there are several GPUs
+  (skipped with a note otherwise);
 * LeNet-5 the same way (lr 0.01, momentum 0.9, as the README trains it);
-* PyTorch eager on the same GPU (a reference, never a dependency: imported only
-  in its own subprocess, rows skipped when absent): the same networks,
-  truncated-normal weights, SGD with L2 1e-4 on the weights only (SGD's
-  ``weight_decay``, which is the gradient of ``S * sum(w**2) / 2``), an EMA of
-  every parameter each step (``torch._foreach_lerp_``, one multi-tensor op),
-  at batch 100 and 200; cuDNN with ``benchmark=True`` and TF32 off (towers
-  computes in plain float32);
+* the convolutional networks (``--models ResNet-20,ResNet-56,CIFAR-10``, not
+  in the default run), batch 128 per tower, SGD at towers' defaults for each
+  (``towers.nn.models.MODELS``: ResNets lr 0.1, momentum 0.9, L2 1e-4 on
+  convolution and fc weights; CIFAR-10 lr 0.1, plain SGD (momentum 0, the
+  tutorial's), L2 0.004 on local3 and local4): ResNet-20 and ResNet-56 (He et
+  al.: batch norm, option-A shortcuts) on 32x32x3, TensorFlow's CIFAR-10
+  tutorial model (LRN, 3x3 max-pools at stride 2) on 24x24x3; towers in
+  float32 (towers has no bf16 yet: that row says "not implemented");
+  ``--conv-steps`` timed steps per round, 5 warm-up steps, 3 profiled steps;
+* PyTorch on the same GPU (a reference, never a dependency: imported only
+  in its own subprocess, rows skipped when absent): the same networks (their
+  trainable and L2 parameter counts are checked against towers' models when
+  each worker starts: a mismatch fails the row), the same initializers,
+  SGD with the same L2 on the same weights (SGD's ``weight_decay``, which is
+  the gradient of ``S * sum(w**2) / 2``), an EMA of every parameter each step
+  (``torch._foreach_lerp_``, one multi-tensor op), at the global batch of 1
+  tower and of 2 (100 and 200; 128 and 256 for the conv nets); cuDNN with
+  ``benchmark=True`` and TF32 off (towers computes in plain float32):
+  eager float32 (NCHW), and for the conv nets also eager AMP bf16
+  channels-last (``torch.autocast(dtype=torch.bfloat16)``, model and input
+  in ``torch.channels_last``) and, with ``--torch-compile``, ``torch.compile``
+  float32 (default mode; compiling takes a minute or more per row: its first
+  step, which compiles with empty inductor and Triton caches, is reported as
+  compile time, never in the timed steps);
 * per row: samples/s (``--steps`` steps per round, the stream synchronized only
   at the end of the round, best of ``--rounds``); host microseconds per step
   (``time.thread_time`` of the thread that issues the work, over the same
   steps); kernel launches per tower-step, memory copies per step and summed
   kernel time per step, counted by ``torch.profiler`` (CUPTI sees every CUDA
   kernel of the process, CuPy's included) over ``--profile-steps`` extra
-  steps, "n/a" without torch or CUPTI;
+  steps, "n/a" without torch or CUPTI; peak device memory in MiB: for towers
+  the high-water mark of CuPy's default memory pool
+  (``cupy.get_default_memory_pool().total_bytes()``, sampled after the first
+  step, after the warm-up and after the timed rounds, the largest kept: the
+  pool keeps what it once held, and towers never frees it, so this is the
+  most the step's arrays held at once, rounded up to the pool's blocks, with
+  any freed blocks it keeps cached; it includes the data set, which lives on
+  the device: 29 MiB for the 10,000 32x32x3 images), for PyTorch
+  ``torch.cuda.max_memory_allocated()`` over the steps after the first (the
+  first holds cuDNN's algorithm search, whose trial workspaces are no part of
+  a step; the caching allocator's reserved peak goes to ``--json``; its
+  batches stay in pinned host memory); neither counts the CUDA context or
+  library handles; "n/a" on the CPU;
 * start-up of every towers row: seconds from the launch of a fresh process to
   its first completed step, with an EMPTY CuPy kernel cache (``CUPY_CACHE_DIR``
   a fresh directory: every kernel compiled) and warm (the same directory again);
+  the conv nets' cold run stops after its first step (only its start-up is used);
 * the default main job, ``python -m towers.train --n-gpu 2`` (MLP on
   data/digits.npz, 2000 steps), as a subprocess on the GPU with a cold and a
   warm kernel cache, against ``taskset -c 0,1 ... --devices cpu`` (2 cores, a
   developer's machine): wall time of the whole command;
-* then the ratios the "Fast on GPUs" issue targets.
+* then the ratios the "Fast on GPUs" issue targets: for the conv nets towers
+  1 tower / PyTorch eager float32 b128 and towers 2 sharing / PyTorch eager
+  float32 b256 (target 1.0 each), and towers float32 / PyTorch AMP bf16
+  channels-last (informational: no target until towers has bf16).
 
 Every row runs in its own subprocess (``--worker``), so CuPy's and PyTorch's
 memory pools, handles and caches never meet, and start-up is a real cold start.
@@ -40,7 +76,9 @@ before the clock starts and run ``Trainer.train_step_at`` as ``fit`` does: on
 a GPU the data set lives on the device and each tower gathers its slice there
 (one index copy and one kernel), on the CPU the rows are taken and staged from
 host memory.  So the numbers are the trainer's step (staging included), not
-the input thread.  PyTorch's rows copy each batch from pinned host memory.  Nothing here is asserted: the figures are printed, with the targets.
+the input thread.  PyTorch's rows copy each batch from pinned host memory
+(already in the row's layout: NCHW for float32, NHWC viewed as channels-last
+for AMP).  Nothing here is asserted: the figures are printed, with the targets.
 """
 from __future__ import annotations
 
@@ -66,28 +104,69 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 from towers import Config, Trainer  # noqa: E402
 from towers.data.batches import BatchSource  # noqa: E402
 from towers.data.loading import load_dataset  # noqa: E402
+from towers.nn.models import build_model, model_defaults  # noqa: E402
 from towers.output.files import atomic_path  # noqa: E402
 
-BATCH = 100  # per tower, as the issue asks
+BATCH = 100  # per tower for the MLP and LeNet-5, as the issue asks
+CONV_BATCH = 128  # per tower for the conv nets (He et al.'s and the tutorial's batch)
 RING = 32  # global batches drawn before timing, reused in turn
 RESULT = "BENCH_RESULT "  # prefix of a worker's one result line
-MODELS = {  # name -> (towers --model, lr, momentum): the MLP at the defaults, LeNet-5 as the README trains it
-    "MLP": ("mlp", 0.8, 0.0),
-    "LeNet-5": ("lenet5", 0.01, 0.9),
+# name -> (towers --model, lr, momentum, batch per tower, example shape, data file): the MLP at the defaults,
+# LeNet-5 as the README trains it, the conv nets at towers' SGD defaults (model_defaults: lr, momentum, L2).
+MODELS = {
+    "MLP": ("mlp", 0.8, 0.0, BATCH, (28, 28), "mnist_shaped.npz"),
+    "LeNet-5": ("lenet5", 0.01, 0.9, BATCH, (28, 28), "mnist_shaped.npz"),
+    "ResNet-20": ("resnet20", 0.1, 0.9, CONV_BATCH, (32, 32, 3), "cifar_shaped.npz"),
+    "ResNet-56": ("resnet56", 0.1, 0.9, CONV_BATCH, (32, 32, 3), "cifar_shaped.npz"),
+    "CIFAR-10": ("cifar10", 0.1, 0.0, CONV_BATCH, (24, 24, 3), "cifar24_shaped.npz"),
 }
+CONV = ("ResNet-20", "ResNet-56", "CIFAR-10")  # the conv nets: --conv-steps, short warm-up, AMP rows
+DEFAULT_MODELS = ("MLP", "LeNet-5")
+CONV_WARMUP, CONV_PROFILE = 5, 3  # the conv nets' warm-up and profiled steps unless --warmup / --profile-steps
 
 
-def make_data(path: str, n: int) -> None:
-    """MNIST-shaped uint8 images (about 80% background zeros, as MNIST), learnable labels.
+def model_names(text: str) -> list[str]:
+    """``--models``: comma-separated names (ours or towers' ``--model`` names, any case) -> our names, in order.
 
-    Labels are a fixed random projection of the pixels, so training at the
-    default learning rate stays finite: a diverged run would time NaN
-    arithmetic instead of training.
+    Raises ValueError naming the unknown ones.
+    """
+    known = {}
+    for name, (tname, *_) in MODELS.items():
+        known[name.lower()] = known[tname] = name
+    out, bad = [], []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name = known.get(part.lower())
+        if name is None:
+            bad.append(part)
+        elif name not in out:
+            out.append(name)
+    if bad or not out:
+        raise ValueError(f"unknown model {', '.join(map(repr, bad))}" if bad else "no model named")
+    return out
+
+
+def l2_of(model: str) -> float:
+    """The L2 towers trains ``model`` with under SGD (its default): the PyTorch rows' ``weight_decay``."""
+    return float(model_defaults(MODELS[model][0], "sgd")[1]["l2"])
+
+
+def make_data(path: str, n: int, shape: tuple = (28, 28)) -> None:
+    """uint8 images of ``shape`` with learnable labels.
+
+    MNIST-shaped (28, 28) ones have about 80% background zeros, as MNIST;
+    colour ones (H, W, 3) are dense, as photographs.  Labels are a fixed
+    random projection of the pixels, so training at the default learning
+    rate stays finite: a diverged run would time NaN arithmetic instead of
+    training.
     """
     rng = numpy.random.default_rng(0)
-    x = rng.integers(0, 256, (n, 28, 28), dtype=numpy.uint8)
-    x[rng.random((n, 28, 28)) < 0.8] = 0
-    proj = rng.standard_normal((784, 10)).astype(numpy.float32)
+    shape = tuple(shape)
+    x = rng.integers(0, 256, (n,) + shape, dtype=numpy.uint8)
+    if len(shape) == 2:
+        x[rng.random((n,) + shape) < 0.8] = 0
+    proj = rng.standard_normal((int(numpy.prod(shape)), 10)).astype(numpy.float32)
     y = (x.reshape(n, -1).astype(numpy.float32) @ proj).argmax(1).astype(numpy.int32)
     numpy.savez(path, x=x, y=y, x_test=x[:500], y_test=y[:500])
 
@@ -95,7 +174,7 @@ def make_data(path: str, n: int) -> None:
 # -- measurements shared by the workers ---------------------------------------------
 
 
-def time_steps(step, sync, steps: int, warmup: int, rounds: int) -> dict:
+def time_steps(step, sync, steps: int, warmup: int, rounds: int, on_warm=None) -> dict:
     """Wall and host time per step: ``rounds`` rounds of ``steps``, one sync per round.
 
     Host time is ``time.thread_time`` of this thread (the one that issues the
@@ -104,12 +183,15 @@ def time_steps(step, sync, steps: int, warmup: int, rounds: int) -> dict:
     backward on a thread of its own, which thread time misses).  Both include any blocking the step does itself (a pinned buffer's event wait,
     a full launch queue), which CUDA may spin on.  The round with the lowest
     wall time is kept: on a shared machine it is the least disturbed one.
+    ``on_warm`` (if given) is called after the warm-up (a memory sample).
     """
     k = 1  # step 0 was the start-up step
     for _ in range(warmup):
         step(k)
         k += 1
     sync()
+    if on_warm is not None:
+        on_warm()
     best, walls = None, []
     for _ in range(rounds):
         h0, c0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
@@ -210,16 +292,35 @@ def _env_worker(spec) -> dict:
     return out
 
 
+def _pool_bytes(devices: list[int]) -> int:
+    """The largest of CuPy's default memory pool's bytes held on each of ``devices`` (what it once held)."""
+    import cupy
+
+    pool, most = cupy.get_default_memory_pool(), 0
+    for i in devices:
+        with cupy.cuda.Device(i):
+            most = max(most, pool.total_bytes())
+    return most
+
+
 def _towers_worker(spec) -> dict:
-    """One towers configuration: start-up, timed steps, launches."""
+    """One towers configuration: start-up, timed steps, launches, peak device memory."""
     t_launch = spec["t_launch"]
     marks = {"imports": _since(t_launch)}
     ds = load_dataset(spec["data"])
-    name, lr, momentum = MODELS[spec["model"]]
-    cfg = Config(n_gpu=spec["towers"], devices=spec["devices"], model=name, batch_size=BATCH,
+    name, lr, momentum, batch = MODELS[spec["model"]][:4]
+    cfg = Config(n_gpu=spec["towers"], devices=spec["devices"], model=name, batch_size=batch,
                  optimizer="sgd", lr=lr, momentum=momentum, quiet=True)
     trainer = Trainer(cfg, dataset=ds)
     marks["trainer built"] = _since(t_launch)
+    gpus = [] if spec["devices"] == "cpu" else [int(d) for d in spec["devices"].split(",")]
+    peaks = []
+
+    def sample():  # the pool's high-water mark so far (module doc)
+        if gpus:
+            trainer.synchronize()
+            peaks.append(_pool_bytes(gpus))
+
     try:
         source = BatchSource(ds, trainer.global_batch, cfg.seed)
         # Index batches, as fit() feeds them: gathered on the device when the data
@@ -232,7 +333,11 @@ def _towers_worker(spec) -> dict:
         step(0)
         trainer.synchronize()
         marks["first step done"] = _since(t_launch)
-        t = time_steps(step, trainer.synchronize, spec["steps"], spec["warmup"], spec["rounds"])
+        if spec.get("startup_only"):  # a cold start-up run: nothing more is read from it
+            return dict(global_batch=trainer.global_batch, startup=marks)
+        sample()
+        t = time_steps(step, trainer.synchronize, spec["steps"], spec["warmup"], spec["rounds"], on_warm=sample)
+        sample()
         losses = trainer.train_step_at(ring[0], want_loss=True)
         loss = sum(float(v) for v in losses) / len(losses)
         k = t.pop("next_k") + 1
@@ -244,21 +349,66 @@ def _towers_worker(spec) -> dict:
             launches = count_launches(step, trainer.synchronize, spec["profile_steps"], k, spec["towers"])
     finally:
         trainer.close()
+    on_device = trainer.device_data is not None
     return dict(t, global_batch=trainer.global_batch, loss=loss, startup=marks, launches=launches,
-                data_on_device=trainer.device_data is not None)
+                data_on_device=on_device, peak_bytes=max(peaks) if peaks else None,
+                peak_source="cupy memory pool high-water (total_bytes), largest GPU" if peaks else None,
+                data_bytes=int(ds.x.nbytes + ds.y.nbytes) if on_device else 0)
+
+
+def _trunc_normal(nn, t, std: float) -> None:
+    """TF's truncated_normal(std) (re-drawn beyond 2 std), as towers' initializer."""
+    nn.init.trunc_normal_(t, std=std, a=-2 * std, b=2 * std)
 
 
 def _torch_net(torch, model: str):
-    """The same networks as towers', in PyTorch (NCHW for LeNet-5), truncated-normal weights."""
+    """(net, its weights under L2): the same networks as towers', in PyTorch (NCHW), the same initializers.
+
+    MLP and LeNet-5 as towers' ``mlp`` and ``lenet5``; ResNet-20/56 from
+    ``tools.bench_train._torch_resnet`` (He et al.'s CIFAR ResNet as towers'
+    ``resnet``: option-A shortcuts, BN momentum 0.99 / eps 1e-3, bias-free He
+    convolutions padded 1), its fc initialized as towers' (truncated normal
+    0.125, bias 0); CIFAR-10 as towers' ``cifar10`` (TF's tutorial).
+    """
     nn = torch.nn
     if model == "MLP":
         net = nn.Sequential(nn.Flatten(), nn.Linear(784, 500), nn.ReLU(), nn.Linear(500, 10))
         regularized = [net[1].weight, net[3].weight]
-    else:  # LeNet-5: conv5x5x32 SAME + ReLU, pool 2, conv5x5x64 SAME + ReLU, pool 2, fc512 + ReLU, fc10
+    elif model == "LeNet-5":  # conv5x5x32 SAME + ReLU, pool 2, conv5x5x64 SAME + ReLU, pool 2, fc512 + ReLU, fc10
         net = nn.Sequential(nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
                             nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                             nn.Linear(7 * 7 * 64, 512), nn.ReLU(), nn.Linear(512, 10))
         regularized = [net[7].weight, net[9].weight]  # the book's L2: fully connected weights only
+    elif model in ("ResNet-20", "ResNet-56"):
+        from tools.bench_train import _torch_resnet  # numpy and the standard library only: a cheap import
+
+        depth = int(MODELS[model][0][len("resnet"):])
+        net = _torch_resnet(torch, (depth - 2) // 6)
+        with torch.no_grad():
+            _trunc_normal(nn, net[-1].weight, 0.125)  # towers' Dense("fc", stddev=0.125), bias 0
+            net[-1].bias.zero_()
+        # L2 on the convolution and fc weights, not on BN's gamma and beta.
+        regularized = [p for p in net.parameters() if p.dim() in (2, 4)]
+        return net, regularized
+    elif model == "CIFAR-10":
+        # TF's cifar10.inference as towers builds it: conv 5x5x64 SAME, max-pool 3x3 stride 2 SAME, ReLU (after
+        # the pool: the same function), LRN, conv 5x5x64, ReLU, LRN, max-pool, fc 384, fc 192, fc 10.  TF's
+        # SAME pool (24 -> 12 -> 6, padding only at the bottom/right) is PyTorch's ceil_mode with no padding;
+        # TF's LRN depth_radius 4 is a window of 9 channels, and PyTorch divides alpha by the window.
+        lrn = dict(size=9, alpha=0.001 / 9.0 * 9, beta=0.75, k=1.0)
+        conv1, conv2 = nn.Conv2d(3, 64, 5, padding=2), nn.Conv2d(64, 64, 5, padding=2)
+        local3, local4, logits = nn.Linear(6 * 6 * 64, 384), nn.Linear(384, 192), nn.Linear(192, 10)
+        net = nn.Sequential(conv1, nn.MaxPool2d(3, 2, ceil_mode=True), nn.ReLU(), nn.LocalResponseNorm(**lrn),
+                            conv2, nn.ReLU(), nn.LocalResponseNorm(**lrn), nn.MaxPool2d(3, 2, ceil_mode=True),
+                            nn.Flatten(), local3, nn.ReLU(), local4, nn.ReLU(), logits)
+        with torch.no_grad():
+            for m, std, bias in ((conv1, 5e-2, 0.0), (conv2, 5e-2, 0.1), (local3, 0.04, 0.1), (local4, 0.04, 0.1),
+                                 (logits, 1 / 192.0, 0.0)):
+                _trunc_normal(nn, m.weight, std)
+                m.bias.fill_(bias)
+        return net, [local3.weight, local4.weight]  # the tutorial's weight decay: local3 and local4 only
+    else:
+        raise ValueError(f"no PyTorch definition of {model}")
     with torch.no_grad():
         for m in net:
             if isinstance(m, (nn.Linear, nn.Conv2d)):
@@ -267,46 +417,92 @@ def _torch_net(torch, model: str):
     return net, regularized
 
 
+def param_counts(model: str, net=None, regularized=None) -> dict:
+    """Trainable and L2 parameter counts of towers' ``model`` and (given) of the PyTorch ``net``.
+
+    A mismatch raises AssertionError: the two rows would not train the same network.
+    """
+    tname, *_, shape, _ = MODELS[model]
+    ours = build_model(tname, shape, 10)
+    out = {"towers": ours.size, "towers_l2": ours.n_regularized}
+    if net is not None:
+        out.update(torch=sum(p.numel() for p in net.parameters()), torch_l2=sum(p.numel() for p in regularized))
+        if (out["towers"], out["towers_l2"]) != (out["torch"], out["torch_l2"]):
+            raise AssertionError(f"{model}: PyTorch's network is not towers': trainable parameters {out['torch']} "
+                                 f"against towers' {out['towers']}, under L2 {out['torch_l2']} against "
+                                 f"{out['towers_l2']}")
+    return out
+
+
+TORCH_VARIANTS = {  # variant -> how its rows are named
+    "fp32": "PyTorch eager",
+    "amp": "PyTorch AMP bf16 channels-last",
+    "compile": "torch.compile fp32",
+}
+
+
 def _torch_worker(spec) -> dict:
-    """PyTorch eager, the same model, optimizer, L2 and EMA as towers."""
+    """PyTorch, the same model, optimizer, L2 and EMA as towers: eager fp32, eager AMP bf16, or compiled fp32."""
     t_launch = spec["t_launch"]
+    import contextlib
+
     import torch
 
     marks = {"imports": _since(t_launch)}
+    model, variant = spec["model"], spec.get("variant", "fp32")
     gpu = spec["devices"] != "cpu"
     dev = torch.device("cuda:0" if gpu else "cpu")
     torch.backends.cudnn.benchmark = True  # pick the fastest conv algorithms (during warm-up)
     torch.backends.cudnn.allow_tf32 = False  # towers computes in plain float32
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    name, lr, momentum = MODELS[spec["model"]]
-    net, regularized = _torch_net(torch, spec["model"])
-    net = net.to(dev)
+    _, lr, momentum, _, example, _ = MODELS[model]
+    net, regularized = _torch_net(torch, model)
+    counts = param_counts(model, net, regularized)  # before any time is spent: a mismatch fails the row
+    print(f"{model}: trainable parameters towers {counts['towers']}, PyTorch {counts['torch']}; "
+          f"under L2 towers {counts['towers_l2']}, PyTorch {counts['torch_l2']}", file=sys.stderr)
+    amp = variant == "amp"
+    net = net.to(dev, memory_format=torch.channels_last) if amp else net.to(dev)
     reg_ids = {id(p) for p in regularized}
     params = list(net.parameters())
     weights = [p for p in params if id(p) in reg_ids]
     others = [p for p in params if id(p) not in reg_ids]
     # weight_decay S adds S*w to the gradient: the gradient of S * sum(w**2) / 2.
-    opt = torch.optim.SGD([{"params": weights, "weight_decay": 1e-4}, {"params": others}],
+    opt = torch.optim.SGD([{"params": weights, "weight_decay": l2_of(model)}, {"params": others}],
                           lr=lr, momentum=momentum)
     ema = [p.detach().clone() for p in params]
+    forward = torch.compile(net) if variant == "compile" else net
     d = numpy.load(spec["data"])
     gb = spec["batch"]
-    shape = (gb, 28, 28) if spec["model"] == "MLP" else (gb, 1, 28, 28)
+    image = len(example) == 3  # NHWC colour data: the conv nets
+    shape = (gb, 28, 28) if model == "MLP" else (gb, 1, 28, 28)
     rng = numpy.random.default_rng(0)
     ring = []
     for _ in range(RING):  # pinned host batches, as towers stages through pinned memory
         idx = rng.choice(len(d["x"]), gb, replace=False)
-        xh, yh = torch.from_numpy(d["x"][idx]), torch.from_numpy(d["y"][idx].astype(numpy.int64))
+        xa = d["x"][idx]
+        if image and not amp:  # NCHW for the float32 rows, laid out before the clock starts
+            xa = numpy.ascontiguousarray(xa.transpose(0, 3, 1, 2))
+        xh, yh = torch.from_numpy(xa), torch.from_numpy(d["y"][idx].astype(numpy.int64))
         ring.append((xh.pin_memory(), yh.pin_memory()) if gpu else (xh, yh))
+
+    def prepare(x):  # uint8 on the device -> float32 in [0, 1], in the row's layout
+        if not image:
+            return x.float().mul_(1.0 / 255).view(shape)
+        if amp:  # NHWC viewed as NCHW is channels-last; float() keeps those strides
+            x = x.permute(0, 3, 1, 2)
+        return x.float().mul_(1.0 / 255)
+
+    autocast = (lambda: torch.autocast(device_type=dev.type, dtype=torch.bfloat16)) if amp else contextlib.nullcontext
     marks["trainer built"] = _since(t_launch)
     loss_fn = torch.nn.functional.cross_entropy
     last = {}
 
     def step(k):
         xh, yh = ring[k % RING]
-        xb = xh.to(dev, non_blocking=True).float().mul_(1.0 / 255).view(shape)
-        loss = loss_fn(net(xb), yh.to(dev, non_blocking=True))
+        xb = prepare(xh.to(dev, non_blocking=True))
+        with autocast():
+            loss = loss_fn(forward(xb), yh.to(dev, non_blocking=True))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -316,14 +512,25 @@ def _torch_worker(spec) -> dict:
         last["loss"] = loss
 
     sync = torch.cuda.synchronize if gpu else (lambda: None)
-    step(0)
+    t0 = time.perf_counter()
+    step(0)  # torch.compile compiles here (forward and backward), before any timed step
     sync()
+    first_step_s = time.perf_counter() - t0
     marks["first step done"] = _since(t_launch)
+    if gpu:  # the steps' own peak: not cuDNN's algorithm search (trial workspaces) in the first step
+        torch.cuda.reset_peak_memory_stats(dev)
     t = time_steps(step, sync, spec["steps"], spec["warmup"], spec["rounds"])
-    loss = float(last["loss"])
+    peak = torch.cuda.max_memory_allocated(dev) if gpu else None
+    reserved = torch.cuda.max_memory_reserved(dev) if gpu else None
+    with torch.no_grad():  # towers' loss includes its L2 term, S * sum(w**2) / 2: the same here (untimed)
+        loss = float(last["loss"]) + l2_of(model) / 2 * float(sum((w.float() ** 2).sum() for w in weights))
     k = t.pop("next_k")
     launches = count_launches(step, sync, spec["profile_steps"], k, 1) if gpu else {"na": "CPU run"}
-    return dict(t, global_batch=gb, loss=loss, startup=marks, launches=launches)
+    return dict(t, global_batch=gb, loss=loss, startup=marks, launches=launches, peak_bytes=peak,
+                peak_source="torch.cuda.max_memory_allocated after the first step" if gpu else None,
+                peak_reserved_bytes=reserved, params=counts,
+                first_step_s=first_step_s, compile_s=first_step_s if variant == "compile" else None,
+                variant=variant)
 
 
 WORKERS = {"env": _env_worker, "towers": _towers_worker, "torch": _torch_worker}
@@ -332,20 +539,20 @@ WORKERS = {"env": _env_worker, "towers": _towers_worker, "torch": _torch_worker}
 # -- driver ---------------------------------------------------------------------------
 
 
-def _child_env(cache_dir: str | None = None) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def _child_env(cache_dir: str | None = None, extra: dict | None = None) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if cache_dir is not None:
         env["CUPY_CACHE_DIR"] = cache_dir
     return env
 
 
-def run_worker(kind: str, spec: dict, timeout: float, cache_dir: str | None = None) -> dict:
-    """Run one worker in a fresh process; {"error": ...} if it failed."""
+def run_worker(kind: str, spec: dict, timeout: float, cache_dir: str | None = None, env: dict | None = None) -> dict:
+    """Run one worker in a fresh process (``env``: variables to add); {"error": ...} if it failed."""
     spec = dict(spec, t_launch=time.time())
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--spec", json.dumps(spec)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_child_env(cache_dir),
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_child_env(cache_dir, env),
                            timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
@@ -390,51 +597,71 @@ def _fmt(v, spec="{:.0f}", na="n/a"):
     return na if v is None else spec.format(v)
 
 
-def _plan(gpus: int, torch_ok: bool, quick: bool) -> list[dict]:
-    """The rows: towers configurations and PyTorch references."""
+def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool) -> list[dict]:
+    """The rows: towers configurations and PyTorch references, model by model."""
     dev = "0" if gpus else "cpu"
     where = "GPU 0" if gpus else "CPU"
     rows = []
-    for model in MODELS:
-        rows.append(dict(name=f"{model} towers 1 tower, {where}, b100", kind="towers", model=model, towers=1,
+    for model in models:
+        b = MODELS[model][3]
+        rows.append(dict(name=f"{model} towers 1 tower, {where}, b{b}", kind="towers", model=model, towers=1,
                          devices=dev))
-        rows.append(dict(name=f"{model} towers 2 towers sharing {where}, global 200", kind="towers", model=model,
+        rows.append(dict(name=f"{model} towers 2 towers sharing {where}, global {2 * b}", kind="towers", model=model,
                          towers=2, devices=dev))
         if gpus >= 2:
-            rows.append(dict(name=f"{model} towers {gpus} towers on {gpus} GPUs, global {100 * gpus}",
+            rows.append(dict(name=f"{model} towers {gpus} towers on {gpus} GPUs, global {b * gpus}",
                              kind="towers", model=model, towers=gpus, devices=",".join(map(str, range(gpus)))))
         else:
             rows.append(dict(name=f"{model} towers N towers on N GPUs", kind="skip",
                              note="skipped: only one GPU" if gpus == 1 else "skipped: no GPU"))
-        for b in (100, 200):
-            row = dict(name=f"{model} PyTorch eager, {where}, b{b}", kind="torch", model=model, batch=b, devices=dev)
-            rows.append(row if torch_ok else dict(row, kind="skip", note="skipped: torch not installed"))
+        variants = ["fp32"]
+        if model in CONV:
+            rows.append(dict(name=f"{model} towers bf16", kind="skip", note="not implemented (towers has no bf16 yet)"))
+            variants += ["amp", "compile"]
+        for variant in variants:
+            label = TORCH_VARIANTS[variant] + (" fp32" if variant == "fp32" and model in CONV else "")
+            if variant == "compile" and not torch_compile:
+                rows.append(dict(name=f"{model} {label}", kind="skip",
+                                 note="skipped: pass --torch-compile (a minute or more of compiling per row)"))
+                continue
+            for bb in (b, 2 * b):
+                row = dict(name=f"{model} {label}, {where}, b{bb}", kind="torch", model=model, batch=bb, devices=dev,
+                           variant=variant)
+                rows.append(row if torch_ok else dict(row, kind="skip", note="skipped: torch not installed"))
     return rows
+
+
+def _mib(v):
+    return None if v is None else v / 2 ** 20
 
 
 def _print_table(rows: list[dict]) -> None:
     head = ("row", "samples/s", "wall us/step", "host us/step", "all threads us/step", "kernel us/step", "launches/tower-step",
-            "copies/step", "last loss")
-    print(f"| {head[0]:<50} | " + " | ".join(f"{h:>{max(len(h), 9)}}" for h in head[1:]) + " |")
-    print(f"| {'-' * 50} | " + " | ".join("-" * max(len(h), 9) for h in head[1:]) + " |")
+            "copies/step", "peak MiB", "last loss")
+    w = max([50] + [len(r["name"]) for r in rows])
+    print(f"| {head[0]:<{w}} | " + " | ".join(f"{h:>{max(len(h), 9)}}" for h in head[1:]) + " |")
+    print(f"| {'-' * w} | " + " | ".join("-" * max(len(h), 9) for h in head[1:]) + " |")
     for r in rows:
         res = r.get("result") or {}
         if r["kind"] == "skip" or "error" in res:
             msg = r.get("note") if r["kind"] == "skip" else "FAILED: " + res["error"][:160]
-            print(f"| {r['name']:<50} | {msg}")
+            print(f"| {r['name']:<{w}} | {msg}")
             continue
         ln = res["launches"]
         vals = [res["samples_per_sec"], res["wall_us_per_step"], res["host_us_per_step"], res.get("cpu_us_per_step"),
-                ln.get("kernel_us_per_step"), ln.get("kernels_per_tower_step"), ln.get("copies_per_step"), res["loss"]]
-        specs = ["{:.0f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.3f}"]
+                ln.get("kernel_us_per_step"), ln.get("kernels_per_tower_step"), ln.get("copies_per_step"),
+                _mib(res.get("peak_bytes")), res["loss"]]
+        specs = ["{:.0f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.0f}", "{:.3f}"]
         cells = [_fmt(v, s) for v, s in zip(vals, specs)]
-        print(f"| {r['name']:<50} | " + " | ".join(f"{c:>{max(len(h), 9)}}" for c, h in zip(cells, head[1:])) + " |")
+        print(f"| {r['name']:<{w}} | " + " | ".join(f"{c:>{max(len(h), 9)}}" for c, h in zip(cells, head[1:])) + " |")
 
 
 def _print_startup(rows: list[dict]) -> None:
     print("start-up: seconds from process launch to each mark (cold: empty CuPy kernel cache; warm: same cache again)")
-    print(f"| {'row':<50} | {'run':<5} | {'imports':>8} | {'built':>8} | {'1st step':>8} |")
-    print(f"| {'-' * 50} | ----- | -------- | -------- | -------- |")
+    w = max([50] + [len(r["name"]) for r in rows])
+    print(f"| {'row':<{w}} | {'run':<5} | {'imports':>8} | {'built':>8} | {'1st step':>8} |")
+    print(f"| {'-' * w} | ----- | -------- | -------- | -------- |")
+    compiled = []
     for r in rows:
         for run in ("cold", "warm", "once"):
             res = r.get({"cold": "cold", "warm": "result", "once": "result"}[run]) or {}
@@ -442,18 +669,42 @@ def _print_startup(rows: list[dict]) -> None:
                 continue
             s = res["startup"]
             label = "-" if run == "once" else run
-            print(f"| {r['name']:<50} | {label:<5} | {s['imports']:8.2f} | {s['trainer built']:8.2f} | "
+            print(f"| {r['name']:<{w}} | {label:<5} | {s['imports']:8.2f} | {s['trainer built']:8.2f} | "
                   f"{s['first step done']:8.2f} |")
+            if res.get("compile_s") is not None:
+                compiled.append((r["name"], res["compile_s"]))
+    for name, s in compiled:
+        print(f"torch.compile: {name}: first step (compiling forward and backward) {s:.1f} s, not in its timed steps")
 
 
-def _ratio(out: dict, name: str, num, den, target: float, below: bool = False) -> None:
+def _print_params(rows: list[dict], models: list[str]) -> None:
+    """Trainable and L2 parameter counts of each model: towers' and, where a PyTorch row ran, PyTorch's."""
+    print("parameters (trainable / under L2), towers' models and the PyTorch rows' networks:")
+    for model in models:
+        ours = param_counts(model)
+        theirs = next((r["result"]["params"] for r in rows if r["kind"] == "torch" and r["model"] == model
+                       and "params" in (r.get("result") or {})), None)
+        line = f"  {model:<10} towers {ours['towers']:>9,} / {ours['towers_l2']:>9,}"
+        if theirs is None:
+            line += "   PyTorch n/a (no PyTorch row ran)"
+        else:
+            same = (theirs["torch"], theirs["torch_l2"]) == (ours["towers"], ours["towers_l2"])
+            line += f"   PyTorch {theirs['torch']:>9,} / {theirs['torch_l2']:>9,}   [{'equal' if same else 'DIFFERENT'}]"
+        print(line)
+
+
+def _ratio(out: dict, name: str, num, den, target: float | None, below: bool = False) -> None:
+    """Print ``num / den`` with its target (``target`` None: informational, no target)."""
     if num is None or den is None:
         print(f"{name}: n/a")
         out[name] = None
         return
     v = num / den
-    met = v < target if below else v >= target
-    print(f"{name}: {v:.2f} (target {'<' if below else '>='} {target:g}) [{'met' if met else 'MISSED'}]")
+    if target is None:
+        print(f"{name}: {v:.2f} (informational, no target)")
+    else:
+        met = v < target if below else v >= target
+        print(f"{name}: {v:.2f} (target {'<' if below else '>='} {target:g}) [{'met' if met else 'MISSED'}]")
     out[name] = v
 
 
@@ -463,44 +714,79 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
-    ap = _Parser(description=__doc__.split("\n")[0])
+    ap = _Parser(description=__doc__.split("\n")[0],
+                 epilog="Models: MLP and LeNet-5 (28x28, batch 100 per tower), ResNet-20 and ResNet-56 (32x32x3, "
+                        "batch 128), CIFAR-10 (TF's tutorial model, 24x24x3, batch 128); towers' names (mlp, lenet5, "
+                        "resnet20, resnet56, cifar10) work too.  Each conv net gets towers float32 (1 tower, 2 towers "
+                        "sharing the GPU), PyTorch eager float32 and eager AMP bf16 channels-last at b128 and b256, "
+                        "and with --torch-compile torch.compile float32; per row samples/s, wall, host and kernel "
+                        "time per step, launches per step, peak device memory and start-up.  A short run of the conv rows: "
+                        "--models resnet20,cifar10 --conv-steps 20 --rounds 2 --no-main-job")
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                    help="comma-separated models to measure, among " + ", ".join(MODELS)
+                         + " (any case; towers' names too); default: " + ",".join(DEFAULT_MODELS))
     ap.add_argument("--steps", type=int, default=None, help="timed MLP steps per round (default 1000; --quick 10)")
     ap.add_argument("--lenet-steps", type=int, default=None, help="timed LeNet-5 steps per round (default 200)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (default 30)")
+    ap.add_argument("--conv-steps", type=int, default=None,
+                    help="timed steps per round of the conv nets, ResNet-20/56 and CIFAR-10 (default 50; --quick 1)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help=f"untimed steps after the first (default 30; the conv nets {CONV_WARMUP})")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per row, best kept (default 3)")
-    ap.add_argument("--profile-steps", type=int, default=None, help="steps under torch.profiler (default 10)")
+    ap.add_argument("--profile-steps", type=int, default=None,
+                    help=f"steps under torch.profiler (default 10; the conv nets {CONV_PROFILE})")
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="add torch.compile float32 rows for the conv nets (each compiles for a minute or more; "
+                         "the compile time is reported apart from the timed steps)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, on the CPU when there is no GPU")
     ap.add_argument("--no-main-job", action="store_true", help="skip the default main job comparison")
     ap.add_argument("--verbose", action="store_true", help="print the kernel names counted for each row, with their time per step")
     ap.add_argument("--json", help="also write every figure to this file")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds allowed to each subprocess")
+    ap.add_argument("--timeout", type=float, default=300,
+                    help="seconds allowed to each subprocess (default 300; torch.compile rows twice that)")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         print(RESULT + json.dumps(WORKERS[a.worker](json.loads(a.spec))), flush=True)
         return 0
+    try:
+        a.models = model_names(a.models)
+    except ValueError as e:
+        ap.error(f"--models {a.models!r}: {e}; use names among {', '.join(MODELS)} (or towers' "
+                 f"{', '.join(m[0] for m in MODELS.values())}), comma-separated")
     q = a.quick
     steps = a.steps if a.steps is not None else (10 if q else 1000)
     lenet_steps = a.lenet_steps if a.lenet_steps is not None else (2 if q else 200)
+    conv_steps = a.conv_steps if a.conv_steps is not None else (1 if q else 50)
     warmup = a.warmup if a.warmup is not None else (2 if q else 30)
     rounds = a.rounds if a.rounds is not None else (1 if q else 3)
     profile_steps = a.profile_steps if a.profile_steps is not None else (2 if q else 10)
-    if min(steps, lenet_steps, rounds, profile_steps) < 1 or warmup < 0:
-        ap.error("--steps, --lenet-steps, --rounds and --profile-steps must be >= 1, --warmup >= 0")
+    if min(steps, lenet_steps, conv_steps, rounds, profile_steps) < 1 or warmup < 0:
+        ap.error("--steps, --lenet-steps, --conv-steps, --rounds and --profile-steps must be >= 1, --warmup >= 0")
     if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
         ap.error(f"--json {a.json}: its directory does not exist; create it or pick another path")
+    sizes = {  # model -> (timed steps, warm-up steps, profiled steps)
+        m: (conv_steps, a.warmup if a.warmup is not None else (1 if q else CONV_WARMUP),
+            a.profile_steps if a.profile_steps is not None else (1 if q else CONV_PROFILE)) if m in CONV
+        else (steps if m == "MLP" else lenet_steps, warmup, profile_steps)
+        for m in a.models}
 
     tmp = tempfile.mkdtemp(prefix="towers-bench-gpu-")
     try:
-        return _bench(a, tmp, steps, lenet_steps, warmup, rounds, profile_steps)
+        return _bench(a, tmp, sizes, rounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _bench(a, tmp, steps, lenet_steps, warmup, rounds, profile_steps) -> int:
-    data = os.path.join(tmp, "mnist_shaped.npz")
-    make_data(data, 2000 if a.quick else 10000)
+def _bench(a, tmp, sizes: dict, rounds: int) -> int:
+    t_start = time.perf_counter()
+    data = {}  # model -> its data file, one per shape
+    for model in a.models:
+        shape, fname = MODELS[model][4:6]
+        path = os.path.join(tmp, fname)
+        if not os.path.exists(path):
+            make_data(path, 2000 if a.quick else 10000, shape)
+        data[model] = path
     env = run_worker("env", {}, a.timeout)
     if "error" in env:
         print(f"bench_gpu: error: the environment probe failed: {env['error']}", file=sys.stderr)
@@ -521,34 +807,48 @@ def _bench(a, tmp, steps, lenet_steps, warmup, rounds, profile_steps) -> int:
             print("bench_gpu: error: no CUDA GPU is visible; this benchmark measures GPUs. "
                   "Run it on a GPU machine, or pass --quick for a CPU smoke run", file=sys.stderr)
             return 2
-    print(f"steps per round: MLP {steps}, LeNet-5 {lenet_steps}; {rounds} rounds (best kept) after "
-          f"{warmup} warm-up steps; {profile_steps} profiled steps; batch {BATCH} per tower", flush=True)
+    print(f"{rounds} rounds per row (best kept); per model: timed steps per round, warm-up steps, profiled steps, "
+          "batch per tower: " + "; ".join(f"{m} {s[0]}, {s[1]}, {s[2]}, {MODELS[m][3]}" for m, s in sizes.items()),
+          flush=True)
 
-    rows = _plan(gpus, torch_ok, a.quick)
+    rows = _plan(gpus, torch_ok, a.models, a.torch_compile)
     failed = False
     for r in rows:
         if r["kind"] == "skip":
             continue
+        model = r["model"]
+        steps, warmup, profile_steps = sizes[model]
         spec = {k: r[k] for k in ("model", "devices") if k in r}
-        spec.update(data=data, steps=steps if r["model"] == "MLP" else lenet_steps, warmup=warmup,
-                    rounds=rounds, profile_steps=profile_steps)
+        spec.update(data=data[model], steps=steps, warmup=warmup, rounds=rounds, profile_steps=profile_steps)
         t0 = time.perf_counter()
         if r["kind"] == "towers":
             spec["towers"] = r["towers"]
             cache = tempfile.mkdtemp(prefix="cupy-cache-", dir=tmp)
-            # Empty kernel cache: start-up only matters here, so one round and no profiler.
-            r["cold"] = run_worker("towers", dict(spec, rounds=1, profile=False), a.timeout, cache)
+            # Empty kernel cache: start-up only matters here, so one round and no profiler (the conv nets:
+            # the first step alone, as their steps are long).
+            cold = dict(spec, rounds=1, profile=False, startup_only=model in CONV)
+            r["cold"] = run_worker("towers", cold, a.timeout, cache)
             r["result"] = run_worker("towers", dict(spec, profile=True), a.timeout, cache)  # the same cache, warm
         else:
-            spec["batch"] = r["batch"]
-            r["result"] = run_worker("torch", spec, a.timeout)
+            spec.update(batch=r["batch"], variant=r["variant"])
+            env = None
+            if r["variant"] == "compile":  # empty compile caches: the compile time is a cold one, every run
+                cold = tempfile.mkdtemp(prefix="inductor-cache-", dir=tmp)
+                env = {"TORCHINDUCTOR_CACHE_DIR": cold, "TRITON_CACHE_DIR": os.path.join(cold, "triton")}
+            r["result"] = run_worker("torch", spec, a.timeout * (2 if r["variant"] == "compile" else 1), env=env)
         res = r["result"]
         if "error" in res:
             failed = True
         else:
             res["samples_per_sec"] = res["global_batch"] / res["wall_us_per_step"] * 1e6
-        print(f"  measured {r['name']} in {time.perf_counter() - t0:.1f} s"
-              + (f": FAILED {res['error']}" if "error" in res else ""), flush=True)
+        cold_error = (r.get("cold") or {}).get("error")
+        failed |= cold_error is not None
+        # The main figures at once, so that a run cut short still shows what it measured.
+        got = "" if "error" in res else (f": {res['samples_per_sec']:.0f} samples/s, peak "
+                                         f"{_fmt(_mib(res.get('peak_bytes')))} MiB, loss {res['loss']:.3f}")
+        print(f"  measured {r['name']} in {time.perf_counter() - t0:.1f} s{got}"
+              + (f": FAILED {res['error']}" if "error" in res else "")
+              + (f" (its cold start-up run FAILED: {cold_error})" if cold_error else ""), flush=True)
 
     main_job = {}
     if not a.no_main_job:
@@ -564,6 +864,8 @@ def _bench(a, tmp, steps, lenet_steps, warmup, rounds, profile_steps) -> int:
     _print_table(rows)
     print()
     _print_startup(rows)
+    print()
+    _print_params(rows, a.models)
     if a.verbose:
         for r in rows:
             ln = (r.get("result") or {}).get("launches") or {}
@@ -591,18 +893,36 @@ def _bench(a, tmp, steps, lenet_steps, warmup, rounds, profile_steps) -> int:
     where = "GPU 0" if gpus else "CPU"
     ratios: dict = {}
     for model, target in (("MLP", 1.0), ("LeNet-5", 0.8)):
+        if model not in a.models:
+            continue
         _ratio(ratios, f"{model} towers 1 tower / PyTorch b100", g.get(f"{model} towers 1 tower, {where}, b100"),
                g.get(f"{model} PyTorch eager, {where}, b100"), target)
         _ratio(ratios, f"{model} towers 2 sharing / PyTorch b200",
                g.get(f"{model} towers 2 towers sharing {where}, global 200"),
                g.get(f"{model} PyTorch eager, {where}, b200"), target)
+    for model in (m for m in a.models if m in CONV):
+        b = MODELS[model][3]
+        one, two = g.get(f"{model} towers 1 tower, {where}, b{b}"), g.get(f"{model} towers 2 towers sharing {where}, "
+                                                                           f"global {2 * b}")
+        for variant, target in (("fp32", 1.0), ("amp", None), ("compile", None)):
+            label = TORCH_VARIANTS[variant] + (" fp32" if variant == "fp32" else "")
+            if variant == "compile" and not a.torch_compile:
+                continue
+            _ratio(ratios, f"{model} towers 1 tower / {label} b{b}", one, g.get(f"{model} {label}, {where}, b{b}"),
+                   target)
+            _ratio(ratios, f"{model} towers 2 sharing / {label} b{2 * b}", two,
+                   g.get(f"{model} {label}, {where}, b{2 * b}"), target)
     warm = main_job.get("GPU, warm kernel cache", {}).get("wall_s")
     _ratio(ratios, "main job GPU warm wall / CPU wall", warm, main_job.get("CPU, 2 cores", {}).get("wall_s"),
            1.0, below=True)
+    total = time.perf_counter() - t_start
+    print(f"\ntotal: {total:.0f} s")
     if a.json:
-        report = {"env": env, "settings": dict(steps=steps, lenet_steps=lenet_steps, warmup=warmup, rounds=rounds,
-                                               profile_steps=profile_steps, batch_per_tower=BATCH, quick=a.quick),
-                  "rows": rows, "main_job": main_job, "ratios": ratios}
+        report = {"env": env, "settings": dict(models=a.models, sizes={m: dict(zip(("steps", "warmup", "profile_steps"),
+                                                                                    s)) for m, s in sizes.items()},
+                                               rounds=rounds, batch_per_tower={m: MODELS[m][3] for m in a.models},
+                                               torch_compile=a.torch_compile, quick=a.quick),
+                  "rows": rows, "main_job": main_job, "ratios": ratios, "total_s": total}
         with atomic_path(a.json) as path:
             Path(path).write_text(json.dumps(report, indent=1))
     return 1 if failed else 0
