@@ -19,12 +19,15 @@ driver, test or benchmark cannot hang the check):
    error::cupy._util.PerformanceWarning -rfEsxX --junitxml
    LOGDIR/gpu-tests.xml tests/`` in the checkout (plus ``--timeout 120``
    per test when pytest-timeout is installed), output streamed to the
-   console and to ``LOGDIR/gpu-tests.log``; the whole run is stopped after
-   ``--tests-timeout`` seconds (default 300);
+   console and to ``LOGDIR/gpu-tests.log``, each test's measured
+   differences from the CPU in ``LOGDIR/gpu-diffs.jsonl``
+   (``TOWERS_GPU_REPORT``, ``tests/gpu_compare.py``); the whole run is
+   stopped after ``--tests-timeout`` seconds (default 200);
 3. the benchmark: ``python tools/bench_gpu.py --json LOGDIR/bench.json
-   --verbose`` plus the words of ``--bench-args``, streamed to the console
-   and to ``LOGDIR/bench.log``, stopped after ``--bench-timeout`` seconds
-   (default 240);
+   --verbose`` plus the words of ``--bench-args`` (default ``BENCH_ARGS``:
+   the MLP, LeNet-5, ResNet-20 and CIFAR-10 rows at sizes that fit),
+   streamed to the console and to ``LOGDIR/bench.log``, stopped after
+   ``--bench-timeout`` seconds (default 140);
 4. the summary (``render_summary``), printed last and written to
    ``LOGDIR/summary.md``: the machine, the test counts and every failing
    test with its message's first line (``parse_junit``, or ``parse_pytest_log``
@@ -34,8 +37,10 @@ driver, test or benchmark cannot hang the check):
 A step that passes its limit is interrupted (SIGINT to its process group,
 so pytest still writes its summary and xml), then killed ``GRACE`` (5) s
 later; the summary says so.  With the default limits the check takes at
-most 600 s: 300 + 240 s of steps, 20 + 30 s of probes, 5 s of grace per
-stopped step; less in practice, as the steps end on their own.
+most 400 s: 200 + 140 s of steps, 20 + 30 s of probes, 5 s of grace per
+stopped step (6 minutes and 40 s, within a 15-minute GPU lease with room
+for a second run after fixes); less in practice, as the steps end on their
+own.
 
 ``--cpu-smoke`` runs the same pipeline on a machine without a GPU, to check
 the command itself: the facts note that there is no GPU, every GPU test
@@ -69,8 +74,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-TESTS_TIMEOUT = 300.0  # seconds for the whole pytest run
-BENCH_TIMEOUT = 240.0  # seconds for the whole benchmark
+TESTS_TIMEOUT = 200.0  # seconds for the whole pytest run
+BENCH_TIMEOUT = 140.0  # seconds for the whole benchmark
+# The benchmark's rows at sizes that fit BENCH_TIMEOUT on one H100 (``--bench-args`` replaces them): the MLP
+# and LeNet-5 first (the rows every GPU run has), then the convolutional networks; no main-job comparison.
+BENCH_ARGS = ("--models mlp,lenet5,resnet20,cifar10 --steps 300 --lenet-steps 60 --conv-steps 20 --warmup 5 "
+              "--rounds 2 --profile-steps 5 --no-main-job")
 PER_TEST_TIMEOUT = 120  # pytest-timeout's --timeout, when it is installed
 PROBE_TIMEOUT = 20.0  # nvidia-smi -L and the CuPy probe, run at once
 TORCH_TIMEOUT = 30.0  # importing torch (slow, optional)
@@ -639,14 +648,14 @@ def main(argv=None) -> int:
                     help=f"seconds for the whole GPU test run (default {TESTS_TIMEOUT:g})")
     ap.add_argument("--bench-timeout", type=_positive, default=BENCH_TIMEOUT, metavar="S",
                     help=f"seconds for the whole benchmark (default {BENCH_TIMEOUT:g})")
-    ap.add_argument("--bench-args", default="", metavar='"..."',
-                    help="more words for tools/bench_gpu.py, one string: \"--rounds 1\", or --bench-args=--quick "
-                    "for one word")
+    ap.add_argument("--bench-args", default=None, metavar='"..."',
+                    help="the words for tools/bench_gpu.py, one string, instead of the default "
+                    f"\"{BENCH_ARGS}\" (--bench-args=--quick for one word)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run the pipeline without a GPU (tests skip, the benchmark runs --quick on the CPU)")
     a = ap.parse_args(argv)
     try:
-        bench_extra = shlex.split(a.bench_args)
+        bench_extra = shlex.split(a.bench_args if a.bench_args is not None else "" if a.cpu_smoke else BENCH_ARGS)
     except ValueError as e:
         ap.error(f"--bench-args {a.bench_args!r}: {e}")
     logdir = Path(a.logdir)
@@ -679,7 +688,9 @@ def _check(a, logdir: Path, bench_extra: list[str]) -> int:
     machine.seconds, machine.status, machine.rc = time.perf_counter() - t0, "ok", 0
     print(f"gpu_check: machine: {machine_line(facts)}", flush=True)
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The GPU tests record each measured difference from the CPU there (tests/gpu_compare.py).
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOWERS_GPU_REPORT=str((logdir / "gpu-diffs.jsonl").resolve()))
+    (logdir / "gpu-diffs.jsonl").unlink(missing_ok=True)
     xml, tests_log = logdir / "gpu-tests.xml", logdir / "gpu-tests.log"
     xml.unlink(missing_ok=True)  # a file of an earlier run must not pass for this one's
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
