@@ -372,7 +372,7 @@ def test_each_optimizers_fused_kernel_gives_its_numpy_updates_bits(kw, ema):
     grads[:, ::97] *= 1e-3  # small and large gradients: rounding differences would show
     results = []
     for xp in (np, cupy):
-        p = xp.asarray(p0)
+        p = xp.array(p0)  # a copy: the CPU's update must not move the GPU's start
         shadow = EMA(p, 0.99) if ema else None
         opt = OPTIMIZERS[cfg.optimizer].from_config(cfg, p, shadow)
         for step, g in enumerate(grads):
@@ -397,7 +397,7 @@ def test_the_standalone_ema_kernel_gives_numpys_bits():
     p0, targets = rng.normal(size=777).astype(np.float32), rng.normal(size=(5, 777)).astype(np.float32)
     out = []
     for xp in (np, cupy):
-        ema = EMA(xp.asarray(p0), 0.99)
+        ema = EMA(xp.array(p0), 0.99)
         for k, t in enumerate(targets):
             ema.update(xp.asarray(t), k)
         out.append(to_host(ema.shadow))

@@ -97,8 +97,11 @@ def test_layer_forward_and_backward_match_the_cpu(case):
     for r, module in ((cpu, np), (dev, m)):
         losses.append(float(r.loss_and_grads(module.asarray(x), module.asarray(y.astype(np.int32)), l2=1e-3)))
     d = {"loss": rel(losses[1], losses[0])}
+    # A gradient that is zero by the mathematics (a bias before batch norm) is rounding noise on both devices:
+    # each gradient's difference counts against at least a thousandth of the whole gradient's norm.
+    floor = 1e-3 * float(np.linalg.norm(cpu.grads))
     for name in cpu.grad:
-        d["grad " + name] = rel(to_host(dev.grad[name]), cpu.grad[name])
+        d["grad " + name] = rel(to_host(dev.grad[name]), cpu.grad[name], floor)
     for name in cpu.buffer:  # moved by the training forward (batch norm's moving statistics)
         d["buffer " + name] = rel(to_host(dev.buffer[name]), cpu.buffer[name])
     # Evaluation mode: moving statistics, no dropout.

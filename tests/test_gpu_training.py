@@ -28,19 +28,24 @@ def digits():
 
 # -- every model -------------------------------------------------------------------------------------
 
-MODELS = {  # model -> (data, steps, tolerance, settings)
-    "mlp": (lambda: digits(), 20, 1e-4, dict(hidden=64, batch_size=60)),
-    "lenet5": (lambda: images(240, (28, 28)), 5, 1e-4, dict(batch_size=20, optimizer="sgd", lr=0.01,
-                                                             momentum=0.9)),
-    "cifar10": (lambda: images(96, (24, 24, 3)), 4, 1e-4, dict(batch_size=12, lr=0.05)),
-    "resnet20": (lambda: images(64, (16, 16, 3)), 4, 1e-3, dict(batch_size=8, lr=0.05)),
+# ResNet-20 on 8 examples a tower is chaotic: on the CPU alone, weights moved by 3e-7 (relative) at the start
+# end 1e-5 apart after one step and 1e-2 after four.  Its rounding differences are checked after one step; the
+# end only has to be the same training (a wrong kernel is off from the first step).
+CHAOTIC = dict(first=1e-4, accuracy=0.1)
+
+MODELS = {  # model -> (data, steps, final tolerance, compare's options, settings)
+    "mlp": (lambda: digits(), 20, 1e-4, {}, dict(hidden=64, batch_size=60)),
+    "lenet5": (lambda: images(240, (28, 28)), 5, 1e-4, {}, dict(batch_size=20, optimizer="sgd", lr=0.01,
+                                                                 momentum=0.9)),
+    "cifar10": (lambda: images(96, (24, 24, 3)), 4, 1e-4, {}, dict(batch_size=12, lr=0.05)),
+    "resnet20": (lambda: images(64, (16, 16, 3)), 4, 5e-2, CHAOTIC, dict(batch_size=8, lr=0.05)),
 }
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_each_model_on_two_towers_sharing_the_gpu_matches_the_cpu(model):
-    data, steps, tol, settings = MODELS[model]
-    gpu, _ = compare(f"model {model}", data(), steps, tol, model=model, n_gpu=2, **settings)
+    data, steps, tol, options, settings = MODELS[model]
+    gpu, _ = compare(f"model {model}", data(), steps, tol, model=model, n_gpu=2, **options, **settings)
     assert gpu.on_device or DRY  # the training set fits: batches are gathered on the device
 
 
@@ -115,8 +120,8 @@ def test_dropout_model_matches_the_cpu():
 def test_sync_bn_on_two_towers_sharing_the_gpu_matches_the_cpu(step):
     """sync-BN runs GPU towers on threads; with the training set on the device ("run") their batches are
     gathered there (this crashed before the step engine staged the rows for its tower threads)."""
-    gpu, _ = compare(f"sync-bn resnet20 ({step})", images(64, (16, 16, 3)), 4, 1e-3, step=step, model="resnet20",
-                     n_gpu=2, batch_size=8, lr=0.05, sync_bn=True)
+    gpu, _ = compare(f"sync-bn resnet20 ({step})", images(64, (16, 16, 3)), 4, 5e-2, step=step, model="resnet20",
+                     n_gpu=2, batch_size=8, lr=0.05, sync_bn=True, **CHAOTIC)
     assert gpu.on_device or DRY
 
 
