@@ -813,6 +813,33 @@ def _bench(a, tmp, sizes: dict, rounds: int) -> int:
 
     rows = _plan(gpus, torch_ok, a.models, a.torch_compile)
     failed = False
+    try:
+        _measure(a, tmp, rows, sizes, rounds, data)
+    except KeyboardInterrupt:
+        # Stopped (Ctrl-C, or tools/gpu_check.py at its time limit): the rows measured so far still make the
+        # tables and the json; the others say they were not measured.
+        print("bench_gpu: stopped (SIGINT): the rows not measured yet are left out", file=sys.stderr, flush=True)
+        for r in rows:
+            if r["kind"] != "skip" and "result" not in r:
+                r["result"] = {"error": "not measured: the benchmark was stopped"}
+    for r in rows:
+        res = r.get("result") or {}
+        failed |= "error" in res or (r.get("cold") or {}).get("error") is not None
+
+    main_job = {}
+    if not a.no_main_job and not any("stopped" in (r.get("result") or {}).get("error", "") for r in rows):
+        job_steps = 100 if a.quick else None
+        if gpus:
+            cache = tempfile.mkdtemp(prefix="cupy-cache-main-", dir=tmp)
+            main_job["GPU, cold kernel cache"] = run_main_job("gpu", job_steps, a.timeout, tmp, cache)
+            main_job["GPU, warm kernel cache"] = run_main_job("gpu", job_steps, a.timeout, tmp, cache)
+        main_job["CPU, 2 cores"] = run_main_job("cpu", job_steps, a.timeout, tmp)
+        failed |= any("error" in v for v in main_job.values())
+    return _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed)
+
+
+def _measure(a, tmp, rows, sizes: dict, rounds: int, data: dict) -> None:
+    """Run every row's workers (each in its own subprocess), printing each row's figures as it is measured."""
     for r in rows:
         if r["kind"] == "skip":
             continue
@@ -837,12 +864,9 @@ def _bench(a, tmp, sizes: dict, rounds: int) -> int:
                 env = {"TORCHINDUCTOR_CACHE_DIR": cold, "TRITON_CACHE_DIR": os.path.join(cold, "triton")}
             r["result"] = run_worker("torch", spec, a.timeout * (2 if r["variant"] == "compile" else 1), env=env)
         res = r["result"]
-        if "error" in res:
-            failed = True
-        else:
+        if "error" not in res:
             res["samples_per_sec"] = res["global_batch"] / res["wall_us_per_step"] * 1e6
         cold_error = (r.get("cold") or {}).get("error")
-        failed |= cold_error is not None
         # The main figures at once, so that a run cut short still shows what it measured.
         got = "" if "error" in res else (f": {res['samples_per_sec']:.0f} samples/s, peak "
                                          f"{_fmt(_mib(res.get('peak_bytes')))} MiB, loss {res['loss']:.3f}")
@@ -850,16 +874,9 @@ def _bench(a, tmp, sizes: dict, rounds: int) -> int:
               + (f": FAILED {res['error']}" if "error" in res else "")
               + (f" (its cold start-up run FAILED: {cold_error})" if cold_error else ""), flush=True)
 
-    main_job = {}
-    if not a.no_main_job:
-        job_steps = 100 if a.quick else None
-        if gpus:
-            cache = tempfile.mkdtemp(prefix="cupy-cache-main-", dir=tmp)
-            main_job["GPU, cold kernel cache"] = run_main_job("gpu", job_steps, a.timeout, tmp, cache)
-            main_job["GPU, warm kernel cache"] = run_main_job("gpu", job_steps, a.timeout, tmp, cache)
-        main_job["CPU, 2 cores"] = run_main_job("cpu", job_steps, a.timeout, tmp)
-        failed |= any("error" in v for v in main_job.values())
 
+def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int:
+    """The tables, the ratios and the json of the rows measured."""
     print()
     _print_table(rows)
     print()
