@@ -3,7 +3,7 @@
 Its refusal without a GPU (fast, one line, status 2), its one-line flag errors,
 the time limit of a step, and the library under its summary: the junit xml of
 a real pytest run, pytest's console log, and the benchmark's json.  The whole
-pipeline (``--cpu-smoke``) takes about a minute and is not run here.
+pipeline (``--cpu-smoke``) takes 15 s to a minute and is not run here.
 """
 import json
 import subprocess
@@ -200,6 +200,9 @@ def test_bench_json_rows_ratios_and_the_summary(tmp_path):
     tests_ok = gpu_check.Step("GPU tests", rc=0)
     assert gpu_check.verdict(clean, tests_ok, bench) == 0
     assert gpu_check.verdict(clean, tests_ok, gpu_check.Step("benchmark", rc=0, killed=True)) == 1
+    skipped_all = gpu_check.SuiteResult(skipped=61, source="junit xml")
+    assert gpu_check.verdict(skipped_all, tests_ok, bench) == 1  # nothing was checked on the GPU
+    assert gpu_check.verdict(skipped_all, tests_ok, bench, cpu_smoke=True) == 0
 
     path.write_text(json.dumps(BENCH)[:-40])
     with pytest.raises(ValueError):
@@ -216,3 +219,19 @@ def test_a_step_past_its_limit_is_stopped_and_logged(tmp_path):
     text = log.read_text()
     assert "started" in text and "[gpu_check: sleeper: stopped at its 1 s limit" in text
     assert "started" in (tmp_path / "echo").read_text()
+
+
+def test_the_gpu_tests_dry_run_on_the_cpu():
+    """The GPU tests that take their device from tests/gpu_compare.py run here with TOWERS_TEST_GPU_AS=cpu (both
+    sides CPU runs, which must agree): a broken test is found before a GPU lease is spent on it."""
+    import os
+    import re
+
+    env = dict(os.environ, TOWERS_TEST_GPU_AS="cpu")
+    env.pop("TOWERS_GPU_REPORT", None)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                          "tests/test_gpu_layers.py", "tests/test_gpu_training.py"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    passed = int(re.search(r"(\d+) passed", res.stdout).group(1))
+    assert passed >= 40, res.stdout[-500:]

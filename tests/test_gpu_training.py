@@ -1,4 +1,5 @@
-"""Training on the GPU against the CPU: every model, optimizer, schedule and mode (skipped without CUDA).
+"""Training on the GPU against the CPU: each model family (MLP, LeNet-5, the CIFAR-10 model, ResNet), every
+optimizer, schedule and mode (skipped without CUDA).
 
 Two towers share GPU 0 (the machine may have one GPU) and two CPU towers run
 the same seed (``tests/gpu_compare.py``: weights, buffers, EMA and losses
@@ -130,11 +131,20 @@ def test_sync_bn_on_two_towers_sharing_the_gpu_matches_the_cpu(step):
     assert gpu.on_device or DRY
 
 
-def test_device_data_and_host_batches_give_the_same_bits():
-    """With and without the training set on the device, the same batches reach the towers: the same weights."""
-    ds = digits()
-    on = train(DEVICE, 8, ds, step="run", n_gpu=2, hidden=64, batch_size=20, accumulate=2, momentum=0.9)
-    off = train(DEVICE, 8, ds, step="batch", n_gpu=2, hidden=64, batch_size=20, accumulate=2, momentum=0.9)
+@pytest.mark.parametrize("sync_bn", [False, True])
+def test_device_data_and_host_batches_give_the_same_bits(sync_bn):
+    """With and without the training set on the device, the same batches reach the towers: the same weights.
+
+    Steps run back to back (no host sync between them).  With sync-BN the
+    towers run on threads and gather their rows from the index buffer of
+    their own step's upload.
+    """
+    if sync_bn:
+        ds, settings = images(64, (16, 16, 3)), dict(model="resnet20", batch_size=8, lr=0.05, sync_bn=True)
+    else:
+        ds, settings = digits(), dict(hidden=64, batch_size=20, accumulate=2, momentum=0.9)
+    on = train(DEVICE, 8, ds, step="run", n_gpu=2, **settings)
+    off = train(DEVICE, 8, ds, step="batch", n_gpu=2, **settings)
     assert on.on_device or DRY
     for name in on.weights:
         np.testing.assert_array_equal(on.weights[name], off.weights[name])
@@ -213,32 +223,56 @@ def test_cli_with_check_replicas_on_the_gpu(tmp_path):
         assert "gpu:0" in res.stdout
 
 
-def test_weights_written_while_steps_are_queued_are_read_by_the_next_step():
-    """set_weights and load_state_dict between steps (a resume, a parameter server's pull): the next step reads
-    the new values.
+def _hold_the_legacy_stream(cycles: int = 300_000_000) -> None:
+    """Queue a kernel that spins ``cycles`` clock cycles (0.15-0.3 s) on CuPy's legacy default stream (the device
+    under test only).
 
-    The copies run on the towers' stream; were they on CuPy's legacy default
-    stream they would not be ordered with the steps queued around them.  A
-    large model makes each copy long enough to be caught.  The same sequence
-    runs on the CPU.
+    A copy queued behind it on that stream lands late; the towers' non-blocking
+    streams do not wait for it.  So a write between steps that went to the
+    legacy stream instead of the tower's would reach the device after the next
+    step had read the old values: deterministic, not a matter of copy size.
+    """
+    if DRY:
+        return
+    import cupy
+
+    spin = cupy.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        long long t0 = clock64();
+        while (clock64() - t0 < cycles) { }
+    }""", "spin")
+    spin((1,), (1,), (np.int64(cycles),), stream=cupy.cuda.Stream.null)
+
+
+def test_weights_written_between_steps_are_read_by_the_next_step():
+    """set_weights, set_weights(ema=True) and load_state_dict between steps (a resume, a parameter server's
+    pull): the next step reads the new values, the same as the CPU's sequence.
+
+    The copies run on the towers' stream (``ModelState.set``); with CuPy's legacy default stream busy
+    (``_hold_the_legacy_stream``) a copy made there would land after the step queued behind it.
     """
     ds = digits()
 
     def sequence(devices):
         out = []
-        with Trainer(Config(devices=devices, cpu_kernels="numpy", n_gpu=2, hidden=2048, batch_size=60, momentum=0.9),
+        with Trainer(Config(devices=devices, cpu_kernels="numpy", n_gpu=2, hidden=256, batch_size=60, momentum=0.9),
                      dataset=ds) as tr:
             start = {k: v * np.float32(0.5) for k, v in tr.get_weights().items()}
-            for _ in range(3):
-                tr.run_steps(2)  # work queued on the towers' stream
+            for _ in range(2):
+                tr.run_steps(2)
+                _hold_the_legacy_stream()
                 tr.set_weights(start)
                 tr.run_steps(1)
                 out.append(flat(tr.get_weights()))
                 state = tr.state_dict()
                 tr.run_steps(2)
+                _hold_the_legacy_stream()
                 tr.load_state_dict(state)
                 tr.run_steps(1)
                 out.append(flat(tr.get_weights()))
+                _hold_the_legacy_stream()
+                tr.set_weights(start, ema=True)
+                tr.run_steps(1)
+                out.append(flat(tr.get_weights(ema=True)))
         return out
 
     for k, (got, want) in enumerate(zip(sequence(DEVICE), sequence("cpu"))):
@@ -248,12 +282,16 @@ def test_weights_written_while_steps_are_queued_are_read_by_the_next_step():
 
 
 @pytest.mark.skipif(cuda_count() < 2, reason="needs 2 GPUs: the EMA on a GPU other than 0")
-def test_the_ema_of_a_tower_on_gpu_1_stays_on_gpu_1():
+def test_the_ema_of_a_tower_on_gpu_1_is_set_there():
+    """One tower on GPU 1: the EMA lives there, and set_weights(ema=True) lands there with its values."""
     ds = digits()
     with Trainer(Config(devices="1", hidden=64, batch_size=60), dataset=ds) as tr:
         assert tr.ema.shadow.device.id == 1
-        w = tr.get_weights(ema=True)
+        w = {k: v * np.float32(0.25) for k, v in tr.get_weights(ema=True).items()}
         tr.set_weights(w, ema=True)
+        got = tr.get_weights(ema=True)
+        for k in w:
+            np.testing.assert_array_equal(got[k], w[k])
         tr.run_steps(2)
         assert tr.ema.shadow.device.id == 1
 

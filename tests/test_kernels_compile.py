@@ -45,14 +45,16 @@ VARIANTS = {
 CASES = [(name, variant) for name in OPTIMIZERS for variant in VARIANTS.get(name, {"plain": {}})]
 
 
-def compile_cuda(source: str, name: str, options=(), arch="sm_90") -> None:
-    """Compile ``source`` with NVRTC; a failure's message holds NVRTC's log and the source lines it names."""
+def compile_cuda(source: str, name: str, options=(), arch="sm_90") -> str:
+    """Compile ``source`` with NVRTC and return its PTX; a failure's message holds NVRTC's log and the source
+    lines it names."""
     opts = [*options, f"-arch={arch}"]
     prog = nvrtc.createProgram(source, name + ".cu", [], [])
     try:
         try:
             nvrtc.compileProgram(prog, opts)
-            return
+            ptx = nvrtc.getPTX(prog)
+            return ptx.decode() if isinstance(ptx, bytes) else ptx
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         log = nvrtc.getProgramLog(prog)
@@ -100,10 +102,18 @@ def test_every_fused_optimizer_update_compiles(name, variant, with_ema, arch):
     opt = OPTIMIZERS[name](params, ema=ema, **VARIANTS.get(name, {}).get(variant, {}))
     kernel = opt._gpu_kernel()
     assert f"void {kernel.raw.name}(" in kernel.source
-    compile_cuda(kernel.source, kernel.raw.name, tuple(kernel.raw.options), arch)
+    _rounds_as_numpy(compile_cuda(kernel.source, kernel.raw.name, tuple(kernel.raw.options), arch), kernel.raw.name)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_standalone_ema_update_compiles(arch):
     kernel = flat_kernel(("p",), ("one_minus_d",), ("e",), EMA.GPU_BODY.format(p="p"), "towers_ema")
-    compile_cuda(kernel.source, kernel.raw.name, tuple(kernel.raw.options), arch)
+    _rounds_as_numpy(compile_cuda(kernel.source, kernel.raw.name, tuple(kernel.raw.options), arch), kernel.raw.name)
+
+
+def _rounds_as_numpy(ptx: str, name: str) -> None:
+    """The update rounds each product and sum on its own, as NumPy's passes do (``towers.optim.kernels``): no
+    fused multiply-add in its machine code, and IEEE-rounded division and square root."""
+    assert "fma." not in ptx, f"{name}: NVRTC contracted a multiply-add into an FMA (compile with --fmad=false)"
+    for op in re.findall(r"\b(div|sqrt)\.(\w+)\.f32", ptx):
+        assert op[1] == "rn", f"{name}: {op[0]}.{op[1]}.f32 is not IEEE round-to-nearest"

@@ -112,10 +112,11 @@ class LocalExecutor(Executor):
         # gather each batch there); kernels are compiled or loaded now, not in
         # the first step; `tf32` switches float32 matmuls to TF32 tensor cores.
         self.device_data = None
-        if any(d.is_gpu for d in devices):
+        gpus = sorted({d.index for d in devices if d.is_gpu})
+        if gpus:
             if fits_on(devices, self.dataset):
                 self.device_data = DeviceData(devices, streams, self.dataset, cfg.batch_size, cfg.accumulate)
-            for index in sorted({d.index for d in devices if d.is_gpu}):
+            for index in gpus:
                 with devices[0].xp.cuda.Device(index):
                     kernels.warm_up()
             if cfg.tf32:
@@ -158,7 +159,7 @@ class LocalExecutor(Executor):
         # slots, the training set on the devices) was copied on CuPy's legacy
         # default stream, which the towers' non-blocking streams are not
         # ordered with: wait for it once, so the first step reads whole values.
-        for index in sorted({d.index for d in devices if d.is_gpu}):
+        for index in gpus:
             devices[0].xp.cuda.Device(index).synchronize()
 
     def _start_input(self, step: int, position) -> None:

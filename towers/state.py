@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.placement import to_host
+from towers.devices.placement import check_host, to_host
 from towers.errors import UserError
 
 
@@ -68,13 +68,6 @@ class Layout:
                 raise UserError(f"{where}: {name!r} is not a {what} of this model (it has {', '.join(want)})")
             check_array(a, want[name], f"{where}: {name!r}", "the model's")
         return named
-
-
-def check_host(a, what: str) -> None:
-    """A ``UserError`` starting with ``what`` if ``a`` is a device array (CuPy's): the API takes host arrays."""
-    if hasattr(a, "__cuda_array_interface__"):
-        raise UserError(f"{what} is a {type(a).__module__.split('.')[0]}.{type(a).__name__} in GPU memory; give a "
-                        "host (NumPy) array, e.g. its .get(): towers copies each tower's share to its device itself")
 
 
 def check_array(a, shape: tuple, what: str, whose: str = "expected") -> None:

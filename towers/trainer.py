@@ -31,14 +31,13 @@ from towers.config import Config
 from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset
 from towers.devices.cpu_threads import input_workers
-from towers.devices.placement import Placement, resolve
+from towers.devices.placement import Placement, check_host, resolve
 from towers.errors import UserError, notice
 from towers.executor import Executor
 from towers.local import LocalExecutor
 from towers.nn.models import build_model
 from towers.optim.optimizers import SLOTS
 from towers.output import checkpoint
-from towers.state import check_host
 
 
 class Trainer:

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import numpy
 from numpy.lib import format as npy
 
+from towers.devices.placement import check_host
 from towers.errors import UserError
 
 # At most 2**20 classes (labels 0..1048575).  The class count sizes the output
@@ -192,7 +193,9 @@ def _label_warnings(y, y_test) -> list[str]:
 
 
 def _host(a) -> numpy.ndarray:
-    """A host array; a ``numpy.memmap`` stays one (it says the data is mapped, not loaded)."""
+    """A host array; a ``numpy.memmap`` stays one (it says the data is mapped, not loaded).  A device array
+    is a ``UserError``: a data set lives in host memory (``towers.data.device_data`` copies it to the GPUs)."""
+    check_host(a, "Dataset.from_arrays: an array")
     return a if isinstance(a, numpy.memmap) else numpy.asarray(a)
 
 

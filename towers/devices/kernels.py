@@ -44,12 +44,11 @@ import numpy
 
 from towers.devices.placement import array_module
 
-INT_MAX = 2**31 - 1  # cuBLAS's int sizes (towers.devices.matmul)
 _BLOCK = 256
 _MAX_GRID = 65535 * 8
 # The kernels' index arithmetic is 32-bit: the grid-stride loop's ``i += stride``
 # must not pass 2**31 - 1 for any i < n, so n leaves room for one stride.
-MAX_ELEMENTS = INT_MAX - _BLOCK * _MAX_GRID
+MAX_ELEMENTS = 2**31 - 1 - _BLOCK * _MAX_GRID
 _F32 = numpy.dtype(numpy.float32)
 
 # The module's text is _HEAD + the registered parts + _OWN + _TAIL (``source``).

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.kernels import INT_MAX
-
+INT_MAX = 2**31 - 1  # cuBLAS's sizes and leading dimensions are ints
 _CUBLAS: dict = {}  # what a device GEMM needs, found on the first one (CuPy imported lazily)
 _ONE = numpy.ones(1, dtype=numpy.float32)  # alpha and beta, read by cuBLAS from host memory
 _ZERO = numpy.zeros(1, dtype=numpy.float32)  # (CuPy's handles keep the host pointer mode)

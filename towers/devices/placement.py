@@ -81,6 +81,19 @@ def to_host(a, copy: bool = False) -> numpy.ndarray:
     return numpy.array(a, copy=True) if copy else a
 
 
+def check_host(a, what: str) -> None:
+    """A ``UserError`` starting with ``what`` if ``a`` is a device array (CuPy's): the API takes host arrays.
+
+    towers copies each tower's share of a batch, and weights, to its device
+    itself; a device array handed in would be copied back and forth, and
+    NumPy's and CuPy's refusals of each other's arrays are TypeErrors from
+    deep inside the step.
+    """
+    if hasattr(a, "__cuda_array_interface__"):
+        raise UserError(f"{what} is a {type(a).__module__.split('.')[0]}.{type(a).__name__} in GPU memory; give a "
+                        "host (NumPy) array, e.g. its .get(): towers copies each tower's share to its device itself")
+
+
 def empty_pinned(shape, dtype):
     """An uninitialized NumPy array in page-locked host memory (GPU copies from it run async).
 

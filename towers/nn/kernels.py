@@ -352,9 +352,9 @@ def softmax_xent(logits, labels, ws, want_loss: bool):
     if on_host(logits) or not takes(logits):
         return _softmax_xent_arrays(xp, logits, labels, ws, prob, want_loss)
     check_contiguous(logits)
-    if on_host(labels) or labels.dtype != numpy.int32 or not labels.flags.c_contiguous:
+    if labels.dtype != numpy.int32 or not labels.flags.c_contiguous:
         lab = ws.array("labels", (n,), numpy.int32)
-        lab[...] = ws.xp.asarray(labels)  # host labels: CuPy does not assign NumPy arrays
+        lab[...] = labels
         labels = lab
     row_loss = ws.array("row_loss", (n,), logits.dtype)
     launch_named("softmax_xent", n, logits, labels, prob, row_loss, _i(n), _i(c), logits.dtype.type(1.0 / n))

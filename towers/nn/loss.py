@@ -24,7 +24,9 @@ def softmax_cross_entropy(logits, labels, ws: Workspace, want_loss: bool = True,
     one fused kernel (``towers.nn.kernels.softmax_xent``).  ``smoothing``:
     label smoothing (module doc).
     """
-    labels = ws.xp.asarray(labels)  # host labels of device logits (a replica driven by hand) go to the device
+    # Host labels of device logits (a replica driven by hand) go to the device: the kernel and the smoothing's
+    # indexing take device labels.
+    labels = ws.xp.asarray(labels)
     loss, d = kernels.softmax_xent(logits, labels, ws, want_loss)
     if not smoothing:
         return loss, d

@@ -51,9 +51,13 @@ class FlatKernel:
 
         n = args[0].size
         if n > MAX_ELEMENTS:
-            raise ValueError(f"fused update of {n} elements: at most {MAX_ELEMENTS}")
-        if args[0].dtype != numpy.float32:  # the kernel reads float32: another dtype would be misread
-            raise TypeError(f"fused update of {args[0].dtype} buffers: float32 only")
+            from towers.errors import UserError
+
+            raise UserError(f"the model has {n:,} parameters; the GPU's fused update takes at most "
+                            f"{MAX_ELEMENTS:,} (32-bit indices): use a smaller model")
+        for a in args:  # the kernel reads float32 buffers of n elements: anything else would be misread
+            if hasattr(a, "dtype") and a.ndim and (a.dtype != numpy.float32 or a.size != n):
+                raise TypeError(f"fused update of {a.dtype} {a.shape} buffers beside {n} float32: float32 only")
         launch(self.raw, n, *args, numpy.int32(n))
 
 

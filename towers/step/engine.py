@@ -29,19 +29,26 @@ two ways towers run:
   streams tower after tower; serial CPU towers): compute each tower, then the
   keeper's update over whole buffers;
 * one worker per tower, concurrently on ``towers.devices.cpu_threads`` threads
-  (CPU towers): worker i computes tower i; with a ``shared`` keeper it waits
-  at a barrier, then reduces and updates slice i of EVERY tower's buffers, so
-  the all-reduce and the update are split across cores (a reducer that does
-  not split: tower 0's thread does both over whole buffers).
+  (CPU towers; and every tower with ``sync_bn``, GPU towers too, whose batch
+  statistics meet at barriers): worker i computes tower i; with a ``shared``
+  keeper it waits at a barrier, then reduces and updates slice i of EVERY
+  tower's buffers, so the all-reduce and the update are split across cores (a
+  reducer that does not split -- NCCL, GPUs: tower 0's thread does both over
+  whole buffers).
 
-Both call the same ``_work``.  ``gradients`` and ``apply_gradients`` are
+Both call the same ``_work``.  With the training set on the GPUs the step's
+row indices are uploaded once, before the workers start, and each worker's
+gather reads the index buffer of its own step's upload (``staged``).  ``gradients`` and ``apply_gradients`` are
 stages 1-3 and 4 apart, for parameter servers (``towers.cluster``), through
 the gradient keeper's ``reduce`` and ``apply``.
 
-Sync points: none inside a step on a GPU; with tower threads ``run`` returns
-when tower 0's share is done and ``synchronize`` joins the rest (the keeper
-joins them before an average).  The loss leaves the device only when asked
-for (``want_loss``).
+Sync points: none inside a step on a GPU without ``sync_bn``; with tower
+threads (CPU towers, or ``sync_bn``) host barriers inside the step (after
+compute, and two per batch-norm layer with ``sync_bn``), ``run`` returns when
+tower 0's share is done and ``synchronize`` joins the rest (the keeper joins
+them before an average; ``want_loss`` with a keeper that is not shared joins
+them at once).  The loss leaves the device only when asked for
+(``want_loss``).
 
 All-reduces are counted once, by the keeper's ``Counted`` reducer
 (``all_reduces``): one per step in grads mode, whatever ``accumulate`` (a
@@ -56,7 +63,8 @@ from towers.devices.cpu_threads import TowerThreads, chunks
 from towers.errors import UserError
 from towers.nn.context import TowerSync
 from towers.parallel.sync import check_replicas
-from towers.state import check_host, count
+from towers.devices.placement import check_host
+from towers.state import count
 
 
 class StepEngine:
