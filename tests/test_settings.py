@@ -109,3 +109,22 @@ def test_a_setting_the_run_does_not_use_changes_nothing_on_resume():
     assert rule_of_a_change("beta1", optimizer="sgd") is None
     assert rule_of_a_change("beta1", optimizer="adamw") == NOTE
     assert rule_of_a_change("rmsprop_centered", optimizer="rmsprop") == NOTE
+
+
+# -- the parser every entry point builds (towers/cli.py) -----------------------------------------
+
+
+@pytest.mark.parametrize("module, name", [
+    ("towers.train", "towers.train"), ("towers.eval", "towers.eval"), ("towers.export", "towers.export"),
+    ("towers.tfrecord_to_npz", "tfrecord_to_npz"), ("towers.npz_to_tfrecord", "npz_to_tfrecord"),
+    ("towers.images_to_tfrecord", "images_to_tfrecord"),
+])
+def test_a_flag_mistake_names_the_command_as_its_other_errors_do(module, name, capsys):
+    # The name run_main prints for every other error, as the READMEs write it (towers.train: error: ...,
+    # tfrecord_to_npz: error: ...), not argparse's prog (python -m towers.train: error: ...).
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(["--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"{name}: error: ") and err.count("\n") == 1, err

@@ -26,10 +26,19 @@ from towers.errors import TrainingError, UserError, flags_in_messages, render
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (not usage + line), shared by the entry points."""
+    """argparse with one-line errors (not usage + line), shared by the entry points.
+
+    ``name``: the command's name in its error lines, the one ``run_main`` prints
+    (``towers.train: error: ...``; default: ``prog``); ``prog`` stays the
+    command as typed, for ``--help``'s usage line.
+    """
+
+    def __init__(self, *args, name: str | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.name = name or self.prog
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.name}: error: {message} (see --help)\n")
 
 
 class Terminated(BaseException):

@@ -182,8 +182,11 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
     return {k: tuple(v.shape) for k, v in tensors.items()}
 
 
+NAME = "towers.export"  # in its error lines (the README's)
+
+
 def build_parser(prog: str = "python -m towers.export") -> Parser:
-    ap = Parser(prog=prog, description="A towers checkpoint or final.npz to a safetensors file.")
+    ap = Parser(prog=prog, name=NAME, description="A towers checkpoint or final.npz to a safetensors file.")
     ap.add_argument("checkpoint", metavar="CHECKPOINT", help="a ckpt-*.npz or the final.npz of a run")
     ap.add_argument("-o", "--output", required=True, metavar="OUT.safetensors", help="the file to write (not over "
                     "an existing one)")
@@ -202,7 +205,7 @@ def main(argv=None, prog: str = "towers-export") -> int:
         print(f"wrote {args.output}: {len(shapes)} tensors ({'EMA' if args.ema else 'raw'} weights, "
               f"{args.layout} layout)", flush=True)
 
-    return run_main("towers.export", body)
+    return run_main(NAME, body)
 
 
 if __name__ == "__main__":
