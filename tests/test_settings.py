@@ -114,6 +114,17 @@ def test_a_setting_the_run_does_not_use_changes_nothing_on_resume():
 # -- the parser every entry point builds (towers/cli.py) -----------------------------------------
 
 
+@pytest.mark.parametrize("value", ["-1e-10", "-2.5E+3", "-.5e1", "-1e10", "-inf"])
+def test_a_negative_number_in_exponent_notation_is_a_flags_value(value):
+    # argparse's own pattern took "-1e-10" for a flag: "expected one argument" instead of the setting's check.
+    cfg = parse_config(["--optimizer", "rmsprop", "--rmsprop-epsilon", value])
+    assert cfg.rmsprop_epsilon == float(value)
+    with pytest.raises(UserError, match="rmsprop_epsilon must be a finite number > 0"):
+        cfg.resolved()
+    with pytest.raises(SystemExit):  # a flag that looks like a number is still no value for another flag
+        build_parser().parse_args(["--rmsprop-epsilon", "--lr", "0.1"])
+
+
 @pytest.mark.parametrize("module, name", [
     ("towers.train", "towers.train"), ("towers.eval", "towers.eval"), ("towers.export", "towers.export"),
     ("towers.tfrecord_to_npz", "tfrecord_to_npz"), ("towers.npz_to_tfrecord", "npz_to_tfrecord"),
