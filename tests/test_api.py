@@ -267,6 +267,18 @@ def test_evaluate_checks_its_examples_as_train_step_does(x, y, message):
         assert 0.0 <= ok["accuracy"] <= 1.0
 
 
+def test_run_steps_takes_a_count_of_steps_and_nothing_else():
+    # int() took 2.5 and '2' as 2 and max() made -1 none; None was a bare TypeError.
+    with Trainer(Config(**SMALL)) as tr:
+        for bad in (2.5, 2.0, "2", -1, None, True):
+            with pytest.raises(UserError, match=r"run_steps: n must be an integer >= 0, got "):
+                tr.run_steps(bad)
+        assert tr.step == 0  # no step was taken
+        tr.run_steps(np.int64(2))
+        tr.run_steps(0)
+        assert tr.step == 2
+
+
 def test_fit_refuses_a_plain_callable_as_an_extension_before_writing_anything(tmp_path):
     with Trainer(Config(**SMALL, steps=3, logdir=str(tmp_path / "run"))) as tr:
         with pytest.raises(UserError, match="not a towers.extensions.Extension"):

@@ -85,11 +85,20 @@ class Integer(Check):
         v = getattr(cfg, name)
         if v is None and self.optional:
             return
-        if isinstance(v, numbers.Integral) and not isinstance(v, bool):
-            v = int(v)  # a NumPy integer is an integer too
-            setattr(cfg, name, v)
-        if isinstance(v, bool) or not isinstance(v, int) or v < self.minimum:
-            raise UserError(f"`{name}` must be an integer >= {self.minimum}, got {v!r}")
+        setattr(cfg, name, integer(v, self.minimum, f"`{name}`"))
+
+
+def integer(v, minimum: int, what: str) -> int:
+    """``v`` as an int >= ``minimum``, else a ``UserError`` starting with ``what``.
+
+    A NumPy integer is an integer too; a bool, a float (2.5, or 2.0) and a
+    string ('2') are not: ``int()`` would take them silently.
+    """
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise UserError(f"{what} must be an integer >= {minimum}, got {v!r}")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ from towers.local import LocalExecutor
 from towers.nn.models import build_model
 from towers.optim.optimizers import SLOTS
 from towers.output import checkpoint
+from towers.settings import integer
 from towers.state import check_host
 
 
@@ -197,9 +198,12 @@ class Trainer:
         return self.executor.train_step(x, y, want_loss)
 
     def run_steps(self, n: int, want_loss: bool = False):
-        """``n`` steps on the run's own batches (async: ``n`` updates of the server); the last losses when asked."""
+        """``n`` steps on the run's own batches (async: ``n`` updates of the server); the last losses when asked.
+
+        ``n`` is an integer >= 0 (a NumPy integer too); anything else is a ``UserError``, no step taken.
+        """
         self._open()
-        return self.executor.run_steps(max(int(n), 0), want_loss)[0]
+        return self.executor.run_steps(integer(n, 0, "run_steps: n"), want_loss)[0]
 
     def _check_examples(self, x, y, where: str, n: int | None):
         """(x, y) as arrays if they are examples and labels of this data set (``n`` of them), else a UserError (cheap)."""
