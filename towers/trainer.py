@@ -36,6 +36,7 @@ from towers.errors import TrainingError, UserError, notice
 from towers.executor import Executor
 from towers.local import LocalExecutor
 from towers.nn.models import build_model
+from towers.nn.normalization import check_batch_statistics
 from towers.optim.optimizers import SLOTS
 from towers.output import checkpoint
 from towers.settings import integer
@@ -96,6 +97,10 @@ class Trainer:
         try:
             self.model = build_model(model if model is not None else cfg.model, dataset.example_shape,
                                      dataset.num_classes, cfg.hidden)
+            # Sync-BN pools one host's towers (a cluster's hosts check with theirs).
+            if not (cluster and cfg.sync_bn):
+                check_batch_statistics(self.model, cfg.batch_size,
+                                       len(self.placement.towers) if cfg.sync_bn else None, cfg.accumulate)
         except BaseException:
             self.close()  # the data's input workers end with a refused model too
             raise
