@@ -21,7 +21,7 @@ import numpy
 
 from towers.optim.optimizers.adam import moments
 from towers.optim.optimizers.base import Optimizer
-from towers.settings import NOTE, Number, setting
+from towers.settings import Number, hyperparameter
 
 
 class AdamW(Optimizer):
@@ -29,9 +29,9 @@ class AdamW(Optimizer):
 
     name = "adamw"
     settings = {
-        "weight_decay": setting(
+        "weight_decay": hyperparameter(
             0.01, "AdamW's decoupled weight decay: every step multiplies each parameter by 1 - lr * D "
-            "(torch default 0.01)", group="optimization", check=Number(0), resume=NOTE, type="float", metavar="D"),
+            "(torch default 0.01)", check=Number(0, optional=True), metavar="D"),
     }
     reads = ("beta1", "beta2", "epsilon", "weight_decay")
     defaults = {"lr": 0.001, "lr_decay": 1.0, "l2": 0.0}  # torch's lr; the decay replaces L2
