@@ -247,6 +247,17 @@ def test_train_step_takes_lists_as_it_did_before_its_checks():
     assert any(not np.array_equal(weights[0][k], start[k]) for k in start)  # the step did train
 
 
+def test_the_loss_a_step_reports_is_the_data_loss_without_the_l2_term():
+    # It included l2 * sum(w**2) / 2: a run at 100% accuracy logged loss = 104.04 (log lines, metrics, TensorBoard).
+    with Trainer(Config(**SMALL, l2=0.5)) as tr:
+        x, y = tr.source.next_batch()
+        want = tr.evaluate(ema=False, x=x, y=y)["loss"]  # the mean cross-entropy of these weights on the batch
+        l2_term = 0.5 * sum(float((w ** 2).sum()) for k, w in tr.get_weights().items() if k.endswith("weights")) / 2
+        assert l2_term > 1  # large beside the data loss: the check below tells them apart
+        got = np.mean([float(v) for v in tr.train_step(x, y, want_loss=True)])
+        assert got == pytest.approx(want, rel=1e-5)
+
+
 # -- strict inputs and honest figures (reliability, second round) ---------------------------------
 
 

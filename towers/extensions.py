@@ -136,9 +136,9 @@ class LogLine(Every):
         note = None
         chance = math.log(max(run.trainer.dataset.num_classes, 2))
         self._first = run.loss if self._first is None else self._first
-        # The reported loss includes the L2 term (cifar10's starts near 3): a run
-        # has not learned when it is still at chance level AND at its first
-        # logged loss; a converged or resumed run is far below chance.
+        # A run has not learned when its (data) loss is still at chance level AND
+        # at its first logged loss (label smoothing keeps a learned loss above 0);
+        # a converged or resumed run is far below chance.
         if step - run.start_step >= self.STUCK_STEPS and run.loss >= (1 - self.STUCK) * max(chance, self._first):
             note = (f"the loss is still at chance level ({run.loss:.4f}, ln {run.trainer.dataset.num_classes} "
                     f"classes = {chance:.4f}) after {step - run.start_step} steps: the run has not learned; "
