@@ -53,16 +53,20 @@ def _record_step(line: str) -> int | None:
         return None
 
 
+def progress_bar(shown: bool, **kw) -> tqdm:
+    """The one kind of progress bar (training steps, the decoded-image cache, the converters): tqdm on
+    stderr, drawn only when ``shown`` and stderr is a terminal, so a redirected stderr (a log file, a
+    pipe) gets no bar; ``kw`` are tqdm's (``total``, ``unit``, ``desc``, ...)."""
+    return tqdm(file=sys.stderr, dynamic_ncols=True, disable=not (shown and sys.stderr.isatty()), **kw)
+
+
 class Reporter:
     """Progress bar (TTY only, off with --quiet), log lines and the metrics file."""
 
     def __init__(self, logdir: str, total_steps: int, start_step: int = 0, quiet: bool = False):
         self.quiet = quiet
         self._noted = False  # a warning said once in quiet mode
-        self.bar = tqdm(
-            total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-            disable=quiet or not sys.stderr.isatty(),
-        )
+        self.bar = progress_bar(not quiet, total=total_steps, initial=start_step, unit="step")
         self.path = os.path.join(logdir, METRICS)
         with writing(self.path):
             self._metrics = open(self.path, "a", encoding="utf-8")
