@@ -338,13 +338,17 @@ class Run:
     def close(self) -> None:
         """Close the writers still open and release the logdir (idempotent).
 
-        After a failure their last flush may fail too (the same full disk):
-        that is dropped, so the error reported stays the first one.
+        Writers are still open here only when the run stopped before ``finish``
+        (an error, an interrupt): their last flush may fail too (the same full
+        disk), which is dropped, so the error reported stays the first one;
+        and an event file that got no summary is removed.
         """
-        for writer in (self.reporter, self.tensorboard):
-            if writer is not None:
-                with contextlib.suppress(DiskError):
-                    writer.close()
+        if self.reporter is not None:
+            with contextlib.suppress(DiskError):
+                self.reporter.close()
+        if self.tensorboard is not None:
+            with contextlib.suppress(DiskError):
+                self.tensorboard.close(keep_empty=False)
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
             self._lock = None

@@ -136,6 +136,7 @@ class TensorBoard:
     def __init__(self, logdir: str, every: int, start_step: int = 0, purge_step: int | None = None):
         self.every, self.path = every, None
         self._writer = None
+        self._written = False  # a summary past the file's first events
         if every > 0:  # 0: no summaries, no event file
             with _without_torch():
                 from tensorboardX.proto.event_pb2 import Event, SessionLog
@@ -169,6 +170,7 @@ class TensorBoard:
 
     def _summary(self, summary, step: int) -> None:
         self._write(self._event(wall_time=time.time(), step=int(step), summary=summary))
+        self._written = True
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -210,8 +212,18 @@ class TensorBoard:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def close(self) -> None:
-        """Flush and close (idempotent; the file is closed even when the flush fails)."""
+    def close(self, keep_empty: bool = True) -> None:
+        """Flush and close (idempotent; the file is closed even when the flush fails).
+
+        ``keep_empty`` False (a run that stopped on an error): a file that got
+        no summary past its first events is removed instead, so each resume
+        retried on a full disk, which fails before its first summary (at a
+        checkpoint whose temporary file, removed, leaves room for the next
+        header), does not leave one more.
+        """
+        if self._writer is not None and not keep_empty and not self._written:
+            self._discard()
+            return
         if self._writer is not None:
             writer, self._writer = self._writer, None
             with writing(self.path):
