@@ -35,7 +35,8 @@ NAME = "towers.eval"  # in its error lines (the README's)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="python -m towers.eval", name=NAME, description="Loss and accuracy of a towers checkpoint on test data.")
+    ap = Parser(prog="python -m towers.eval", name=NAME,
+                description="Loss and accuracy of a towers checkpoint on test data.")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--logdir", help="evaluate the latest valid checkpoint of this run")
     src.add_argument("--checkpoint", metavar="PATH", help="evaluate this ckpt-*.npz")

@@ -285,8 +285,8 @@ class Run:
                          + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "), met before this step")
             elif max(abs(low), abs(high)) > LARGE_INPUT:
                 cause = f"`data` ranges from {low:g} to {high:g}"
-                remedy = (f"Inputs beyond {LARGE_INPUT:g} in magnitude make activations and gradients overflow float32: "
-                          "scale `data` to a small range (0..1, or mean 0 and std 1)")
+                remedy = (f"Inputs beyond {LARGE_INPUT:g} in magnitude make activations and gradients overflow "
+                          "float32: scale `data` to a small range (0..1, or mean 0 and std 1)")
         return checkpoint.diverged(step, what, self.checkpointer.last_path, cause, remedy)
 
     def finish(self, scaling=None) -> dict:

@@ -25,7 +25,8 @@ class Adam(Optimizer):
                                 check=Number(0, 1, high_open=True, optional=True)),
         "beta2": hyperparameter(0.999, "Adam's second-moment decay (TF default 0.999)",
                                 check=Number(0, 1, high_open=True, optional=True)),
-        "epsilon": hyperparameter(1e-8, "Adam's epsilon (TF default 1e-8)", check=Number(0, low_open=True, optional=True)),
+        "epsilon": hyperparameter(1e-8, "Adam's epsilon (TF default 1e-8)",
+                                  check=Number(0, low_open=True, optional=True)),
     }
     reads = ("beta1", "beta2", "epsilon")
     # The learning rate is TensorFlow's AdamOptimizer default.
