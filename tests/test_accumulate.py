@@ -42,7 +42,7 @@ def test_micro_batches_give_the_whole_batchs_mean_loss_and_gradient_with_l2_once
     one, acc = (Replica(model, numpy, dtype=numpy.float64) for _ in range(2))
     for r in (one, acc):
         r.set_params(model.init_params(0))
-    want = float(one.loss_and_grads(x, y, 0.01))
+    want = float(one.mean_loss_and_grads(((x, y),), 1, 0.01))
     got = float(acc.mean_loss_and_grads(((x[k * 4:(k + 1) * 4], y[k * 4:(k + 1) * 4]) for k in range(3)), 3, 0.01))
     assert got == pytest.approx(want, rel=1e-12)
     numpy.testing.assert_allclose(acc.grads, one.grads, rtol=1e-12, atol=1e-15)

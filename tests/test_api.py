@@ -9,7 +9,7 @@ from threadpoolctl import threadpool_info
 
 import towers
 from conftest import DIGITS, run_cli
-from towers import Config, Dataset, Dense, Flatten, ReLU, Trainer, UserError
+from towers import Config, Dataset, Dense, Flatten, ReLU, Trainer, TrainingError, UserError
 
 SMALL = dict(n_gpu=2, devices="cpu", hidden=16, batch_size=50, quiet=True, summary_every=0)
 
@@ -247,6 +247,17 @@ def test_train_step_takes_lists_as_it_did_before_its_checks():
     assert any(not np.array_equal(weights[0][k], start[k]) for k in start)  # the step did train
 
 
+def test_the_loss_a_step_reports_is_the_data_loss_without_the_l2_term():
+    # It included l2 * sum(w**2) / 2: a run at 100% accuracy logged loss = 104.04 (log lines, metrics, TensorBoard).
+    with Trainer(Config(**SMALL, l2=0.5)) as tr:
+        x, y = tr.source.next_batch()
+        want = tr.evaluate(ema=False, x=x, y=y)["loss"]  # the mean cross-entropy of these weights on the batch
+        l2_term = 0.5 * sum(float((w ** 2).sum()) for k, w in tr.get_weights().items() if k.endswith("weights")) / 2
+        assert l2_term > 1  # large beside the data loss: the check below tells them apart
+        got = np.mean([float(v) for v in tr.train_step(x, y, want_loss=True)])
+        assert got == pytest.approx(want, rel=1e-5)
+
+
 # -- strict inputs and honest figures (reliability, second round) ---------------------------------
 
 
@@ -257,6 +268,11 @@ def test_train_step_takes_lists_as_it_did_before_its_checks():
     (lambda d: d["x_test"][:5].reshape(5, -1)[:, :10], lambda d: d["y_test"][:5], r"examples are .* \(10,\)"),
     (lambda d: d["x_test"][:5], lambda d: d["y_test"][:4], "as many labels as examples"),
     (lambda d: d["x_test"][:0], lambda d: d["y_test"][:0], "at least one"),
+    # float pixels beside uint8 training pixels were not scaled by 1/255 (loss 38.8 instead of 1.41)
+    (lambda d: d["x_test"][:5].astype(np.float32), lambda d: d["y_test"][:5],
+     "test examples are float32 but training examples uint8: uint8 pixels are scaled by 1/255"),
+    (lambda d: d["x_test"][:5], lambda d: None, "give both x and y"),  # was a bare TypeError
+    (lambda d: None, lambda d: d["y_test"][:5], "give both x and y"),
 ])
 def test_evaluate_checks_its_examples_as_train_step_does(x, y, message):
     d = digits()
@@ -265,6 +281,39 @@ def test_evaluate_checks_its_examples_as_train_step_does(x, y, message):
             tr.evaluate(x=x(d), y=y(d))
         ok = tr.evaluate(x=d["x_test"][:5], y=d["y_test"][:5])
         assert 0.0 <= ok["accuracy"] <= 1.0
+
+
+def test_evaluate_refuses_non_finite_examples_and_names_diverged_weights():
+    d = digits()
+    scaled = {k: d[k].astype(np.float32) / 255 if k.startswith("x") else d[k] for k in d}
+    ds = Dataset.from_arrays(scaled["x"], scaled["y"], scaled["x_test"], scaled["y_test"])
+    with Trainer(Config(**SMALL), dataset=ds) as tr:
+        x = scaled["x_test"][:10].copy()
+        x[3, 2, 1] = np.nan  # it gave accuracy 1.0 for labels 0: NaN logits argmax to class 0
+        with pytest.raises(UserError, match=r"evaluate: key 'x' has 1 non-finite value \(NaN or inf\); the first in "
+                                            r"example 3"):
+            tr.evaluate(x=x, y=np.zeros(10, np.int64))
+        # float64 examples are the loader's float32 ones: the same figures
+        same = tr.evaluate(x=scaled["x_test"].astype(np.float64), y=scaled["y_test"])
+        assert same == tr.evaluate()
+    with Trainer(Config(**SMALL, lr=1e6), dataset=ds) as tr:
+        tr.run_steps(20)  # diverges: the weights hold NaN
+        for ema in (False, True):  # it said 'loss nan' beside an accuracy of 10%
+            with pytest.raises(TrainingError, match=f"evaluate: the {'EMA' if ema else 'raw'} weights hold NaN or "
+                                                    r"inf \('layer1/weights'\): training diverged"):
+                tr.evaluate(ema=ema)
+
+
+def test_run_steps_takes_a_count_of_steps_and_nothing_else():
+    # int() took 2.5 and '2' as 2 and max() made -1 none; None was a bare TypeError.
+    with Trainer(Config(**SMALL)) as tr:
+        for bad in (2.5, 2.0, "2", -1, None, True):
+            with pytest.raises(UserError, match=r"run_steps: n must be an integer >= 0, got "):
+                tr.run_steps(bad)
+        assert tr.step == 0  # no step was taken
+        tr.run_steps(np.int64(2))
+        tr.run_steps(0)
+        assert tr.step == 2
 
 
 def test_fit_refuses_a_plain_callable_as_an_extension_before_writing_anything(tmp_path):

@@ -225,6 +225,19 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, runs, case):
         assert [p for p in os.listdir(out.parent) if p != "w.safetensors"] == []  # no temporary left
 
 
+@pytest.mark.parametrize("layout, ema", [("towers", False), ("towers", True), ("torch", False)])
+def test_non_finite_weights_are_refused_as_eval_and_resume_refuse_them(tmp_path, capsys, runs, layout, ema):
+    with np.load(list_checkpoints(str(runs["mlp"]))[0][1]) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays[("ema/" if ema else "params/") + "layer2/biases"][3] = np.nan
+    source, out = tmp_path / "ckpt-00000006.npz", tmp_path / "w.safetensors"
+    np.savez(source, **arrays)
+    status, err = export(capsys, source, "-o", out, "--layout", layout, *(["--ema"] if ema else []))
+    assert status == 2 and len(err) == 1 and err[0].startswith("towers.export: error: "), err
+    assert "'layer2/biases' holds NaN or inf" in err[0], err
+    assert not out.exists()
+
+
 def test_a_failed_write_is_one_line_exit_1_and_no_file(tmp_path, runs):
     """A file-size limit makes the write fail as a full disk would (EFBIG instead of ENOSPC).
 

@@ -129,3 +129,17 @@ def test_a_file_rewritten_before_the_cache_reads_it_is_noticed_and_one_rewritten
         assert np.array_equal(ds.x[:], before)
     finally:
         ds.close()
+
+
+def test_the_decoding_bar_stays_out_of_redirected_stderr(tmp_path, capsys):
+    # The README: bars appear only on a terminal; the cache's "decoding images" bar was written into a
+    # redirected stderr (a log file, a pipe) anyway.
+    x, y = _images(30)
+    path = _records(tmp_path / "d.tfrecords", x, y)
+    ds = load_dataset(path, KEYS["x_key"], KEYS["y_key"], decode=DECODE, workers=0, cache_mib=64, progress=True)
+    try:
+        assert isinstance(ds.x.source, CachedSource)  # decoded into the cache: the bar's place
+    finally:
+        ds.close()
+    err = capsys.readouterr().err
+    assert "decoding images" not in err and "\r" not in err, err

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from towers import Config
+from towers import Config, UserError
 from towers.optim.ema import EMA, ema_decay
 from towers.optim.optimizers import SGD, Adam
 from towers.optim.schedule import learning_rate
@@ -256,3 +256,20 @@ def test_old_optimizers_keep_their_slot_names():
     assert SGD(np.zeros(3, np.float32)).slots == ()
     assert Adam(np.zeros(3, np.float32)).slots == ("adam_m", "adam_v")
     assert {"momentum", "adam_m", "adam_v"} <= set(SLOTS)
+
+
+@pytest.mark.parametrize("kw, refused", [
+    (dict(lr=10.0, weight_decay=0.1), True),  # exactly 1: every weight zeroed each step
+    (dict(lr=0.5, weight_decay=4.0), True),  # 2: every weight's sign flipped
+    (dict(lr_boundaries="10", lr_values="0.01,200", weight_decay=0.01), True),  # the schedule's largest rate
+    (dict(lr=9.9, weight_decay=0.1), False),
+    (dict(lr=0.1, weight_decay=5.0, lr_schedule="cosine", warmup_steps=10), False),
+])
+def test_adamw_refuses_a_decay_that_zeroes_or_flips_the_weights(kw, refused):
+    cfg = Config(optimizer="adamw", **kw)
+    if not refused:
+        assert cfg.resolved().optimizer == "adamw"
+        return
+    with pytest.raises(UserError, match=r"lr \S+ x weight_decay \S+ = \S+, not below 1: AdamW multiplies every "
+                                        r"parameter by 1 - lr x weight_decay each step"):
+        cfg.resolved()

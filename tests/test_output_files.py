@@ -14,7 +14,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from test_reliability import tmpfs
+from test_reliability import tmpfs, train
 from towers.errors import TrainingError
 from towers.output import files
 from towers.output.files import atomic_save_npz
@@ -85,3 +85,17 @@ def test_a_full_disk_at_start_leaves_no_event_file_behind(tmp_path):
                 TensorBoard(str(disk), every=1, start_step=10, purge_step=11)
         # Before the fix each attempt left an empty events.out.tfevents.* file.
         assert sorted(os.listdir(disk)) == ["filler"]
+
+
+def test_resumes_that_fail_on_a_full_disk_before_their_first_summary_leave_no_event_file(tmp_path):
+    # The disk takes the first checkpoint, not the second: each resume writes its event file's first events
+    # into the room the failed checkpoint's temporary file leaves, then fails at that checkpoint again.
+    args = ["--steps", 60, "--checkpoint-every", 10, "--log-every", 100]
+    with tmpfs(tmp_path / "disk", 44) as disk:
+        p = train(disk, *args, "--summary-every", 0)
+        assert p.returncode == 1 and "ckpt-00000020.npz: No space left on device" in p.stderr, p.stderr
+        for _ in range(3):
+            p = train(disk, *args, "--summary-every", 100, "--resume")
+            assert p.returncode == 1 and "ckpt-00000020.npz: No space left on device" in p.stderr, p.stderr
+        # Before the fix each resume left one more events.out.tfevents.* file of its first events only.
+        assert not [n for n in os.listdir(disk) if n.startswith("events.out.tfevents.")], os.listdir(disk)

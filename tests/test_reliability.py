@@ -231,6 +231,20 @@ def test_a_nan_met_between_loss_checks_is_traced_to_the_data(tmp_path):
     assert "Lower" not in err, err
 
 
+def test_an_input_too_large_for_float32_is_named_instead_of_blaming_the_learning_rate(tmp_path):
+    # An example holding 3e38 made the loss inf, and the line said "Lower --lr".
+    ds = float_digits()
+    ds.x[7, 3, 3] = 3e38
+    cfg = Config(devices="cpu", hidden=16, batch_size=50, quiet=True, steps=100, log_every=10, checkpoint_every=0,
+                 summary_every=0, logdir=str(tmp_path / "run"))
+    with Trainer(cfg, dataset=ds) as t:
+        with pytest.raises(TrainingError) as e:
+            t.fit()
+    err = str(e.value)
+    assert "the loss is " in err and "data ranges from 0 to 3e+38; training stopped" in err, err
+    assert "scale data to a small range" in err and "Lower" not in err, err
+
+
 def test_the_named_last_good_checkpoint_has_finite_weights(tmp_path):
     """A checkpoint with non-finite weights on disk is never resumed from, nor named as good."""
     assert train(tmp_path, "--steps", 10, "--checkpoint-every", 5).returncode == 0

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from towers import Config
+from towers.config import checkpoint_settings
+from towers.optim.optimizers import OPTIMIZERS
 from towers.errors import UserError
 from towers.settings import NOTE, REFUSE, RULES, SILENT, Check, flag_name, flag_table, resume_changes
 from towers.train import build_parser, parse_config
@@ -52,7 +54,8 @@ def test_config_stays_a_plain_dataclass_with_the_optimizers_fields():
     cfg = Config(n_gpu=2, optimizer="adamw", weight_decay=0.05)
     assert dataclasses.is_dataclass(cfg) and cfg.n_gpu == 2
     r = cfg.resolved()
-    assert (r.optimizer, r.weight_decay, r.lr, r.l2, r.momentum) == ("adamw", 0.05, 0.001, 0.0, 0.0)
+    # momentum is SGD's and RMSProp's: it stays unset with AdamW
+    assert (r.optimizer, r.weight_decay, r.lr, r.l2, r.momentum) == ("adamw", 0.05, 0.001, 0.0, None)
     assert Config(optimizer="rmsprop").resolved().rmsprop_epsilon == 1e-10
 
 
@@ -69,6 +72,44 @@ def test_settings_are_checked_from_their_declarations(kw, needle):
     with pytest.raises(UserError) as e:
         Config(**kw).resolved()
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("argv, kw", [
+    (["--optimizer", "sgd", "--beta1", "0.9"], dict(optimizer="sgd", beta1=0.9)),
+    (["--optimizer", "adam", "--rmsprop-decay", "0.9"], dict(optimizer="adam", rmsprop_decay=0.9)),
+    (["--optimizer", "adam", "--momentum", "0"], dict(optimizer="adam", momentum=0.0)),
+    (["--optimizer", "sgd", "--weight-decay", "0.01"], dict(optimizer="sgd", weight_decay=0.01)),
+    (["--model", "lenet5", "--optimizer", "rmsprop", "--epsilon", "1e-8"],
+     dict(model="lenet5", optimizer="rmsprop", epsilon=1e-8)),
+])
+def test_a_foreign_hyperparameter_is_refused_when_given_even_at_its_default(argv, kw):
+    # It passed when its value was the default (--beta1 0.9 with sgd), and was refused otherwise (0.8):
+    # given is decided by the flag (or the keyword), not by the value, on the command line and in Python.
+    name = next(k for k in kw if k not in ("model", "optimizer"))
+    for cfg in (parse_config(argv), Config(**kw)):
+        with pytest.raises(UserError, match=f"{name} is for optimizer .*, not {kw['optimizer']}; drop it"):
+            cfg.resolved()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(optimizer="adam"), dict(optimizer="adamw", weight_decay=0.05),
+                                dict(optimizer="rmsprop", momentum=0.5), dict(model="lenet5"),
+                                dict(model="resnet20", optimizer="sgd", nesterov=True)])
+def test_a_resolved_config_resolves_to_itself(kw):
+    # A cluster's hosts and the scaling measurement resolve the run's resolved settings again: its
+    # optimizer's hyperparameters are filled, the others unset, and none of them counts as given.
+    r = Config(**kw).resolved()
+    assert r.resolved() == r
+    reads = {name for cls in OPTIMIZERS.values() for name in cls.settings} - set(OPTIMIZERS[r.optimizer].reads)
+    assert all(getattr(r, name) in (None, False) for name in reads), reads
+
+
+def test_a_checkpoint_that_holds_foreign_defaults_resumes_as_before():
+    # Checkpoints written before unused hyperparameters stayed unset hold them at their defaults.
+    old = dataclasses.asdict(Config(model="resnet20").resolved())
+    old.update(beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.01, rmsprop_decay=0.9, rmsprop_epsilon=1e-10)
+    assert not any(resume_changes(old, Config(model="resnet20").resolved()).values())
+    del old["lr_boundaries"]  # a setting newer than the checkpoint: resolved from the checkpoint's settings
+    assert checkpoint_settings(old)["lr_boundaries"] == "32000,48000"
 
 
 def changed(name: str):
@@ -109,3 +150,33 @@ def test_a_setting_the_run_does_not_use_changes_nothing_on_resume():
     assert rule_of_a_change("beta1", optimizer="sgd") is None
     assert rule_of_a_change("beta1", optimizer="adamw") == NOTE
     assert rule_of_a_change("rmsprop_centered", optimizer="rmsprop") == NOTE
+
+
+# -- the parser every entry point builds (towers/cli.py) -----------------------------------------
+
+
+@pytest.mark.parametrize("value", ["-1e-10", "-2.5E+3", "-.5e1", "-1e10", "-inf"])
+def test_a_negative_number_in_exponent_notation_is_a_flags_value(value):
+    # argparse's own pattern took "-1e-10" for a flag: "expected one argument" instead of the setting's check.
+    cfg = parse_config(["--optimizer", "rmsprop", "--rmsprop-epsilon", value])
+    assert cfg.rmsprop_epsilon == float(value)
+    with pytest.raises(UserError, match="rmsprop_epsilon must be a finite number > 0"):
+        cfg.resolved()
+    with pytest.raises(SystemExit):  # a flag that looks like a number is still no value for another flag
+        build_parser().parse_args(["--rmsprop-epsilon", "--lr", "0.1"])
+
+
+@pytest.mark.parametrize("module, name", [
+    ("towers.train", "towers.train"), ("towers.eval", "towers.eval"), ("towers.export", "towers.export"),
+    ("towers.tfrecord_to_npz", "tfrecord_to_npz"), ("towers.npz_to_tfrecord", "npz_to_tfrecord"),
+    ("towers.images_to_tfrecord", "images_to_tfrecord"),
+])
+def test_a_flag_mistake_names_the_command_as_its_other_errors_do(module, name, capsys):
+    # The name run_main prints for every other error, as the READMEs write it (towers.train: error: ...,
+    # tfrecord_to_npz: error: ...), not argparse's prog (python -m towers.train: error: ...).
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(["--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"{name}: error: ") and err.count("\n") == 1, err

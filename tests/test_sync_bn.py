@@ -240,3 +240,42 @@ def test_one_fused_step_of_resnet20_lands_near_float64():
     g64 = _resnet_step(numpy.float64, x, y, 1, masks)
     assert len(masks) == 19
     assert numpy.linalg.norm(g32 - g64) / numpy.linalg.norm(g64) < 1e-5
+
+
+# -- one value per channel: refused when the model is built ---------------------------------------
+
+
+def _bn_run(layers, shape, **settings):
+    from towers import Config, Dataset, Trainer
+
+    rng = numpy.random.default_rng(0)
+    ds = Dataset.from_arrays(rng.random((8, *shape), dtype=numpy.float32), numpy.arange(8) % 2)
+    return Trainer(Config(devices="cpu", steps=1, quiet=True, summary_every=0, **settings), model=layers, dataset=ds)
+
+
+@pytest.mark.parametrize("settings, where", [
+    (dict(batch_size=1), "set `batch_size` 2 or more, or set `sync_bn` with 2 or more towers"),
+    (dict(batch_size=1, accumulate=4), "`accumulate` 4 adds none, each micro-batch is normalized alone"),
+    (dict(batch_size=1, sync_bn=True), "`batch_size` 1 on 1 tower with `sync_bn`"),
+])
+def test_batch_norm_over_one_value_per_channel_is_refused_naming_the_layer(settings, where):
+    # It trained to 8-12% (every example's output was beta): the layer is named, nested ones by their scopes.
+    from towers import UserError
+    from towers.errors import render
+
+    flat = [Dense("h", 6), BatchNorm("bn"), ReLU(), Dense("out", 2)]
+    nested = [Dense("h", 6), Residual([Dense("d", 6), BatchNorm("bn")], scope="block"), Dense("out", 2)]
+    for layers, name in ((flat, "bn"), (nested, "block/bn")):
+        with pytest.raises(UserError) as e:
+            _bn_run(layers, (5,), **settings)
+        assert str(e.value).startswith(f"{name}: batch norm would normalize 1 value per channel in training ("), e.value
+        assert render(where) in str(e.value), e.value
+
+
+def test_batch_norm_with_two_values_per_channel_trains():
+    # Batch 1 of 2x2 maps (4 values a channel), and batch 1 on 2 towers pooled by sync-BN (2 values).
+    conv = [Conv2D("c", 3, 1, bias=False), BatchNorm("bn"), GlobalAvgPool(), Dense("out", 2)]
+    with _bn_run(conv, (2, 2, 1), batch_size=1) as tr:
+        tr.run_steps(1)
+    with _bn_run([Dense("h", 6), BatchNorm("bn"), Dense("out", 2)], (5,), batch_size=1, n_gpu=2, sync_bn=True) as tr:
+        tr.run_steps(1)

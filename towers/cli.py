@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import re
 import signal
 import sys
 import threading
@@ -25,11 +26,28 @@ import threading
 from towers.errors import TrainingError, UserError, flags_in_messages, render
 
 
+# A negative number as a flag's value, exponent notation included (-1e-10, -2.5E+3, -.5; and -inf, -nan,
+# which the settings' checks then name): argparse's own pattern knows only -5 and -0.5, and takes "-1e-10"
+# for an unknown flag ("expected one argument").
+NEGATIVE_NUMBER = re.compile(r"^-((\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|inf|infinity|nan)$", re.IGNORECASE)
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (not usage + line), shared by the entry points."""
+    """argparse with one-line errors (not usage + line), shared by the entry points.
+
+    ``name``: the command's name in its error lines, the one ``run_main`` prints
+    (``towers.train: error: ...``; default: ``prog``); ``prog`` stays the
+    command as typed, for ``--help``'s usage line.  Negative numbers in
+    exponent notation are values, not flags (``NEGATIVE_NUMBER``).
+    """
+
+    def __init__(self, *args, name: str | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.name = name or self.prog
+        self._negative_number_matcher = NEGATIVE_NUMBER  # argparse's hook for what counts as a number
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.name}: error: {message} (see --help)\n")
 
 
 class Terminated(BaseException):

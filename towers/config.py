@@ -19,13 +19,14 @@ optimizer (``--model lenet5`` trains with Adam; ``--optimizer adam`` with no
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
 from towers.data.image.augment import AUGMENTS, parse_image_size, parse_normalize
 from towers.errors import UserError
 from towers.nn.models import model_defaults
-from towers.optim.optimizers import OPTIMIZERS, check_settings as check_optimizer_settings
+from towers.optim.optimizers import OPTIMIZERS, check_given, check_settings as check_optimizer_settings
 from towers.optim.optimizers import settings as optimizer_settings
 from towers.optim.schedule import SCHEDULES, parse_list, piecewise_values
 from towers.parallel.sync import MODES
@@ -261,16 +262,18 @@ class Config:
         cfg = dataclasses.replace(self)  # the checks turn NumPy scalars into Python numbers in the copy
         _check(cfg)
         spec = cfg.model if model is None else None
-        optimizer, defaults = model_defaults(spec, cfg.optimizer)
+        cfg.optimizer, defaults = model_defaults(spec, cfg.optimizer)
+        check_given(cfg)  # before the defaults fill the optimizer's own hyperparameters
         filled = _schedule_defaults(cfg, defaults)
+        # A hyperparameter of another optimizer stays unset: the run does not use it.
         filled.update({k: defaults.get(k, FALLBACK[k]) for k in MODEL_DEFAULTED
-                       if getattr(cfg, k) is None and k not in filled})
+                       if getattr(cfg, k) is None and k not in filled and in_use(cfg, k)})
         if cfg.checkpoint_every is None:  # a checkpoint holds weights right after an average
             k = cfg.average_every if cfg.sync == "weights" else 1
             filled["checkpoint_every"] = -(-1000 // k) * k
         if model is not None:  # record what was trained, not the `model` setting it replaced
             filled["model"] = MODEL_OBJECT
-        cfg = dataclasses.replace(cfg, optimizer=optimizer, **filled)
+        cfg = dataclasses.replace(cfg, **filled)
         _check_optimization(cfg)
         return cfg
 
@@ -349,6 +352,13 @@ def _check_optimization(cfg: Config) -> None:
 # Settings filled from the model's (its optimizer's) defaults when left as None; else their fallback.
 MODEL_DEFAULTED = tuple(f.name for f in dataclasses.fields(Config) if f.metadata["model_default"])
 FALLBACK = {f.name: f.metadata["fallback"] for f in dataclasses.fields(Config)}
+_USED_WHEN = {f.name: f.metadata["used_when"] for f in dataclasses.fields(Config)}
+
+
+def in_use(cfg, name: str) -> bool:
+    """Whether the run ``cfg`` (its model and optimizer known) uses the setting ``name`` (``used_when``)."""
+    used = _USED_WHEN[name]
+    return used is None or bool(used(cfg))
 
 
 def checkpoint_settings(saved: dict) -> dict:
@@ -362,8 +372,12 @@ def checkpoint_settings(saved: dict) -> dict:
     known = {k: v for k, v in saved.items() if k in names}
     full = dict(known)
     if names - set(known):
+        # Checkpoints written before unused hyperparameters stayed unset hold their defaults (beta1 0.9 with
+        # sgd): resolved again, they would count as given.
+        probe = types.SimpleNamespace(**{f.name: known.get(f.name, f.default) for f in dataclasses.fields(Config)})
+        given = {k: v for k, v in known.items() if in_use(probe, k)}
         try:
-            filled = dataclasses.asdict(Config(**{**known, "resume": False}).resolved())
+            filled = dataclasses.asdict(Config(**{**given, "resume": False}).resolved())
         except (UserError, TypeError, ValueError):
             filled = {f.name: f.default for f in dataclasses.fields(Config)}
         full.update({k: v for k, v in filled.items() if k not in known})

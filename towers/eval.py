@@ -31,8 +31,12 @@ from towers.devices.placement import resolve
 MAX_INTERVAL = 86400  # seconds between --watch polls; a longer wait is a typo, not a schedule
 
 
+NAME = "towers.eval"  # in its error lines (the README's)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="python -m towers.eval", description="Loss and accuracy of a towers checkpoint on test data.")
+    ap = Parser(prog="python -m towers.eval", name=NAME,
+                description="Loss and accuracy of a towers checkpoint on test data.")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--logdir", help="evaluate the latest valid checkpoint of this run")
     src.add_argument("--checkpoint", metavar="PATH", help="evaluate this ckpt-*.npz")
@@ -71,7 +75,7 @@ class Evaluator:
                               image_size=ck.get("image_size"))
             if ds.x_test is None:
                 raise UserError(f"{key[0]} has no x_test/y_test: pass --data or --test-data with test examples")
-            warn_about(ds, "towers.eval")
+            warn_about(ds, NAME)
             self._data[key] = ds
         return self._data[key]
 
@@ -187,9 +191,9 @@ def main(argv=None) -> int:
         except KeyboardInterrupt:  # the way --watch ends
             if not args.watch:
                 raise
-            print("towers.eval: stopped", file=sys.stderr)
+            print(f"{NAME}: stopped", file=sys.stderr)
 
-    return run_main("towers.eval", body)
+    return run_main(NAME, body)
 
 
 if __name__ == "__main__":

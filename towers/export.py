@@ -29,7 +29,8 @@ model.  (safetensors writes the metadata's keys in no fixed order: two exports o
 the same tensors and header, not always the same bytes.)
 
 Limits: a weight its layer does not declare for the layout asked is refused with a line saying to use
-``--layout towers``.  Every weight is loaded in memory at once.  Bad input (a missing file, not a
+``--layout towers``; so is a weight or buffer holding NaN or inf, as ``--resume`` and ``towers.eval``
+refuse it.  Every weight is loaded in memory at once.  Bad input (a missing file, not a
 checkpoint, an output that exists, a folder that is missing or may not be written: read-only, no
 permission) is one line, exit 2, and no file; a failed write (a full disk, an I/O error) one line,
 exit 1, and no file.
@@ -45,7 +46,7 @@ import numpy as np
 
 from towers.cli import Parser, run_main
 from towers.errors import UserError
-from towers.output.checkpoint import checkpoint_name
+from towers.output.checkpoint import checkpoint_name, non_finite
 from towers.output.files import DiskError, atomic_write
 from towers.state import Layout
 
@@ -76,6 +77,10 @@ def read_weights(path: str, ema: bool) -> tuple[dict, dict]:
         keys = ", ".join(sorted(arrays)[:6]) or "none"
         raise UserError(f"{path} is not a towers checkpoint or final.npz (no {prefix}* weights and step; keys: "
                         f"{keys}): {what}")
+    bad = non_finite(named)  # the check --resume skips such a checkpoint by; towers.eval refuses one too
+    if bad is not None:
+        raise UserError(f"{path}: the {'EMA' if ema else 'raw'} weight {bad!r} holds NaN or inf (the run diverged "
+                        "before it was written): export an earlier checkpoint")
     run = {"step": int(arrays["step"])}
     if "config" in arrays:
         try:
@@ -182,8 +187,11 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
     return {k: tuple(v.shape) for k, v in tensors.items()}
 
 
+NAME = "towers.export"  # in its error lines (the README's)
+
+
 def build_parser(prog: str = "python -m towers.export") -> Parser:
-    ap = Parser(prog=prog, description="A towers checkpoint or final.npz to a safetensors file.")
+    ap = Parser(prog=prog, name=NAME, description="A towers checkpoint or final.npz to a safetensors file.")
     ap.add_argument("checkpoint", metavar="CHECKPOINT", help="a ckpt-*.npz or the final.npz of a run")
     ap.add_argument("-o", "--output", required=True, metavar="OUT.safetensors", help="the file to write (not over "
                     "an existing one)")
@@ -202,7 +210,7 @@ def main(argv=None, prog: str = "towers-export") -> int:
         print(f"wrote {args.output}: {len(shapes)} tensors ({'EMA' if args.ema else 'raw'} weights, "
               f"{args.layout} layout)", flush=True)
 
-    return run_main("towers.export", body)
+    return run_main(NAME, body)
 
 
 if __name__ == "__main__":

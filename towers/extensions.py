@@ -136,9 +136,9 @@ class LogLine(Every):
         note = None
         chance = math.log(max(run.trainer.dataset.num_classes, 2))
         self._first = run.loss if self._first is None else self._first
-        # The reported loss includes the L2 term (cifar10's starts near 3): a run
-        # has not learned when it is still at chance level AND at its first
-        # logged loss; a converged or resumed run is far below chance.
+        # A run has not learned when its (data) loss is still at chance level AND
+        # at its first logged loss (label smoothing keeps a learned loss above 0);
+        # a converged or resumed run is far below chance.
         if step - run.start_step >= self.STUCK_STEPS and run.loss >= (1 - self.STUCK) * max(chance, self._first):
             note = (f"the loss is still at chance level ({run.loss:.4f}, ln {run.trainer.dataset.num_classes} "
                     f"classes = {chance:.4f}) after {step - run.start_step} steps: the run has not learned; "
@@ -271,16 +271,23 @@ class Run:
         Only on this failure path the current batch, then the whole training
         data, is scanned for NaN/inf: non-finite input poisons the weights at
         the step it is met, which may be before the step the loss is looked at.
+        The same pass takes the data's range: float examples beyond
+        ``LARGE_INPUT`` are named as the cause (lowering the learning rate
+        does not make an input of 3e38 fit float32 arithmetic).
         """
-        step, cause = self.trainer.step, None
-        if self.batch is not None and len(_non_finite_examples(self.batch)):
+        step, cause, remedy = self.trainer.step, None, None
+        if self.batch is not None and len(_scan_examples(self.batch)[0]):
             cause = f"the input batch at step {step} holds NaN/inf"
         else:
-            bad = _non_finite_examples(self.trainer.dataset.x)
+            bad, low, high = _scan_examples(self.trainer.dataset.x)
             if len(bad):
                 cause = (f"`data` holds NaN/inf (example {bad[0]}"
                          + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "), met before this step")
-        return checkpoint.diverged(step, what, self.checkpointer.last_path, cause)
+            elif max(abs(low), abs(high)) > LARGE_INPUT:
+                cause = f"`data` ranges from {low:g} to {high:g}"
+                remedy = (f"Inputs beyond {LARGE_INPUT:g} in magnitude make activations and gradients overflow "
+                          "float32: scale `data` to a small range (0..1, or mean 0 and std 1)")
+        return checkpoint.diverged(step, what, self.checkpointer.last_path, cause, remedy)
 
     def finish(self, scaling=None) -> dict:
         """Evaluate, write ``final.npz`` and the summary line; return the metrics.
@@ -331,13 +338,17 @@ class Run:
     def close(self) -> None:
         """Close the writers still open and release the logdir (idempotent).
 
-        After a failure their last flush may fail too (the same full disk):
-        that is dropped, so the error reported stays the first one.
+        Writers are still open here only when the run stopped before ``finish``
+        (an error, an interrupt): their last flush may fail too (the same full
+        disk), which is dropped, so the error reported stays the first one;
+        and an event file that got no summary is removed.
         """
-        for writer in (self.reporter, self.tensorboard):
-            if writer is not None:
-                with contextlib.suppress(DiskError):
-                    writer.close()
+        if self.reporter is not None:
+            with contextlib.suppress(DiskError):
+                self.reporter.close()
+        if self.tensorboard is not None:
+            with contextlib.suppress(DiskError):
+                self.tensorboard.close(keep_empty=False)
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
             self._lock = None
@@ -372,17 +383,30 @@ def settings_line(cfg, n_params: int | None = None) -> str:
     return "settings: " + ", ".join(parts)
 
 
-def _non_finite_examples(x, chunk: int = 4096) -> numpy.ndarray:
-    """Indices of the examples of ``x`` holding NaN/inf, read in chunks (any array-like with slices).
+# Float examples larger than this in magnitude are named as the cause of a divergence: a weight of about
+# 0.1 times them, summed over a layer's inputs, grows past what one update at a usual learning rate keeps
+# finite for long (pixels as floats 0..255 are below it: a lower `lr` is the advice there).
+LARGE_INPUT = 1e4
+
+
+def _scan_examples(x, chunk: int = 4096) -> tuple[numpy.ndarray, float, float]:
+    """(indices of the examples of ``x`` holding NaN/inf, the smallest and largest finite value), read in
+    chunks (any array-like with slices); uint8 pixels, scaled to 0..1, give (none, 0, 1).
 
     Only on the failure path: it reads the whole data set once (TFRecord data
     from disk), in bounded memory.
     """
     if not numpy.issubdtype(x.dtype, numpy.floating):
-        return numpy.zeros(0, numpy.int64)
-    bad = [start + numpy.flatnonzero(~numpy.isfinite(numpy.asarray(x[start:start + chunk]).reshape(
-        min(chunk, len(x) - start), -1)).all(axis=1)) for start in range(0, len(x), chunk)]
-    return numpy.concatenate(bad) if bad else numpy.zeros(0, numpy.int64)
+        return numpy.zeros(0, numpy.int64), 0.0, 1.0
+    bad, low, high = [], math.inf, -math.inf
+    for start in range(0, len(x), chunk):
+        c = numpy.asarray(x[start:start + chunk]).reshape(min(chunk, len(x) - start), -1)
+        finite = numpy.isfinite(c)
+        bad.append(start + numpy.flatnonzero(~finite.all(axis=1)))
+        if finite.any():
+            low, high = min(low, float(c[finite].min())), max(high, float(c[finite].max()))
+    bad = numpy.concatenate(bad) if bad else numpy.zeros(0, numpy.int64)
+    return bad, (low if high >= low else 0.0), (high if high >= low else 0.0)
 
 
 def new_logdir(parent: str = "runs") -> str:

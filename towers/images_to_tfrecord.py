@@ -24,7 +24,7 @@ PROG = "images_to_tfrecord"
 
 def main(argv=None, prog="python -m tools.images_to_tfrecord"):
     """The command line; returns the exit status."""
-    p = Parser(prog=prog, description="Write an npz or an image folder as TFRecord shards in TensorFlow's "
+    p = Parser(prog=prog, name=PROG, description="Write an npz or an image folder as TFRecord shards in TensorFlow's "
                                       "ImageNet layout.")
     p.add_argument("input", metavar="IN", help="an npz (x, y) or an image folder DIR/<class>/*.jpg|jpeg|png")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output file (or shard prefix)")

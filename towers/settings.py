@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import types
 
 from towers.errors import UserError
 
@@ -85,11 +86,20 @@ class Integer(Check):
         v = getattr(cfg, name)
         if v is None and self.optional:
             return
-        if isinstance(v, numbers.Integral) and not isinstance(v, bool):
-            v = int(v)  # a NumPy integer is an integer too
-            setattr(cfg, name, v)
-        if isinstance(v, bool) or not isinstance(v, int) or v < self.minimum:
-            raise UserError(f"`{name}` must be an integer >= {self.minimum}, got {v!r}")
+        setattr(cfg, name, integer(v, self.minimum, f"`{name}`"))
+
+
+def integer(v, minimum: int, what: str) -> int:
+    """``v`` as an int >= ``minimum``, else a ``UserError`` starting with ``what``.
+
+    A NumPy integer is an integer too; a bool, a float (2.5, or 2.0) and a
+    string ('2') are not: ``int()`` would take them silently.
+    """
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise UserError(f"{what} must be an integer >= {minimum}, got {v!r}")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +120,21 @@ class Choice(Check):
 
 @dataclasses.dataclass(frozen=True)
 class Number(Check):
-    """A finite number in the interval; checked once the model's defaults are filled in."""
+    """A finite number in the interval (None allowed when ``optional``); checked once the model's defaults are
+    filled in."""
 
     low: float | None = None
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
+    optional: bool = False
     late = True
     arg_type = float
 
     def __call__(self, cfg, name):
         v = getattr(cfg, name)
+        if v is None and self.optional:
+            return
         if isinstance(v, numbers.Real) and not isinstance(v, bool):
             v = float(v)  # a NumPy float is a number too
             setattr(cfg, name, v)
@@ -165,6 +179,19 @@ def setting(default, help: str, *, group: str, check: Check, resume: str, type: 
     return dataclasses.field(default=default, metadata=meta)
 
 
+def hyperparameter(default: float, help: str, *, check: Check, metavar: str | None = None, shown: str | None = None):
+    """An optimizer's numeric hyperparameter, declared in its file (``towers.optim.optimizers``).
+
+    Unset (None) until the config is resolved; then the optimizers that read it get the model's value
+    or ``default``, and the others leave it unset.  So whether it was given is known to ``Config``
+    itself, not from its value: one given to an optimizer that does not read it is refused even at its
+    default (``optimizer`` sgd with ``beta1`` 0.9), by flag and in Python alike, and a resolved config
+    (a cluster's hosts resolve theirs again) holds none given.  ``check`` must allow None (``optional``).
+    """
+    return setting(None, help, group="optimization", check=check, resume=NOTE, type="float | None", metavar=metavar,
+                   shown=shown if shown is not None else f"{default:g}", model_default=True, fallback=default)
+
+
 def switch(help: str, *, group: str, resume: str, on: bool = False):
     """A True/False setting (a flag without a value; ``--no-NAME`` when ``on`` by default)."""
     return setting(on, help, group=group, check=Bool(), resume=resume, type="bool")
@@ -207,13 +234,15 @@ def resume_changes(old: dict, cfg) -> dict[str, list[tuple[str, object, object]]
     """{rule: [(name, old value, new value)]} of the settings ``cfg`` changes against ``old``.
 
     ``old``: the checkpoint's settings, every field present (see ``towers.config.checkpoint_settings``).
-    A setting the new run does not use (``used_when``) is left out.
+    A setting one of the two runs does not use (``used_when``) is left out: after a change of optimizer
+    its hyperparameters were unset on one side (the change of ``optimizer`` is the note).
     """
     changes = {rule: [] for rule in RULES}
+    before = types.SimpleNamespace(**old)
     for f in dataclasses.fields(cfg):
         used = f.metadata["used_when"]
         new = getattr(cfg, f.name)
-        if f.name in old and old[f.name] != new and (used is None or used(cfg)):
+        if f.name in old and old[f.name] != new and (used is None or (used(cfg) and used(before))):
             changes[f.metadata["resume"]].append((f.name, old[f.name], new))
     return changes
 

@@ -31,7 +31,8 @@ PROG = "tfrecord_to_npz"
 
 
 def _parser(prog):
-    p = Parser(prog=prog, description="Convert TFRecord files of tf.train.Example / SequenceExample records to one .npz.")
+    p = Parser(prog=prog, name=PROG,
+               description="Convert TFRecord files of tf.train.Example / SequenceExample records to one .npz.")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="TFRecord file or glob (matches read sorted)")
     p.add_argument("-o", "--output", metavar="OUT.npz", help="output file (required unless --schema)")
     p.add_argument("--compression", choices=COMPRESSIONS, default="auto",

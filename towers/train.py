@@ -28,9 +28,12 @@ def _number(kind):
     return parse
 
 
+NAME = "towers.train"  # in its error lines (the README's)
+
+
 def build_parser(prog: str = "python -m towers.train") -> argparse.ArgumentParser:
     """One flag per ``Config`` field, its help, type and metavar from the field's declaration."""
-    ap = Parser(prog=prog, description="Multi-tower training with CuPy + NCCL, or NumPy on the CPU.")
+    ap = Parser(prog=prog, name=NAME, description="Multi-tower training with CuPy + NCCL, or NumPy on the CPU.")
     for f in fields(Config):
         help_ = f.metadata["help"].replace("%", "%%").replace("`", "")
         if f.metadata["type"] == "bool":  # on by default: the flag (--no-...) turns it off
@@ -51,7 +54,7 @@ def run(cfg: Config) -> dict:
     """Train as ``cfg`` says; return the final metrics (the command line's whole job)."""
     show_notices()
     with Trainer(cfg) as trainer:  # Ray is imported only for `hosts` > 1: one host never pays for it
-        warn_about(trainer.dataset, "towers.train")
+        warn_about(trainer.dataset, NAME)
         if trainer.cfg.log_placement:
             print(trainer.executor.placement_text(), flush=True)
         return trainer.fit()
@@ -68,7 +71,7 @@ def _main(argv) -> int:
         with sigterm_raises():  # SIGTERM ends the run like Ctrl-C: writers clean up, one line, status 143
             run(cfg)
 
-    return run_main("towers.train", body, terminated="terminated (SIGTERM); the last checkpoint is kept")
+    return run_main(NAME, body, terminated="terminated (SIGTERM); the last checkpoint is kept")
 
 
 if __name__ == "__main__":

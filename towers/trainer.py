@@ -28,16 +28,18 @@ from __future__ import annotations
 import numpy
 
 from towers.config import Config
-from towers.data.dataset import Dataset
+from towers.data.dataset import Dataset, check_examples, check_test_split
 from towers.data.loading import load_dataset
 from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import Placement, check_host, resolve
-from towers.errors import UserError, notice
+from towers.errors import TrainingError, UserError, notice
 from towers.executor import Executor
 from towers.local import LocalExecutor
 from towers.nn.models import build_model
+from towers.nn.normalization import check_batch_statistics
 from towers.optim.optimizers import SLOTS
 from towers.output import checkpoint
+from towers.settings import integer
 
 
 class Trainer:
@@ -94,6 +96,10 @@ class Trainer:
         try:
             self.model = build_model(model if model is not None else cfg.model, dataset.example_shape,
                                      dataset.num_classes, cfg.hidden)
+            # Sync-BN pools one host's towers (a cluster's hosts check with theirs).
+            if not (cluster and cfg.sync_bn):
+                check_batch_statistics(self.model, cfg.batch_size,
+                                       len(self.placement.towers) if cfg.sync_bn else None, cfg.accumulate)
         except BaseException:
             self.close()  # the data's input workers end with a refused model too
             raise
@@ -196,9 +202,12 @@ class Trainer:
         return self.executor.train_step(x, y, want_loss)
 
     def run_steps(self, n: int, want_loss: bool = False):
-        """``n`` steps on the run's own batches (async: ``n`` updates of the server); the last losses when asked."""
+        """``n`` steps on the run's own batches (async: ``n`` updates of the server); the last losses when asked.
+
+        ``n`` is an integer >= 0 (a NumPy integer too); anything else is a ``UserError``, no step taken.
+        """
         self._open()
-        return self.executor.run_steps(max(int(n), 0), want_loss)[0]
+        return self.executor.run_steps(integer(n, 0, "run_steps: n"), want_loss)[0]
 
     def _check_examples(self, x, y, where: str, n: int | None):
         """(x, y) as arrays if they are examples and labels of this data set (``n`` of them), else a UserError (cheap)."""
@@ -207,6 +216,9 @@ class Trainer:
         # Lists (of examples, of labels) were taken before these checks: keep taking them.
         x = x if hasattr(x, "dtype") else numpy.asarray(x)
         y = y if hasattr(y, "dtype") else numpy.asarray(y)
+        if x.ndim < 1 or y.ndim < 1:
+            raise UserError(f"{where}: x and y must be arrays of examples and labels, got {x.dtype} {x.shape} and "
+                            f"{y.dtype} {y.shape}")
         ds = self.dataset
         if n is not None and (len(x) != n or len(y) != n):
             raise UserError(f"{where} takes one global batch of {n} examples and {n} labels "
@@ -216,10 +228,13 @@ class Trainer:
         if n is None and (len(x) != len(y) or not len(x)):
             raise UserError(f"{where}: give as many labels as examples, at least one; got {len(x)} examples "
                             f"and {len(y)} labels")
-        # A step's batch has the data set's dtype; evaluation takes uint8 pixels or floats.
-        dtype_ok = x.dtype == ds.x.dtype if n is not None else (
-            x.dtype == numpy.uint8 or numpy.issubdtype(x.dtype, numpy.floating))
-        if tuple(x.shape[1:]) != ds.example_shape or not dtype_ok:
+        if n is None:
+            # Evaluation data is test data: the loader's checks of a test split (uint8 pixels, or finite floats
+            # taken as float32; of the training examples' dtype, since uint8 is scaled by 1/255 and floats not).
+            x = check_examples(x, where, "x")
+            check_test_split(ds.x, x, f"{where}: ", "x")
+        # The data set's dtype, for a step's batch and (after the loader's conversion) for evaluation.
+        if tuple(x.shape[1:]) != ds.example_shape or x.dtype != ds.x.dtype:
             raise UserError(f"{where}: examples are {x.dtype} {tuple(x.shape[1:])}, the data set's are "
                             f"{ds.x.dtype} {ds.example_shape}")
         if not numpy.issubdtype(y.dtype, numpy.integer) or y.ndim != 1 or (
@@ -295,17 +310,30 @@ class Trainer:
         """{"loss", "accuracy"} on the test data (or ``x``, ``y``), EMA or raw weights (a host sync).
 
         The loss is the mean cross-entropy without the L2 term.  ``x``, ``y`` are
-        checked as ``train_step`` checks a batch (any count; float or uint8
-        examples of the data set's shape, integer labels in range).
+        checked as ``train_step`` checks a batch and the loader checks test data
+        (any count; examples of the data set's shape and dtype, uint8 or finite
+        floats, integer labels in range); give both or neither.  Weights that
+        hold NaN or inf (a diverged run) are a ``TrainingError`` naming one,
+        not a loss of nan beside a meaningless accuracy: looked for only when
+        the loss is not finite.
         """
         self._open()
+        if (x is None) != (y is None):
+            raise UserError("evaluate: give both x and y (examples and their labels), or neither for the test data")
         if x is None:
             x, y = self.dataset.x_test, self.dataset.y_test
             if x is None:
                 raise UserError("no test data: give x_test/y_test in `data`, or `test_data`")
         else:
             x, y = self._check_examples(x, y, "evaluate", None)
-        return self.executor.evaluate(ema, x, y)
+        result = self.executor.evaluate(ema, x, y)
+        if not numpy.isfinite(result["loss"]):
+            bad = checkpoint.non_finite(self.executor.get_weights(ema))
+            if bad is not None:
+                raise TrainingError(f"evaluate: the {'EMA' if ema else 'raw'} weights hold NaN or inf ({bad!r}): "
+                                    "training diverged; lower `lr` and train again, or load an earlier checkpoint "
+                                    "(load_state_dict)")
+        return result
 
     def test_accuracy(self) -> dict:
         """{"test_accuracy", "test_accuracy_ema"} ({} without test data)."""

@@ -245,7 +245,9 @@ def _labels(y: numpy.ndarray, where: str, key: str) -> numpy.ndarray:
     return y.astype(numpy.int32)
 
 
-def _images(x: numpy.ndarray, where: str, key: str) -> numpy.ndarray:
+def check_examples(x: numpy.ndarray, where: str, key: str) -> numpy.ndarray:
+    """Examples as a data set holds them: uint8 pixels as they are, floats as float32 with no NaN or inf
+    (a ``UserError`` naming the count and the first example); other dtypes are refused."""
     if x.dtype == numpy.uint8:
         return x
     if not numpy.issubdtype(x.dtype, numpy.floating):
@@ -379,7 +381,7 @@ def _read_into(f, dtype: numpy.dtype, shape: tuple, order: str, nbytes: int) -> 
 
 
 def _pair(x, y, where: str, xk: str, yk: str):
-    x, y = _images(x, where, xk), _labels(y, where, yk)
+    x, y = check_examples(x, where, xk), _labels(y, where, yk)
     if x.ndim < 2:
         raise UserError(f"{where}: key {xk!r} has shape {x.shape}; expected (N, features...)")
     if len(x) != len(y):

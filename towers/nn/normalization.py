@@ -82,6 +82,46 @@ def _channels(in_shape: tuple, who: str) -> int:
     return int(in_shape[-1])
 
 
+def check_batch_statistics(model, batch: int, sync_towers: int | None = None, accumulate: int = 1) -> None:
+    """A ``UserError`` naming the first ``BatchNorm`` of the built ``model`` that would normalize one value per
+    channel in training; nested layers (``Residual`` blocks: ``layers``) count, named by their scopes.
+
+    A training batch norm takes each channel's mean and variance over the values it sees in one
+    micro-batch: ``batch`` examples x the positions of its per-example input (all axes but the last;
+    1 after a ``Dense``), times ``sync_towers`` with sync-BN (their statistics are pooled; None:
+    each tower's own).  With one value, ``x - mean`` is 0: every output is ``beta``, no gradient
+    reaches the layers before it, and the run trains nothing (PyTorch refuses it too: "Expected more
+    than 1 value per channel when training").  ``accumulate`` does not add values: each micro-batch is
+    normalized alone; it is only named in the message.  Evaluation (the moving statistics) is not
+    concerned.
+    """
+    for name, layer in _named_layers(model.layers, ""):
+        if not isinstance(layer, BatchNorm):
+            continue
+        positions = int(numpy.prod(layer.in_shape[:-1], dtype=numpy.int64))
+        if batch * positions * (sync_towers or 1) > 1:
+            continue
+        why = (f"`batch_size` {batch} " + (f"on {sync_towers} tower with `sync_bn`" if sync_towers else "per tower")
+               + f", and its per-example input {layer.in_shape} holds one value per channel"
+               + (f"; `accumulate` {accumulate} adds none, each micro-batch is normalized alone"
+                  if accumulate > 1 else ""))
+        fix = "set `batch_size` 2 or more" + (", or train on 2 or more towers" if sync_towers else
+                                              ", or set `sync_bn` with 2 or more towers")
+        raise UserError(f"{name}: batch norm would normalize 1 value per channel in training ({why}): every output "
+                        f"would be its beta and nothing before it would train; {fix}")
+
+
+def _named_layers(layers, prefix: str):
+    """(name, layer) of every layer, nested ones too, named by their scopes as their parameters are."""
+    for layer in layers:
+        scope = getattr(layer, "scope", None)
+        name = f"{prefix}{scope}" if scope else prefix.rstrip("/") or type(layer).__name__
+        yield name, layer
+        inner = getattr(layer, "layers", None)
+        if isinstance(inner, (list, tuple)):
+            yield from _named_layers(inner, f"{prefix}{scope}/" if scope else prefix)
+
+
 class BatchNorm(Layer):
     """Batch normalization over every axis but the last (see the module doc).
 
@@ -107,6 +147,7 @@ class BatchNorm(Layer):
 
     def build(self, in_shape):
         c = self.c = _channels(tuple(in_shape), self.scope)
+        self.in_shape = tuple(in_shape)  # its values per channel and example: all but the last axis
         params = ([Param("gamma", (c,), "constant:1")] if self.scale else []) + (
             [Param("beta", (c,))] if self.center else [])
         return params + [Param("moving_mean", (c,), trainable=False),

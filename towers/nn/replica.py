@@ -95,17 +95,26 @@ class Replica:
         return x
 
     def loss_and_grads(self, x, labels, l2: float, want_loss: bool = True, timer=None):
-        """Forward, mean softmax cross-entropy + L2, backward into ``grads``.
+        """Forward, mean softmax cross-entropy + L2, backward into ``grads``: the objective and its gradient.
 
-        Returns the loss as a 0-d device array when ``want_loss`` (it is not
-        fetched to the host here: that would be a sync point), else None.
-        ``timer(phase)``, when given, returns a context that times the
-        ``forward`` and ``backward`` phases (``towers.profiling``).
+        Returns the objective, the data loss plus the L2 term (whose
+        gradient ``grads`` holds: what a gradient check differentiates), as
+        a 0-d device array when ``want_loss`` (it is not fetched to the host
+        here: that would be a sync point), else None.  ``timer(phase)``,
+        when given, returns a context that times the ``forward`` and
+        ``backward`` phases (``towers.profiling``).  A run's steps go
+        through ``mean_loss_and_grads``, whose loss is the data loss alone.
         """
-        return self.mean_loss_and_grads(((x, labels),), 1, l2, want_loss, timer)
+        loss = self.mean_loss_and_grads(((x, labels),), 1, l2, want_loss, timer)
+        return loss + self.l2_term(l2) if want_loss else None
+
+    def l2_term(self, l2: float):
+        """The L2 term ``l2 * sum(w**2) / 2`` over the regularized weights, a 0-d device array (0 without any)."""
+        w = self.params[: self._nreg]
+        return self.dtype.type(l2 / 2) * self.xp.dot(w, w) if self._nreg and l2 else self.dtype.type(0)
 
     def mean_loss_and_grads(self, batches, count: int, l2: float, want_loss: bool = True, timer=None):
-        """``loss_and_grads`` over ``count`` micro-batches: the mean of their losses and gradients, + L2 once.
+        """Forward and backward over ``count`` micro-batches: their mean data loss and mean gradient, + L2's once.
 
         ``batches`` yields ``count`` (x, labels) pairs of equal size, taken one
         at a time (a generator may stage each into the same device buffer).
@@ -118,7 +127,11 @@ class Replica:
         over the flat buffer.  L2's gradient and loss term are added once, after
         the mean.  Layers see each micro-batch as a batch of its own (batch
         norm: its statistics; sync-BN: one pair of syncs per micro-batch).
-        With one micro-batch it is exactly ``loss_and_grads``.
+        The loss returned is the data loss (mean cross-entropy, with label
+        smoothing in training) without the L2 term: what a run logs, the
+        quantity evaluation reports too, so a run at 100% accuracy does not log
+        its weights' norm (``l2_term`` gives it).  With one micro-batch the
+        gradient is exactly ``loss_and_grads``'.
         """
         timer = timer or _no_timer
         scale = self.dtype.type(1 / count)
@@ -148,8 +161,6 @@ class Replica:
                 tmp = (self._loss_ws.array("l2", w.shape, w.dtype)
                        if kernels.on_host(w) and self.context.fused is None else None)
                 kernels.add_scaled(self.grads[: self._nreg], w, l2, tmp, self.context.fused)
-                if want_loss:
-                    loss = loss + self.dtype.type(l2 / 2) * self.xp.dot(w, w)
         return loss
 
     def _backward(self, dy, grads) -> None:

@@ -242,18 +242,20 @@ def _unlink(path: str) -> None:
         pass
 
 
-def diverged(step: int, what: str, last_path: str | None, cause: str | None = None) -> TrainingError:
+def diverged(step: int, what: str, last_path: str | None, cause: str | None = None,
+             remedy: str | None = None) -> TrainingError:
     """The error of a run whose loss or weights went non-finite at ``step``.
 
-    ``cause``: what made it, when known (non-finite input); else the usual
-    culprit, a learning rate too high.
+    ``cause``: what made it, when known (non-finite input, input too large),
+    and ``remedy``, what to do about the data (default: replace the NaN/inf
+    values); else the usual culprit, a learning rate too high.
     """
     keep = f"the last good checkpoint is {last_path}" if last_path else "no checkpoint was written"
     if cause:
         fix = ("(keep its shape to `resume` from that checkpoint) or start over" if last_path else
                "and start over")
         return TrainingError(f"step {step}: {what}: {cause}; training stopped ({keep}). "
-                             f"Replace the NaN/inf values in `data` {fix}")
+                             f"{remedy or 'Replace the NaN/inf values in `data`'} {fix}")
     then = "then `resume` (it continues from that checkpoint) or start over" if last_path else "and start over"
     return TrainingError(f"step {step}: {what}; training stopped ({keep}). Lower `lr`, {then}")
 

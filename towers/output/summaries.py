@@ -53,16 +53,20 @@ def _record_step(line: str) -> int | None:
         return None
 
 
+def progress_bar(shown: bool, **kw) -> tqdm:
+    """The one kind of progress bar (training steps, the decoded-image cache, the converters): tqdm on
+    stderr, drawn only when ``shown`` and stderr is a terminal, so a redirected stderr (a log file, a
+    pipe) gets no bar; ``kw`` are tqdm's (``total``, ``unit``, ``desc``, ...)."""
+    return tqdm(file=sys.stderr, dynamic_ncols=True, disable=not (shown and sys.stderr.isatty()), **kw)
+
+
 class Reporter:
     """Progress bar (TTY only, off with --quiet), log lines and the metrics file."""
 
     def __init__(self, logdir: str, total_steps: int, start_step: int = 0, quiet: bool = False):
         self.quiet = quiet
         self._noted = False  # a warning said once in quiet mode
-        self.bar = tqdm(
-            total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-            disable=quiet or not sys.stderr.isatty(),
-        )
+        self.bar = progress_bar(not quiet, total=total_steps, initial=start_step, unit="step")
         self.path = os.path.join(logdir, METRICS)
         with writing(self.path):
             self._metrics = open(self.path, "a", encoding="utf-8")
@@ -132,6 +136,7 @@ class TensorBoard:
     def __init__(self, logdir: str, every: int, start_step: int = 0, purge_step: int | None = None):
         self.every, self.path = every, None
         self._writer = None
+        self._written = False  # a summary past the file's first events
         if every > 0:  # 0: no summaries, no event file
             with _without_torch():
                 from tensorboardX.proto.event_pb2 import Event, SessionLog
@@ -165,6 +170,7 @@ class TensorBoard:
 
     def _summary(self, summary, step: int) -> None:
         self._write(self._event(wall_time=time.time(), step=int(step), summary=summary))
+        self._written = True
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -206,8 +212,18 @@ class TensorBoard:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def close(self) -> None:
-        """Flush and close (idempotent; the file is closed even when the flush fails)."""
+    def close(self, keep_empty: bool = True) -> None:
+        """Flush and close (idempotent; the file is closed even when the flush fails).
+
+        ``keep_empty`` False (a run that stopped on an error): a file that got
+        no summary past its first events is removed instead, so each resume
+        retried on a full disk, which fails before its first summary (at a
+        checkpoint whose temporary file, removed, leaves room for the next
+        header), does not leave one more.
+        """
+        if self._writer is not None and not keep_empty and not self._written:
+            self._discard()
+            return
         if self._writer is not None:
             writer, self._writer = self._writer, None
             with writing(self.path):

@@ -112,13 +112,12 @@ def fill(cache: CachedSource, source, decode, pool, sid: int, progress: bool = F
     """Decode every row of ``source`` (``decode``: registered with ``pool`` as ``sid``) into ``cache.array``,
     recording what fails in ``cache.bad``.  A chunk that raised (a record that failed its checks) is decoded
     again row by row here, so that only its failing rows carry the error."""
-    from tqdm import tqdm
+    from towers.output.summaries import progress_bar
 
     n = len(source)
     step = FILL_ROWS * max(pool.n, 1)
     starts = list(range(0, n, step))
-    with tqdm(total=n, desc="decoding images", unit="img", disable=not progress, dynamic_ncols=True,
-              leave=False) as bar:
+    with progress_bar(progress, total=n, desc="decoding images", unit="img", leave=False) as bar:
         pending = []
         for k, a in enumerate(starts + [None, None]):
             if a is not None:

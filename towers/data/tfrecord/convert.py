@@ -22,7 +22,6 @@ See tools/README.md.
 """
 
 import os
-import sys
 from dataclasses import dataclass
 
 from towers.errors import info
@@ -134,9 +133,8 @@ def _entries(store, decode, x, y, input_workers, ends=()):
 
 
 def _progress(total, shown):
-    from tqdm import tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True,
-                disable=not (shown and sys.stderr.isatty()), file=sys.stderr, desc="converting")
+    from towers.output.summaries import progress_bar
+    return progress_bar(shown, total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="converting")
 
 
 def read_all(paths, store, reading=Reading(), say=info, ends=None):

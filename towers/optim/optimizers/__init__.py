@@ -63,14 +63,22 @@ def defaults() -> dict[str, dict]:
     return {name: dict(cls.defaults) for name, cls in OPTIMIZERS.items()}
 
 
-def check_settings(cfg) -> None:
-    """A hyperparameter set for an optimizer that does not read it is refused; then the optimizer's own rules."""
+def check_given(cfg) -> None:
+    """A hyperparameter given for an optimizer that does not read it is refused, whatever its value.
+
+    ``cfg`` is not resolved yet but for its ``optimizer``: a hyperparameter is given when it differs
+    from its declared default, which is unset (None; ``towers.settings.hyperparameter``) or off (a
+    switch), so ``beta1`` 0.9 with sgd is given as much as 0.8 is.
+    """
     for cls in OPTIMIZERS.values():
         for name, f in cls.settings.items():
-            value = getattr(cfg, name)
-            if cfg.optimizer not in readers(name) and value not in (None, f.default, f.metadata["fallback"]):
+            if cfg.optimizer not in readers(name) and getattr(cfg, name) != f.default:
                 raise UserError(f"`{name}` is for `optimizer` {', '.join(readers(name))}, not {cfg.optimizer}; "
                                 "drop it")
+
+
+def check_settings(cfg) -> None:
+    """The resolved optimizer's own rules between its settings."""
     OPTIMIZERS[cfg.optimizer].check(cfg)
 
 

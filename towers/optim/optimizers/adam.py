@@ -13,7 +13,7 @@ import math
 import numpy
 
 from towers.optim.optimizers.base import Optimizer
-from towers.settings import NOTE, Number, setting
+from towers.settings import Number, hyperparameter
 
 
 class Adam(Optimizer):
@@ -21,12 +21,12 @@ class Adam(Optimizer):
 
     name = "adam"
     settings = {
-        "beta1": setting(0.9, "Adam's first-moment decay (TF default 0.9)", group="optimization",
-                         check=Number(0, 1, high_open=True), resume=NOTE, type="float"),
-        "beta2": setting(0.999, "Adam's second-moment decay (TF default 0.999)", group="optimization",
-                         check=Number(0, 1, high_open=True), resume=NOTE, type="float"),
-        "epsilon": setting(1e-8, "Adam's epsilon (TF default 1e-8)", group="optimization",
-                           check=Number(0, low_open=True), resume=NOTE, type="float"),
+        "beta1": hyperparameter(0.9, "Adam's first-moment decay (TF default 0.9)",
+                                check=Number(0, 1, high_open=True, optional=True)),
+        "beta2": hyperparameter(0.999, "Adam's second-moment decay (TF default 0.999)",
+                                check=Number(0, 1, high_open=True, optional=True)),
+        "epsilon": hyperparameter(1e-8, "Adam's epsilon (TF default 1e-8)",
+                                  check=Number(0, low_open=True, optional=True)),
     }
     reads = ("beta1", "beta2", "epsilon")
     # The learning rate is TensorFlow's AdamOptimizer default.

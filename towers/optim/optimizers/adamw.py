@@ -19,9 +19,11 @@ import math
 
 import numpy
 
+from towers.errors import UserError
 from towers.optim.optimizers.adam import moments
 from towers.optim.optimizers.base import Optimizer
-from towers.settings import NOTE, Number, setting
+from towers.optim.schedule import piecewise_values
+from towers.settings import Number, hyperparameter
 
 
 class AdamW(Optimizer):
@@ -29,9 +31,9 @@ class AdamW(Optimizer):
 
     name = "adamw"
     settings = {
-        "weight_decay": setting(
+        "weight_decay": hyperparameter(
             0.01, "AdamW's decoupled weight decay: every step multiplies each parameter by 1 - lr * D "
-            "(torch default 0.01)", group="optimization", check=Number(0), resume=NOTE, type="float", metavar="D"),
+            "(torch default 0.01)", check=Number(0, optional=True), metavar="D"),
     }
     reads = ("beta1", "beta2", "epsilon", "weight_decay")
     defaults = {"lr": 0.001, "lr_decay": 1.0, "l2": 0.0}  # torch's lr; the decay replaces L2
@@ -49,6 +51,18 @@ class AdamW(Optimizer):
     @classmethod
     def from_config(cls, cfg, params, ema=None):
         return cls(params, cfg.beta1, cfg.beta2, cfg.epsilon, cfg.weight_decay, ema)
+
+    @classmethod
+    def check(cls, cfg):
+        """The decay keeps ``1 - lr * weight_decay`` of every parameter each step: at lr x weight_decay >= 1
+        that zeroes or flips the sign of every weight, whatever the gradient.  ``lr`` is the schedule's
+        largest rate: the first (exponential, cosine; warm-up only climbs to it), or the largest piecewise
+        value."""
+        peak = max(piecewise_values(cfg)[1]) if cfg.lr_schedule == "piecewise" else cfg.lr
+        if peak * cfg.weight_decay >= 1:
+            raise UserError(f"`lr` {peak:g} x `weight_decay` {cfg.weight_decay:g} = {peak * cfg.weight_decay:g}, not "
+                            "below 1: AdamW multiplies every parameter by 1 - lr x weight_decay each step, which would "
+                            "zero or flip the weights; lower `lr` or `weight_decay` (torch's defaults: 0.001 x 0.01)")
 
     def _scalar_names(self):
         return ("keep", "step_size", "inv_root_bc2", "b1", "b2", "eps")

@@ -10,7 +10,8 @@ An optimizer is one file in this package with one ``Optimizer`` subclass that
 declares, beside its update:
 
 * ``name``: the ``optimizer`` setting that picks it;
-* ``settings``: the hyperparameters it declares, ``towers.settings.setting``
+* ``settings``: the hyperparameters it declares, ``towers.settings.hyperparameter``
+  (numbers: unset until the optimizer that reads them is known) or ``switch``
   fields that ``towers.Config`` gets (flags, checks, help, resume rule);
 * ``reads``: every setting its update reads, its own and others' (AdamW reads
   Adam's ``beta1``), in the order the settings line shows them;

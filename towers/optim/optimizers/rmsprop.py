@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy
 
 from towers.optim.optimizers.base import Optimizer
-from towers.settings import NOTE, Number, setting, switch
+from towers.settings import NOTE, Number, hyperparameter, switch
 
 
 class RMSProp(Optimizer):
@@ -22,12 +22,10 @@ class RMSProp(Optimizer):
 
     name = "rmsprop"
     settings = {
-        "rmsprop_decay": setting(0.9, "RMSProp's decay of the mean square (TF `decay`, default 0.9)",
-                                 group="optimization", check=Number(0, 1, high_open=True), resume=NOTE,
-                                 type="float", metavar="RHO"),
-        "rmsprop_epsilon": setting(1e-10, "RMSProp's epsilon, inside the square root (TF default 1e-10)",
-                                   group="optimization", check=Number(0, low_open=True), resume=NOTE,
-                                   type="float", metavar="EPS"),
+        "rmsprop_decay": hyperparameter(0.9, "RMSProp's decay of the mean square (TF `decay`, default 0.9)",
+                                        check=Number(0, 1, high_open=True, optional=True), metavar="RHO"),
+        "rmsprop_epsilon": hyperparameter(1e-10, "RMSProp's epsilon, inside the square root (TF default 1e-10)",
+                                          check=Number(0, low_open=True, optional=True), metavar="EPS"),
         "rmsprop_centered": switch("centered RMSProp: divide by the estimated variance, ms - mg^2, "
                                     "not the mean square (TF `centered`)", group="optimization", resume=NOTE),
     }

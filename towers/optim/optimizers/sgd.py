@@ -12,7 +12,7 @@ import numpy
 
 from towers.errors import UserError
 from towers.optim.optimizers.base import Optimizer
-from towers.settings import NOTE, Number, setting, switch
+from towers.settings import NOTE, Number, hyperparameter, switch
 
 
 class SGD(Optimizer):
@@ -20,10 +20,9 @@ class SGD(Optimizer):
 
     name = "sgd"
     settings = {
-        "momentum": setting(
-            None, "momentum (default: the model's; mlp 0, lenet5 with sgd and resnets 0.9; "
-            "0: plain SGD)", group="optimization", check=Number(0, 1, high_open=True), resume=NOTE,
-            type="float | None", metavar="M", shown="the model's", model_default=True, fallback=0.0),
+        "momentum": hyperparameter(
+            0.0, "momentum (default: the model's; mlp 0, lenet5 with sgd and resnets 0.9; "
+            "0: plain SGD)", check=Number(0, 1, high_open=True, optional=True), metavar="M", shown="the model's"),
         "nesterov": switch("Nesterov momentum (TF `use_nesterov`; needs sgd with --momentum > 0)",
                            group="optimization", resume=NOTE),
     }
