@@ -13,7 +13,7 @@ memory-mapped array.
 
 Labels that train but say little are not errors: one class only (every
 prediction is that class, and its accuracy is that class's share), or labels
-that start above 0 (classes without examples).  They are listed in
+that start above 0 or skip numbers (class indices without examples, counted).  They are listed in
 ``Dataset.warnings``, one line each, which the command lines print; the
 library prints nothing.
 
@@ -175,16 +175,37 @@ def check_test_split(x, x_test, where: str, key: str = "x_test") -> None:
 
 
 def _label_warnings(y, y_test) -> list[str]:
-    """Lines about labels that train but say little: one class, labels that do not start at 0."""
+    """Lines about labels that train but say little: one class, class indices without a training example.
+
+    The model has one output per index 0..max(y), so labels that start above 0
+    or skip numbers (0..8 and 100) leave outputs that nothing trains, and a
+    test label among them can never be predicted right.  Counting them is one
+    ``bincount`` over the labels (at most ``MAX_CLASSES`` bins).
+    """
     out = []
     low, high = (int(y.min()), int(y.max())) if len(y) else (0, 1)
     if low == high:
         out.append(f"the training labels hold one class only (label {low}): the model learns to answer "
                    f"{low} whatever the input, and its accuracy is the share of {low} in the test labels; "
                    "check `y_key` and the labels")
-    elif low > 0:
+        empty = numpy.zeros(0, numpy.int64)
+    else:
+        counts = numpy.bincount(numpy.asarray(y, numpy.int64)) if len(y) else numpy.ones(2)
+        empty = numpy.flatnonzero(counts == 0)
+    if len(empty) and empty[-1] < low:  # only below the first label: labels counted from 1 (or more)
         out.append(f"the training labels start at {low}, not 0: classes 0..{low - 1} have no examples "
                    f"(labels are 0..C-1; for labels 1..C, subtract 1)")
+    elif len(empty):
+        shown = ", ".join(str(int(k)) for k in empty[:5]) + (", ..." if len(empty) > 5 else "")
+        untrained = 0
+        if y_test is not None and len(y_test):
+            yt = numpy.asarray(y_test, numpy.int64)
+            untrained = int(numpy.count_nonzero(numpy.isin(yt, empty)))
+        test = (f"; {_plural(untrained, 'test example')} {'has' if untrained == 1 else 'have'} such a label"
+                if untrained else "")
+        out.append(f"the training labels leave {len(empty)} of the {high + 1} class indices 0..{high} without an "
+                   f"example ({shown}): the model gets {high + 1} outputs and never learns those classes{test}; "
+                   "labels are 0..C-1: renumber them (numpy.unique(y, return_inverse=True))")
     if y_test is not None and len(y_test) > 1 and int(y_test.min()) == int(y_test.max()):
         out.append(f"the test labels hold one class only (label {int(y_test.min())}): the accuracy measures "
                    "that class alone")
