@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -154,3 +155,23 @@ def test_summaries_do_not_import_torch(tmp_path):
     assert res.returncode == 0, res.stderr
     assert list((tmp_path / "run").glob("events.out.tfevents.*"))
     assert not marker.exists()
+
+
+def test_a_user_models_shape_mismatch_cites_only_the_settings_it_reads(tmp_path):
+    """Before: `(the checkpoint was trained with --model usernet:small --hidden 500)`; a user model reads no --hidden."""
+    (tmp_path / "usernet.py").write_text(
+        "import os\nfrom towers import Dense, Flatten, ReLU\n\n"
+        "def small(input_shape, num_classes):\n"
+        "    return [Flatten(), Dense('hidden', int(os.environ['UNITS'])), ReLU(), Dense('logits', num_classes)]\n")
+
+    def run(module, units, *args):
+        env = dict(os.environ, PYTHONPATH=str(tmp_path), UNITS=str(units))
+        return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+    p = run("towers.train", 32, "--logdir", tmp_path / "run", "--model", "usernet:small", "--steps", 2, "--quiet",
+            "--summary-every", 0)
+    assert p.returncode == 0, p.stderr
+    p = run("towers.eval", 16, "--logdir", tmp_path / "run")  # the function builds other shapes now
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert "(the checkpoint was trained with --model usernet:small);" in p.stderr, p.stderr
+    assert "--hidden" not in p.stderr

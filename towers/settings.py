@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import types
 
 from towers.errors import UserError
 
@@ -216,6 +217,16 @@ def resume_changes(old: dict, cfg) -> dict[str, list[tuple[str, object, object]]
         if f.name in old and old[f.name] != new and (used is None or used(cfg)):
             changes[f.metadata["resume"]].append((f.name, old[f.name], new))
     return changes
+
+
+def used_settings(saved: dict, cls, rule: str) -> list[tuple[str, object]]:
+    """(name, value) of the settings of resume rule ``rule`` that a run of the settings ``saved`` uses
+    (``used_when``; a setting ``saved`` lacks counts at its default): what a message about that run may cite.
+    ``saved`` is a plain dict (a checkpoint's), not resolved: a user's model module is not imported."""
+    values = {f.name: saved.get(f.name, f.default) for f in dataclasses.fields(cls)}
+    run = types.SimpleNamespace(**values)
+    return [(f.name, values[f.name]) for f in dataclasses.fields(cls) if f.metadata["resume"] == rule
+            and (f.metadata["used_when"] is None or f.metadata["used_when"](run))]
 
 
 def show(value) -> str:

@@ -37,10 +37,10 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy
 
-from towers.config import checkpoint_settings
+from towers.config import Config, checkpoint_settings
 from towers.errors import TrainingError, UserError, notice
 from towers.nn import fused_cpu
-from towers.settings import NOTE, REFUSE, SILENT, resume_changes, show
+from towers.settings import NOTE, REFUSE, SILENT, resume_changes, show, used_settings
 from towers.state import Layout, under
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, remove_stale, writing
 
@@ -145,9 +145,9 @@ def model_weights(model, arrays: dict, prefix: str, path: str, fix: str) -> dict
     try:
         return Layout(model.layout()).check(under(arrays, prefix), f"{path} does not fit this model")
     except UserError as e:
-        ck = arrays["config"]
-        raise UserError(f"{e} (the checkpoint was trained with `model` {ck.get('model')} "
-                        f"`hidden` {ck.get('hidden')}); {fix}") from None
+        # Only the settings that shape this model: `hidden` is the mlp's, a user's model reads none of them.
+        shaped = " ".join(f"`{k}` {show(v)}" for k, v in used_settings(arrays["config"], Config, REFUSE))
+        raise UserError(f"{e} (the checkpoint was trained with {shaped}); {fix}") from None
 
 
 # -- the metadata a checkpoint adds to the trainer's state dict ---------------------------
