@@ -81,6 +81,19 @@ def test_eval_matches_the_trainers_accuracy(run_dir):
     assert "(step 10)" in out
 
 
+def test_eval_takes_a_runs_final_npz(run_dir, tmp_path):
+    """Before: `final.npz is not a readable checkpoint (not a towers checkpoint (no format, config, ...))`."""
+    final = metrics(run_dir)[-1]
+    for flags, key in (((), "test_accuracy_ema"), (("--no-ema",), "test_accuracy")):
+        out = cli("towers.eval", "--checkpoint", run_dir / "final.npz", *flags).stdout
+        assert out.startswith("final.npz (step 20): ") and f"accuracy = {final[key]:.4f}" in out, out
+    alone = tmp_path / "final.npz"  # away from its run: nothing says which model or data it is
+    alone.write_bytes((run_dir / "final.npz").read_bytes())
+    p = cli("towers.eval", "--checkpoint", alone, ok=False)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert f"is not beside it ({tmp_path / 'ckpt-00000020.npz'}): give one of the run's ckpt-*.npz" in p.stderr
+
+
 def test_eval_of_a_batch_norm_model_uses_its_moving_statistics(tmp_path):
     # Before: towers.eval left the moving mean and variance at 0 and 1, and disagreed with the run.
     cli("towers.train", "--logdir", tmp_path, "--model", "resnet20", "--batch-size", "16", "--quiet", "--steps", 8,
@@ -88,6 +101,8 @@ def test_eval_of_a_batch_norm_model_uses_its_moving_statistics(tmp_path):
     final = metrics(tmp_path)[-1]
     for flags, key in (((), "test_accuracy_ema"), (("--no-ema",), "test_accuracy")):
         out = cli("towers.eval", "--logdir", tmp_path, *flags).stdout
+        assert f"accuracy = {final[key]:.4f}" in out, (out, final)
+        out = cli("towers.eval", "--checkpoint", tmp_path / "final.npz", *flags).stdout  # its buffers too
         assert f"accuracy = {final[key]:.4f}" in out, (out, final)
 
 

@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="python -m towers.eval", description="Loss and accuracy of a towers checkpoint on test data.")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--logdir", help="evaluate the latest valid checkpoint of this run")
-    src.add_argument("--checkpoint", metavar="PATH", help="evaluate this ckpt-*.npz")
+    src.add_argument("--checkpoint", metavar="PATH",
+                     help="evaluate this ckpt-*.npz, or a run's final.npz (its run's last checkpoint beside it)")
     ap.add_argument("--no-ema", dest="ema", action="store_false", help="use the raw weights, not the EMA")
     ap.add_argument("--data", help="data (.npz with x_test/y_test, or TFRecord); default: the checkpoint's --data")
     ap.add_argument("--test-data", help="separate test data (.npz or TFRecord); default: the checkpoint's --test-data")
@@ -143,7 +144,7 @@ def _run(args, ev: "Evaluator") -> None:
         if args.watch:
             raise UserError("--watch needs --logdir (it waits for new checkpoints there), not --checkpoint")
         try:
-            arrays = load_checkpoint(args.checkpoint)
+            arrays = load_checkpoint(args.checkpoint, final=True)  # a run's final.npz too
         except CheckpointError as e:
             raise UserError(f"{args.checkpoint} is not a readable checkpoint ({e})") from None
         print(ev.evaluate(args.checkpoint, arrays), flush=True)

@@ -80,13 +80,22 @@ def list_checkpoints(logdir: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def load_checkpoint(path: str) -> dict:
-    """All arrays of a checkpoint, read in full (so zip CRCs are verified)."""
+def load_checkpoint(path: str, final: bool = False) -> dict:
+    """All arrays of a checkpoint, read in full (so zip CRCs are verified).
+
+    With ``final``, a run's ``final.npz`` is read too, as a checkpoint of its
+    step: ``load_final``.
+    """
     try:
         with numpy.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except Exception as e:  # truncated, corrupt, not a zip, vanished: all "unreadable"
         raise CheckpointError(f"{e.__class__.__name__}: {e}") from None
+    if is_final(arrays):
+        if final:
+            return load_final(path, arrays)
+        raise CheckpointError(f"a run's final.npz: its weights only, not a checkpoint (the checkpoint of its step "
+                              f"is {final_checkpoint(path, int(arrays['step']))})")
     missing = [k for k in ("format", "step", "config", "data/epoch", "data/index", "data/shape") if k not in arrays]
     if missing:
         raise CheckpointError(f"not a towers checkpoint (no {', '.join(missing)})")
@@ -96,6 +105,44 @@ def load_checkpoint(path: str) -> dict:
         arrays["config"] = json.loads(str(arrays["config"][()]))
     except ValueError as e:
         raise CheckpointError(f"its config is not JSON ({e})") from None
+    return arrays
+
+
+def is_final(arrays: dict) -> bool:
+    """Whether an npz's arrays are a run's ``final.npz``: ``params/*``, ``ema/*`` and ``step``, nothing of a
+    checkpoint's format (``towers.extensions.Run.finish`` writes it)."""
+    return "step" in arrays and "format" not in arrays and any(k.startswith("params/") for k in arrays)
+
+
+def final_checkpoint(path: str, step: int) -> str:
+    """Where the checkpoint of a ``final.npz``'s step is: beside it.  A run writes one at its last step, with
+    the settings and the data's description that ``final.npz`` (weights only) lacks."""
+    return os.path.join(os.path.dirname(os.path.abspath(path)), checkpoint_name(step))
+
+
+def load_final(path: str, final: dict) -> dict:
+    """The arrays of ``final.npz`` (``final``, read from ``path``) as a checkpoint of its step: its weights and
+    EMA, with the settings and data description of its run's checkpoint of that step (``final_checkpoint``).
+
+    ``final.npz`` holds the model's buffers (moving statistics) under both ``params/`` and ``ema/``, as
+    ``get_weights`` returns them; a checkpoint keeps them under ``buffers/``, so they move there.  A
+    ``CheckpointError`` when that checkpoint is missing or unreadable.
+    """
+    beside = final_checkpoint(path, int(final["step"]))
+    if not os.path.exists(beside):
+        raise CheckpointError(f"a run's final.npz holds weights only, and the checkpoint of its step, which has "
+                              f"the run's settings, is not beside it ({beside}): give one of the run's ckpt-*.npz")
+    try:
+        arrays = load_checkpoint(beside)
+    except CheckpointError as e:
+        raise CheckpointError(f"its run's settings are in {beside}, which cannot be read ({e})") from None
+    buffers = {k[len("buffers/"):] for k in arrays if k.startswith("buffers/")}
+    arrays = {k: v for k, v in arrays.items() if not k.startswith(("params/", "ema/", "buffers/"))}
+    for key, a in final.items():
+        prefix, _, name = key.partition("/")
+        if prefix in ("params", "ema"):
+            arrays[f"buffers/{name}" if name in buffers else key] = a
+    arrays["step"] = final["step"]
     return arrays
 
 
