@@ -163,6 +163,35 @@ def test_resume_refusals_and_notes(tmp_path):
     assert "no checkpoint" in p.stderr and "starting fresh" in p.stderr
 
 
+def test_a_resume_whose_class_names_changed_is_refused_naming_both_lists(tmp_path):
+    """Before: `train/emu` renamed `ant` resumed with exit 0 and no note, and every label meant another class."""
+    import towers
+    from test_images import _folder, _images
+
+    x, y = _images(60)
+    data = tmp_path / "photos"
+    _folder(data, x, y)  # cat, dog, emu
+    train(tmp_path / "run", "--data", data, "--steps", 2, "--input-workers", 0)
+    moved = tmp_path / "moved"  # the same folders elsewhere: the same classes
+    data.rename(moved)
+    train(tmp_path / "run", "--data", moved, "--steps", 3, "--resume", "--input-workers", 0)
+    (moved / "emu").rename(moved / "ant")  # ant, cat, dog: labels 0 and 1 change their meaning
+    err = one_line_error(train(tmp_path / "run", "--data", moved, "--steps", 4, "--resume", "--input-workers", 0,
+                               ok=False))
+    assert ('ckpt-00000003.npz was trained on the classes ["cat", "dog", "emu"], but the data\'s are '
+            '["ant", "cat", "dog"] (label 0 meant \'cat\' and would mean \'ant\')') in err, err
+    assert err.endswith("resume with the class folders it was trained on (the same names), or use another --logdir")
+    # The same names in another order (a data set handed over in Python), or numbered labels, are refused too.
+    state = load_checkpoint(str(tmp_path / "run" / "ckpt-00000003.npz"))
+    for names in (["emu", "dog", "cat"], None):
+        ds = towers.Dataset(x.reshape(60, 12, 12, 1), y.astype(numpy.int32), 3, class_names=names)
+        cfg = towers.Config(devices="cpu", hidden=16, batch_size=10, steps=4)
+        with towers.Trainer(cfg, dataset=ds) as t, pytest.raises(towers.UserError, match="was trained on the "
+                                                                 "(classes|class folders)") as e:
+            t.load_state_dict(state, where="ckpt")
+        assert str(e.value).endswith("give the data with the classes it was trained on")
+
+
 @pytest.fixture(scope="module")
 def rgb_run(tmp_path_factory):
     """A 4-step run on 8x8x3 images (so --augment and --normalize apply), to resume with changed settings."""

@@ -221,13 +221,51 @@ def metadata(cfg, dataset, n_towers: int, global_batch: int, cpu_kernels: str = 
 
 
 def check_metadata(state: dict, dataset, where: str) -> None:
-    """A state dict's data shape and class count against ``dataset``'s (a ``UserError`` otherwise)."""
+    """A state dict's data shape, class count and class names against ``dataset``'s (a ``UserError`` otherwise)."""
     if "data/shape" not in state:
         raise UserError(f"{where}: 'data/shape' is missing")
     shape, classes = tuple(int(v) for v in numpy.ravel(state["data/shape"])), int(state.get("data/num_classes", -1))
     if shape[1:] != tuple(dataset.example_shape) or classes != dataset.num_classes:
         raise UserError(f"{where}: trained on examples of shape {shape[1:]} with {classes} classes, "
                         f"but the data has {dataset.example_shape} with {dataset.num_classes} classes")
+    check_classes(state, dataset, where, "give the data with the classes it was trained on")
+
+
+def recorded_classes(state: dict) -> list[str] | None:
+    """The class names a checkpoint records (``data/classes``: an image folder's, label k at k), or None."""
+    if "data/classes" not in state:
+        return None
+    return [str(name) for name in json.loads(str(numpy.asarray(state["data/classes"])[()]))]
+
+
+def _names(names: list[str], limit: int = 20) -> str:
+    return json.dumps(names[:limit])[:-1] + (f", ... ({len(names)} classes)]" if len(names) > limit else "]")
+
+
+def check_classes(state: dict, dataset, where: str, fix: str) -> None:
+    """A ``UserError`` (ending with ``fix``) when ``dataset``'s class names differ from those ``state`` records.
+
+    Label k is the k-th class name (an image folder's classes in sorted order), so a renamed, added or
+    removed class folder, or the same names in another order, makes every label after it mean another
+    class while the shape and the class count stay the same.  A state without names (numbered labels)
+    is not checked; numbered data beside recorded names passes only when the names are those numbers
+    (``0`` .. ``C-1`` in that order), as a test folder's numbered classes match numbered labels.
+    """
+    old = recorded_classes(state)
+    if old is None:
+        return
+    new = list(dataset.class_names) if getattr(dataset, "class_names", None) else None
+    numbered = [str(k) for k in range(len(old))]
+    if new == old or (new is None and old == numbered):
+        return
+    if new is None:
+        raise UserError(f"{where} was trained on the class folders {_names(old)}, but the data has numbered labels "
+                        f"without class names: label k would not mean the k-th of them; {fix}")
+    k = next((k for k, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    at = (f"label {k} meant {old[k]!r} and would mean {new[k]!r}" if k < min(len(old), len(new)) else
+          f"the names differ from label {k} on")
+    raise UserError(f"{where} was trained on the classes {_names(old)}, but the data's are {_names(new)} "
+                    f"({at}); {fix}")
 
 
 # -- writing during training --------------------------------------------------------
@@ -413,6 +451,8 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int) -> Resume | None:
             + (f" ({', '.join(data_settings)})" if data_settings else "")
             + ": resume with the same data settings, or use another `logdir`"
         )
+    check_classes(arrays, dataset, path, "resume with the class folders it was trained on (the same names), or "
+                  "use another `logdir`")
     r = Resume(path, arrays)
     old_towers, old_batch = int(arrays["n_towers"]), int(arrays["global_batch"])
     new_batch = cfg.batch_size * cfg.accumulate * n_towers
