@@ -192,6 +192,42 @@ def test_a_resume_whose_class_names_changed_is_refused_naming_both_lists(tmp_pat
         assert str(e.value).endswith("give the data with the classes it was trained on")
 
 
+def test_a_resume_on_other_data_of_the_same_shape_says_so_and_a_moved_copy_does_not(tmp_path):
+    """Before: permuted labels, or float32 pixels in place of uint8 ones, resumed without a word."""
+    import towers
+    from towers.output.checkpoint import resume
+
+    with numpy.load(ROOT / "data" / "digits.npz") as z:
+        digits = {k: z[k] for k in z.files}
+    perm = numpy.random.default_rng(0).permutation(10)
+    files = {"permuted.npz": dict(digits, y=perm[digits["y"]], y_test=perm[digits["y_test"]]),
+             "float.npz": dict(digits, x=digits["x"].astype(numpy.float32),
+                               x_test=digits["x_test"].astype(numpy.float32))}
+    for name, arrays in files.items():
+        numpy.savez(tmp_path / name, **arrays)
+    numpy.savez_compressed(tmp_path / "copy.npz", **digits)  # the same arrays, elsewhere, stored otherwise
+    train(tmp_path / "run", "--steps", 2)
+    expected = {"permuted.npz": "other labels", "float.npz": "examples stored as uint8 -> float32", "copy.npz": None}
+    for name, differs in expected.items():
+        shutil.copytree(tmp_path / "run", tmp_path / name[:-4])
+        p = train(tmp_path / name[:-4], "--steps", 3, "--resume", "--data", tmp_path / name)
+        notes = [ln for ln in p.stderr.splitlines() if "training data changed" in ln]
+        if differs is None:
+            assert notes == [], p.stderr
+        else:
+            assert notes == [f"note: the training data changed since the checkpoint (--data {tmp_path / name}: "
+                             f"{differs}): the continuation differs from an uninterrupted run"], p.stderr
+    # A checkpoint written before fingerprints were recorded resumes on any data of its shape without the note.
+    old = tmp_path / "old"
+    old.mkdir()
+    shutil.copy(ROOT / "tests" / "data" / "ckpt-format1-step10.npz", old / "ckpt-00000010.npz")
+    cfg = towers.Config(devices="cpu", n_gpu=2, hidden=8, batch_size=20, steps=12, logdir=str(old), resume=True,
+                        data=str(tmp_path / "permuted.npz"))
+    with towers.Trainer(cfg) as t:
+        found = resume(t, str(old))
+    assert found.step == 10 and not [n for n in found.notes if "training data" in n], found.notes
+
+
 @pytest.fixture(scope="module")
 def rgb_run(tmp_path_factory):
     """A 4-step run on 8x8x3 images (so --augment and --normalize apply), to resume with changed settings."""

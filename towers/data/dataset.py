@@ -42,6 +42,7 @@ example is strided across the file): save C-ordered arrays.
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import zipfile
@@ -109,6 +110,14 @@ class Dataset:
         # Every construction, from_arrays or a loader's, gets the test split's checks and the warnings.
         check_test_split(self.x, self.x_test, "")
         self.warnings = list(self.warnings) + _label_warnings(self.y, self.y_test)
+
+    @functools.cached_property
+    def fingerprint(self) -> dict:
+        """What identifies the training examples and labels, cheaply (``towers.data.fingerprint``): a checkpoint
+        records it, and a resume on other data of the same shape says so.  Computed once."""
+        from towers.data.fingerprint import fingerprint
+
+        return fingerprint(self)
 
     def close(self) -> None:
         """Stop the worker processes of examples read on demand (TFRecord records, images); idempotent.

@@ -10,8 +10,9 @@ plain names that do not depend on the number of towers:
 * ``step`` and the input pipeline's position ``data/epoch``, ``data/index``.  The
   shuffle of epoch ``e`` is ``default_rng([seed, e])``, so the seed (in the
   config) and the position are the pipeline's whole RNG state;
-* ``config``: the run's settings as a JSON string, ``data/shape`` and
-  ``data/num_classes`` (to refuse another dataset), ``n_towers`` and
+* ``config``: the run's settings as a JSON string, ``data/shape``,
+  ``data/num_classes`` and ``data/classes`` (to refuse another dataset),
+  ``data/fingerprint`` (to note other data of that shape), ``n_towers`` and
   ``global_batch`` (to note a change), ``sync/n_averages`` (the EMA's count in
   weights mode), and ``format``.
 
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy
 
 from towers.config import Config, checkpoint_settings
+from towers.data.fingerprint import changes as fingerprint_changes
 from towers.errors import TrainingError, UserError, notice
 from towers.nn import fused_cpu
 from towers.settings import NOTE, REFUSE, SILENT, resume_changes, show, used_settings
@@ -200,7 +202,7 @@ def model_weights(model, arrays: dict, prefix: str, path: str, fix: str) -> dict
 # -- the metadata a checkpoint adds to the trainer's state dict ---------------------------
 
 META = ("format", "data/shape", "data/num_classes", "n_towers", "global_batch", "config", "data/classes",
-        "cpu_kernels")
+        "cpu_kernels", "data/fingerprint")
 
 
 def metadata(cfg, dataset, n_towers: int, global_batch: int, cpu_kernels: str = "numpy") -> dict:
@@ -208,11 +210,13 @@ def metadata(cfg, dataset, n_towers: int, global_batch: int, cpu_kernels: str = 
 
     ``cpu_kernels``: what ran the CPU towers' fused kernels, ``numba`` or
     ``numpy`` (``towers.nn.fused_cpu``), which the ``cpu_kernels`` setting
-    alone does not say (``auto`` is either).
+    alone does not say (``auto`` is either).  ``data/fingerprint``: the
+    training set's (``towers.data.fingerprint``), as JSON.
     """
     return {
         "format": numpy.int64(FORMAT), "cpu_kernels": numpy.array(cpu_kernels),
         "data/shape": numpy.array(dataset.x.shape, dtype=numpy.int64),
+        "data/fingerprint": numpy.array(json.dumps(dataset.fingerprint, sort_keys=True)),
         "data/num_classes": numpy.int64(dataset.num_classes),
         "n_towers": numpy.int64(n_towers), "global_batch": numpy.int64(global_batch),
         "config": numpy.array(config_json(cfg)),
@@ -389,7 +393,7 @@ def resume(trainer, logdir: str) -> Resume | None:
     """
     cfg = trainer.cfg
     if cfg.resume:
-        found = find_resume(cfg, logdir, trainer.dataset, trainer.n_towers)
+        found = find_resume(cfg, logdir, trainer.dataset, trainer.n_towers, getattr(trainer, "data_path", None))
         if found is None:
             return None
         model_weights(trainer.model, found.arrays, "params", found.path,
@@ -414,13 +418,17 @@ def resume(trainer, logdir: str) -> Resume | None:
     return None
 
 
-def find_resume(cfg, logdir: str, dataset, n_towers: int) -> Resume | None:
+def find_resume(cfg, logdir: str, dataset, n_towers: int, data_path: str | None = None) -> Resume | None:
     """What ``--resume`` continues from, after checking the data fits; None: start fresh.
 
     Each setting declares what its change does (``towers.settings``): one that
     shapes the model is refused, naming it; one that changes the trajectory
     gets a note; the tower count and global batch get their own note; the rest
-    pass silently.
+    pass silently.  Data of another shape or other class names is refused;
+    other data of the same shape (its fingerprint, ``towers.data.fingerprint``,
+    differs: labels, examples or their dtype) gets a note naming ``data_path``
+    (None: the data set handed to the ``Trainer``).  A checkpoint written
+    before fingerprints were recorded gets no such note.
 
     Checkpoints skipped (unreadable, non-finite) and a fresh start are
     notices (``towers.errors.notice``); the notes on the continuation are the
@@ -470,4 +478,10 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int) -> Resume | None:
         changed = ", ".join(f"`{k}` {show(old)} -> {show(new)}" for k, old, new in changes[NOTE])
         r.notes.append(f"note: settings changed since the checkpoint ({changed}): "
                        "the continuation differs from an uninterrupted run")
+    if "data/fingerprint" in arrays:
+        differs = fingerprint_changes(json.loads(str(arrays["data/fingerprint"][()])), dataset.fingerprint)
+        if differs:
+            which = f"`data` {data_path}" if data_path else "the `dataset` given"
+            r.notes.append(f"note: the training data changed since the checkpoint ({which}: {', '.join(differs)}): "
+                           "the continuation differs from an uninterrupted run")
     return r

@@ -103,10 +103,6 @@ class CachedSource(ArraySource):
     def example_shape(self):
         return tuple(self.array.shape[1:])
 
-    @property
-    def dtype(self):
-        return self.array.dtype
-
 
 def fill(cache: CachedSource, source, decode, pool, sid: int, progress: bool = False) -> None:
     """Decode every row of ``source`` (``decode``: registered with ``pool`` as ``sid``) into ``cache.array``,

@@ -230,7 +230,7 @@ def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_erro
         x = ImageArray(str(path), train.source, transform, train.labels, pool, on_error, say)
     else:
         cached, cached_transform, served_by, decode, decode_sid = fill
-        x = ImageArray(str(path), cached, cached_transform, train.labels, served_by, on_error, say)
+        x = ImageArray(str(path), cached, cached_transform, train.labels, served_by, on_error, say, train.source)
     tx = ty = None
     if test is not None:
         ty = _test_labels(train, test, test_path, n_classes)
