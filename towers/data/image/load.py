@@ -17,8 +17,10 @@ The example shape is ``decode``'s, else ``image_size``, else (folders) the
 images' own when they all agree, else (arrays) the stored one.  The training
 split is augmented (``augment``), the test split takes the deterministic path,
 and both share the ``Workers`` (``towers.data.workers``).  With ``cache_mib``, an
-encoded training split whose decoded pixels fit the budget is decoded once
-(``towers.data.image.cache``) and its array reads them from memory.  Training and
+encoded training split whose decoded pixels fit the budget, and the memory the
+process may take, is decoded once (``towers.data.image.cache``) and its array
+reads them from memory; else, or when its memory cannot be had after all, it
+streams after a notice.  Training and
 test labels mean the same classes or the data is refused: a test folder's
 classes match the training folder's by name, and class folders named by
 numbers (``0`` .. ``C-1``) match numbered labels (npz, TFRecord).
@@ -161,20 +163,26 @@ def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_erro
     pool = Workers(workers)
     n_classes = len(train.classes) if train.classes else int(train.labels.max()) + 1
     transform = Transform(size, augment, normalize, seed, train.source.encoded)
+    # Streamed (decoded every epoch); with a cache, still registered before the pool starts: the fallback of
+    # a cache whose memory cannot be had.
+    x = ImageArray(str(path), train.source, transform, train.labels, pool, on_error, say)
     fill = None
+    need = cache.nbytes(len(train.source), size)
+    streams = f"{path}: the {len(train.source)} decoded training images need {need / cache.MIB:.1f} MiB, "
     if cache_mib and cache.cacheable(train.source, augment):
-        need = cache.nbytes(len(train.source), size)
-        if need <= cache_mib * cache.MIB:
-            fill = _cache(train, size, augment, normalize, seed, pool)
-        elif say:
-            say(f"{path}: the {len(train.source)} decoded training images need {need / cache.MIB:.1f} MiB, over "
-                f"`cache_images_mib` {cache_mib}: they are decoded every epoch; set `cache_images_mib` "
-                f"{-(-need // cache.MIB)} or more to decode them once")
-    if fill is None:
-        x = ImageArray(str(path), train.source, transform, train.labels, pool, on_error, say)
-    else:
+        why = cache.not_cached(need, cache_mib, cache.memory_room(), cache.fill_bytes(len(train.source), size,
+                                                                                   pool.n))
+        if why is None:
+            try:
+                fill = _cache(train, size, augment, normalize, seed, pool)
+            except MemoryError:  # limits that could not be read, or memory taken meanwhile: stream all the same
+                why = cache.ALLOCATION_FAILED
+        if why is not None and say:
+            say(streams + why)
+    if fill is not None:
         cached, cached_transform, served_by, decode, decode_sid = fill
-        x = ImageArray(str(path), cached, cached_transform, train.labels, served_by, on_error, say, train.source)
+        cached_x = ImageArray(str(path), cached, cached_transform, train.labels, served_by, on_error, say,
+                              train.source)
     tx = ty = None
     if test is not None:
         ty = match_test_labels(train.classes, test.classes, test.labels, test_path, n_classes)
@@ -184,9 +192,15 @@ def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_erro
     if fill is not None:
         try:
             cache.fill(cached, train.source, decode, pool, decode_sid, progress)
+        except MemoryError:  # a batch of the fill could not be allocated: stream, the cache goes
+            fill = cached = cached_x = None
+            if say:
+                say(streams + cache.ALLOCATION_FAILED)
         except BaseException:  # a worker died, Ctrl-C: no worker outlives the load
             pool.close()
             raise
+    if fill is not None:
+        x = cached_x
         if served_by is not pool and test is None:
             pool.close()  # it decoded the cache; nothing else reads through it
         if say:
