@@ -72,8 +72,7 @@ def uses_images(path, decode=None, augment="none", normalize=None, image_size=No
 def _load(path, x_key, y_key, test_path, decode, on_error, workers):
     """Stored examples (no image transforms): npz arrays or TFRecord features."""
     if not (is_tfrecord(path) or is_tfrecord(test_path)):
-        if decode:
-            raise UserError("`decode` applies to TFRecord data; the npz arrays are used as stored")
+        _decode_applies(decode, path, test_path)
         return load_npz(path, x_key, y_key, test_path)
     from towers.data.tfrecord.records import load_split
 
@@ -89,6 +88,12 @@ def _load(path, x_key, y_key, test_path, decode, on_error, workers):
     num_classes = int(y.max()) + 1
     check_test_split(tx, ty, f"{test_path}: ", "x_test", x.dtype, x.shape[1:], num_classes)
     return Dataset(x, y, num_classes, tx, ty)
+
+
+def _decode_applies(decode, *paths) -> None:
+    """`decode` reads TFRecord features: with none of ``paths`` a TFRecord file, it is a mistake."""
+    if decode and not any(is_tfrecord(p) for p in paths):
+        raise UserError("`decode` applies to TFRecord data; the npz arrays are used as stored")
 
 
 def _test_split(path, x_key, y_key, options, own=False):
@@ -127,8 +132,7 @@ def load_test_data(path, example_shape, num_classes, class_names=None, dtype=Non
                                              normalize, image_size, seed, own, say=notice)
         dtype = None  # the transform makes the test examples as it made the training examples
     else:
-        if decode and not is_tfrecord(path):
-            raise UserError("`decode` applies to TFRecord data; the npz arrays are used as stored")
+        _decode_applies(decode, path)
         options = dict(x_key=x_key, y_key=y_key, decode=decode, on_error=on_error, workers=workers, say=notice)
         (x, y), test_classes = _test_split(path, x_key, y_key, options, own), None
     try:
