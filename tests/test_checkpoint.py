@@ -163,6 +163,71 @@ def test_resume_refusals_and_notes(tmp_path):
     assert "no checkpoint" in p.stderr and "starting fresh" in p.stderr
 
 
+def test_a_resume_whose_class_names_changed_is_refused_naming_both_lists(tmp_path):
+    """Before: `train/emu` renamed `ant` resumed with exit 0 and no note, and every label meant another class."""
+    import towers
+    from test_images import _folder, _images
+
+    x, y = _images(60)
+    data = tmp_path / "photos"
+    _folder(data, x, y)  # cat, dog, emu
+    train(tmp_path / "run", "--data", data, "--steps", 2, "--input-workers", 0)
+    moved = tmp_path / "moved"  # the same folders elsewhere: the same classes
+    data.rename(moved)
+    train(tmp_path / "run", "--data", moved, "--steps", 3, "--resume", "--input-workers", 0)
+    (moved / "emu").rename(moved / "ant")  # ant, cat, dog: labels 0 and 1 change their meaning
+    err = one_line_error(train(tmp_path / "run", "--data", moved, "--steps", 4, "--resume", "--input-workers", 0,
+                               ok=False))
+    assert ('ckpt-00000003.npz was trained on the classes ["cat", "dog", "emu"], but the data\'s are '
+            '["ant", "cat", "dog"] (label 0 meant \'cat\' and would mean \'ant\')') in err, err
+    assert err.endswith("resume with the class folders it was trained on (the same names), or use another --logdir")
+    # The same names in another order (a data set handed over in Python), or numbered labels, are refused too.
+    state = load_checkpoint(str(tmp_path / "run" / "ckpt-00000003.npz"))
+    for names in (["emu", "dog", "cat"], None):
+        ds = towers.Dataset(x.reshape(60, 12, 12, 1), y.astype(numpy.int32), 3, class_names=names)
+        cfg = towers.Config(devices="cpu", hidden=16, batch_size=10, steps=4)
+        with towers.Trainer(cfg, dataset=ds) as t, pytest.raises(towers.UserError, match="was trained on the "
+                                                                 "(classes|class folders)") as e:
+            t.load_state_dict(state, where="ckpt")
+        assert str(e.value).endswith("give the data with the classes it was trained on")
+
+
+def test_a_resume_on_other_data_of_the_same_shape_says_so_and_a_moved_copy_does_not(tmp_path):
+    """Before: permuted labels, or float32 pixels in place of uint8 ones, resumed without a word."""
+    import towers
+    from towers.output.checkpoint import resume
+
+    with numpy.load(ROOT / "data" / "digits.npz") as z:
+        digits = {k: z[k] for k in z.files}
+    perm = numpy.random.default_rng(0).permutation(10)
+    files = {"permuted.npz": dict(digits, y=perm[digits["y"]], y_test=perm[digits["y_test"]]),
+             "float.npz": dict(digits, x=digits["x"].astype(numpy.float32),
+                               x_test=digits["x_test"].astype(numpy.float32))}
+    for name, arrays in files.items():
+        numpy.savez(tmp_path / name, **arrays)
+    numpy.savez_compressed(tmp_path / "copy.npz", **digits)  # the same arrays, elsewhere, stored otherwise
+    train(tmp_path / "run", "--steps", 2)
+    expected = {"permuted.npz": "other labels", "float.npz": "examples stored as uint8 -> float32", "copy.npz": None}
+    for name, differs in expected.items():
+        shutil.copytree(tmp_path / "run", tmp_path / name[:-4])
+        p = train(tmp_path / name[:-4], "--steps", 3, "--resume", "--data", tmp_path / name)
+        notes = [ln for ln in p.stderr.splitlines() if "training data changed" in ln]
+        if differs is None:
+            assert notes == [], p.stderr
+        else:
+            assert notes == [f"note: the training data changed since the checkpoint (--data {tmp_path / name}: "
+                             f"{differs}): the continuation differs from an uninterrupted run"], p.stderr
+    # A checkpoint written before fingerprints were recorded resumes on any data of its shape without the note.
+    old = tmp_path / "old"
+    old.mkdir()
+    shutil.copy(ROOT / "tests" / "data" / "ckpt-format1-step10.npz", old / "ckpt-00000010.npz")
+    cfg = towers.Config(devices="cpu", n_gpu=2, hidden=8, batch_size=20, steps=12, logdir=str(old), resume=True,
+                        data=str(tmp_path / "permuted.npz"))
+    with towers.Trainer(cfg) as t:
+        found = resume(t, str(old))
+    assert found.step == 10 and not [n for n in found.notes if "training data" in n], found.notes
+
+
 @pytest.fixture(scope="module")
 def rgb_run(tmp_path_factory):
     """A 4-step run on 8x8x3 images (so --augment and --normalize apply), to resume with changed settings."""

@@ -1,5 +1,5 @@
 """Data that used to train or evaluate silently wrong: an empty test set, test pixels on another scale,
-one class or labels from 1, and a missing --test-data named as --data.
+one class, labels from 1 or with a gap, and a missing --test-data named as --data.
 
 The command lines run in this process (``main(argv)``) on the embedded digits data.
 """
@@ -112,12 +112,33 @@ def test_one_class_and_labels_from_1_are_warnings_the_command_lines_print(tmp_pa
     warned = ["the training labels hold one class only (label 0): the model learns to answer 0 whatever the input, "
               "and its accuracy is the share of 0 in the test labels; check --y-key and the labels",
               "the test labels hold one class only (label 0): the accuracy measures that class alone"]
-    # Before: trained silently to "test accuracy: 1.0000", exit 0; evaluated silently too.
-    for prog, args in (("towers.train", [*RUN, "--logdir", tmp_path / "run", "--steps", "5", "--data", zeros]),
-                       ("towers.eval", ["--logdir", run_dir, "--data", zeros])):
+    # Before: trained silently to "test accuracy: 1.0000", exit 0; evaluated silently too.  towers.eval reads
+    # the test split alone, so it warns about the test labels only.
+    for prog, args, lines in (
+            ("towers.train", [*RUN, "--logdir", tmp_path / "run", "--steps", "5", "--data", zeros], warned),
+            ("towers.eval", ["--logdir", run_dir, "--data", zeros], warned[1:])):
         status, err = cli(train_main if prog == "towers.train" else eval_main, capsys, *args)
         assert status == 0
-        assert [line for line in err if "warning" in line] == [f"{prog}: warning: {w}" for w in warned]
+        assert [line for line in err if "warning" in line] == [f"{prog}: warning: {w}" for w in lines]
+
+
+def test_labels_with_a_gap_warn_how_many_class_indices_have_no_example(tmp_path, capsys, digits):
+    """Before: labels 0..8 and 100 built 101 outputs without a word, and test label 9 was never trained."""
+    x, y, y_test = digits["x"], digits["y"].copy(), digits["y_test"]
+    y[y == 9] = 100
+    empty = 101 - len(np.unique(y))  # the indices 9..99 no training label names
+    ds = Dataset.from_arrays(x, y, digits["x_test"], y_test)
+    assert len(ds.warnings) == 1, ds.warnings
+    line = ds.warnings[0]
+    assert line.startswith(f"the training labels leave {empty} of the 101 class indices 0..100 without an example "
+                           "(9, 10, 11, 12, 13, ...)"), line
+    assert f"{np.count_nonzero(y_test == 9)} test examples have such a label" in line
+    # Labels that only start above 0 keep their own line, and 0..C-1 gives none.
+    assert Dataset.from_arrays(x, digits["y"] + 2).warnings[0].startswith("the training labels start at 2, not 0")
+    assert Dataset.from_arrays(x, digits["y"]).warnings == []
+    status, err = cli(train_main, capsys, *RUN, "--logdir", tmp_path / "run", "--steps", "2",
+                      "--data", save(tmp_path / "gap.npz", x=x, y=y, x_test=digits["x_test"], y_test=y_test))
+    assert status == 0 and [e for e in err if "warning" in e] == [f"towers.train: warning: {line}"]
 
 
 # -- a missing --test-data beside TFRecord training data ----------------------------------------------

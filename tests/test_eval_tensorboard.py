@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -80,6 +81,19 @@ def test_eval_matches_the_trainers_accuracy(run_dir):
     assert "(step 10)" in out
 
 
+def test_eval_takes_a_runs_final_npz(run_dir, tmp_path):
+    """Before: `final.npz is not a readable checkpoint (not a towers checkpoint (no format, config, ...))`."""
+    final = metrics(run_dir)[-1]
+    for flags, key in (((), "test_accuracy_ema"), (("--no-ema",), "test_accuracy")):
+        out = cli("towers.eval", "--checkpoint", run_dir / "final.npz", *flags).stdout
+        assert out.startswith("final.npz (step 20): ") and f"accuracy = {final[key]:.4f}" in out, out
+    alone = tmp_path / "final.npz"  # away from its run: nothing says which model or data it is
+    alone.write_bytes((run_dir / "final.npz").read_bytes())
+    p = cli("towers.eval", "--checkpoint", alone, ok=False)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert f"is not beside it ({tmp_path / 'ckpt-00000020.npz'}): give one of the run's ckpt-*.npz" in p.stderr
+
+
 def test_eval_of_a_batch_norm_model_uses_its_moving_statistics(tmp_path):
     # Before: towers.eval left the moving mean and variance at 0 and 1, and disagreed with the run.
     cli("towers.train", "--logdir", tmp_path, "--model", "resnet20", "--batch-size", "16", "--quiet", "--steps", 8,
@@ -87,6 +101,8 @@ def test_eval_of_a_batch_norm_model_uses_its_moving_statistics(tmp_path):
     final = metrics(tmp_path)[-1]
     for flags, key in (((), "test_accuracy_ema"), (("--no-ema",), "test_accuracy")):
         out = cli("towers.eval", "--logdir", tmp_path, *flags).stdout
+        assert f"accuracy = {final[key]:.4f}" in out, (out, final)
+        out = cli("towers.eval", "--checkpoint", tmp_path / "final.npz", *flags).stdout  # its buffers too
         assert f"accuracy = {final[key]:.4f}" in out, (out, final)
 
 
@@ -154,3 +170,51 @@ def test_summaries_do_not_import_torch(tmp_path):
     assert res.returncode == 0, res.stderr
     assert list((tmp_path / "run").glob("events.out.tfevents.*"))
     assert not marker.exists()
+
+
+def test_a_user_models_shape_mismatch_cites_only_the_settings_it_reads(tmp_path):
+    """Before: `(the checkpoint was trained with --model usernet:small --hidden 500)`; a user model reads no --hidden."""
+    (tmp_path / "usernet.py").write_text(
+        "import os\nfrom towers import Dense, Flatten, ReLU\n\n"
+        "def small(input_shape, num_classes):\n"
+        "    return [Flatten(), Dense('hidden', int(os.environ['UNITS'])), ReLU(), Dense('logits', num_classes)]\n")
+
+    def run(module, units, *args):
+        env = dict(os.environ, PYTHONPATH=str(tmp_path), UNITS=str(units))
+        return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+    p = run("towers.train", 32, "--logdir", tmp_path / "run", "--model", "usernet:small", "--steps", 2, "--quiet",
+            "--summary-every", 0)
+    assert p.returncode == 0, p.stderr
+    p = run("towers.eval", 16, "--logdir", tmp_path / "run")  # the function builds other shapes now
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert "(the checkpoint was trained with --model usernet:small);" in p.stderr, p.stderr
+    assert "--hidden" not in p.stderr
+
+
+def test_eval_labels_a_test_folder_by_the_checkpoints_class_names_and_needs_no_training_data(tmp_path):
+    """Before: `--data T --test-data T`, T without the class folder 0, numbered every class one lower (accuracy
+    0.11 instead of 0.26); and with the training folder gone eval refused to run."""
+    from test_image_inputs_issue28 import _numbered_folder
+    from test_images import _images
+
+    x, y = _images(60)
+    train = _numbered_folder(tmp_path / "train", x, y)  # classes 0, 1, 2
+    test = _numbered_folder(tmp_path / "test", x, y, skip=[0])  # 1, 2
+    cli("towers.train", "--logdir", tmp_path / "run", "--data", train, "--test-data", test, "--steps", 6,
+        "--batch-size", 20, "--quiet", "--summary-every", 0, "--input-workers", 0)
+    # The same pixels and labels as an npz, in the folder's order (class by class, by file name).
+    order = numpy.lexsort((numpy.arange(len(y)), y))
+    order = order[y[order] != 0]
+    numpy.savez(tmp_path / "test.npz", x_test=x[order], y_test=y[order])
+
+    def line(*args):
+        out = cli("towers.eval", "--logdir", tmp_path / "run", *args).stdout.strip()
+        return out.split(": ", 1)[1]
+    truth = line("--test-data", tmp_path / "test.npz")
+    assert f"on {len(order)} test examples" in truth and truth.endswith("; classes 0 0, 1 1, 2 2")
+    assert line("--data", test, "--test-data", test) == truth
+    os.rename(train, tmp_path / "gone")  # the checkpoint holds all eval needs; its --test-data is the folder
+    assert line() == truth
+    p = cli("towers.eval", "--logdir", tmp_path / "run", "--data", test, ok=False)  # a folder has no test split
+    assert p.returncode == 2 and f"{test} has no x_test/y_test: give test data (--test-data)" in p.stderr, p.stderr

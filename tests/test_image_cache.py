@@ -81,6 +81,84 @@ def test_a_set_over_the_budget_streams_with_a_notice_of_the_size_it_needs(tmp_pa
         under.close()
 
 
+def test_the_budget_is_checked_against_the_memory_this_process_may_take(tmp_path):
+    """cache.memory_room reads ulimit, cgroup (v2 and v1, a parent's limit too) and available memory; a cache
+    that would take more than its share of the tightest streams (a cgroup would OOM-kill the fill instead)."""
+    from towers.data.image import cache
+
+    mib = cache.MIB
+
+    def write(path, text):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    v2 = tmp_path / "v2"
+    write(v2 / "proc/self/cgroup", "0::/jobs/run\n")
+    write(v2 / "proc/meminfo", f"MemTotal: {64 * 1024 * 1024} kB\nMemAvailable: {8 * 1024 * 1024} kB\n")
+    write(v2 / "sys/fs/cgroup/jobs/run/memory.max", "max\n")  # no limit of its own: its parent's binds
+    write(v2 / "sys/fs/cgroup/jobs/run/memory.current", f"{600 * mib}\n")
+    write(v2 / "sys/fs/cgroup/jobs/memory.max", f"{1024 * mib}\n")
+    write(v2 / "sys/fs/cgroup/jobs/memory.current", f"{700 * mib}\n")
+    write(v2 / "sys/fs/cgroup/jobs/memory.stat", f"anon {500 * mib}\ninactive_file {100 * mib}\n")
+    room = dict(cache.memory_room(str(v2)))
+    assert room["the cgroup memory limit"] == (1024 - (700 - 100)) * mib  # page cache it may reclaim is room
+    assert room["the machine's available memory"] == 8 * 1024 * mib
+    v1 = tmp_path / "v1"
+    write(v1 / "proc/self/cgroup", "5:cpu:/x\n4:memory:/docker/abc\n")
+    write(v1 / "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes", f"{(1 << 63) - 4096}\n")  # none
+    write(v1 / "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes", f"{300 * mib}\n")
+    write(v1 / "sys/fs/cgroup/memory/docker/memory.limit_in_bytes", f"{512 * mib}\n")
+    write(v1 / "sys/fs/cgroup/memory/docker/memory.usage_in_bytes", f"{312 * mib}\n")
+    assert cache.memory_room(str(v1)) == [("the cgroup memory limit", 200 * mib)]
+    assert cache.memory_room(str(tmp_path / "elsewhere")) == []  # nothing known: nothing refused
+    fits = int(cache.SHARE * 200 * mib)
+    assert cache.not_cached(fits, 2048, cache.memory_room(str(v1))) is None
+    why = cache.not_cached(fits + 1, 2048, cache.memory_room(str(v1)) + [("the machine's available memory", 9e9)])
+    assert why.startswith("more than this process may take under the cgroup memory limit (200.0 MiB left, of "
+                          f"which the cache may take {cache.SHARE:.0%}): they are decoded every epoch"), why
+    assert cache.not_cached(3000 * mib, 2048, []).startswith("over `cache_images_mib` 2048")
+
+
+_UNDER_A_LIMIT = """
+import resource, sys
+import numpy
+from towers.data.image import cache
+from towers.train import main
+
+numpy.ones((64, 64), numpy.float32) @ numpy.ones((64, 64), numpy.float32)  # BLAS takes its buffers before the limit
+
+if sys.argv[1] == "unknown":  # limits this process cannot read (no /proc): only the allocation can fail
+    cache.memory_room = lambda root="/": []
+status = {l.split(":")[0]: int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("Vm")}
+room = int(sys.argv[2]) << 20  # what the run may map besides what it maps now: less than the cache needs
+resource.setrlimit(resource.RLIMIT_AS, (status["VmSize"] * 1024 + room, resource.RLIM_INFINITY))
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("limits", ["read", "unknown"])
+def test_a_cache_the_process_has_no_memory_for_streams_with_a_notice(tmp_path, limits):
+    """Before: ulimit -v under the cache's size gave an _ArrayMemoryError traceback, exit 1, where
+    --no-cache-images trained.  The check, or (limits unknown) the failed allocation, streams instead."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    x, y = _images(300)
+    root = _folder(tmp_path / "imgs", x, y)  # decoded at 768 x 768 x 3: 506 MiB, under the 2048 MiB budget
+    args = ["--data", root, "--image-size", "768,768,3", "--hidden", "2", "--batch-size", "4", "--steps", "2",
+            "--devices", "cpu", "--input-workers", "0", "--cpu-kernels", "numpy", "--blas-threads", "1", "--quiet",
+            "--summary-every", "0",
+            "--checkpoint-every", "0", "--logdir", str(tmp_path / "run")]
+    p = subprocess.run([sys.executable, "-c", _UNDER_A_LIMIT, limits, "450", *args], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    why = ("more than this process may take under the address-space limit (ulimit -v)" if limits == "read" else
+           "and allocating them failed (out of memory): they are decoded every epoch")
+    assert f"the 300 decoded training images need 506.2 MiB, {why}" in p.stderr, p.stderr
+    assert (tmp_path / "run" / "final.npz").exists()
+
+
 def test_a_corrupt_image_stops_or_is_counted_the_same_with_the_cache(tmp_path):
     x, y = _images()
     path = _records(tmp_path / "bad.tfrecords", x, y, bad={17})

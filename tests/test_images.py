@@ -157,6 +157,40 @@ def test_image_folder_classes_sizes_and_test_folder(tmp_path):
     assert "classes 0 cat, 1 dog, 2 emu" in r.stdout
 
 
+def test_the_fingerprint_of_image_data_is_of_its_stored_files_not_of_the_decoded_cache(tmp_path):
+    """What a checkpoint records of on-demand data (towers.data.fingerprint): the files' names and a sample of
+    their bytes, the records' CRCs; the same whether the decoded-image cache holds them or not."""
+    import shutil
+
+    x, y = _images(30)
+
+    def fingerprint(path, **kw):
+        ds = load_dataset(str(path), workers=0, **kw)
+        try:
+            return ds.fingerprint
+        finally:
+            ds.close()
+    root = _folder(tmp_path / "imgs", x, y)
+    folder = fingerprint(root)
+    assert folder["count"] == 30 and folder["dtype"] == "uint8"
+    assert fingerprint(root, cache_mib=64) == folder
+    moved = tmp_path / "moved"
+    os.rename(root, moved)
+    assert fingerprint(moved) == folder  # a moved folder is the same data
+    (moved / "cat" / "000.png").write_bytes(codec.encode(255 - x[0][:, :, None], "png"))  # another image, same name
+    changed = fingerprint(moved)
+    assert changed["labels"] == folder["labels"] and changed["examples"] != folder["examples"]
+    records = _records(tmp_path / "d.tfrecords", x, y)
+    keys = dict(x_key="image/encoded", y_key="image/class/label", decode=DECODE)
+    stored = fingerprint(records, **keys)
+    assert fingerprint(records, cache_mib=64, **keys) == stored
+    shutil.copy(records, tmp_path / "copy.tfrecords")
+    assert fingerprint(tmp_path / "copy.tfrecords", **keys) == stored
+    _records(tmp_path / "other.tfrecords", x[::-1], y[::-1])  # the same records in another order
+    other = fingerprint(tmp_path / "other.tfrecords", **keys)
+    assert other["labels"] != stored["labels"] and other["examples"] != stored["examples"]
+
+
 def test_folder_mistakes_are_one_line(tmp_path):
     x, y = _images(6)
     root = tmp_path / "f"

@@ -105,9 +105,10 @@ def no_temporaries(logdir):
 
 
 def test_disk_full_at_a_checkpoint_is_one_line_and_keeps_the_last_complete_checkpoint(tmp_path):
-    # 4 KiB pages: lock, metrics, index and its temporary, and 20 KiB per checkpoint
-    # make 36 KiB at the first checkpoint, 52 at the second.
-    with tmpfs(tmp_path / "disk", 44) as disk:
+    # 4 KiB pages: lock, metrics, index and its temporary, and 20 or 24 KiB per checkpoint (its
+    # config holds the paths; its data fingerprint about 0.6 KiB) make 36-40 KiB at the first
+    # checkpoint, 56-64 at the second.
+    with tmpfs(tmp_path / "disk", 48) as disk:
         p = train(disk, "--steps", 40, "--checkpoint-every", 10, "--log-every", 5, "--summary-every", 0,
                   "--keep-checkpoints", 5)
         err = only_line(p, 1)
@@ -356,7 +357,7 @@ def test_keep_one_checkpoint_on_a_nearly_full_disk_replaces_it(tmp_path):
     # The disk of the test above takes one checkpoint but not two: with
     # --keep-checkpoints 1 the second write must make room by pruning the
     # first (it would be pruned right after anyway), not fail.
-    with tmpfs(tmp_path / "disk", 44) as disk:
+    with tmpfs(tmp_path / "disk", 48) as disk:
         p = train(disk, "--steps", 30, "--checkpoint-every", 10, "--log-every", 5, "--summary-every", 0,
                   "--keep-checkpoints", 1)
         assert p.returncode == 0, p.stderr

@@ -128,8 +128,8 @@ class Config:
         group="images", resume=SILENT, on=True)
     cache_images_mib: int = setting(
         2048, "images: memory budget of the decoded-image cache in MiB (a larger set is decoded every epoch, "
-        "with a notice of the size it needs)", group="images", check=Integer(1), resume=SILENT, type="int",
-        metavar="MIB")
+        "with a notice of the size it needs; so is one the process has no memory for, see Image data)",
+        group="images", check=Integer(1), resume=SILENT, type="int", metavar="MIB")
     # model
     model: str = setting(
         "mlp", "`mlp`, `lenet5`, `cifar10` (TF's CIFAR-10 tutorial model), `resnet20`, `resnet32`, `resnet56` "

@@ -3,7 +3,9 @@
 Prints the cross-entropy loss (without the L2 term) and the accuracy on the test
 data, with the EMA weights by default (``--no-ema``: the raw ones), as the
 original's ``mnist_eval.py`` does.  The model and the data come from the
-checkpoint's configuration unless ``--data``/``--test-data`` say otherwise.
+checkpoint's configuration unless ``--data``/``--test-data`` say otherwise;
+only the test split is read, and its labels are matched to the checkpoint's
+classes (``data/classes``) by name (``towers.data.loading.load_test_data``).
 ``--watch`` evaluates each new checkpoint as it appears until interrupted.
 """
 from __future__ import annotations
@@ -17,9 +19,9 @@ import time
 from towers.cli import Parser, run_main, show_notices, warn_about
 from towers.errors import UserError
 from towers.output.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, \
-    model_weights, named_to_flat
+    model_weights, named_to_flat, recorded_classes
 from towers.data.image.load import describe_classes
-from towers.data.loading import load_dataset
+from towers.data.loading import load_test_data, uses_images
 from towers.data.inputs import is_tfrecord
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
@@ -39,10 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Loss and accuracy of a towers checkpoint on test data.")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--logdir", help="evaluate the latest valid checkpoint of this run")
-    src.add_argument("--checkpoint", metavar="PATH", help="evaluate this ckpt-*.npz")
+    src.add_argument("--checkpoint", metavar="PATH",
+                     help="evaluate this ckpt-*.npz, or a run's final.npz (its run's last checkpoint beside it)")
     ap.add_argument("--no-ema", dest="ema", action="store_false", help="use the raw weights, not the EMA")
-    ap.add_argument("--data", help="data (.npz with x_test/y_test, or TFRecord); default: the checkpoint's --data")
-    ap.add_argument("--test-data", help="separate test data (.npz or TFRecord); default: the checkpoint's --test-data")
+    ap.add_argument("--data", help="data whose x_test/y_test to evaluate on (.npz), in place of the checkpoint's "
+                    "--data and --test-data")
+    ap.add_argument("--test-data", help="test data (.npz, TFRecord or image folder), read alone: the training data "
+                    "is not needed; default: the checkpoint's --test-data")
     ap.add_argument("--x-key", help="npz key or TFRecord feature of the examples (default: the checkpoint's)")
     ap.add_argument("--y-key", help="npz key or TFRecord feature of the labels (default: the checkpoint's)")
     ap.add_argument("--decode", help="TFRecord: NAME:DTYPE[:SHAPE] or NAME:image:H,W,C (default: the checkpoint's)")
@@ -61,38 +66,45 @@ class Evaluator:
         self.device = resolve(1, None, soft=True).towers[0]  # a GPU when there is one
         self._data: dict = {}
 
-    def dataset(self, ck: dict):
-        a = self.args
-        # --data replaces the whole data source, so the checkpoint's --test-data goes with it.
-        # The key is load_dataset's arguments: (data, x_key, y_key, test_data).
-        key = (a.data or ck["data"], a.x_key or ck.get("x_key", "x"), a.y_key or ck.get("y_key", "y"),
-               a.test_data or (None if a.data else ck.get("test_data")))
+    def dataset(self, arrays: dict):
+        """The test set a checkpoint is evaluated on (loaded once per distinct source), labelled in its classes.
+
+        ``--test-data`` (else the checkpoint's, unless ``--data`` replaces the whole data source) is read
+        alone; without one, the test split of ``--data`` (else the checkpoint's): an npz's ``x_test``/
+        ``y_test``.  The training data is never read: what the test split is checked and matched against
+        (example shape, classes and their names, the stored dtype) is in the checkpoint.
+        """
+        a, ck = self.args, arrays["config"]
+        test = a.test_data or (None if a.data else ck.get("test_data"))
+        path = test or a.data or ck["data"]
+        x_key, y_key = a.x_key or ck.get("x_key", "x"), a.y_key or ck.get("y_key", "y")
+        shape = tuple(int(v) for v in arrays["data/shape"][1:])
+        classes = recorded_classes(arrays)
+        stored = json.loads(str(arrays["data/fingerprint"][()])) if "data/fingerprint" in arrays else {}
+        key = (path, test is None, x_key, y_key, shape, int(arrays["data/num_classes"]),
+               tuple(classes) if classes else None, stored.get("dtype"))
         if key not in self._data:
-            tfrecord = is_tfrecord(key[0]) or is_tfrecord(key[3])  # the run's --decode reads its records
-            ds = load_dataset(*key, decode=a.decode or (ck.get("decode") if tfrecord else None),
-                              on_error=ck.get("on_error", "stop"), workers=input_workers(ck.get("input_workers"), 0),
-                              augment=ck.get("augment", "none"), normalize=ck.get("normalize"),
-                              image_size=ck.get("image_size"))
-            if ds.x_test is None:
-                raise UserError(f"{key[0]} has no x_test/y_test: pass --data or --test-data with test examples")
+            # Trained from images (a folder: it recorded its classes): the test split is made as images too.
+            images = classes is not None or uses_images(None, ck.get("decode"), ck.get("augment", "none"),
+                                                        ck.get("normalize"), ck.get("image_size"))
+            ds = load_test_data(path, shape, key[5], classes, stored.get("dtype"), x_key, y_key,
+                                decode=a.decode or (ck.get("decode") if is_tfrecord(path) else None),
+                                on_error=ck.get("on_error", "stop"), workers=input_workers(ck.get("input_workers"), 0),
+                                augment=ck.get("augment", "none"), normalize=ck.get("normalize"),
+                                image_size=ck.get("image_size"), own=test is None, images=images)
             warn_about(ds, NAME)
             self._data[key] = ds
         return self._data[key]
 
     def close(self) -> None:
-        """Stop the worker processes of TFRecord test sets."""
+        """Stop the worker processes of TFRecord and image test sets."""
         for ds in self._data.values():
             ds.close()
 
     def evaluate(self, path: str, arrays: dict) -> str:
         ck, step = arrays["config"], int(arrays["step"])
         shape, classes = tuple(int(v) for v in arrays["data/shape"][1:]), int(arrays["data/num_classes"])
-        ds = self.dataset(ck)
-        if ds.example_shape != shape:
-            raise UserError(f"{path} was trained on examples of shape {shape}, the test data has "
-                            f"{ds.example_shape}: pass matching --data/--test-data")
-        if len(ds.y_test) and int(ds.y_test.max()) >= classes:
-            raise UserError(f"test label {int(ds.y_test.max())} is out of range for {path} ({classes} classes)")
+        ds = self.dataset(arrays)
         model = build_model(ck.get("model", "mlp"), shape, classes, ck.get("hidden", 500))
         which = "ema" if self.args.ema else "params"
         flat = named_to_flat(model, model_weights(model, arrays, which, path, "it cannot be evaluated"))
@@ -102,11 +114,11 @@ class Evaluator:
             replica = Replica(model, self.device.xp)
             replica.set_params(flat)
             replica.set_buffers(buffers)
-            loss, acc = replica.evaluate(ds.x_test, ds.y_test)
-        classes = f"; classes {describe_classes(json.loads(str(arrays['data/classes'])))}" \
-            if "data/classes" in arrays else ""
+            loss, acc = replica.evaluate(ds.x, ds.y)
+        names = recorded_classes(arrays)
+        classes = f"; classes {describe_classes(names)}" if names else ""
         return (f"{os.path.basename(path)} (step {step}): loss = {loss:.4f}, accuracy = {acc:.4f} "
-                f"on {len(ds.y_test)} test examples ({'EMA' if self.args.ema else 'raw'} weights){classes}")
+                f"on {len(ds.y)} test examples ({'EMA' if self.args.ema else 'raw'} weights){classes}")
 
 
 def _warn(line: str) -> None:
@@ -147,7 +159,7 @@ def _run(args, ev: "Evaluator") -> None:
         if args.watch:
             raise UserError("--watch needs --logdir (it waits for new checkpoints there), not --checkpoint")
         try:
-            arrays = load_checkpoint(args.checkpoint)
+            arrays = load_checkpoint(args.checkpoint, final=True)  # a run's final.npz too
         except CheckpointError as e:
             raise UserError(f"{args.checkpoint} is not a readable checkpoint ({e})") from None
         print(ev.evaluate(args.checkpoint, arrays), flush=True)

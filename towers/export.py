@@ -46,7 +46,7 @@ import numpy as np
 
 from towers.cli import Parser, run_main
 from towers.errors import UserError
-from towers.output.checkpoint import checkpoint_name, non_finite
+from towers.output.checkpoint import final_checkpoint, non_finite
 from towers.output.files import DiskError, atomic_write
 from towers.state import Layout
 
@@ -94,7 +94,7 @@ def read_weights(path: str, ema: bool) -> tuple[dict, dict]:
 
 def _run_of_final(path: str, run: dict) -> dict:
     """A final.npz's settings, from its run's checkpoint of the same step beside it."""
-    beside = os.path.join(os.path.dirname(os.path.abspath(path)), checkpoint_name(run["step"]))
+    beside = final_checkpoint(path, run["step"])
     if not os.path.exists(beside):
         raise UserError(f"{path} holds weights only, and the checkpoint of its step ({beside}) is not beside it: "
                         "--layout torch and keras need the model's layers; export that checkpoint, or use --layout "

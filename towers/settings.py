@@ -247,6 +247,16 @@ def resume_changes(old: dict, cfg) -> dict[str, list[tuple[str, object, object]]
     return changes
 
 
+def used_settings(saved: dict, cls, rule: str) -> list[tuple[str, object]]:
+    """(name, value) of the settings of resume rule ``rule`` that a run of the settings ``saved`` uses
+    (``used_when``; a setting ``saved`` lacks counts at its default): what a message about that run may cite.
+    ``saved`` is a plain dict (a checkpoint's), not resolved: a user's model module is not imported."""
+    values = {f.name: saved.get(f.name, f.default) for f in dataclasses.fields(cls)}
+    run = types.SimpleNamespace(**values)
+    return [(f.name, values[f.name]) for f in dataclasses.fields(cls) if f.metadata["resume"] == rule
+            and (f.metadata["used_when"] is None or f.metadata["used_when"](run))]
+
+
 def show(value) -> str:
     """A setting's value in a message: as given, ``unset`` for None."""
     return "unset" if value is None else str(value)

@@ -93,6 +93,7 @@ class Trainer:
             raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "
                             f"got {type(dataset).__name__}")
         self.dataset = dataset
+        self.data_path = cfg.data if shipped is None else None  # where the data came from (None: handed over)
         try:
             self.model = build_model(model if model is not None else cfg.model, dataset.example_shape,
                                      dataset.num_classes, cfg.hidden)

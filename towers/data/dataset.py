@@ -13,7 +13,7 @@ memory-mapped array.
 
 Labels that train but say little are not errors: one class only (every
 prediction is that class, and its accuracy is that class's share), or labels
-that start above 0 (classes without examples).  They are listed in
+that start above 0 or skip numbers (class indices without examples, counted).  They are listed in
 ``Dataset.warnings``, one line each, which the command lines print; the
 library prints nothing.
 
@@ -42,6 +42,7 @@ example is strided across the file): save C-ordered arrays.
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import zipfile
@@ -108,8 +109,16 @@ class Dataset:
 
     def __post_init__(self):
         # Every construction, from_arrays or a loader's, gets the test split's checks and the warnings.
-        check_test_split(self.x, self.x_test, "")
+        check_test_split(self.x_test, self.y_test, "", dtype=self.x.dtype)
         self.warnings = list(self.warnings) + _label_warnings(self.y, self.y_test)
+
+    @functools.cached_property
+    def fingerprint(self) -> dict:
+        """What identifies the training examples and labels, cheaply (``towers.data.fingerprint``): a checkpoint
+        records it, and a resume on other data of the same shape says so.  Computed once."""
+        from towers.data.fingerprint import fingerprint
+
+        return fingerprint(self)
 
     def close(self) -> None:
         """Stop the worker processes of examples read on demand (TFRecord records, images); idempotent.
@@ -141,55 +150,156 @@ class Dataset:
         num_classes = int(y.max()) + 1
         if x_test is not None:
             x_test, y_test = _pair(_host(x_test), _host(y_test), test_where, names[2], names[3])
-            check_test_split(x, x_test, f"{test_where}: ", names[2])
-            if x_test.shape[1:] != x.shape[1:]:
-                raise UserError(
-                    f"{test_where}: test examples have shape {x_test.shape[1:]} but training examples {x.shape[1:]}"
-                )
-            if len(y_test) and int(y_test.max()) >= num_classes:
-                raise UserError(
-                    f"{test_where}: test label {int(y_test.max())} is out of range: "
-                    f"training labels are 0..{num_classes - 1}"
-                )
+            check_test_split(x_test, y_test, f"{test_where}: ", names[2], x.dtype, x.shape[1:], num_classes)
         return cls(x, y, num_classes, x_test, y_test)
 
 
+@dataclass
+class TestSet:
+    """Test examples and labels alone, the labels in a trained model's classes (``towers.data.loading.
+    load_test_data``: what ``towers.eval`` evaluates, without the training data)."""
+
+    x: numpy.ndarray
+    y: numpy.ndarray  # int32, label k is the trained model's class k
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def example_shape(self) -> tuple:
+        return tuple(self.x.shape[1:])
+
+    def close(self) -> None:
+        """Stop the worker processes of examples read on demand; idempotent."""
+        if isinstance(self.x, OnDemand):
+            self.x.close()
 
 
-def check_test_split(x, x_test, where: str, key: str = "x_test") -> None:
-    """A test split must hold examples, of the training examples' dtype (``where``: a prefix for the message).
+def check_test_split(x_test, y_test, where: str, key: str = "x_test", dtype=None, shape=None,
+                     num_classes: int | None = None) -> None:
+    """Test examples and labels against the training data's ``dtype``, example ``shape`` and ``num_classes``
+    (each checked when given; ``x_test`` None: nothing to check); ``where`` is a prefix for the message.
 
-    An empty one gave an accuracy of 0.0 (no example right out of none).
-    uint8 pixels are scaled by 1/255 on the device and floats are used as
-    they are, so uint8 beside float examples (float32 pixels 0..255 beside
-    uint8 ones, say) would be scaled differently at training and test time.
+    A test split must hold examples: an empty one gave an accuracy of 0.0 (no
+    example right out of none).  uint8 pixels are scaled by 1/255 on the
+    device and floats are used as they are, so uint8 beside float examples
+    (float32 pixels 0..255 beside uint8 ones, say) would be scaled differently
+    at training and test time.  A test label must be one of the model's
+    classes.  The one place of these rules, for a loaded training split and for
+    a checkpoint's record of one (``towers.eval``).
     """
     if x_test is None:
         return
     if len(x_test) == 0:
         raise UserError(f"{where}the test set is empty ({key!r} has 0 examples): give test examples, or none "
                         "at all (no x_test/y_test) to train without a test accuracy")
-    if x_test.dtype != x.dtype:
-        raise UserError(f"{where}test examples are {x_test.dtype} but training examples {x.dtype}: uint8 pixels "
-                        "are scaled by 1/255 and float examples are used as they are, so the two would be "
+    if dtype is not None and x_test.dtype != dtype:
+        raise UserError(f"{where}test examples are {x_test.dtype} but training examples {numpy.dtype(dtype)}: uint8 "
+                        "pixels are scaled by 1/255 and float examples are used as they are, so the two would be "
                         "scaled differently; give both as uint8 pixels, or both as floats on one scale")
+    if shape is not None and tuple(x_test.shape[1:]) != tuple(shape):
+        raise UserError(f"{where}test examples have shape {tuple(x_test.shape[1:])} but training examples "
+                        f"{tuple(shape)}")
+    if num_classes is not None and y_test is not None and len(y_test) and int(y_test.max()) >= num_classes:
+        raise UserError(f"{where}test label {int(y_test.max())} is out of range: training labels are "
+                        f"0..{num_classes - 1}")
+
+
+def _class_number(name: str) -> int | None:
+    """The label number a class folder named by a number stands for (``3``, ``007``), else None."""
+    return int(name) if name.isascii() and name.isdigit() else None
+
+
+def _listed(names, limit=10) -> str:
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+def match_test_labels(train_classes, test_classes, test_labels, test_path, n_classes: int) -> numpy.ndarray:
+    """The test labels in the training classes' numbers, or a UserError when they cannot mean the same classes.
+
+    ``train_classes``, ``test_classes``: the class names of each side (an image folder's, label k at k), or
+    None for numbered labels (npz, TFRecord); the training side may be a checkpoint's record of them.
+    Folders on both sides match by class name.  A test folder beside numbered labels needs class folders
+    named by those numbers (``0`` .. ``C-1``); numbered test labels beside a training folder need its
+    classes named by numbers.  Folder order never stands for a label: a class folder missing on one side
+    would shift every class after it.
+    """
+    if test_classes is None and train_classes is None:
+        return test_labels
+    if test_classes is not None and train_classes is not None:
+        number = {name: k for k, name in enumerate(train_classes)}
+        unknown = [name for name in test_classes if name not in number]
+        if unknown:
+            raise UserError(f"`test_data` {test_path} has class folders the training data lacks: "
+                            f"{_listed(unknown, 5)}; its classes must be among {_listed(train_classes)}")
+        return numpy.array([number[name] for name in test_classes], numpy.int32)[test_labels]
+    if test_classes is not None:  # a test folder beside numbered training labels
+        numbers = [_class_number(name) for name in test_classes]
+        named = [name for name, k in zip(test_classes, numbers) if k is None]
+        if named:
+            raise UserError(f"`test_data` {test_path}: class folders {_listed(named, 5)} cannot be matched to the "
+                            f"training data's labels 0..{n_classes - 1}, which have no class names: name the test "
+                            "class folders by the label numbers they hold (0, 1, ...)")
+        lacking = [name for name, k in zip(test_classes, numbers) if k >= n_classes]
+        if lacking:
+            raise UserError(f"`test_data` {test_path} has class folders the training data lacks: "
+                            f"{_listed(lacking, 5)}; training labels are 0..{n_classes - 1}")
+        return numpy.array(numbers, numpy.int32)[test_labels]
+    numbers = [_class_number(name) for name in train_classes]  # numbered test labels beside a training folder
+    if None in numbers:
+        raise UserError(f"`test_data` {test_path} has numbered labels, but the training classes are the folders "
+                        f"{_listed(train_classes)}: give the test data as an image folder with the same class "
+                        "folders")
+    label = numpy.full(max(numbers) + 1, -1, numpy.int32)
+    label[numbers] = numpy.arange(len(numbers), dtype=numpy.int32)
+    seen = numpy.unique(test_labels)
+    lacking = [int(k) for k in seen if k >= len(label) or label[k] < 0]
+    if lacking:
+        raise UserError(f"`test_data` {test_path} has labels the training data lacks: "
+                        f"{_listed([str(k) for k in lacking], 5)}; the training class folders are "
+                        f"{_listed(train_classes)}")
+    return label[test_labels]
 
 
 def _label_warnings(y, y_test) -> list[str]:
-    """Lines about labels that train but say little: one class, labels that do not start at 0."""
+    """Lines about labels that train but say little: one class, class indices without a training example.
+
+    The model has one output per index 0..max(y), so labels that start above 0
+    or skip numbers (0..8 and 100) leave outputs that nothing trains, and a
+    test label among them can never be predicted right.  Counting them is one
+    ``bincount`` over the labels (at most ``MAX_CLASSES`` bins).
+    """
     out = []
     low, high = (int(y.min()), int(y.max())) if len(y) else (0, 1)
     if low == high:
         out.append(f"the training labels hold one class only (label {low}): the model learns to answer "
                    f"{low} whatever the input, and its accuracy is the share of {low} in the test labels; "
                    "check `y_key` and the labels")
-    elif low > 0:
+        empty = numpy.zeros(0, numpy.int64)
+    else:
+        counts = numpy.bincount(numpy.asarray(y, numpy.int64)) if len(y) else numpy.ones(2)
+        empty = numpy.flatnonzero(counts == 0)
+    if len(empty) and empty[-1] < low:  # only below the first label: labels counted from 1 (or more)
         out.append(f"the training labels start at {low}, not 0: classes 0..{low - 1} have no examples "
                    f"(labels are 0..C-1; for labels 1..C, subtract 1)")
+    elif len(empty):
+        shown = ", ".join(str(int(k)) for k in empty[:5]) + (", ..." if len(empty) > 5 else "")
+        untrained = 0
+        if y_test is not None and len(y_test):
+            yt = numpy.asarray(y_test, numpy.int64)
+            untrained = int(numpy.count_nonzero(numpy.isin(yt, empty)))
+        test = (f"; {_plural(untrained, 'test example')} {'has' if untrained == 1 else 'have'} such a label"
+                if untrained else "")
+        out.append(f"the training labels leave {len(empty)} of the {high + 1} class indices 0..{high} without an "
+                   f"example ({shown}): the model gets {high + 1} outputs and never learns those classes{test}; "
+                   "labels are 0..C-1: renumber them (numpy.unique(y, return_inverse=True))")
+    return out + test_label_warnings(y_test)
+
+
+def test_label_warnings(y_test) -> list[str]:
+    """Lines about test labels that measure little: one class only."""
     if y_test is not None and len(y_test) > 1 and int(y_test.min()) == int(y_test.max()):
-        out.append(f"the test labels hold one class only (label {int(y_test.min())}): the accuracy measures "
-                   "that class alone")
-    return out
+        return [f"the test labels hold one class only (label {int(y_test.min())}): the accuracy measures "
+                "that class alone"]
+    return []
 
 
 def _host(a) -> numpy.ndarray:
@@ -399,6 +509,25 @@ def npz_has(path: str, *keys: str, what: str = "test data", setting: str = "test
         return npz.has(*keys)
 
 
+def test_keys(path: str, x_key: str, y_key: str, own: bool = False, what: str = "test data",
+              setting: str = "test_data") -> tuple[str, str]:
+    """The keys of an npz file's test examples and labels: its own ``x_test``/``y_test`` first, then its
+    training keys; with ``own`` (the test split of a `data` file) only the first, else a UserError."""
+    if npz_has(path, "x_test", "y_test", what=what, setting=setting):
+        return "x_test", "y_test"
+    if own:
+        raise UserError(f"{path} has no x_test/y_test: give test data (`test_data`), or data with x_test/y_test")
+    return x_key, y_key
+
+
+def read_npz_pair(path: str, x_key: str, y_key: str, what: str = "data", setting: str = "data"):
+    """An npz file's examples and labels under ``x_key``/``y_key``: read (or mapped), verified and validated
+    as every split is (``_pair``); what the split must hold besides (not empty, ...) is the caller's check."""
+    with _Npz(path, what, setting) as npz:
+        x, y = npz.array(x_key), npz.array(y_key)
+    return _pair(_host(x), _host(y), path, x_key, y_key)
+
+
 def load_npz(path: str, x_key: str = "x", y_key: str = "y", test_path: str | None = None) -> Dataset:
     """Load and validate training (and test) data from .npz files; every problem is a UserError.
 
@@ -411,8 +540,8 @@ def load_npz(path: str, x_key: str = "x", y_key: str = "y", test_path: str | Non
         tx = ty = None
         tkx, tky = "x_test", "y_test"
         if test_path is not None:
+            tkx, tky = test_keys(test_path, x_key, y_key)
             with _Npz(test_path, "test data", "test_data") as tnpz:
-                tkx, tky = ("x_test", "y_test") if tnpz.has("x_test", "y_test") else (x_key, y_key)
                 tx, ty = tnpz.array(tkx), tnpz.array(tky)
         elif npz.has("x_test", "y_test"):
             tx, ty = npz.array("x_test"), npz.array("y_test")

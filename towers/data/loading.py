@@ -13,7 +13,8 @@ settings.  The data path has three stages:
 Without image settings (``decode`` NAME:image:H,W,C, an image folder,
 ``augment``, ``normalize``, ``image_size``) there are no transforms and the
 examples are the stored arrays, as before.  Either way the result is a
-validated ``Dataset``.
+validated ``Dataset``.  ``load_test_data`` reads a test split alone, for a
+model a checkpoint describes (``towers.eval``): no training data is read.
 
 Notices while loading (an index being built, damaged records skipped) go to
 the ``towers`` logger, which the command lines print.  The TFRecord and image
@@ -22,7 +23,8 @@ readers (and protobuf behind them) are imported when a path needs them, so
 """
 from __future__ import annotations
 
-from towers.data.dataset import Dataset, check_test_split, load_npz, npz_has
+from towers.data.dataset import (Dataset, OnDemand, TestSet, check_test_split, load_npz, match_test_labels,
+                                 read_npz_pair, test_keys, test_label_warnings)
 from towers.data.image.folder import is_image_folder
 from towers.data.inputs import is_tfrecord
 from towers.data.tfrecord.schema import UsageError, parse_image_decode
@@ -41,9 +43,7 @@ def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_err
     decoded-image cache (``towers.data.image.cache``; None or 0: decode every epoch) and ``progress`` shows
     its decoding as a progress bar.
     """
-    images = (bool(decode) and parse_image_decode(decode) is not None) or is_image_folder(path) or \
-        is_image_folder(test_path) or augment != "none" or normalize is not None or image_size is not None
-    if images:
+    if uses_images(path, decode, augment, normalize, image_size) or is_image_folder(test_path):
         from towers.data.image.load import load_images
 
         return load_images(path, x_key, y_key, test_path, decode, on_error, workers, augment, normalize, image_size,
@@ -62,11 +62,17 @@ def load_dataset(path, x_key="x", y_key="y", test_path=None, decode=None, on_err
         raise UsageError(f"{e}; these records hold encoded images: train from them with {hint}") from None
 
 
+def uses_images(path, decode=None, augment="none", normalize=None, image_size=None) -> bool:
+    """Whether data goes through the image path (``towers.data.image``): an image folder, encoded images
+    (``decode`` NAME:image:H,W,C), or an image setting."""
+    return (bool(decode) and parse_image_decode(decode) is not None) or is_image_folder(path) or \
+        augment != "none" or normalize is not None or image_size is not None
+
+
 def _load(path, x_key, y_key, test_path, decode, on_error, workers):
     """Stored examples (no image transforms): npz arrays or TFRecord features."""
     if not (is_tfrecord(path) or is_tfrecord(test_path)):
-        if decode:
-            raise UserError("`decode` applies to TFRecord data; the npz arrays are used as stored")
+        _decode_applies(decode, path, test_path)
         return load_npz(path, x_key, y_key, test_path)
     from towers.data.tfrecord.records import load_split
 
@@ -77,19 +83,63 @@ def _load(path, x_key, y_key, test_path, decode, on_error, workers):
         train = load_npz(path, x_key, y_key)
         x, y = train.x, train.y
     tx = ty = None
-    if test_path is not None and is_tfrecord(test_path):
-        tx, ty = load_split(test_path, **options)
-    elif test_path is not None:
-        keys = ("x_test", "y_test") if npz_has(test_path, "x_test", "y_test") else (x_key, y_key)
-        test = load_npz(test_path, *keys)  # its own test split first, then its training keys
-        tx, ty = test.x, test.y
+    if test_path is not None:
+        tx, ty = _test_split(test_path, x_key, y_key, options)
     num_classes = int(y.max()) + 1
-    if tx is not None:
-        check_test_split(x, tx, f"{test_path}: ", "x_test")
-        if tuple(tx.shape[1:]) != tuple(x.shape[1:]):
-            raise UserError(f"{test_path}: test examples have shape {tuple(tx.shape[1:])} but training examples "
-                            f"{tuple(x.shape[1:])}")
-        if len(ty) and int(ty.max()) >= num_classes:
-            raise UserError(f"{test_path}: test label {int(ty.max())} is out of range: training labels are "
-                            f"0..{num_classes - 1}")
+    check_test_split(tx, ty, f"{test_path}: ", "x_test", x.dtype, x.shape[1:], num_classes)
     return Dataset(x, y, num_classes, tx, ty)
+
+
+def _decode_applies(decode, *paths) -> None:
+    """`decode` reads TFRecord features: with none of ``paths`` a TFRecord file, it is a mistake."""
+    if decode and not any(is_tfrecord(p) for p in paths):
+        raise UserError("`decode` applies to TFRecord data; the npz arrays are used as stored")
+
+
+def _test_split(path, x_key, y_key, options, own=False):
+    """Stored test examples and labels: TFRecord features, or an npz's own test split first, then its training
+    keys (``own``: its test split only, ``test_keys``)."""
+    if is_tfrecord(path):
+        from towers.data.tfrecord.records import load_split
+
+        return load_split(path, **options)
+    what = ("data", "data") if own else ("test data", "test_data")
+    return read_npz_pair(path, *test_keys(path, x_key, y_key, own, *what), *what)
+
+
+def load_test_data(path, example_shape, num_classes, class_names=None, dtype=None, x_key="x", y_key="y",
+                   decode=None, on_error="stop", workers=0, augment="none", normalize=None, image_size=None, seed=0,
+                   own=False, images=False) -> TestSet:
+    """The test examples of ``path`` alone, labelled in the classes of a trained model, without its training
+    data: what ``towers.eval`` evaluates a checkpoint on.
+
+    The training data is described by what a checkpoint records: its ``example_shape``, ``num_classes``,
+    ``class_names`` (an image folder's, label k at k; None: numbered labels) and the ``dtype`` its examples
+    are stored as (None: not recorded).  The test split is read as `test_data` is (an npz's own
+    ``x_test``/``y_test`` first, then its training keys; ``own``: ``path`` is a `data` file whose own test
+    split is wanted), made with the image settings on the deterministic path (``images``: the training data
+    went through the image path, ``uses_images``, so the test split does too), checked as a training run
+    checks its test split (``check_test_split``) and its labels matched to the training classes by name
+    (``match_test_labels``): a test folder without one of the classes keeps every other label's meaning.
+    """
+    images = images or uses_images(path, decode, augment, normalize, image_size)
+    if own and (is_image_folder(path) or is_tfrecord(path)):
+        raise UserError(f"{path} has no x_test/y_test: give test data (`test_data`), or data with x_test/y_test")
+    if images:
+        from towers.data.image.load import load_image_test
+
+        x, y, test_classes = load_image_test(path, example_shape, x_key, y_key, decode, on_error, workers, augment,
+                                             normalize, image_size, seed, own, say=notice)
+        dtype = None  # the transform makes the test examples as it made the training examples
+    else:
+        _decode_applies(decode, path)
+        options = dict(x_key=x_key, y_key=y_key, decode=decode, on_error=on_error, workers=workers, say=notice)
+        (x, y), test_classes = _test_split(path, x_key, y_key, options, own), None
+    try:
+        y = match_test_labels(class_names, test_classes, y, path, num_classes)
+        check_test_split(x, y, f"{path}: ", "x_test", dtype, example_shape, num_classes)
+    except BaseException:
+        if isinstance(x, OnDemand):
+            x.close()
+        raise
+    return TestSet(x, y, test_label_warnings(y))

@@ -18,13 +18,21 @@ example, ``where(ref)`` names it in a message.  The transforms
 - :class:`ArraySource`: rows of a uint8 (N, H, W, C) array (an npz to augment),
   sent with the chunk.
 
+Each source also says what its examples are stored as: ``dtype`` (encoded
+images decode to uint8 pixels) and ``fingerprint(h)``, which feeds a hash
+what identifies its rows' contents cheaply (``towers.data.fingerprint``).
+
 Limits: files are opened once per process and kept open (one descriptor a
 TFRecord shard); an image folder opens each file per read.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from google.protobuf.message import DecodeError
+
+from towers.data.fingerprint import hash_rows, sample_rows
 
 from towers.data.tfrecord.framing import TFRecordError
 from towers.data.tfrecord.gather import Gatherer, RecordReader
@@ -35,10 +43,18 @@ class SourceError(Exception):
     """A row that cannot be read (the file is gone or damaged); the message names it."""
 
 
+def _hash_records(h, feature: str, crcs) -> None:
+    """A TFRecord source's fingerprint: the feature's name and every record's payload CRC (from the index,
+    which every read is checked against): all records' bytes count, and nothing is read."""
+    h.update(feature.encode())
+    h.update(memoryview(np.ascontiguousarray(crcs, "<i8")).cast("B"))
+
+
 class RecordSource:
     """Feature ``feature`` (one bytes value a record) of the records at the index's positions."""
 
     encoded = True
+    dtype = np.dtype(np.uint8)  # the decoded pixels
 
     def __init__(self, paths, feature, files, offsets, lengths, numbers, crcs):
         self.paths, self.feature = list(paths), feature
@@ -73,6 +89,9 @@ class RecordSource:
             raise TFRecordError(self.paths[f], number, offset, f"feature {self.feature!r} is not one bytes value "
                                 "as the index says: the file changed since it was indexed; re-copy it")
         return values[0]
+
+    def fingerprint(self, h) -> None:
+        _hash_records(h, self.feature, self._pos[:, 4])
 
     def close(self) -> None:
         self._reader.close()
@@ -112,6 +131,9 @@ class RawRecordSource:
     def read_rows(self, refs, out) -> None:
         self._gatherer.read(*(a[refs] for a in self._pos), into=out)
 
+    def fingerprint(self, h) -> None:
+        _hash_records(h, self.feature, self._pos[4])
+
     def close(self) -> None:
         """Close the files read so far (a later read opens them again)."""
         self._gatherer.close()
@@ -121,6 +143,7 @@ class FileSource:
     """One encoded image file per row."""
 
     encoded = True
+    dtype = np.dtype(np.uint8)  # the decoded pixels
 
     def __init__(self, paths):
         self.paths = list(paths)
@@ -140,6 +163,17 @@ class FileSource:
                 return f.read()
         except OSError as e:
             raise SourceError(f"{self.paths[ref]}: cannot be read ({e.strerror or e})") from None
+
+    def fingerprint(self, h) -> None:
+        """Every file's name under the folder (``<class>/<file>``, in row order) and the bytes of a sample of
+        the files as stored (not decoded)."""
+        root = len(os.path.dirname(os.path.dirname(self.paths[0]))) + 1 if self.paths else 0
+        h.update("\n".join(p[root:] for p in self.paths).encode("utf-8", "surrogateescape"))
+        for row in sample_rows(len(self.paths)).tolist():
+            try:
+                h.update(self.read(row))
+            except SourceError:  # read (and reported) as such when trained on
+                h.update(b"\0unreadable")
 
     def close(self) -> None:
         pass
@@ -168,6 +202,13 @@ class ArraySource:
 
     def read(self, ref) -> np.ndarray:
         return ref[1]
+
+    @property
+    def dtype(self):
+        return self.array.dtype
+
+    def fingerprint(self, h) -> None:
+        hash_rows(h, self.array)
 
     def close(self) -> None:
         pass

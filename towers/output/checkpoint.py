@@ -10,8 +10,9 @@ plain names that do not depend on the number of towers:
 * ``step`` and the input pipeline's position ``data/epoch``, ``data/index``.  The
   shuffle of epoch ``e`` is ``default_rng([seed, e])``, so the seed (in the
   config) and the position are the pipeline's whole RNG state;
-* ``config``: the run's settings as a JSON string, ``data/shape`` and
-  ``data/num_classes`` (to refuse another dataset), ``n_towers`` and
+* ``config``: the run's settings as a JSON string, ``data/shape``,
+  ``data/num_classes`` and ``data/classes`` (to refuse another dataset),
+  ``data/fingerprint`` (to note other data of that shape), ``n_towers`` and
   ``global_batch`` (to note a change), ``sync/n_averages`` (the EMA's count in
   weights mode), and ``format``.
 
@@ -37,10 +38,11 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy
 
-from towers.config import checkpoint_settings
+from towers.config import Config, checkpoint_settings
+from towers.data.fingerprint import changes as fingerprint_changes
 from towers.errors import TrainingError, UserError, notice
 from towers.nn import fused_cpu
-from towers.settings import NOTE, REFUSE, SILENT, resume_changes, show
+from towers.settings import NOTE, REFUSE, SILENT, resume_changes, show, used_settings
 from towers.state import Layout, under
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, remove_stale, writing
 
@@ -80,13 +82,22 @@ def list_checkpoints(logdir: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def load_checkpoint(path: str) -> dict:
-    """All arrays of a checkpoint, read in full (so zip CRCs are verified)."""
+def load_checkpoint(path: str, final: bool = False) -> dict:
+    """All arrays of a checkpoint, read in full (so zip CRCs are verified).
+
+    With ``final``, a run's ``final.npz`` is read too, as a checkpoint of its
+    step: ``load_final``.
+    """
     try:
         with numpy.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except Exception as e:  # truncated, corrupt, not a zip, vanished: all "unreadable"
         raise CheckpointError(f"{e.__class__.__name__}: {e}") from None
+    if is_final(arrays):
+        if final:
+            return load_final(path, arrays)
+        raise CheckpointError(f"a run's final.npz: its weights only, not a checkpoint (the checkpoint of its step "
+                              f"is {final_checkpoint(path, int(arrays['step']))})")
     missing = [k for k in ("format", "step", "config", "data/epoch", "data/index", "data/shape") if k not in arrays]
     if missing:
         raise CheckpointError(f"not a towers checkpoint (no {', '.join(missing)})")
@@ -96,6 +107,44 @@ def load_checkpoint(path: str) -> dict:
         arrays["config"] = json.loads(str(arrays["config"][()]))
     except ValueError as e:
         raise CheckpointError(f"its config is not JSON ({e})") from None
+    return arrays
+
+
+def is_final(arrays: dict) -> bool:
+    """Whether an npz's arrays are a run's ``final.npz``: ``params/*``, ``ema/*`` and ``step``, nothing of a
+    checkpoint's format (``towers.extensions.Run.finish`` writes it)."""
+    return "step" in arrays and "format" not in arrays and any(k.startswith("params/") for k in arrays)
+
+
+def final_checkpoint(path: str, step: int) -> str:
+    """Where the checkpoint of a ``final.npz``'s step is: beside it.  A run writes one at its last step, with
+    the settings and the data's description that ``final.npz`` (weights only) lacks."""
+    return os.path.join(os.path.dirname(os.path.abspath(path)), checkpoint_name(step))
+
+
+def load_final(path: str, final: dict) -> dict:
+    """The arrays of ``final.npz`` (``final``, read from ``path``) as a checkpoint of its step: its weights and
+    EMA, with the settings and data description of its run's checkpoint of that step (``final_checkpoint``).
+
+    ``final.npz`` holds the model's buffers (moving statistics) under both ``params/`` and ``ema/``, as
+    ``get_weights`` returns them; a checkpoint keeps them under ``buffers/``, so they move there.  A
+    ``CheckpointError`` when that checkpoint is missing or unreadable.
+    """
+    beside = final_checkpoint(path, int(final["step"]))
+    if not os.path.exists(beside):
+        raise CheckpointError(f"a run's final.npz holds weights only, and the checkpoint of its step, which has "
+                              f"the run's settings, is not beside it ({beside}): give one of the run's ckpt-*.npz")
+    try:
+        arrays = load_checkpoint(beside)
+    except CheckpointError as e:
+        raise CheckpointError(f"its run's settings are in {beside}, which cannot be read ({e})") from None
+    buffers = {k[len("buffers/"):] for k in arrays if k.startswith("buffers/")}
+    arrays = {k: v for k, v in arrays.items() if not k.startswith(("params/", "ema/", "buffers/"))}
+    for key, a in final.items():
+        prefix, _, name = key.partition("/")
+        if prefix in ("params", "ema"):
+            arrays[f"buffers/{name}" if name in buffers else key] = a
+    arrays["step"] = final["step"]
     return arrays
 
 
@@ -145,15 +194,15 @@ def model_weights(model, arrays: dict, prefix: str, path: str, fix: str) -> dict
     try:
         return Layout(model.layout()).check(under(arrays, prefix), f"{path} does not fit this model")
     except UserError as e:
-        ck = arrays["config"]
-        raise UserError(f"{e} (the checkpoint was trained with `model` {ck.get('model')} "
-                        f"`hidden` {ck.get('hidden')}); {fix}") from None
+        # Only the settings that shape this model: `hidden` is the mlp's, a user's model reads none of them.
+        shaped = " ".join(f"`{k}` {show(v)}" for k, v in used_settings(arrays["config"], Config, REFUSE))
+        raise UserError(f"{e} (the checkpoint was trained with {shaped}); {fix}") from None
 
 
 # -- the metadata a checkpoint adds to the trainer's state dict ---------------------------
 
 META = ("format", "data/shape", "data/num_classes", "n_towers", "global_batch", "config", "data/classes",
-        "cpu_kernels")
+        "cpu_kernels", "data/fingerprint")
 
 
 def metadata(cfg, dataset, n_towers: int, global_batch: int, cpu_kernels: str = "numpy") -> dict:
@@ -161,11 +210,13 @@ def metadata(cfg, dataset, n_towers: int, global_batch: int, cpu_kernels: str = 
 
     ``cpu_kernels``: what ran the CPU towers' fused kernels, ``numba`` or
     ``numpy`` (``towers.nn.fused_cpu``), which the ``cpu_kernels`` setting
-    alone does not say (``auto`` is either).
+    alone does not say (``auto`` is either).  ``data/fingerprint``: the
+    training set's (``towers.data.fingerprint``), as JSON.
     """
     return {
         "format": numpy.int64(FORMAT), "cpu_kernels": numpy.array(cpu_kernels),
         "data/shape": numpy.array(dataset.x.shape, dtype=numpy.int64),
+        "data/fingerprint": numpy.array(json.dumps(dataset.fingerprint, sort_keys=True)),
         "data/num_classes": numpy.int64(dataset.num_classes),
         "n_towers": numpy.int64(n_towers), "global_batch": numpy.int64(global_batch),
         "config": numpy.array(config_json(cfg)),
@@ -174,13 +225,51 @@ def metadata(cfg, dataset, n_towers: int, global_batch: int, cpu_kernels: str = 
 
 
 def check_metadata(state: dict, dataset, where: str) -> None:
-    """A state dict's data shape and class count against ``dataset``'s (a ``UserError`` otherwise)."""
+    """A state dict's data shape, class count and class names against ``dataset``'s (a ``UserError`` otherwise)."""
     if "data/shape" not in state:
         raise UserError(f"{where}: 'data/shape' is missing")
     shape, classes = tuple(int(v) for v in numpy.ravel(state["data/shape"])), int(state.get("data/num_classes", -1))
     if shape[1:] != tuple(dataset.example_shape) or classes != dataset.num_classes:
         raise UserError(f"{where}: trained on examples of shape {shape[1:]} with {classes} classes, "
                         f"but the data has {dataset.example_shape} with {dataset.num_classes} classes")
+    check_classes(state, dataset, where, "give the data with the classes it was trained on")
+
+
+def recorded_classes(state: dict) -> list[str] | None:
+    """The class names a checkpoint records (``data/classes``: an image folder's, label k at k), or None."""
+    if "data/classes" not in state:
+        return None
+    return [str(name) for name in json.loads(str(numpy.asarray(state["data/classes"])[()]))]
+
+
+def _names(names: list[str], limit: int = 20) -> str:
+    return json.dumps(names[:limit])[:-1] + (f", ... ({len(names)} classes)]" if len(names) > limit else "]")
+
+
+def check_classes(state: dict, dataset, where: str, fix: str) -> None:
+    """A ``UserError`` (ending with ``fix``) when ``dataset``'s class names differ from those ``state`` records.
+
+    Label k is the k-th class name (an image folder's classes in sorted order), so a renamed, added or
+    removed class folder, or the same names in another order, makes every label after it mean another
+    class while the shape and the class count stay the same.  A state without names (numbered labels)
+    is not checked; numbered data beside recorded names passes only when the names are those numbers
+    (``0`` .. ``C-1`` in that order), as a test folder's numbered classes match numbered labels.
+    """
+    old = recorded_classes(state)
+    if old is None:
+        return
+    new = list(dataset.class_names) if getattr(dataset, "class_names", None) else None
+    numbered = [str(k) for k in range(len(old))]
+    if new == old or (new is None and old == numbered):
+        return
+    if new is None:
+        raise UserError(f"{where} was trained on the class folders {_names(old)}, but the data has numbered labels "
+                        f"without class names: label k would not mean the k-th of them; {fix}")
+    k = next((k for k, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    at = (f"label {k} meant {old[k]!r} and would mean {new[k]!r}" if k < min(len(old), len(new)) else
+          f"the names differ from label {k} on")
+    raise UserError(f"{where} was trained on the classes {_names(old)}, but the data's are {_names(new)} "
+                    f"({at}); {fix}")
 
 
 # -- writing during training --------------------------------------------------------
@@ -306,7 +395,7 @@ def resume(trainer, logdir: str) -> Resume | None:
     """
     cfg = trainer.cfg
     if cfg.resume:
-        found = find_resume(cfg, logdir, trainer.dataset, trainer.n_towers)
+        found = find_resume(cfg, logdir, trainer.dataset, trainer.n_towers, getattr(trainer, "data_path", None))
         if found is None:
             return None
         model_weights(trainer.model, found.arrays, "params", found.path,
@@ -331,13 +420,17 @@ def resume(trainer, logdir: str) -> Resume | None:
     return None
 
 
-def find_resume(cfg, logdir: str, dataset, n_towers: int) -> Resume | None:
+def find_resume(cfg, logdir: str, dataset, n_towers: int, data_path: str | None = None) -> Resume | None:
     """What ``--resume`` continues from, after checking the data fits; None: start fresh.
 
     Each setting declares what its change does (``towers.settings``): one that
     shapes the model is refused, naming it; one that changes the trajectory
     gets a note; the tower count and global batch get their own note; the rest
-    pass silently.
+    pass silently.  Data of another shape or other class names is refused;
+    other data of the same shape (its fingerprint, ``towers.data.fingerprint``,
+    differs: labels, examples or their dtype) gets a note naming ``data_path``
+    (None: the data set handed to the ``Trainer``).  A checkpoint written
+    before fingerprints were recorded gets no such note.
 
     Checkpoints skipped (unreadable, non-finite) and a fresh start are
     notices (``towers.errors.notice``); the notes on the continuation are the
@@ -368,6 +461,8 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int) -> Resume | None:
             + (f" ({', '.join(data_settings)})" if data_settings else "")
             + ": resume with the same data settings, or use another `logdir`"
         )
+    check_classes(arrays, dataset, path, "resume with the class folders it was trained on (the same names), or "
+                  "use another `logdir`")
     r = Resume(path, arrays)
     old_towers, old_batch = int(arrays["n_towers"]), int(arrays["global_batch"])
     new_batch = cfg.batch_size * cfg.accumulate * n_towers
@@ -385,4 +480,10 @@ def find_resume(cfg, logdir: str, dataset, n_towers: int) -> Resume | None:
         changed = ", ".join(f"`{k}` {show(old)} -> {show(new)}" for k, old, new in changes[NOTE])
         r.notes.append(f"note: settings changed since the checkpoint ({changed}): "
                        "the continuation differs from an uninterrupted run")
+    if "data/fingerprint" in arrays:
+        differs = fingerprint_changes(json.loads(str(arrays["data/fingerprint"][()])), dataset.fingerprint)
+        if differs:
+            which = f"`data` {data_path}" if data_path else "the `dataset` given"
+            r.notes.append(f"note: the training data changed since the checkpoint ({which}: {', '.join(differs)}): "
+                           "the continuation differs from an uninterrupted run")
     return r

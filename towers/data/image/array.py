@@ -33,12 +33,15 @@ REPORTED = 10
 
 class ImageArray(OnDemand):
     """``len(source)`` examples of ``transform.shape`` made by ``workers`` from ``source`` (``transform`` None:
-    gathered by the source, a decoded-image cache read without augmentation)."""
+    gathered by the source, a decoded-image cache read without augmentation).  ``stored``: the source the
+    examples come from, the files or records behind a decoded-image cache (default ``source``); the data's
+    fingerprint is of it (``towers.data.fingerprint``)."""
 
     augments = True  # BatchSource passes the examples' epochs to submit
 
-    def __init__(self, name, source, transform, labels, workers, on_error="stop", say=None):
+    def __init__(self, name, source, transform, labels, workers, on_error="stop", say=None, stored=None):
         self.name, self.source, self.transform = name, source, transform
+        self.stored = source if stored is None else stored
         self._labels, self._workers, self._on_error, self._say = labels, workers, on_error, say
         self._sid = workers.add(source, transform)
         example, self.dtype = layout(source, transform)  # no transform: the source gathers rows (a cache)

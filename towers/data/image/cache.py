@@ -24,9 +24,19 @@ gives the figures).
 
 **Not cached:** ``augment`` imagenet (it decodes each crop from the encoded
 image at a DCT scale, so pixels decoded once at full size would change its
-results), a test split (evaluated from the files, as before), and a set over
+results), a test split (evaluated from the files, as before), a set over
 the budget, which streams as before after one notice that gives the size it
-would need.
+would need, and a set the process has no memory for (:func:`not_cached`): the
+budget is checked against what this process may still take (``ulimit -v``
+and ``-d`` less what it maps, its cgroup's memory limit less its use, the
+machine's available memory; :func:`memory_room`), and the cache, with the
+batches that fill it (at most ``FILL_BYTES`` each, two in flight), takes at
+most ``SHARE`` of that, the rest being the run's own.  It streams then,
+after one notice naming the limit; an allocation that fails anyway (limits
+that cannot be read, another process taking the memory meanwhile) falls
+back the same way.  Under a cgroup limit the allocation itself would not
+fail: its pages, touched while filling, would get the process OOM-killed;
+hence the check before.
 
 **Bad input** is found while filling and answered when the row is read, as
 without the cache: an image that does not decode gives the same message (the
@@ -45,6 +55,9 @@ the data set is collected.
 """
 from __future__ import annotations
 
+import os
+import resource
+
 import numpy as np
 
 from towers.data.sources import ArraySource, SourceError
@@ -54,11 +67,133 @@ from towers.errors import TrainingError
 
 MIB = 1 << 20
 FILL_ROWS = 512  # rows per fill batch and worker: large enough that the hand-offs do not show
+FILL_BYTES = 32 << 20  # a fill batch's decoded pixels at most: two in flight are the fill's own memory
+SHARE = 0.75  # of the memory the process may still take, what the cache may use: the run needs the rest
+_UNLIMITED = 1 << 62  # a cgroup v1 limit at or above this is none (the kernel writes 2**63 less a page)
 
 
 def nbytes(n: int, size) -> int:
     """Bytes of ``n`` decoded uint8 images of ``size`` (H, W, C)."""
     return int(n) * int(np.prod(size))
+
+
+def memory_room(root: str = "/") -> list[tuple[str, int]]:
+    """(limit, bytes this process may still take under it) for each limit the system reports (Linux: /proc,
+    /sys/fs/cgroup; elsewhere none): ``ulimit -v`` less the address space mapped (``VmSize``), ``ulimit -d``
+    less the data mapped (``VmData``), each cgroup memory limit on the way to the root less its use, its
+    inactive page cache (reclaimable) not counted, and the machine's available memory (``MemAvailable``).
+    ``root``: where /proc and /sys are (tests give a folder that mimics them)."""
+    room = []
+    status = _fields(os.path.join(root, "proc/self/status"))
+    for limit, key, what in ((resource.RLIMIT_AS, "VmSize", "the address-space limit (ulimit -v)"),
+                             (resource.RLIMIT_DATA, "VmData", "the data-segment limit (ulimit -d)")):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY and key in status:
+            room.append((what, soft - status[key] * 1024))
+    room += _cgroup_room(root)
+    available = _fields(os.path.join(root, "proc/meminfo")).get("MemAvailable")
+    if available is not None:
+        room.append(("the machine's available memory", available * 1024))
+    return room
+
+
+def _fields(path: str) -> dict[str, int]:
+    """``Key: value [kB]`` lines (/proc/self/status, /proc/meminfo) as {key: int}; {} when unreadable."""
+    out = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if value.split() and value.split()[0].isdigit():
+                    out[key] = int(value.split()[0])
+    except OSError:
+        pass
+    return out
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _cgroup_room(root: str) -> list[tuple[str, int]]:
+    """The room under this process's cgroup memory limits (v2 ``memory.max``, v1 ``memory.limit_in_bytes``),
+    its own cgroup's and its ancestors' (a parent's limit binds too).  Inside a container the path listed
+    may not exist under the mount (the container's cgroup is its root): the walk up ends there."""
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    room = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            mount, files = os.path.join(root, "sys/fs/cgroup"), ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            mount, files = os.path.join(root, "sys/fs/cgroup/memory"), ("memory.limit_in_bytes",
+                                                                       "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        mount = os.path.normpath(mount)
+        folder = os.path.normpath(os.path.join(mount, path.lstrip("/")))
+        while folder.startswith(mount):
+            limit, used = _read_int(os.path.join(folder, files[0])), _read_int(os.path.join(folder, files[1]))
+            if limit is not None and used is not None and limit < _UNLIMITED:
+                inactive = _fields_space(os.path.join(folder, "memory.stat")).get(files[2], 0)
+                room.append(("the cgroup memory limit", limit - max(used - inactive, 0)))
+            if folder == mount:
+                break
+            folder = os.path.dirname(folder)
+    return room
+
+
+def _fields_space(path: str) -> dict[str, int]:
+    """``key value`` lines (a cgroup's memory.stat) as {key: int}; {} when unreadable."""
+    try:
+        with open(path) as f:
+            return {k: int(v) for k, v in (line.split() for line in f if len(line.split()) == 2) if v.isdigit()}
+    except OSError:
+        return {}
+
+
+def fill_rows(example_bytes: int, workers: int) -> int:
+    """Rows of one fill batch: ``FILL_ROWS`` a worker, at most ``FILL_BYTES`` of decoded pixels (large images:
+    a batch of 512 ImageNet-sized ones would take 384 MiB besides the cache)."""
+    return max(1, min(FILL_ROWS * max(workers, 1), FILL_BYTES // max(int(example_bytes), 1)))
+
+
+def fill_bytes(n: int, size, workers: int) -> int:
+    """The memory :func:`fill` takes besides the cache, for ``n`` images of ``size``: two batches in flight."""
+    one = nbytes(1, size)
+    return 2 * min(int(n), fill_rows(one, workers)) * one
+
+
+ALLOCATION_FAILED = ("and allocating them failed (out of memory): they are decoded every epoch; free memory to "
+                     "decode them once")
+
+
+def not_cached(need: int, budget_mib: int, room: list[tuple[str, int]], filling: int = 0) -> str | None:
+    """Why a cache of ``need`` bytes is not made, as the end of the notice that says so; None: it is made.
+
+    Over the budget (``cache_images_mib``); or, with what filling it takes besides (``filling``:
+    :func:`fill_bytes`), over ``SHARE`` of what this process may still take under one of the limits in
+    ``room`` (:func:`memory_room`; the tightest is named; none known: it is made, and an allocation of the
+    cache that fails falls back, ``ALLOCATION_FAILED``).
+    """
+    if need > budget_mib * MIB:
+        return (f"over `cache_images_mib` {budget_mib}: they are decoded every epoch; set `cache_images_mib` "
+                f"{-(-need // MIB)} or more to decode them once")
+    for what, left in sorted(room, key=lambda r: r[1]):
+        if need + filling > SHARE * left:
+            return (f"more than this process may take under {what} ({max(left, 0) / MIB:.1f} MiB left, of which "
+                    f"the cache may take {SHARE:.0%}): they are decoded every epoch; free memory or raise that "
+                    "limit to decode them once")
+    return None
 
 
 def cacheable(source, augment: str) -> bool:
@@ -103,10 +238,6 @@ class CachedSource(ArraySource):
     def example_shape(self):
         return tuple(self.array.shape[1:])
 
-    @property
-    def dtype(self):
-        return self.array.dtype
-
 
 def fill(cache: CachedSource, source, decode, pool, sid: int, progress: bool = False) -> None:
     """Decode every row of ``source`` (``decode``: registered with ``pool`` as ``sid``) into ``cache.array``,
@@ -115,7 +246,7 @@ def fill(cache: CachedSource, source, decode, pool, sid: int, progress: bool = F
     from towers.output.summaries import progress_bar
 
     n = len(source)
-    step = FILL_ROWS * max(pool.n, 1)
+    step = fill_rows(cache.array[0].nbytes, pool.n)
     starts = list(range(0, n, step))
     with progress_bar(progress, total=n, desc="decoding images", unit="img", leave=False) as bar:
         pending = []

@@ -17,8 +17,10 @@ The example shape is ``decode``'s, else ``image_size``, else (folders) the
 images' own when they all agree, else (arrays) the stored one.  The training
 split is augmented (``augment``), the test split takes the deterministic path,
 and both share the ``Workers`` (``towers.data.workers``).  With ``cache_mib``, an
-encoded training split whose decoded pixels fit the budget is decoded once
-(``towers.data.image.cache``) and its array reads them from memory.  Training and
+encoded training split whose decoded pixels fit the budget, and the memory the
+process may take, is decoded once (``towers.data.image.cache``) and its array
+reads them from memory; else, or when its memory cannot be had after all, it
+streams after a notice.  Training and
 test labels mean the same classes or the data is refused: a test folder's
 classes match the training folder's by name, and class folders named by
 numbers (``0`` .. ``C-1``) match numbered labels (npz, TFRecord).
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from towers.data.dataset import Dataset, load_npz, npz_has
+from towers.data.dataset import Dataset, check_test_split, load_npz, match_test_labels, read_npz_pair, test_keys
 from towers.data.image import cache, codec, folder
 from towers.data.image.array import ImageArray
 from towers.data.image.augment import Transform, parse_image_size
@@ -93,7 +95,7 @@ def _arrays(x, y, name):
     return _Split(ArraySource(x, name), np.asarray(y, np.int32), size=tuple(x.shape[1:]))
 
 
-def _split(path, x_key, y_key, spec, on_error, say, setting, test=False):
+def _split(path, x_key, y_key, spec, on_error, say, setting, test=False, own=False):
     if folder.is_image_folder(path):
         return _folder(path, setting)
     if is_tfrecord(path):
@@ -103,10 +105,9 @@ def _split(path, x_key, y_key, spec, on_error, say, setting, test=False):
         return _arrays(x, y, str(path))
     if spec is not None:
         raise UserError(f"`decode` {spec[0]}:image reads TFRecord files; `{setting}` {path} is not one")
-    if test:
-        keys = ("x_test", "y_test") if npz_has(path, "x_test", "y_test") else (x_key, y_key)
-        ds = load_npz(path, *keys)
-        return _arrays(ds.x, ds.y, str(path))
+    if test:  # its own test split first, then its training keys (`own`: its test split only)
+        what = ("data", "data") if own else ("test data", "test_data")
+        return _arrays(*read_npz_pair(path, *test_keys(path, x_key, y_key, own, *what), *what), str(path))
     ds = load_npz(path, x_key, y_key)
     train = _arrays(ds.x, ds.y, str(path))
     train.test = None if ds.x_test is None else _arrays(ds.x_test, ds.y_test, f"{path} (x_test)")
@@ -124,61 +125,6 @@ def _size(train, spec, image_size):
     if train.size is not None:
         return train.size
     return folder.common_size(train.source.paths)
-
-
-def _class_number(name: str) -> int | None:
-    """The label number a class folder named by a number stands for (``3``, ``007``), else None."""
-    return int(name) if name.isascii() and name.isdigit() else None
-
-
-def _listed(names, limit=10) -> str:
-    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
-
-
-def _test_labels(train, test, test_path, n_classes):
-    """The test split's labels in the training split's class numbers, or a UserError when they cannot mean
-    the same classes.
-
-    Folders on both sides match by class name.  A test folder beside numbered labels (npz, TFRecord) needs
-    class folders named by those numbers (``0`` .. ``C-1``); numbered test labels beside a training folder
-    need its classes named by numbers.  Folder order never stands for a label: a class folder missing on one
-    side would shift every class after it.
-    """
-    if test.classes is None and train.classes is None:
-        return test.labels
-    if test.classes is not None and train.classes is not None:
-        number = {name: k for k, name in enumerate(train.classes)}
-        unknown = [name for name in test.classes if name not in number]
-        if unknown:
-            raise UserError(f"`test_data` {test_path} has class folders the training data lacks: "
-                            f"{_listed(unknown, 5)}; its classes must be among {_listed(train.classes)}")
-        return np.array([number[name] for name in test.classes], np.int32)[test.labels]
-    if test.classes is not None:  # a test folder beside numbered training labels
-        numbers = [_class_number(name) for name in test.classes]
-        named = [name for name, k in zip(test.classes, numbers) if k is None]
-        if named:
-            raise UserError(f"`test_data` {test_path}: class folders {_listed(named, 5)} cannot be matched to the "
-                            f"training data's labels 0..{n_classes - 1}, which have no class names: name the test "
-                            "class folders by the label numbers they hold (0, 1, ...)")
-        lacking = [name for name, k in zip(test.classes, numbers) if k >= n_classes]
-        if lacking:
-            raise UserError(f"`test_data` {test_path} has class folders the training data lacks: "
-                            f"{_listed(lacking, 5)}; training labels are 0..{n_classes - 1}")
-        return np.array(numbers, np.int32)[test.labels]
-    numbers = [_class_number(name) for name in train.classes]  # numbered test labels beside a training folder
-    if None in numbers:
-        raise UserError(f"`test_data` {test_path} has numbered labels, but the training classes are the folders "
-                        f"{_listed(train.classes)}: give the test data as an image folder with the same class "
-                        "folders")
-    label = np.full(max(numbers) + 1, -1, np.int32)
-    label[numbers] = np.arange(len(numbers), dtype=np.int32)
-    seen = np.unique(test.labels)
-    lacking = [int(k) for k in seen if k >= len(label) or label[k] < 0]
-    if lacking:
-        raise UserError(f"`test_data` {test_path} has labels the training data lacks: "
-                        f"{_listed([str(k) for k in lacking], 5)}; the training class folders are "
-                        f"{_listed(train.classes)}")
-    return label[test.labels]
 
 
 def _cache(train, size, augment, normalize, seed, pool):
@@ -217,40 +163,73 @@ def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_erro
     pool = Workers(workers)
     n_classes = len(train.classes) if train.classes else int(train.labels.max()) + 1
     transform = Transform(size, augment, normalize, seed, train.source.encoded)
+    # Streamed (decoded every epoch); with a cache, still registered before the pool starts: the fallback of
+    # a cache whose memory cannot be had.
+    x = ImageArray(str(path), train.source, transform, train.labels, pool, on_error, say)
     fill = None
+    need = cache.nbytes(len(train.source), size)
+    streams = f"{path}: the {len(train.source)} decoded training images need {need / cache.MIB:.1f} MiB, "
     if cache_mib and cache.cacheable(train.source, augment):
-        need = cache.nbytes(len(train.source), size)
-        if need <= cache_mib * cache.MIB:
-            fill = _cache(train, size, augment, normalize, seed, pool)
-        elif say:
-            say(f"{path}: the {len(train.source)} decoded training images need {need / cache.MIB:.1f} MiB, over "
-                f"`cache_images_mib` {cache_mib}: they are decoded every epoch; set `cache_images_mib` "
-                f"{-(-need // cache.MIB)} or more to decode them once")
-    if fill is None:
-        x = ImageArray(str(path), train.source, transform, train.labels, pool, on_error, say)
-    else:
+        why = cache.not_cached(need, cache_mib, cache.memory_room(), cache.fill_bytes(len(train.source), size,
+                                                                                   pool.n))
+        if why is None:
+            try:
+                fill = _cache(train, size, augment, normalize, seed, pool)
+            except MemoryError:  # limits that could not be read, or memory taken meanwhile: stream all the same
+                why = cache.ALLOCATION_FAILED
+        if why is not None and say:
+            say(streams + why)
+    if fill is not None:
         cached, cached_transform, served_by, decode, decode_sid = fill
-        x = ImageArray(str(path), cached, cached_transform, train.labels, served_by, on_error, say)
+        cached_x = ImageArray(str(path), cached, cached_transform, train.labels, served_by, on_error, say,
+                              train.source)
     tx = ty = None
     if test is not None:
-        ty = _test_labels(train, test, test_path, n_classes)
-        if len(ty) and int(ty.max()) >= n_classes:
-            raise UserError(f"{test_path}: test label {int(ty.max())} is out of range: training labels are "
-                            f"0..{n_classes - 1}")
+        ty = match_test_labels(train.classes, test.classes, test.labels, test_path, n_classes)
+        check_test_split(None, ty, f"{test_path}: ", num_classes=n_classes)
         tx = ImageArray(str(test_path or path), test.source,
                         Transform(size, augment, normalize, seed, test.source.encoded), ty, pool, on_error, say)
     if fill is not None:
         try:
             cache.fill(cached, train.source, decode, pool, decode_sid, progress)
+        except MemoryError:  # a batch of the fill could not be allocated: stream, the cache goes
+            fill = cached = cached_x = None
+            if say:
+                say(streams + cache.ALLOCATION_FAILED)
         except BaseException:  # a worker died, Ctrl-C: no worker outlives the load
             pool.close()
             raise
+    if fill is not None:
+        x = cached_x
         if served_by is not pool and test is None:
             pool.close()  # it decoded the cache; nothing else reads through it
         if say:
             say(f"{path}: decoded-image cache: {len(cached)} images of {'x'.join(map(str, size))}, "
                 f"{cached.array.nbytes / cache.MIB:.1f} MiB in memory, decoded once for every epoch")
     return Dataset(x, train.labels, n_classes, tx, ty, class_names=train.classes)
+
+
+def load_image_test(path, example_shape, x_key="x", y_key="y", decode=None, on_error="stop", workers=0,
+                    augment="none", normalize=None, image_size=None, seed=0, own=False, say=None):
+    """(examples, labels, class names or None) of the test split ``path`` alone, made as a training run of
+    ``example_shape`` makes its test split (the deterministic path of ``augment``, ``normalize``), for
+    ``towers.data.loading.load_test_data``, which matches the labels to the training classes.
+
+    The example shape is ``decode``'s, else ``image_size``, else the training examples' (H, W, C) (images
+    of another size are fitted to it as the training images were), else the test images' own.
+    """
+    spec = parse_image_decode(decode) if decode else None
+    if decode and spec is None:
+        raise UserError(f"`decode` {decode} reads raw bytes; with an image folder, `augment` or `normalize` give "
+                        "encoded images as NAME:image:H,W,C, or convert the data first")
+    test = _split(path, x_key, y_key, spec, on_error, say, "test_data", test=True, own=own)
+    if spec is None and image_size is None and len(example_shape) == 3:
+        size = tuple(example_shape)
+    else:
+        size = _size(test, spec, image_size)
+    x = ImageArray(str(path), test.source, Transform(size, augment, normalize, seed, test.source.encoded),
+                   test.labels, Workers(workers), on_error, say)
+    return x, test.labels, test.classes
 
 
 def propose(path) -> str | None:

@@ -152,6 +152,11 @@ class RecordArray(OnDemand):
     def workers(self) -> int:
         return self._workers.n
 
+    @property
+    def stored(self):
+        """The records' source (``towers.data.fingerprint``)."""
+        return self._source
+
     def __len__(self):
         return self.shape[0]
 
