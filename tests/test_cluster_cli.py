@@ -6,6 +6,7 @@ host, a killed driver; and the command and the library giving the same weights.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socketserver
 import subprocess
@@ -152,3 +153,59 @@ def test_one_host_never_imports_ray(tmp_path):
             "assert towers.ClusterTrainer is towers.Trainer")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {repo!r})  # towers from the checkout, not installed
+import ray
+import towers
+
+def towers_file():
+    try:
+        return __import__("towers").__file__
+    except ImportError as e:
+        return repr(e)
+
+def run(logdir):
+    cfg = towers.Config(hosts=2, devices="cpu", hidden=16, steps=4, quiet=True, summary_every=0, blas_threads=1,
+                        data={data!r}, logdir=logdir)
+    with towers.Trainer(cfg) as t:
+        t.fit()
+        print("workers import", ray.get(ray.remote(towers_file).remote()))
+
+if __name__ == "__main__":
+    run({logdir!r} + "/a")  # the Trainer starts Ray
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    run({logdir!r} + "/b")  # on the script's own Ray
+"""
+
+
+def test_a_script_outside_the_checkout_runs_hosts_that_import_its_towers(tmp_path, local_ray):
+    """A script in another folder that puts the checkout on sys.path: the host actors import the same towers
+    (they could not import it at all: "host 0 died at step 0", no checkpoint behind it); and an actor that
+    cannot start says why, in its exception's own words."""
+    import towers
+    from towers.errors import TrainingError
+
+    folder = tmp_path / "elsewhere"
+    folder.mkdir()
+    script = folder / "two_hosts.py"
+    script.write_text(SCRIPT.format(repo=str(REPO), data=str(REPO / "data" / "digits.npz"),
+                                    logdir=str(tmp_path / "run")))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, str(script)], cwd=folder, env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert p.returncode == 0, p.stderr
+    # The run's own Ray imports the driver's towers in every worker; on the script's Ray the job's workers
+    # cannot import it, the hosts could (their own runtime_env).
+    assert [line for line in p.stdout.splitlines() if line.startswith("workers")] == [f"workers import {REPO / 'towers' / '__init__.py'}",
+                                     "workers import ModuleNotFoundError(\"No module named 'towers'\")"], p.stdout
+    assert (tmp_path / "run" / "a" / "final.npz").exists() and (tmp_path / "run" / "b" / "final.npz").exists()
+
+    # A host whose __init__ fails (here: an NCCL stand-in module it cannot import) did not die mid-run.
+    cfg = towers.Config(hosts=2, devices="cpu", hidden=16, steps=4, quiet=True, summary_every=0)
+    with pytest.raises(TrainingError) as failed:
+        towers.Trainer(cfg, nccl="no_such_nccl_module")
+    assert re.fullmatch(r"host [01] could not start: ModuleNotFoundError: No module named 'no_such_nccl_module'",
+                        str(failed.value)), str(failed.value)

@@ -28,7 +28,8 @@ The outputs are one host's: ``Run`` writes the same log lines, progress bar,
 show comes from the same schedule.  A host or server that dies aborts the
 shared boards (so the others stop waiting), and the run stops with one line
 naming it (``TrainingError``); the last checkpoint stays and ``resume``
-continues from it.
+continues from it.  An actor that cannot start (an import or its ``__init__``
+failing on its node) is named with its exception's own message instead.
 """
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ class ClusterExecutor(Executor):
         towers = cfg.n_gpu or (len(cfg.devices.split(",")) if cfg.devices and cfg.devices != "cpu" else 1)
         gpus = session.gpus_per_host(ray, n, towers, cfg.devices, cfg.soft_placement)
         host_cfg = cfg if gpus else _replace(cfg, devices="cpu", n_gpu=towers)
-        opts = {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0}
+        env = session.actor_env(ray, self._owned)
+        opts = {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0, "runtime_env": env}
         group = session.spread(ray, n, gpus) if cfg.ray_address is not None else None
         actor = ray.remote(Host)
         self._hosts = []
@@ -135,13 +137,13 @@ class ClusterExecutor(Executor):
             elif one_node:
                 board = self._board(*mean_board(n, size))
             else:
-                self._exchange = exchange = ray.remote(Exchange).options(num_cpus=0).remote(n)
+                self._exchange = exchange = ray.remote(Exchange).options(num_cpus=0, runtime_env=env).remote(n)
         else:
             if not one_node:
                 raise UserError(f"`sync` {cfg.sync} needs every host on the driver's node (the server's board is "
                                 "shared memory); use `sync` grads or weights across nodes")
             board = self._board(*ps_board(n, self.model.size, self.model.buffer_size, max(self.towers_per_host)))
-            self._ps = ray.remote(ParameterServer).options(num_cpus=0, max_restarts=0).remote(
+            self._ps = ray.remote(ParameterServer).options(num_cpus=0, max_restarts=0, runtime_env=env).remote(
                 self._trainer_class, cfg, model, data, board, self.towers_per_host, os.getpriority(os.PRIO_PROCESS, 0))
         # All at once: NCCL communicators are made only when every rank has joined.
         refs = [(a.build.remote(self._trainer_class, model, data, self.towers_per_host, world[h], board, exchange), h)
@@ -223,7 +225,7 @@ class ClusterExecutor(Executor):
                     errors.append((other, h))
         for err, _ in errors:
             if isinstance(err, ray.exceptions.RayActorError):
-                line = self._dead(getattr(err, "actor_id", None))
+                line = self._dead(err)
                 if line:
                     return TrainingError(line)
         causes = [(getattr(err, "cause", None), h) for err, h in errors]
@@ -239,16 +241,24 @@ class ClusterExecutor(Executor):
         first = (strip_ansi(str(e)).strip().splitlines() or [type(e).__name__])[0]
         return TrainingError(f"the Ray cluster failed at step {self.step}: {first}")
 
-    def _dead(self, actor_id) -> str | None:
-        keep = "its last checkpoint is kept, rerun with `resume` to continue from it"
+    def _dead(self, err) -> str | None:
+        """The line for an actor of this run that ``err`` (a ``RayActorError``) says died, or could not start:
+        then its own exception, which Ray gives only as the text of the creation task's traceback (an import
+        that fails on the node, an error in its ``__init__``): a failure to start has no checkpoint to keep."""
+        actor_id = getattr(err, "actor_id", None)
+        who = None
         for h, a in enumerate(self._hosts or []):
             if actor_id is not None and a._actor_id.hex() == actor_id:  # noqa: SLF001 - Ray's only id
                 info = self.host_info[h] if getattr(self, "host_info", None) else {}
-                where = f" ({info['node']}, pid {info['pid']})" if info else ""
-                return f"host {h}{where} died at step {self.step}: run stopped; {keep}"
+                who = f"host {h}" + (f" ({info['node']}, pid {info['pid']})" if info else "")
         if self._ps is not None and actor_id is not None and self._ps._actor_id.hex() == actor_id:  # noqa: SLF001
-            return f"the parameter server died at step {self.step}: run stopped; {keep}"
-        return None
+            who = "the parameter server"
+        if who is None:
+            return None
+        if getattr(err, "actor_init_failed", False):
+            return f"{who} could not start: {raised(strip_ansi(str(err)))}"
+        keep = "its last checkpoint is kept, rerun with `resume` to continue from it"
+        return f"{who} died at step {self.step}: run stopped; {keep}"
 
     def _all(self, method: str, *args):
         """``Trainer.method(*args)`` on every host (and the server), together; their results."""
@@ -372,6 +382,19 @@ class ClusterExecutor(Executor):
             for b in self._boards:
                 b.close()
             self._boards, self._hosts, self._ps, self._exchange, self._ray = [], [], None, None, None
+
+
+def raised(traceback_text: str) -> str:
+    """The exception at the end of a Python traceback's text, on one line (``ModuleNotFoundError: No module
+    named 'towers'``): from its last line that starts with an exception's name, the text after it joined."""
+    import re
+
+    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+    starts = [k for k, line in enumerate(lines) if re.match(r"[A-Za-z_][\w.]*: ", line)]
+    if not starts:
+        return lines[-1].strip() if lines else "no reason given"
+    name, _, message = " ".join(line.strip() for line in lines[starts[-1]:]).partition(": ")
+    return f"{name.rsplit('.', 1)[-1]}: {message}"
 
 
 def strip_ansi(text: str) -> str:
