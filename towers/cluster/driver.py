@@ -50,26 +50,26 @@ POLL_S = 0.2
 DEATH_WAIT_S = 5.0  # after a failure: how long the other hosts' errors may take to show which host died
 
 
-def shared_cores_notice(host_info: list[dict], blas_threads: int) -> str | None:
-    """A line when CPU hosts share a machine and each one's BLAS takes every core (``blas_threads`` 0).
+def core_shares(host_info: list[dict]) -> list[int]:
+    """Each host's share of its machine's cores (0: all of them), from the hosts' ``describe()``.
 
-    Each host then sizes its BLAS as one host alone would (so results match a
-    one-host run bit for bit) and the hosts oversubscribe the cores; their
-    share is ``--blas-threads cores / hosts`` (about 15x faster for 2 hosts on
-    2 cores, README's Several hosts).  Not changed by default: the thread count
-    changes float summation order, so the weights would differ by rounding.
+    CPU hosts on one machine split its cores (at least one each): each host's
+    BLAS is sized from its share (``towers.local.Share``), as one host's towers
+    split them, instead of every host taking them all, which on 2 cores made 2
+    hosts x 1 tower run at 0.16x of 1 host x 2 towers (each sgemm's threads
+    spinning against the other host's).  A host alone on its machine, and GPU
+    hosts, keep every core.  OpenBLAS sums some products in another order with
+    another thread count (the MNIST MLP's 784 x 500 layer, LeNet-5's; not the
+    digits MLP's), so such a run's weights move by rounding from the releases
+    before, and now equal 1 host x N towers' bit for bit (one BLAS thread a
+    tower on either; README's Several hosts).
     """
-    if blas_threads:
-        return None
-    crowd = {}
+    crowd: dict = {}
     for info in host_info:
         if info["cpu"]:
-            crowd.setdefault(info["node_id"], []).append(info["cores"])
-    k, cores = max(((len(c), c[0]) for c in crowd.values()), default=(0, 0))
-    if k < 2:
-        return None
-    return (f"{k} hosts share one machine's {cores} cores and each host's BLAS uses all of them: "
-            f"`blas_threads` {max(1, cores // k)} gives each host its share and runs several times faster")
+            crowd[info["node_id"]] = crowd.get(info["node_id"], 0) + 1
+    return [max(1, info["cores"] // crowd[info["node_id"]]) if info["cpu"] and crowd[info["node_id"]] > 1 else 0
+            for info in host_info]
 
 
 class ClusterExecutor(Executor):
@@ -121,9 +121,8 @@ class ClusterExecutor(Executor):
         notice = self.host_info[0]["notice"]
         if gpus == 0 and int(ray.cluster_resources().get("GPU", 0)) and cfg.devices != "cpu":
             notice = f"{n} hosts x {towers} GPUs asked for, the Ray cluster has fewer GPUs: hosts run on the CPU"
-        for line in (notice, shared_cores_notice(self.host_info, cfg.blas_threads)):
-            if line:  # the same notices one host gives, through the same logger
-                say_notice(line)
+        if notice:  # the same notice one host gives, through the same logger
+            say_notice(notice)
         self.towers_per_host = [i["towers"] for i in self.host_info]
         here = ray.get_runtime_context().get_node_id()
         one_node = all(i["node_id"] == here for i in self.host_info)
@@ -146,8 +145,9 @@ class ClusterExecutor(Executor):
             self._ps = ray.remote(ParameterServer).options(num_cpus=0, max_restarts=0, runtime_env=env).remote(
                 self._trainer_class, cfg, model, data, board, self.towers_per_host, os.getpriority(os.PRIO_PROCESS, 0))
         # All at once: NCCL communicators are made only when every rank has joined.
-        refs = [(a.build.remote(self._trainer_class, model, data, self.towers_per_host, world[h], board, exchange), h)
-                for h, a in enumerate(self._hosts)]
+        cores = core_shares(self.host_info)
+        refs = [(a.build.remote(self._trainer_class, model, data, self.towers_per_host, world[h], board, exchange,
+                                cores[h]), h) for h, a in enumerate(self._hosts)]
         if self._ps is not None:
             refs.append((self._ps.__ray_ready__.remote(), None))
         self._wait(refs)
@@ -357,6 +357,10 @@ class ClusterExecutor(Executor):
         """(seconds, calls) each host spent in the cross-host mean (CPU hosts; the benchmark reads it)."""
         return [(c["cross_seconds"], c["cross_calls"]) for c in
                 self._wait([(a.counters.remote(), h) for h, a in enumerate(self._hosts)])]
+
+    def host_blas_threads(self) -> list[int | None]:
+        """Each host's BLAS threads (None: a GPU host, which sets none)."""
+        return [c["blas_threads"] for c in self._wait([(a.counters.remote(), h) for h, a in enumerate(self._hosts)])]
 
     def host_pids(self) -> list[int]:
         return [i["pid"] for i in self.host_info]
