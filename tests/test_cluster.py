@@ -138,7 +138,15 @@ def test_async_converges_and_reports_staleness(local_ray, tmp_path, capsys):
     assert result["staleness_max"] >= 1 and 0 < result["staleness_mean"] <= result["staleness_max"]
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("done: 300 steps") and "gradient staleness mean" in last
+    # What ran: both hosts' towers (an update is one of them), the server applying one host's gradient each; no
+    # all-reduce (it said "on 1 tower ... 1.00 all-reduces/step").
+    assert " on 2 towers (2 hosts x 1 tower: cpu | cpu;" in last, last
+    assert "async sync, 1.00 host gradients/update to the parameter server;" in last and "all-reduce" not in last
     assert checkpoint.list_checkpoints(str(tmp_path))[0][0] == 300
+    with cluster(hosts=2, n_gpu=1, sync="ps", steps=4, logdir=str(tmp_path / "ps")) as t:
+        t.fit()  # every update is the mean of both hosts' gradients
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert " on 2 towers (2 hosts x 1 tower: cpu | cpu)" in last and "ps sync, 2.00 host gradients/update" in last
 
 
 def test_killed_host_stops_run_and_resume_continues(local_ray, tmp_path):

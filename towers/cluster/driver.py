@@ -86,7 +86,7 @@ class ClusterExecutor(Executor):
         self._ray = self._hosts = self._ps = self._exchange = None
         self._boards, self._owned, self._closed = [], False, False
         self.cfg, self.model = cfg, model
-        self._step, self._applied, self._stale = 0, 0, [0, 0, 0]
+        self._step, self._applied, self._stale, self._gradients = 0, 0, [0, 0, 0], 0
         try:
             self._ray, self._owned = session.connect(cfg.ray_address, cfg.ray_logs, cfg.hosts)
             self._start(model_arg, dataset, getattr(nccl, "__name__", nccl))
@@ -168,11 +168,21 @@ class ClusterExecutor(Executor):
         return towers_per_update(self.cfg, self.towers_per_host)
 
     @property
+    def running_towers(self) -> int:
+        """Every host's towers (with async an update is one host's, ``n_towers``, but all of them run)."""
+        return sum(self.towers_per_host)
+
+    @property
     def all_reduces(self) -> int:
-        """Host 0's collectives (grads, weights); one exchange per update with a server."""
-        if self._ps is not None:
-            return self.step
+        """Host 0's collectives (with a server: only among its own towers)."""
         return self._wait([(self._hosts[0].counters.remote(), 0)])[0]["all_reduces"]
+
+    def communication(self) -> tuple[int, str]:
+        """With a parameter server, the hosts' gradients it applied (ps: every host's per update, async: one),
+        not collectives, which no host runs across hosts; else the collectives."""
+        if self._ps is not None:
+            return self._gradients, "host gradients/update to the parameter server"
+        return super().communication()
 
     def towers_text(self) -> str:
         hosts = " | ".join(", ".join(i["devices"]) for i in self.host_info)
@@ -283,7 +293,7 @@ class ClusterExecutor(Executor):
             self._applied += n
             refs = [(a.run_steps.remote(n, want_loss, self._applied), h) for h, a in enumerate(self._hosts)]
             outs = self._wait([(self._ps.serve.remote(n), None)] + refs)
-            self._stale = outs[0]["stale"]
+            self._stale, self._gradients = outs[0]["stale"], outs[0]["gradients"]
             if self.cfg.sync == "ps":
                 losses = [v for per_host in outs[1:] for v in per_host] if want_loss else None
             else:
