@@ -56,6 +56,35 @@ def test_two_hosts_match_one_host_two_towers(local_ray, sync):
     assert_same(got, want, rtol=0 if sync == "grads" else 1e-6)
 
 
+def test_hosts_on_one_machine_split_its_cores_for_blas(local_ray):
+    """CPU hosts sharing a machine each take their share of its cores for BLAS (each took every core: 2 hosts x 1
+    tower ran at 0.16x of 1 host x 2 towers on 2 cores), so 2 hosts x 1 tower run what 1 host x 2 towers runs,
+    bit for bit also on a product whose sums OpenBLAS orders by its thread count (784 x 500); hosts on other
+    machines keep theirs; a `blas_threads` setting is every host's."""
+    from towers.cluster.driver import core_shares
+    from towers.devices.cpu_threads import cpu_count
+
+    rng = numpy.random.default_rng(0)
+    data = towers.Dataset.from_arrays(rng.integers(0, 256, (400, 28, 28), dtype=numpy.uint8),
+                                      rng.integers(0, 10, 400))
+    mnist_mlp = {**SMALL, "hidden": 500, "steps": 3}
+    share = max(1, cpu_count() // 2)
+    with towers.Trainer(towers.Config(**mnist_mlp, hosts=2, n_gpu=1), dataset=data) as t:
+        assert t.host_blas_threads() == [share, share]
+        got = weights_after(t, 3)
+    with towers.Trainer(towers.Config(**mnist_mlp, n_gpu=2), dataset=data) as t:
+        assert t.blas_threads == share  # each tower thread's
+        want = weights_after(t, 3)
+    assert_same(got, want)
+    with cluster(hosts=2, n_gpu=1, steps=1, blas_threads=3) as t:
+        assert t.host_blas_threads() == [3, 3]
+    hosts = [{"cpu": True, "node_id": "a", "cores": 8}, {"cpu": True, "node_id": "b", "cores": 4},
+             {"cpu": True, "node_id": "a", "cores": 8}, {"cpu": False, "node_id": "a", "cores": 8},
+             {"cpu": True, "node_id": "c", "cores": 2}, {"cpu": True, "node_id": "c", "cores": 2},
+             {"cpu": True, "node_id": "c", "cores": 2}]
+    assert core_shares(hosts) == [4, 0, 4, 0, 1, 1, 1]  # 0: every core (alone, or a GPU host)
+
+
 def buffered_model():
     """An MLP after a layer with a buffer that every forward pass moves (made here: Ray ships it by value)."""
 
@@ -109,7 +138,15 @@ def test_async_converges_and_reports_staleness(local_ray, tmp_path, capsys):
     assert result["staleness_max"] >= 1 and 0 < result["staleness_mean"] <= result["staleness_max"]
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("done: 300 steps") and "gradient staleness mean" in last
+    # What ran: both hosts' towers (an update is one of them), the server applying one host's gradient each; no
+    # all-reduce (it said "on 1 tower ... 1.00 all-reduces/step").
+    assert " on 2 towers (2 hosts x 1 tower: cpu | cpu;" in last, last
+    assert "async sync, 1.00 host gradients/update to the parameter server;" in last and "all-reduce" not in last
     assert checkpoint.list_checkpoints(str(tmp_path))[0][0] == 300
+    with cluster(hosts=2, n_gpu=1, sync="ps", steps=4, logdir=str(tmp_path / "ps")) as t:
+        t.fit()  # every update is the mean of both hosts' gradients
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert " on 2 towers (2 hosts x 1 tower: cpu | cpu)" in last and "ps sync, 2.00 host gradients/update" in last
 
 
 def test_killed_host_stops_run_and_resume_continues(local_ray, tmp_path):

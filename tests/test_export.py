@@ -181,7 +181,8 @@ def test_keras_loads_the_towers_layout(tmp_path, capsys, runs, digits):
                             keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
     net.layers[1].set_weights([w["layer1/weights"], w["layer1/biases"]])
     net.layers[2].set_weights([w["layer2/weights"], w["layer2/biases"]])
-    logits = np.asarray(net(digits["x_test"] * np.float32(1 / 255)))
+    # convert_to_numpy: under KERAS_BACKEND=torch the output is a tensor that requires grad (np.asarray refuses it)
+    logits = keras.ops.convert_to_numpy(net(digits["x_test"] * np.float32(1 / 255)))
     np.testing.assert_allclose(logits, towers_reference(runs["mlp"], digits, True)[0], rtol=1e-4, atol=1e-5)
 
 

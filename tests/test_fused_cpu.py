@@ -247,6 +247,42 @@ def test_without_a_writable_cache_the_kernels_are_compiled_each_run(monkeypatch,
     numpy.testing.assert_allclose(shift + off, x.mean(axis=0), rtol=1e-6)
 
 
+def test_a_damaged_cache_is_compiled_again_with_a_notice(monkeypatch, tmp_path, notices):
+    """A kernel's cached index or data file damaged on disk (numba raised UnpicklingError at the kernel's first
+    call in every run until the folder was deleted): the kernel is compiled again, a notice names the folder,
+    and the next process loads the rewritten cache without one."""
+    import numba.core.config
+
+    monkeypatch.setattr(numba.core.config, "CACHE_DIR", str(tmp_path))  # NUMBA_CACHE_DIR, for this test
+
+    def fresh_kernels():
+        """What a new process gets: new dispatchers, which read the disk cache at their first call."""
+        monkeypatch.setattr(fused_cpu, "_COMPILED", [])
+        monkeypatch.setattr(fused_cpu, "_DAMAGED", set(), raising=False)  # a notice a folder and process
+        kernels = fused_cpu.load("numba")
+        a, b = numpy.arange(6, dtype=numpy.float32), numpy.ones(6, numpy.float32)
+        kernels.mean2(a, b, numpy.float32(0.5))
+        g = numpy.ones(6, numpy.float32)
+        kernels.add_scaled(g, numpy.ones(6, numpy.float32), numpy.float32(2))
+        numpy.testing.assert_array_equal(a, (numpy.arange(6, dtype=numpy.float32) + 1) * numpy.float32(0.5))
+        numpy.testing.assert_array_equal(g, numpy.full(6, 3, numpy.float32))
+
+    fresh_kernels()  # compiled and cached
+    files = {f.name: f for f in tmp_path.rglob("*") if f.is_file()}
+    index = next(f for name, f in files.items() if ".mean2-" in name and name.endswith(".nbi"))
+    data = next(f for name, f in files.items() if ".add_scaled-" in name and name.endswith(".nbc"))
+    assert not notices
+    index.write_bytes(b"garbage")  # numba: UnpicklingError
+    data.write_bytes(data.read_bytes()[:40])  # cut short
+    fresh_kernels()
+    said = [m for m in notices if "numba's cache in" in m]
+    assert len(said) == 1 and f"cache in {index.parent} does not load" in said[0], notices
+    assert "compiling the kernels again" in said[0]
+    notices.clear()
+    fresh_kernels()  # the rewritten cache loads
+    assert not notices
+
+
 def test_a_resume_notes_a_change_of_the_kernels_that_ran(tmp_path, notices):
     """The checkpoint records what ran batch norm (numba or numpy), not the setting: auto is either."""
     import towers

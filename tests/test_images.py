@@ -300,6 +300,114 @@ def test_an_image_that_does_not_decode_mid_run_stops_or_is_skipped(tmp_path):
         ds.close()
 
 
+def _pngsuite_corrupt():
+    """PngSuite's 14 corrupt files (``x*.png``), remade from valid PNGs that Pillow writes (PngSuite itself is not
+    on this machine, and no package on PyPI ships it), name -> bytes.  Each reproduces the damage PngSuite's list
+    gives its file, on an image of the same kind (grey 1, 4 or 8 bits, RGB 8 bits; 32 x 32, noise):
+
+    - ``xs1n0g01``: signature byte 1's high bit reset (0x89 -> 0x09); ``xs2n0g01``: signature byte 2 a 'Q' (not
+      'P'); ``xs4n0g01``: signature byte 4 lower case ('g'); ``xs7n0g01``: signature byte 7 a space, not ^Z;
+    - ``xcrn0g04``: CR bytes added (a text-mode copy: every LF became CR LF); ``xlfn0g04``: LF bytes added (every
+      CR became CR LF);
+    - ``xhdn0g08``: the IHDR's checksum wrong;
+    - ``xc1n0g08``: colour type 1; ``xc9n2c08``: colour type 9 (IHDR's CRC made to match: only the field is bad);
+    - ``xd0n2c08``, ``xd3n2c08``, ``xd9n2c08``: bit depth 0, 3 and 99 (CRC matching);
+    - ``xdtn0g01``: no IDAT chunk (the pixel data left out);
+    - ``xcsn0g01``: the IDAT's checksum wrong.
+    """
+    import io
+    import zlib
+
+    from PIL import Image
+
+    noise = np.random.default_rng(5).integers(0, 256, (32, 32, 3), np.uint8)
+
+    def png(mode, **options):
+        out = io.BytesIO()
+        Image.fromarray(noise).convert(mode).save(out, "PNG", **options)
+        return out.getvalue()
+
+    def chunks(data):  # (offset, type, data length) of each chunk
+        at = 8
+        while at < len(data):
+            n = int.from_bytes(data[at:at + 4], "big")
+            yield at, data[at + 4:at + 8], n
+            at += 12 + n
+
+    def byte(data, at, value):
+        out = bytearray(data)
+        out[at] = value
+        return bytes(out)
+
+    def ihdr_field(data, field, value):  # IHDR's data begins at 16; its CRC (at 29) recomputed
+        out = bytearray(byte(data, 16 + field, value))
+        out[29:33] = zlib.crc32(bytes(out[12:29])).to_bytes(4, "big")
+        return bytes(out)
+
+    g01, g04, g08, c08 = png("1"), png("L", bits=4), png("L"), png("RGB")
+    assert (g01[24:26], g04[24:26], g08[24:26], c08[24:26]) == (b"\x01\x00", b"\x04\x00", b"\x08\x00", b"\x08\x02")
+    at, _, n = next(c for c in chunks(g01) if c[1] == b"IDAT")
+    return {
+        "xs1n0g01": byte(g01, 0, 0x09), "xs2n0g01": byte(g01, 1, ord("Q")), "xs4n0g01": byte(g01, 3, ord("g")),
+        "xs7n0g01": byte(g01, 6, 0x20),
+        "xcrn0g04": g04.replace(b"\n", b"\r\n"), "xlfn0g04": g04.replace(b"\r", b"\r\n"),
+        "xhdn0g08": byte(g08, 29, g08[29] ^ 0x01),
+        "xc1n0g08": ihdr_field(g08, 9, 1), "xc9n2c08": ihdr_field(c08, 9, 9),
+        "xd0n2c08": ihdr_field(c08, 8, 0), "xd3n2c08": ihdr_field(c08, 8, 3), "xd9n2c08": ihdr_field(c08, 8, 99),
+        "xdtn0g01": g01[:8] + b"".join(g01[a:a + 12 + k] for a, t, k in chunks(g01) if t != b"IDAT"),
+        "xcsn0g01": byte(g01, at + 8 + n, g01[at + 8 + n] ^ 0x01),
+    }
+
+
+def test_pngsuite_corrupt_files_are_each_one_undecodable_image_line(tmp_path, capsys):
+    """Each of PngSuite's corrupt files is an ImageError (xdtn0g01, without IDAT, was an IndexError traceback from
+    Pillow's verify); the converter stops at it with one line, and training stops or skips and counts it."""
+    from towers.tfrecord_to_npz import main as tfrecord_to_npz
+
+    corrupt = _pngsuite_corrupt()
+    assert len(corrupt) == 14
+    for name, data in corrupt.items():
+        for channels in (1, 3):
+            with pytest.raises(codec.ImageError):
+                codec.decode(data, channels)
+        if name in ("xdtn0g01", "xcsn0g01"):  # whole headers (an image folder reads them first); damaged pixels
+            assert codec.size(data) == (32, 32, 1)
+        else:
+            with pytest.raises(codec.ImageError):
+                codec.size(data)
+    assert "no IDAT" in str(pytest.raises(codec.ImageError, codec.decode, corrupt["xdtn0g01"], 3).value)
+    assert "bit depth 3, colour type 2" in str(pytest.raises(codec.ImageError, codec.decode, corrupt["xd3n2c08"], 3).value)
+
+    good = codec.encode(np.full((32, 32, 3), 90, np.uint8), "png")
+    for name, data in corrupt.items():  # the converter, as the issue ran it: one line, exit 1, no output
+        path = tmp_path / f"{name}.tfrecords"
+        with open(path, "wb") as f, TFRecordWriter(f, "none") as w:
+            for image in (good, data, good):
+                w.write(example(image, 0, (32, 32, 3)))
+        out = tmp_path / f"{name}.npz"
+        assert tfrecord_to_npz([str(path), "-o", str(out), "--decode", "image/encoded:image:32,32,3",
+                                "--input-workers", "0"]) == 1, name
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "record 1: feature 'image/encoded' is not a decodable image" in \
+            err.strip().splitlines()[-1], (name, err)
+        assert not out.exists() and sorted(os.listdir(tmp_path)) == sorted(
+            p.name for p in tmp_path.glob("*.tfrecords*"))
+
+    path = tmp_path / "all.tfrecords"  # training: every corrupt file stops the run, or is skipped and counted
+    with open(path, "wb") as f, TFRecordWriter(f, "none") as w:
+        for data in corrupt.values():
+            w.write(example(data, 0, (32, 32, 3)))
+            w.write(example(good, 0, (32, 32, 3)))
+    args = (str(path), "image/encoded", "image/class/label")
+    with pytest.raises(TrainingError, match="record 0 at byte offset 0: feature 'image/encoded': not a decodable"):
+        load_dataset(*args, decode="image/encoded:image:32,32,3", workers=0).x[0:28]
+    ds = load_dataset(*args, decode="image/encoded:image:32,32,3", workers=0, on_error="skip")
+    try:
+        assert ds.x[0:28].shape == (28, 32, 32, 3) and ds.x.skipped == 14
+    finally:
+        ds.close()
+
+
 def test_a_damaged_record_or_a_dead_worker_mid_run_is_one_line(tmp_path):
     import multiprocessing
 

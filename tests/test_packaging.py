@@ -1,5 +1,8 @@
 """pyproject.toml installs every subpackage and the embedded data (checked without building)."""
+import sys
 import tomllib
+
+import pytest
 
 from conftest import REPO
 
@@ -38,6 +41,34 @@ def test_the_tools_users_run_are_installed_as_console_scripts():
         module, _, fn = scripts[script].partition(":")
         assert module.rpartition(".")[0] in packages, f"{module} is not in an installed package"
         assert getattr(importlib.import_module(f"tools.{tool}"), "main") is getattr(importlib.import_module(module), fn)
+
+
+# runpy runs each module as __main__ again, after the import above: its warning says so, and --help only parses.
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")
+def test_each_command_names_itself_in_its_usage_line(monkeypatch, capsys):
+    """``--help`` of an installed console script, of ``python -m towers.X`` and of ``python -m tools.X``: the usage
+    line names the command that ran (the installed npz and image converters printed ``python -m tools....``)."""
+    import importlib
+    import runpy
+
+    def usage(call, argv0):
+        monkeypatch.setattr(sys, "argv", [argv0, "--help"])
+        with pytest.raises(SystemExit) as done:
+            call()
+        assert done.value.code == 0
+        return capsys.readouterr().out.splitlines()[0]
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    for script, target in scripts.items():
+        module, _, fn = target.partition(":")
+        # What the console script pip writes does: sys.argv[0] its own path, then sys.exit(main()).
+        entry = getattr(importlib.import_module(module), fn)
+        assert usage(entry, f"/usr/local/bin/{script}").startswith(f"usage: {script} "), script
+        assert usage(lambda: runpy.run_module(module, run_name="__main__"), module).startswith(
+            f"usage: python -m {module} "), module
+    for tool in USER_TOOLS:
+        assert usage(lambda: runpy.run_module(f"tools.{tool}", run_name="__main__"), tool).startswith(
+            f"usage: python -m tools.{tool} "), tool
 
 
 def test_command_lines_sit_beside_train_and_the_library_imports_none():

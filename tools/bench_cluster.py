@@ -8,9 +8,10 @@ gradient buffer between two actors; and, when ``mpi4py`` is installed (``pip
 install mpi4py mpich``; a reference, not a dependency), MPI's ``Allreduce``
 on the same buffer between two processes.
 
-Hosts on one machine share its cores: ``--blas-threads`` (default: cores /
-hosts) gives each host its share, as 1 host x 2 towers gives each tower
-thread one BLAS thread.
+Hosts on one machine share its cores: by default (``--blas-threads 0``,
+towers' own default) each host's BLAS gets its share, cores / hosts, as 1 host
+x 2 towers gives each tower thread one BLAS thread; each row says how many
+BLAS threads its hosts ran.  ``--blas-threads N`` sets every host's.
 
     python tools/bench_cluster.py [--data ../shared/datasets/mnist24k.npz] [--steps 150]
 """
@@ -49,7 +50,8 @@ def timed_one_host(cfg: towers.Config, steps: int) -> float:
 
 
 def timed_cluster(cfg: towers.Config, steps: int):
-    """(samples/s, cross-host ms per step or NaN) of ``run_steps``: hosts draw their own batches."""
+    """(samples/s, cross-host ms per step or NaN, each host's BLAS threads) of ``run_steps``: hosts draw their own
+    batches."""
     with towers.ClusterTrainer(cfg) as t:
         t.run_steps(WARMUP)
         before = t.cross_host_seconds()
@@ -58,7 +60,7 @@ def timed_cluster(cfg: towers.Config, steps: int):
         rate = steps * t.global_batch / (time.perf_counter() - t0)
         after = t.cross_host_seconds()
         cross = max(a[0] - b[0] for a, b in zip(after, before)) if cfg.sync in ("grads", "weights") else numpy.nan
-        return rate, 1e3 * cross / steps
+        return rate, 1e3 * cross / steps, t.host_blas_threads()
 
 
 class MeanActor:
@@ -136,7 +138,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=towers.Config().data)
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--blas-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    ap.add_argument("--blas-threads", type=int, default=0,
+                    help="every host's BLAS threads (default 0: towers' own, each host's share of the cores)")
     args = ap.parse_args()
     import ray
 
@@ -146,8 +149,9 @@ def main() -> None:
     print(f"{'1 host x 2 towers':28s} {one:10.0f} samples/s  1.00")
     hosts = dict(hosts=2, n_gpu=1, blas_threads=args.blas_threads, **base)
     for sync, extra in (("grads", {}), ("weights", {"average_every": 10}), ("ps", {}), ("async", {})):
-        rate, cross = timed_cluster(towers.Config(sync=sync, **hosts, **extra), args.steps)
-        note = f"  cross-host mean {cross:.3f} ms/step" if cross == cross else ""
+        rate, cross, blas = timed_cluster(towers.Config(sync=sync, **hosts, **extra), args.steps)
+        note = f"  BLAS threads {'+'.join(map(str, blas))}"
+        note += f"  cross-host mean {cross:.3f} ms/step" if cross == cross else ""
         print(f"{'2 hosts x 1 tower, ' + sync:28s} {rate:10.0f} samples/s  {rate / one:.2f}{note}", flush=True)
     with towers.Trainer(towers.Config(**base)) as t:
         n = t.model.size

@@ -8,4 +8,4 @@ import sys
 from towers.images_to_tfrecord import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m tools.images_to_tfrecord"))

@@ -7,4 +7,4 @@ import sys
 from towers.npz_to_tfrecord import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m tools.npz_to_tfrecord"))

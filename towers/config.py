@@ -235,7 +235,8 @@ class Config:
         "after another)", group="performance", check=Choice(("threads", "serial")), resume=SILENT, type="str",
         metavar="MODE")
     blas_threads: int = setting(
-        0, "BLAS threads of the process (0: auto, one per concurrent CPU tower, else every core)",
+        0, "BLAS threads of the process (0: auto, one per concurrent CPU tower, else every core; a host of "
+        "--hosts shares its machine's cores with the other CPU hosts there)",
         group="performance", check=Integer(0), resume=SILENT, type="int", metavar="N")
     profile: bool = switch("print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase; see "
         "Performance)", group="performance", resume=SILENT)

@@ -36,9 +36,8 @@ MAX_INTERVAL = 86400  # seconds between --watch polls; a longer wait is a typo, 
 NAME = "towers.eval"  # in its error lines (the README's)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="python -m towers.eval", name=NAME,
-                description="Loss and accuracy of a towers checkpoint on test data.")
+def build_parser(prog: str = "python -m towers.eval") -> argparse.ArgumentParser:
+    ap = Parser(prog=prog, name=NAME, description="Loss and accuracy of a towers checkpoint on test data.")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--logdir", help="evaluate the latest valid checkpoint of this run")
     src.add_argument("--checkpoint", metavar="PATH",
@@ -190,8 +189,10 @@ def _run(args, ev: "Evaluator") -> None:
         time.sleep(args.interval)
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "towers-eval") -> int:
+    """The command line (``towers-eval``, ``python -m towers.eval``: ``prog``, the command its usage line names);
+    returns the exit status."""
+    args = build_parser(prog).parse_args(argv)
     show_notices()  # the loader's notices (an index being built, records skipped)
 
     def body():
@@ -209,4 +210,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m towers.eval"))

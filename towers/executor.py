@@ -61,9 +61,20 @@ class Executor(abc.ABC):
         return self.n_towers * self.cfg.batch_size * self.cfg.accumulate
 
     @property
+    def running_towers(self) -> int:
+        """Towers that run steps, for the summary line: ``n_towers``, but every host's where an update is one
+        host's (async)."""
+        return self.n_towers
+
+    @property
     @abc.abstractmethod
     def all_reduces(self) -> int:
-        """Collectives issued so far, for the communication figure of the summary line."""
+        """Collectives issued so far."""
+
+    def communication(self) -> tuple[int, str]:
+        """(count so far, what it counts per step) for the communication figure of the summary line: the
+        collectives, ``all-reduces/step``, unless the run communicates otherwise (a parameter server)."""
+        return self.all_reduces, "all-reduces/step"
 
     @abc.abstractmethod
     def towers_text(self) -> str:

@@ -169,7 +169,7 @@ class Run:
         self.trainer, self.logdir = trainer, logdir
         cfg = trainer.cfg
         self.last_step, self.start_step = cfg.steps, trainer.step  # start_step: set again after a resume
-        self.start_all_reduces = trainer.all_reduces
+        self.start_exchanges = trainer.executor.communication()[0]
         self.extensions = list(extensions)
         self.loss: float | None = None
         self.batch = None  # the host examples of the current step
@@ -203,7 +203,7 @@ class Run:
                 with writing(classes):
                     atomic_write_text(classes, "".join(f"{name}\n" for name in trainer.dataset.class_names))
             # The figures of this run (steps, examples/sec, all-reduces/step) count from here.
-            run.start_step, run.start_all_reduces = trainer.step, trainer.all_reduces
+            run.start_step, run.start_exchanges = trainer.step, trainer.executor.communication()[0]
             run._step = trainer.step
             if cfg.resume or trainer.step:
                 trim_metrics(logdir, trainer.step)  # the steps after the checkpoint are redone
@@ -325,11 +325,13 @@ class Run:
         self.reporter.record(**result)
         scaling_text = ("" if math.isnan(efficiency) else
                    f", scaling efficiency {efficiency:.2f} (1 tower: {rate_1:.1f} examples/sec)")
+        exchanges, per_step = t.executor.communication()
+        towers = t.executor.running_towers
         self.reporter.say(
             f"done: {t.step - self.start_step} steps (to step {t.step}) in {elapsed:.1f} s, "
-            f"{rate:.1f} examples/sec on {t.n_towers} tower{'s' if t.n_towers > 1 else ''} "
+            f"{rate:.1f} examples/sec on {towers} tower{'s' if towers > 1 else ''} "
             f"({t.towers_text()}), {cfg.sync} sync, "
-            f"{(t.all_reduces - self.start_all_reduces) / max(t.step - self.start_step, 1):.2f} all-reduces/step"
+            f"{(exchanges - self.start_exchanges) / max(t.step - self.start_step, 1):.2f} {per_step}"
             f"{scaling_text}; wrote {final}")
         self.reporter.close()  # a failed last flush is an error here, on the way out it is not
         self.tensorboard.close()

@@ -22,8 +22,8 @@ from towers.data.image.to_tfrecord import convert
 PROG = "images_to_tfrecord"
 
 
-def main(argv=None, prog="python -m tools.images_to_tfrecord"):
-    """The command line; returns the exit status."""
+def main(argv=None, prog="towers-images-to-tfrecord"):
+    """The command line (``towers-images-to-tfrecord``, ``python -m tools.images_to_tfrecord``: ``prog``, the command its usage line names); returns the exit status."""
     p = Parser(prog=prog, name=PROG, description="Write an npz or an image folder as TFRecord shards in TensorFlow's "
                                       "ImageNet layout.")
     p.add_argument("input", metavar="IN", help="an npz (x, y) or an image folder DIR/<class>/*.jpg|jpeg|png")

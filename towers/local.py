@@ -49,12 +49,16 @@ class Share:
     ``first_tower``: its first tower among every host's (dropout masks and
     batch rows are per global tower); ``draw_towers``: the towers of each
     global batch drawn from the shuffle; ``update_towers``: the towers behind
-    one update (async: one host's), which the schedule and the checkpoint count.
+    one update (async: one host's), which the schedule and the checkpoint count;
+    ``cores``: the cores of its machine that are its own, which its BLAS
+    threads are sized from (0: every core it may run on; a CPU host that shares
+    its machine with others gets its share, ``towers.cluster.driver.core_shares``).
     """
 
     first_tower: int
     draw_towers: int
     update_towers: int
+    cores: int = 0
 
 
 class Rows:
@@ -142,12 +146,14 @@ class LocalExecutor(Executor):
         self.reducer = reducer
         # CPU towers: concurrent threads with 1 BLAS thread each (or serial with
         # all cores in BLAS); see towers.devices.cpu_threads for why.  Threads
-        # need a reducer that splits (not NCCL, not across hosts).
+        # need a reducer that splits (not NCCL, not across hosts).  "All cores"
+        # are this process's share of its machine's (a cluster host's, Share).
         n = len(devices)
         threads = False
         if not any(d.is_gpu for d in devices):
             threads = n > 1 and cfg.cpu_towers == "threads" and reducer.splittable
-            self.blas_threads = cfg.blas_threads or (max(1, cpu_count() // n) if threads else cpu_count())
+            cores = self.share.cores or cpu_count()
+            self.blas_threads = cfg.blas_threads or (max(1, cores // n) if threads else cores)
             self._blas = set_blas_threads(self.blas_threads)
         self.schedule = make_schedule(cfg, len(self.dataset.x), self.examples_per_step)
         keeper = (PeriodicAveraging(reducer, self.timer, self.ema, cfg.average_every) if weights_mode

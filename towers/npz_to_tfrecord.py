@@ -18,11 +18,10 @@ from towers.data.tfrecord.from_npz import LayoutError, NpzError, write
 PROG = "npz_to_tfrecord"
 
 
-def main(argv=None, prog="python -m tools.npz_to_tfrecord"):
-    """The command line; returns the exit status."""
-    p = Parser(prog=prog, name=PROG,
-               description="Write tf.train.Example (or SequenceExample) records from an npz in the "
-                           "converter's layout.")
+def main(argv=None, prog="towers-npz-to-tfrecord"):
+    """The command line (``towers-npz-to-tfrecord``, ``python -m tools.npz_to_tfrecord``: ``prog``, the command its usage line names); returns the exit status."""
+    p = Parser(prog=prog, name=PROG, description="Write tf.train.Example (or SequenceExample) records from an npz in the "
+                                                 "converter's layout.")
     p.add_argument("input", metavar="IN.npz")
     p.add_argument("-o", "--output", required=True, metavar="OUT.tfrecords")
     p.add_argument("--compression", choices=("none", "gzip", "zlib"), default="none")

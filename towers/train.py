@@ -46,8 +46,8 @@ def build_parser(prog: str = "python -m towers.train") -> argparse.ArgumentParse
     return ap
 
 
-def parse_config(argv=None) -> Config:
-    return Config(**vars(build_parser().parse_args(argv)))
+def parse_config(argv=None, prog: str = "python -m towers.train") -> Config:
+    return Config(**vars(build_parser(prog).parse_args(argv)))
 
 
 def run(cfg: Config) -> dict:
@@ -60,13 +60,15 @@ def run(cfg: Config) -> dict:
         return trainer.fit()
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "towers-train") -> int:
+    """The command line (``towers-train``, ``python -m towers.train``: ``prog``, the command its usage line names);
+    returns the exit status."""
     with flags_in_messages():
-        return _main(argv)
+        return _main(argv, prog)
 
 
-def _main(argv) -> int:
-    cfg = parse_config(argv)
+def _main(argv, prog) -> int:
+    cfg = parse_config(argv, prog)
     def body():
         with sigterm_raises():  # SIGTERM ends the run like Ctrl-C: writers clean up, one line, status 143
             run(cfg)
@@ -75,4 +77,4 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m towers.train"))

@@ -28,7 +28,8 @@ The outputs are one host's: ``Run`` writes the same log lines, progress bar,
 show comes from the same schedule.  A host or server that dies aborts the
 shared boards (so the others stop waiting), and the run stops with one line
 naming it (``TrainingError``); the last checkpoint stays and ``resume``
-continues from it.
+continues from it.  An actor that cannot start (an import or its ``__init__``
+failing on its node) is named with its exception's own message instead.
 """
 from __future__ import annotations
 
@@ -49,26 +50,26 @@ POLL_S = 0.2
 DEATH_WAIT_S = 5.0  # after a failure: how long the other hosts' errors may take to show which host died
 
 
-def shared_cores_notice(host_info: list[dict], blas_threads: int) -> str | None:
-    """A line when CPU hosts share a machine and each one's BLAS takes every core (``blas_threads`` 0).
+def core_shares(host_info: list[dict]) -> list[int]:
+    """Each host's share of its machine's cores (0: all of them), from the hosts' ``describe()``.
 
-    Each host then sizes its BLAS as one host alone would (so results match a
-    one-host run bit for bit) and the hosts oversubscribe the cores; their
-    share is ``--blas-threads cores / hosts`` (about 15x faster for 2 hosts on
-    2 cores, README's Several hosts).  Not changed by default: the thread count
-    changes float summation order, so the weights would differ by rounding.
+    CPU hosts on one machine split its cores (at least one each): each host's
+    BLAS is sized from its share (``towers.local.Share``), as one host's towers
+    split them, instead of every host taking them all, which on 2 cores made 2
+    hosts x 1 tower run at 0.16x of 1 host x 2 towers (each sgemm's threads
+    spinning against the other host's).  A host alone on its machine, and GPU
+    hosts, keep every core.  OpenBLAS sums some products in another order with
+    another thread count (the MNIST MLP's 784 x 500 layer, LeNet-5's; not the
+    digits MLP's), so such a run's weights move by rounding from the releases
+    before, and now equal 1 host x N towers' bit for bit (one BLAS thread a
+    tower on either; README's Several hosts).
     """
-    if blas_threads:
-        return None
-    crowd = {}
+    crowd: dict = {}
     for info in host_info:
         if info["cpu"]:
-            crowd.setdefault(info["node_id"], []).append(info["cores"])
-    k, cores = max(((len(c), c[0]) for c in crowd.values()), default=(0, 0))
-    if k < 2:
-        return None
-    return (f"{k} hosts share one machine's {cores} cores and each host's BLAS uses all of them: "
-            f"`blas_threads` {max(1, cores // k)} gives each host its share and runs several times faster")
+            crowd[info["node_id"]] = crowd.get(info["node_id"], 0) + 1
+    return [max(1, info["cores"] // crowd[info["node_id"]]) if info["cpu"] and crowd[info["node_id"]] > 1 else 0
+            for info in host_info]
 
 
 class ClusterExecutor(Executor):
@@ -85,7 +86,7 @@ class ClusterExecutor(Executor):
         self._ray = self._hosts = self._ps = self._exchange = None
         self._boards, self._owned, self._closed = [], False, False
         self.cfg, self.model = cfg, model
-        self._step, self._applied, self._stale = 0, 0, [0, 0, 0]
+        self._step, self._applied, self._stale, self._gradients = 0, 0, [0, 0, 0], 0
         try:
             self._ray, self._owned = session.connect(cfg.ray_address, cfg.ray_logs, cfg.hosts)
             self._start(model_arg, dataset, getattr(nccl, "__name__", nccl))
@@ -105,7 +106,8 @@ class ClusterExecutor(Executor):
         towers = cfg.n_gpu or (len(cfg.devices.split(",")) if cfg.devices and cfg.devices != "cpu" else 1)
         gpus = session.gpus_per_host(ray, n, towers, cfg.devices, cfg.soft_placement)
         host_cfg = cfg if gpus else _replace(cfg, devices="cpu", n_gpu=towers)
-        opts = {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0}
+        env = session.actor_env(ray, self._owned)
+        opts = {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0, "runtime_env": env}
         group = session.spread(ray, n, gpus) if cfg.ray_address is not None else None
         actor = ray.remote(Host)
         self._hosts = []
@@ -119,9 +121,8 @@ class ClusterExecutor(Executor):
         notice = self.host_info[0]["notice"]
         if gpus == 0 and int(ray.cluster_resources().get("GPU", 0)) and cfg.devices != "cpu":
             notice = f"{n} hosts x {towers} GPUs asked for, the Ray cluster has fewer GPUs: hosts run on the CPU"
-        for line in (notice, shared_cores_notice(self.host_info, cfg.blas_threads)):
-            if line:  # the same notices one host gives, through the same logger
-                say_notice(line)
+        if notice:  # the same notice one host gives, through the same logger
+            say_notice(notice)
         self.towers_per_host = [i["towers"] for i in self.host_info]
         here = ray.get_runtime_context().get_node_id()
         one_node = all(i["node_id"] == here for i in self.host_info)
@@ -135,17 +136,18 @@ class ClusterExecutor(Executor):
             elif one_node:
                 board = self._board(*mean_board(n, size))
             else:
-                self._exchange = exchange = ray.remote(Exchange).options(num_cpus=0).remote(n)
+                self._exchange = exchange = ray.remote(Exchange).options(num_cpus=0, runtime_env=env).remote(n)
         else:
             if not one_node:
                 raise UserError(f"`sync` {cfg.sync} needs every host on the driver's node (the server's board is "
                                 "shared memory); use `sync` grads or weights across nodes")
             board = self._board(*ps_board(n, self.model.size, self.model.buffer_size, max(self.towers_per_host)))
-            self._ps = ray.remote(ParameterServer).options(num_cpus=0, max_restarts=0).remote(
+            self._ps = ray.remote(ParameterServer).options(num_cpus=0, max_restarts=0, runtime_env=env).remote(
                 self._trainer_class, cfg, model, data, board, self.towers_per_host, os.getpriority(os.PRIO_PROCESS, 0))
         # All at once: NCCL communicators are made only when every rank has joined.
-        refs = [(a.build.remote(self._trainer_class, model, data, self.towers_per_host, world[h], board, exchange), h)
-                for h, a in enumerate(self._hosts)]
+        cores = core_shares(self.host_info)
+        refs = [(a.build.remote(self._trainer_class, model, data, self.towers_per_host, world[h], board, exchange,
+                                cores[h]), h) for h, a in enumerate(self._hosts)]
         if self._ps is not None:
             refs.append((self._ps.__ray_ready__.remote(), None))
         self._wait(refs)
@@ -166,11 +168,21 @@ class ClusterExecutor(Executor):
         return towers_per_update(self.cfg, self.towers_per_host)
 
     @property
+    def running_towers(self) -> int:
+        """Every host's towers (with async an update is one host's, ``n_towers``, but all of them run)."""
+        return sum(self.towers_per_host)
+
+    @property
     def all_reduces(self) -> int:
-        """Host 0's collectives (grads, weights); one exchange per update with a server."""
-        if self._ps is not None:
-            return self.step
+        """Host 0's collectives (with a server: only among its own towers)."""
         return self._wait([(self._hosts[0].counters.remote(), 0)])[0]["all_reduces"]
+
+    def communication(self) -> tuple[int, str]:
+        """With a parameter server, the hosts' gradients it applied (ps: every host's per update, async: one),
+        not collectives, which no host runs across hosts; else the collectives."""
+        if self._ps is not None:
+            return self._gradients, "host gradients/update to the parameter server"
+        return super().communication()
 
     def towers_text(self) -> str:
         hosts = " | ".join(", ".join(i["devices"]) for i in self.host_info)
@@ -223,7 +235,7 @@ class ClusterExecutor(Executor):
                     errors.append((other, h))
         for err, _ in errors:
             if isinstance(err, ray.exceptions.RayActorError):
-                line = self._dead(getattr(err, "actor_id", None))
+                line = self._dead(err)
                 if line:
                     return TrainingError(line)
         causes = [(getattr(err, "cause", None), h) for err, h in errors]
@@ -239,16 +251,24 @@ class ClusterExecutor(Executor):
         first = (strip_ansi(str(e)).strip().splitlines() or [type(e).__name__])[0]
         return TrainingError(f"the Ray cluster failed at step {self.step}: {first}")
 
-    def _dead(self, actor_id) -> str | None:
-        keep = "its last checkpoint is kept, rerun with `resume` to continue from it"
+    def _dead(self, err) -> str | None:
+        """The line for an actor of this run that ``err`` (a ``RayActorError``) says died, or could not start:
+        then its own exception, which Ray gives only as the text of the creation task's traceback (an import
+        that fails on the node, an error in its ``__init__``): a failure to start has no checkpoint to keep."""
+        actor_id = getattr(err, "actor_id", None)
+        who = None
         for h, a in enumerate(self._hosts or []):
             if actor_id is not None and a._actor_id.hex() == actor_id:  # noqa: SLF001 - Ray's only id
                 info = self.host_info[h] if getattr(self, "host_info", None) else {}
-                where = f" ({info['node']}, pid {info['pid']})" if info else ""
-                return f"host {h}{where} died at step {self.step}: run stopped; {keep}"
+                who = f"host {h}" + (f" ({info['node']}, pid {info['pid']})" if info else "")
         if self._ps is not None and actor_id is not None and self._ps._actor_id.hex() == actor_id:  # noqa: SLF001
-            return f"the parameter server died at step {self.step}: run stopped; {keep}"
-        return None
+            who = "the parameter server"
+        if who is None:
+            return None
+        if getattr(err, "actor_init_failed", False):
+            return f"{who} could not start: {raised(strip_ansi(str(err)))}"
+        keep = "its last checkpoint is kept, rerun with `resume` to continue from it"
+        return f"{who} died at step {self.step}: run stopped; {keep}"
 
     def _all(self, method: str, *args):
         """``Trainer.method(*args)`` on every host (and the server), together; their results."""
@@ -273,7 +293,7 @@ class ClusterExecutor(Executor):
             self._applied += n
             refs = [(a.run_steps.remote(n, want_loss, self._applied), h) for h, a in enumerate(self._hosts)]
             outs = self._wait([(self._ps.serve.remote(n), None)] + refs)
-            self._stale = outs[0]["stale"]
+            self._stale, self._gradients = outs[0]["stale"], outs[0]["gradients"]
             if self.cfg.sync == "ps":
                 losses = [v for per_host in outs[1:] for v in per_host] if want_loss else None
             else:
@@ -348,6 +368,10 @@ class ClusterExecutor(Executor):
         return [(c["cross_seconds"], c["cross_calls"]) for c in
                 self._wait([(a.counters.remote(), h) for h, a in enumerate(self._hosts)])]
 
+    def host_blas_threads(self) -> list[int | None]:
+        """Each host's BLAS threads (None: a GPU host, which sets none)."""
+        return [c["blas_threads"] for c in self._wait([(a.counters.remote(), h) for h, a in enumerate(self._hosts)])]
+
     def host_pids(self) -> list[int]:
         return [i["pid"] for i in self.host_info]
 
@@ -372,6 +396,19 @@ class ClusterExecutor(Executor):
             for b in self._boards:
                 b.close()
             self._boards, self._hosts, self._ps, self._exchange, self._ray = [], [], None, None, None
+
+
+def raised(traceback_text: str) -> str:
+    """The exception at the end of a Python traceback's text, on one line (``ModuleNotFoundError: No module
+    named 'towers'``): from its last line that starts with an exception's name, the text after it joined."""
+    import re
+
+    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+    starts = [k for k, line in enumerate(lines) if re.match(r"[A-Za-z_][\w.]*: ", line)]
+    if not starts:
+        return lines[-1].strip() if lines else "no reason given"
+    name, _, message = " ".join(line.strip() for line in lines[starts[-1]:]).partition(": ")
+    return f"{name.rsplit('.', 1)[-1]}: {message}"
 
 
 def strip_ansi(text: str) -> str:

@@ -85,9 +85,9 @@ class Host(TrainerActor):
         return (self.nccl or nccl_module()).get_unique_id()
 
     def build(self, trainer_class, model, dataset, towers_per_host: list[int], world=None, board=None,
-              exchange=None) -> None:
+              exchange=None, cores: int = 0) -> None:
         """The host's ``trainer_class`` (the driver's ``Trainer``) with the cross-host reducer (or the server's
-        board) of the run's mode."""
+        board) of the run's mode; ``cores``: its share of its machine's cores (0: all of them)."""
         cfg, rank = self.cfg, self.rank
         self.towers = towers_per_host
         sync = cfg.sync if cfg.sync in ("grads", "weights") else "grads"
@@ -106,7 +106,7 @@ class Host(TrainerActor):
             def reducer(placement, streams):
                 return make_reducer(placement, streams, across=self.across)
         share = Share(first_tower=sum(towers_per_host[:rank]), draw_towers=sum(towers_per_host),
-                      update_towers=towers_per_update(cfg, towers_per_host))
+                      update_towers=towers_per_update(cfg, towers_per_host), cores=cores)
         self.trainer = trainer_class(one, model=model, dataset=dataset, reducer=reducer, placement=self.placement,
                                share=share)
 
@@ -185,7 +185,8 @@ class Host(TrainerActor):
         across = self.across
         return {"step": t.step, "all_reduces": t.all_reduces,
                 "cross_seconds": across.seconds if across is not None else 0.0,
-                "cross_calls": across.calls if across is not None else 0}
+                "cross_calls": across.calls if across is not None else 0,
+                "blas_threads": getattr(t.executor, "blas_threads", None)}
 
     def close(self) -> None:
         if self.trainer is not None:

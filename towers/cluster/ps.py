@@ -111,6 +111,7 @@ class ParameterServer(TrainerActor):
         total = sum(towers_per_host)
         self.shares = [numpy.float32(t / total) for t in towers_per_host]
         self.stale = [0, 0, 0]  # updates, sum and largest staleness (async)
+        self.gradients = 0  # hosts' gradients applied (ps: every host's per update; async: one)
         self._next = 0  # async: the host looked at first
         self.publish(bump=False)
         bufs = self.replica.buffers
@@ -133,7 +134,8 @@ class ParameterServer(TrainerActor):
             server[VERSION] += 1
 
     def serve(self, n: int) -> dict:
-        """Apply ``n`` updates (see the module docstring); the last update's losses and the staleness so far."""
+        """Apply ``n`` updates (see the module docstring); the last update's losses, the staleness and the count of
+        hosts' gradients applied so far."""
         b, push, server, hosts = self.board, self.board.cell("push"), self.server, len(self.towers)
         losses = None
         for _ in range(n):
@@ -144,6 +146,7 @@ class ParameterServer(TrainerActor):
                 for h in range(1, hosts):
                     mean += b["grads"][h] * self.shares[h]
                 self.trainer.executor.apply_gradients(mean)
+                self.gradients += hosts
                 losses = [b["losses"][h, :t].tolist() for h, t in enumerate(self.towers)]
                 self._buffers(range(hosts))
                 self.publish()
@@ -152,12 +155,13 @@ class ParameterServer(TrainerActor):
                 staleness = int(server[VERSION]) - int(b.cell("pulled")[h])
                 self.stale = [self.stale[0] + 1, self.stale[1] + staleness, max(self.stale[2], staleness)]
                 self.trainer.executor.apply_gradients(b["grads"][h])
+                self.gradients += 1
                 losses = [b["losses"][h, :self.towers[h]].tolist()]
                 self._buffers(range(hosts))
                 self.publish()
                 server[ACK + h] = push[h]
         return {"losses": [v for per_host in losses for v in per_host] if losses else None,
-                "stale": list(self.stale)}
+                "stale": list(self.stale), "gradients": self.gradients}
 
     def _arrived(self) -> int:
         """Async: a host whose pushed gradient waits, the one after the last served first (no host starves)."""

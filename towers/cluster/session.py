@@ -27,9 +27,23 @@ Nothing else of ours touches the network.
 restores the caller's, so SIGTERM and Ctrl-C end a run as on one host.  A
 local Ray instance gets a watchdog (``towers.cluster.watchdog``) that stops it
 if the driver is killed.
+
+The actors import the towers the driver runs, wherever it was imported from:
+Ray's workers see only the driver's script folder and working directory, so a
+script elsewhere that put a checkout on ``sys.path`` had hosts that could not
+import ``towers``.  A Ray instance ``connect`` starts on this machine runs its
+job with the package's folder on ``PYTHONPATH`` (the same files, the same numba
+cache beside them); a cluster it joins gets the package shipped to every node
+(``py_modules``: uploaded once, cached by content, without ``__pycache__``), so
+a node runs the driver's code and not whichever towers it has installed.  Ray
+takes a folder to ship only at ``ray.init``: on a Ray the caller started
+itself, every actor gets the ``PYTHONPATH`` when all nodes are this machine
+(``actor_env``), and on other nodes imports what the caller's own
+``ray.init(runtime_env=...)`` gives it.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -99,9 +113,10 @@ def connect(address: str | None, verbose: bool, n_hosts: int):
         try:
             if address is None:
                 ray.init(num_cpus=max(os.cpu_count() or 1, n_hosts + 1), include_dashboard=False,
-                         log_to_driver=verbose, logging_level=level)
+                         log_to_driver=verbose, logging_level=level, runtime_env=_this_machine())
             else:
-                ray.init(address=address, log_to_driver=verbose, logging_level=level)
+                ray.init(address=address, log_to_driver=verbose, logging_level=level,
+                         runtime_env={"py_modules": [_package()], "excludes": ["__pycache__/", "*.pyc"]})
         except (ConnectionError, RuntimeError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"cannot join the Ray cluster at `ray_address` {address}: {first}") from None
@@ -158,6 +173,37 @@ def disconnect(ray) -> None:
             _watchdog.terminate()
             _watchdog.wait()
             _watchdog = None
+
+
+def _package() -> str:
+    """The folder of the towers package this process imported."""
+    import towers
+
+    return os.path.dirname(os.path.abspath(towers.__file__))
+
+
+def _this_machine() -> dict:
+    """A ``runtime_env`` whose workers import this process's towers from its own folder (this machine only)."""
+    path = [os.path.dirname(_package())] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(path)}}
+
+
+def actor_env(ray, owned: bool) -> dict | None:
+    """The ``runtime_env`` of each actor of a run, on top of its job's: None where ``connect`` started or
+    joined Ray (``owned``: the job already imports this towers), where another node may run the actor (the
+    caller's ``ray.init`` decides there), or where the job's workers already import this towers (asked of one
+    of them: an actor with a ``runtime_env`` of its own cannot reuse the job's idle workers, and starting new
+    ones costs about a second a run); else this machine's path."""
+    if owned:
+        return None
+    here = ray.get_runtime_context().get_node_id()
+    if not all(n["NodeID"] == here for n in ray.nodes() if n.get("Alive")):
+        return None
+    mine = os.path.join(_package(), "__init__.py")
+    # A lambda travels by value (a function of this module would need towers to be imported there first).
+    theirs = ray.get(ray.remote(num_cpus=0)(lambda: getattr(importlib.util.find_spec("towers"), "origin", None))
+                     .remote())
+    return None if theirs == mine else _this_machine()
 
 
 def spread(ray, n_hosts: int, gpus: int):

@@ -46,7 +46,16 @@ up to float32 rounding, not bit for bit (``rounds_otherwise``): a run's
 
 numba compiles each kernel on its first call (about 2 s for all of them, once
 per machine) and caches the machine code on disk beside this file (or in
-``NUMBA_CACHE_DIR``), so later runs load it.  Limits: C-contiguous (M, C)
+``NUMBA_CACHE_DIR``), so later runs load it: per kernel an index
+(``<kernel>-<line>.pyXY.nbi``: numba's version, then a pickle of the source's
+stamp and the data file of each signature) and data files (``.nbc``, pickles
+of the object code), in ``__pycache__`` (or ``NUMBA_CACHE_DIR`` followed by
+this folder's path).  numba writes them atomically, but a file damaged
+afterwards (a disk error, a copy cut short) made numba raise at the first
+call of its kernel (``UnpicklingError``, ``EOFError``, ...) in every run until
+the folder was deleted.  A cache is a cache: a kernel whose cached code does
+not load is compiled again, with a notice naming the folder, and its index is
+written anew (``_Recompiling``).  Limits: C-contiguous (M, C)
 arrays of one float dtype; the per-tower statistics only (``sync_bn`` keeps the
 NumPy path, whose moments it gathers across towers).
 
@@ -62,6 +71,8 @@ them (about 2 s).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import types
 
@@ -152,16 +163,61 @@ def warm_up(kernels) -> None:
     kernels.col2im(numpy.zeros((1, 1, 1, 2, 2, 2), f), x.copy(), 0, 0, 1)
 
 
+_DAMAGED: set = set()  # cache folders whose damage was noticed (one notice a folder and process)
+
+
+def _recompiling_cache(numba):
+    """numba's per-function disk cache, which compiles again where its files do not load (module doc).
+
+    numba loads a kernel's cached code (``load_overload``) when the kernel is
+    first called for a signature; a damaged index or data file raises there,
+    on every start.  Here that load gives nothing instead, so numba compiles
+    the kernel and saves it (``save_overload``), after the index is removed:
+    numba's save reads the index first and would raise on it again (a data
+    file it names is then written anew, as numba numbers them).
+    """
+    from numba.core.caching import FunctionCache
+
+    class _Recompiling(FunctionCache):
+        def load_overload(self, sig, target_context):
+            try:
+                return super().load_overload(sig, target_context)
+            except MemoryError:
+                raise
+            except Exception as e:  # whatever a damaged pickle or object code raises
+                index = self._cache_file._index_path
+                with contextlib.suppress(OSError):
+                    os.unlink(index)
+                if self.cache_path not in _DAMAGED:
+                    _DAMAGED.add(self.cache_path)
+                    notice(f"CPU kernels: numba's cache in {self.cache_path} does not load "
+                           f"({self._py_func.__name__}: {type(e).__name__}: {e}); compiling the kernels again "
+                           "(a second or two) and caching them anew")
+                return None
+
+    return _Recompiling
+
+
 def _compile(cache: bool):
     """The kernels as numba dispatchers (each compiled per dtype on its first call; ``cache``: on disk).
 
     With ``cache``, numba looks for a writable folder for it when each kernel
     is defined (beside this file, then the user's cache folder), and raises
-    ``RuntimeError`` when there is none (a read-only install, no home).
+    ``RuntimeError`` when there is none (a read-only install, no home); a
+    kernel whose cached code does not load is compiled again
+    (``_recompiling_cache``).
     """
     import numba
     import numpy
-    jit = numba.njit(nogil=True, cache=cache, error_model="numpy")
+    njit = numba.njit(nogil=True, cache=cache, error_model="numpy")
+    cache_class = _recompiling_cache(numba) if cache else None
+
+    def jit(fn):
+        dispatcher = njit(fn)
+        if cache_class is not None:
+            # What numba's Dispatcher.enable_caching does (cache=True), with the cache that recompiles.
+            dispatcher._cache = cache_class(dispatcher.py_func)
+        return dispatcher
 
     @jit
     def bn_moments(x):  # pragma: no cover - compiled; tested through the layer

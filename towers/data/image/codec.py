@@ -29,12 +29,18 @@ large photo is cropped and shrunk to 224 pixels anyway.
 Limits: an image larger than Pillow's decompression-bomb limit
 (``PIL.Image.MAX_IMAGE_PIXELS``, about 89 megapixels) is refused before its
 pixels are decoded (a JPEG by its header's size), as are images that decode
-to nothing.  Every failure
-is an :class:`ImageError` whose message says what is wrong; the callers add
-where the bytes came from.
+to nothing.  Every failure is an :class:`ImageError` whose message says what
+is wrong; the callers add where the bytes came from.  Whatever a decoding
+library raises on damaged bytes becomes one (:func:`_refused`): Pillow raises
+its own kinds (``SyntaxError``, ``OSError``, ``ValueError``, ``EOFError``) for
+the damage it expects and others (an ``IndexError`` from ``verify`` of a PNG
+without IDAT) for damage it does not; only ``MemoryError`` passes through, as
+the machine's failure rather than the image's.  PngSuite's 14 corrupt files
+(``x*.png``) are all refused, as TensorFlow refuses them.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import warnings
@@ -48,6 +54,32 @@ FORMATS = ("jpeg", "png")  # what ``encode`` writes
 
 class ImageError(Exception):
     """Bytes that are no image this module can decode; the message says why."""
+
+
+# Pillow's own kinds of error for damaged bytes: their text is the reason.  Any other kind is named with it.
+_PILLOW_ERRORS = (SyntaxError, OSError, ValueError, EOFError)
+
+
+def _reason(e: Exception) -> str:
+    """Why a library refused the bytes, for a message: the exception's text, its kind named unless it is one
+    of Pillow's own (``IndexError: list index out of range`` says where it failed; the text alone does not)."""
+    return str(e) if isinstance(e, _PILLOW_ERRORS) and str(e) else f"{type(e).__name__}: {e}"
+
+
+@contextlib.contextmanager
+def _refused(message: str):
+    """Within it, an exception a library raises on damaged bytes becomes ``ImageError(message.format(reason))``.
+
+    Every kind counts, not only Pillow's documented ones: a decoder fed damaged bytes fails wherever its
+    parser does, and the run must see one "not a decodable image" line (or count a skip), not a traceback.
+    An :class:`ImageError` already made, and ``MemoryError`` (the machine's failure, not the image's), pass.
+    """
+    try:
+        yield
+    except (ImageError, MemoryError):
+        raise
+    except Exception as e:
+        raise ImageError(message.format(_reason(e))) from None
 
 
 def sniff(data) -> str:
@@ -72,8 +104,10 @@ def size(data) -> tuple[int, int, int]:
         try:
             h, w, space, _ = _simplejpeg().decode_jpeg_header(data)
             return h, w, 1 if space == "Gray" else 3
-        except ValueError:
-            pass  # simplejpeg cannot read it; Pillow may
+        except MemoryError:
+            raise
+        except Exception:  # any kind: simplejpeg cannot read it; Pillow may, or names the damage
+            pass
     image = _open(data)
     return image.height, image.width, 1 if image.mode in ("L", "I;16", "I", "1", "LA") else 3
 
@@ -81,18 +115,17 @@ def size(data) -> tuple[int, int, int]:
 def _open(data):
     from PIL import Image, UnidentifiedImageError
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            return Image.open(io.BytesIO(data))
-    except UnidentifiedImageError:
-        if sniff(data) == "png":
-            check_png(data)  # Pillow's open hides why a PNG it recognised failed: a damaged header chunk
-        raise ImageError(f"not an image ({len(data)} bytes starting {bytes(data[:4]).hex()})") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise ImageError(f"too large to decode ({e})") from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise ImageError(f"not a readable image ({e})") from None
+    with _refused("not a readable image ({})"):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                return Image.open(io.BytesIO(data))
+        except UnidentifiedImageError:
+            if sniff(data) == "png":
+                check_png(data)  # Pillow's open hides why a PNG it recognised failed: a damaged header chunk
+            raise ImageError(f"not an image ({len(data)} bytes starting {bytes(data[:8]).hex()})") from None
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise ImageError(f"too large to decode ({e})") from None
 
 
 def _check_pixels(h: int, w: int) -> None:
@@ -107,20 +140,41 @@ def _check_pixels(h: int, w: int) -> None:
 
 
 def check_png(data) -> None:
-    """An ImageError (``damaged PNG: ...``) unless every chunk of the PNG ``data`` up to IEND matches its CRC.
+    """An ImageError (``damaged PNG: ...``) unless the PNG ``data`` has a valid header and pixel data, and every
+    chunk up to IEND matches its CRC.
 
     Pillow's ``verify`` walks the chunks (zlib's crc32 over each); decoding alone checks the header chunks
-    only, so an IDAT whose CRC fails but whose deflate stream still inflates would pass as whole.  Cost:
-    13 us on a 32 x 32 PNG whose decode takes 54 us.
+    only, so an IDAT whose CRC fails but whose deflate stream still inflates would pass as whole.  A header
+    Pillow does not identify (a bit depth or colour type PNG does not define, a zero size) is named by its
+    fields; a PNG without IDAT, which ``verify`` cannot walk (it starts at the first IDAT), is refused first.
+    Cost: 13 us on a 32 x 32 PNG whose decode takes 54 us.
     """
     from PIL import PngImagePlugin
 
-    try:
-        PngImagePlugin.PngImageFile(io.BytesIO(data)).verify()
-    except (SyntaxError, OSError, ValueError, EOFError) as e:
-        reason = str(e)
-        bad = re.fullmatch(r"broken PNG file \(bad header checksum in b'(\w+)'\)", reason)
-        raise ImageError(f"damaged PNG: {f'CRC of chunk {bad.group(1)} fails' if bad else reason}") from None
+    with _refused("damaged PNG: {}"):
+        try:
+            image = PngImagePlugin.PngImageFile(io.BytesIO(data))  # reads the chunks up to the first IDAT
+            if not image.tile:
+                raise ImageError("damaged PNG: no IDAT chunk (no pixel data)")
+            image.verify()
+        except _PILLOW_ERRORS as e:
+            reason, header = str(e), _ihdr(data)
+            bad = re.fullmatch(r"broken PNG file \(bad header checksum in b'(\w+)'\)", reason)
+            if bad:
+                reason = f"CRC of chunk {bad.group(1)} fails"
+            elif reason == "not identified by this driver" and header:  # Pillow's words for a bad IHDR
+                reason = f"its header is no PNG image ({header})"
+            raise ImageError(f"damaged PNG: {reason}") from None
+
+
+def _ihdr(data) -> str:
+    """The fields of the PNG's IHDR chunk, for a message (``32 x 32, bit depth 0, colour type 2``); "" if the
+    first chunk is no whole IHDR."""
+    head = bytes(data[8:33])
+    if len(head) < 25 or head[4:8] != b"IHDR":
+        return ""
+    width, height = int.from_bytes(head[8:12], "big"), int.from_bytes(head[12:16], "big")
+    return f"{width} x {height}, bit depth {head[16]}, colour type {head[17]}"
 
 
 def decode(data, channels: int, min_size: tuple[int, int] | None = None) -> np.ndarray:
@@ -137,20 +191,20 @@ def decode(data, channels: int, min_size: tuple[int, int] | None = None) -> np.n
             _check_pixels(*_simplejpeg().decode_jpeg_header(data)[:2])
             return _simplejpeg().decode_jpeg(data, colorspace="GRAY" if channels == 1 else "RGB", fastdct=True,
                                              min_height=h, min_width=w)
-        except ValueError:
-            pass  # CMYK, 12-bit, damaged: Pillow converts what can be converted and names the damage
+        except (ImageError, MemoryError):
+            raise
+        except Exception:  # CMYK, 12-bit, damaged (any kind): Pillow converts what can be converted and
+            pass  # names the damage
     elif sniff(data) == "png":
         check_png(data)
     image = _open(data)
-    try:
+    with _refused("cannot be decoded ({})"):
         if min_size and image.format == "JPEG":
             image.draft("L" if channels == 1 else "RGB", (min_size[1], min_size[0]))
         image.load()
         if image.mode.startswith("I;16"):  # 16-bit grey: keep the high byte
             image = image.point(lambda v: v / 256).convert("L")
         pixels = np.asarray(image.convert("L" if channels == 1 else "RGB"))
-    except (OSError, SyntaxError, ValueError, EOFError) as e:
-        raise ImageError(f"cannot be decoded ({e})") from None
     if pixels.size == 0:
         raise ImageError("decodes to no pixels")
     return pixels.reshape(pixels.shape[0], pixels.shape[1], channels)
