@@ -233,7 +233,7 @@ class Trainer:
             # Evaluation data is test data: the loader's checks of a test split (uint8 pixels, or finite floats
             # taken as float32; of the training examples' dtype, since uint8 is scaled by 1/255 and floats not).
             x = check_examples(x, where, "x")
-            check_test_split(ds.x, x, f"{where}: ", "x")
+            check_test_split(x, y, f"{where}: ", "x", ds.x.dtype)
         # The data set's dtype, for a step's batch and (after the loader's conversion) for evaluation.
         if tuple(x.shape[1:]) != ds.example_shape or x.dtype != ds.x.dtype:
             raise UserError(f"{where}: examples are {x.dtype} {tuple(x.shape[1:])}, the data set's are "
