@@ -29,6 +29,18 @@ def cuda_count() -> int:
     return cuda_device_count()
 
 
+def cupy_performance_warnings_fail() -> list:
+    """The mark that makes CuPy's ``PerformanceWarning`` fail a GPU test module, where CuPy is installed.
+
+    pytest finds a warning category by importing its module when each test
+    starts, skipped ones too: ``cupy._util`` without CuPy stopped the whole
+    session (INTERNALERROR).  CuPy is an extra (towers[cuda12], [cuda13]).
+    """
+    from towers.devices.placement import cupy_installed
+
+    return [pytest.mark.filterwarnings("error::cupy._util.PerformanceWarning")] if cupy_installed() else []
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     config.addinivalue_line("markers", "dry_run: a GPU test that runs on the CPU with TOWERS_TEST_GPU_AS=cpu "

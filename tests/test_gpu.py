@@ -6,13 +6,13 @@ access) is an error here.
 import numpy as np
 import pytest
 
-from conftest import DIGITS, cuda_count, run_cli
+from conftest import DIGITS, cuda_count, cupy_performance_warnings_fail, run_cli
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset
 from towers.devices.placement import resolve, to_host
 from towers import Config, Trainer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("error::cupy._util.PerformanceWarning")]
+pytestmark = [pytest.mark.gpu, *cupy_performance_warnings_fail()]
 
 
 def train(n, devices, steps=20, momentum=0.9):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import cupy_performance_warnings_fail
 from gpu_compare import DRY, record, rel, xp
 from towers.devices.placement import to_host
 from towers.nn.conv import Conv2D
@@ -23,8 +24,7 @@ from towers.nn.pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from towers.nn.replica import Replica
 from towers.nn.residual import Residual
 
-pytestmark = [pytest.mark.gpu, pytest.mark.dry_run,
-              pytest.mark.filterwarnings("error::cupy._util.PerformanceWarning")]
+pytestmark = [pytest.mark.gpu, pytest.mark.dry_run, *cupy_performance_warnings_fail()]
 
 TOL = 1e-4  # one step: the measured differences are recorded (TOWERS_GPU_REPORT)
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DIGITS, cuda_count, run_cli
+from conftest import DIGITS, cuda_count, cupy_performance_warnings_fail, run_cli
 from gpu_compare import DEVICE, DRY, compare, flat, images, record, rel, train
 from towers import Config, Trainer
 from towers.data.loading import load_dataset
 
-pytestmark = [pytest.mark.gpu, pytest.mark.dry_run,
-              pytest.mark.filterwarnings("error::cupy._util.PerformanceWarning")]
+pytestmark = [pytest.mark.gpu, pytest.mark.dry_run, *cupy_performance_warnings_fail()]
 
 
 def digits():

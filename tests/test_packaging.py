@@ -1,4 +1,6 @@
 """pyproject.toml installs every subpackage and the embedded data (checked without building)."""
+import os
+import subprocess
 import sys
 import tomllib
 
@@ -122,3 +124,104 @@ def test_hosts_without_ray_installed_is_one_line_naming_the_extra():
     assert p.stderr.strip().splitlines() == [
         "towers.train: error: --hosts > 1 runs on Ray, which is not installed: pip install 'towers[cluster]' "
         "(or pip install ray), or train on one host"]
+
+
+# -- what an install brings (issue: a new user's first hour) -------------------------------------------
+
+CUDA_PACKAGES = ("cupy", "nvidia-", "cuda-")
+
+
+def test_a_plain_install_is_the_cpu_core_and_the_extras_bring_cupy_and_nccl_for_the_machines_cuda():
+    # Before: every install pulled cupy-cuda12x and nvidia-nccl-cu12 (about 700 MB), also without a GPU.
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    cuda = [d for d in project["dependencies"] if d.lower().startswith(CUDA_PACKAGES)]
+    assert cuda == [], "the core installs no CUDA package"
+    extras = project["optional-dependencies"]
+    assert extras["cuda12"] == ["cupy-cuda12x[ctk]>=14.0", "nvidia-nccl-cu12>=2.18"]
+    assert extras["cuda13"] == ["cupy-cuda13x[ctk]>=14.0", "nvidia-nccl-cu13>=2.27"]
+    assert extras["cluster"] == ["ray>=2.40"] and extras["fast-cpu"] == ["numba>=0.61"]
+
+
+def test_the_quick_start_installs_towers_itself_with_what_the_tests_need():
+    # Before: requirements.txt held the dependencies only, so a script outside the checkout could not import towers.
+    lines = [line.split("#")[0].strip() for line in (REPO / "requirements.txt").read_text().splitlines()]
+    lines = [line for line in lines if line]
+    assert lines[0] == "-e .[cluster,fast-cpu,test]", lines
+    # The CUDA kernels' compile test on a machine without a GPU: CuPy and NVRTC, not the CUDA libraries.
+    assert sorted(lines[1:]) == ["cupy-cuda12x>=14.0", "nvidia-cuda-nvrtc-cu12>=12.0"]
+    readme = (REPO / "README.md").read_text()
+    quick = "```\npip install -r requirements.txt && python -m towers.train --n-gpu 2\npython -m pytest -q\n```"
+    assert quick in readme  # still two commands
+
+
+# CuPy hidden as an uninstalled package is: `import cupy` raises ModuleNotFoundError, importlib finds no spec.
+NO_CUPY = "import sys; sys.modules['cupy'] = None; "
+
+
+def _without_cupy(code: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", NO_CUPY + code, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--devices", "0"], "towers.train: error: --devices 0 names a GPU, but CuPy is not installed, so towers cannot "
+                         "use a GPU: pip install 'towers[cuda12]' or 'towers[cuda13]' (the CUDA version nvidia-smi "
+                         "shows; in a checkout: pip install -e '.[cuda12]'); or use --devices cpu"),
+    (["--n-gpu", "2", "--no-soft-placement"],
+     "towers.train: error: asked for 2 GPU towers (--n-gpu 2) but CuPy is not installed, so towers cannot use a "
+     "GPU: pip install 'towers[cuda12]' or 'towers[cuda13]' (the CUDA version nvidia-smi shows; in a checkout: pip "
+     "install -e '.[cuda12]'); use --devices cpu, or fall back to the CPU (drop --no-soft-placement)"),
+])
+def test_a_gpu_asked_for_without_cupy_is_one_line_naming_the_extras(flags, line, tmp_path):
+    # Before: "GPU 0 does not exist: no CUDA device is visible", which sends a user looking for a driver.
+    p = _without_cupy("from towers.train import main; sys.exit(main(sys.argv[1:]))",
+                      *flags, "--steps", "2", "--quiet", "--logdir", str(tmp_path / "run"))
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [line], p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_soft_placement_without_cupy_says_what_to_install_and_trains_on_the_cpu(tmp_path):
+    p = _without_cupy("from towers.train import main; sys.exit(main(sys.argv[1:]))",
+                      "--n-gpu", "2", "--steps", "2", "--quiet", "--summary-every", "0", "--logdir", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines()[0] == ("soft placement: CuPy is not installed (towers[cuda12] or towers[cuda13] "
+                                        "for GPUs), running 2 towers on the CPU with NumPy")
+    assert (tmp_path / "final.npz").exists()
+
+
+def test_every_module_imports_without_cupy():
+    code = ("import importlib, pkgutil, towers\n"
+            "for m in pkgutil.walk_packages(towers.__path__, 'towers.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "print('imported', len(sys.modules))")
+    p = _without_cupy(code)
+    assert p.returncode == 0 and p.stdout.startswith("imported"), p.stderr
+
+
+def test_the_gpu_test_modules_skip_without_cupy():
+    # Before: their filterwarnings mark resolved cupy._util.PerformanceWarning by importing CuPy, and without it
+    # pytest stopped the whole session with an INTERNALERROR.
+    code = ("import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_gpu.py', "
+            "'tests/test_gpu_layers.py', 'tests/test_gpu_training.py']))")
+    p = _without_cupy(code, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert " skipped" in p.stdout.splitlines()[-1] and "passed" not in p.stdout.splitlines()[-1], p.stdout[-500:]
+
+
+def test_nccl_that_does_not_load_is_one_line_naming_the_extras(monkeypatch):
+    # CuPy imports cupy.cuda.nccl without NCCL's library (available = False, a warning); its first call failed.
+    import types
+
+    from towers.errors import UserError
+    from towers.parallel.allreduce import nccl_module
+
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.nccl = types.ModuleType("cupy.cuda.nccl")
+    cuda.nccl.available = False
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    with pytest.raises(UserError, match=r"^towers on several GPUs average through NCCL, whose library does not "
+                                        r"load: pip install 'towers\[cuda12\]' or 'towers\[cuda13\]'"):
+        nccl_module()
+    monkeypatch.setitem(sys.modules, "cupy.cuda", None)  # no CuPy at all
+    with pytest.raises(UserError, match=r"NCCL, whose library does not load \(import of cupy.cuda halted"):
+        nccl_module()

@@ -7,6 +7,7 @@ import pytest
 from conftest import DIGITS, cuda_count, run_cli
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset
+from towers.devices.placement import cupy_installed
 from towers import Config, Trainer
 from towers.train import run
 
@@ -84,7 +85,9 @@ def test_default_command_trains_on_embedded_data(tmp_path):
     res = run_cli("--n-gpu", "2", "--logdir", str(tmp_path))
     assert res.returncode == 0, res.stderr
     if cuda_count() == 0:
-        assert "soft placement: no CUDA device found, running 2 towers on the CPU with NumPy" in res.stderr
+        why = ("no CUDA device found" if cupy_installed() else
+               "CuPy is not installed (towers[cuda12] or towers[cuda13] for GPUs)")
+        assert f"soft placement: {why}, running 2 towers on the CPU with NumPy" in res.stderr
     assert "step 100, loss = " in res.stdout and "examples/sec; " in res.stdout
     lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines[:-1]] == list(range(100, 2001, 100))

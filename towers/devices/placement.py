@@ -14,10 +14,15 @@ Whatever the flags, the device list is validated here (ids exist, none named
 twice) before ``towers.parallel.allreduce`` creates any NCCL communicator.  A
 GPU id that does not exist is an error even with soft placement and even with
 no GPU at all: soft placement bends how many GPUs a run gets, not which.
+
+CuPy is an extra (``towers[cuda12]``, ``towers[cuda13]``): without it there is
+no GPU to place on, and what is said names the extra to install rather than
+a missing device.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from dataclasses import dataclass
 
 import numpy
@@ -108,6 +113,19 @@ def empty_pinned(shape, dtype):
     return numpy.ndarray(shape, dtype=dtype, buffer=cupy.cuda.alloc_pinned_memory(nbytes))
 
 
+#: How to get CuPy and NCCL for GPUs: the extras (pyproject.toml), by the CUDA major version of the driver.
+GPU_EXTRAS = ("pip install 'towers[cuda12]' or 'towers[cuda13]' (the CUDA version nvidia-smi shows; "
+              "in a checkout: pip install -e '.[cuda12]')")
+
+
+def cupy_installed() -> bool:
+    """Whether CuPy is installed (looked up, not imported: importing it costs a second)."""
+    try:
+        return importlib.util.find_spec("cupy") is not None
+    except (ImportError, ValueError):  # a half-removed package: as good as none
+        return False
+
+
 def cuda_device_count() -> int:
     """Number of CUDA devices CuPy can use; 0 without CuPy, a driver or a GPU."""
     try:
@@ -195,7 +213,9 @@ def _parse_devices(text: str) -> list[int] | None:
     return ids
 
 
-def _have(count: int) -> str:
+def _have(count: int, cupy: bool = True) -> str:
+    if count == 0 and not cupy:
+        return f"CuPy is not installed, so towers cannot use a GPU: {GPU_EXTRAS}"
     if count == 0:
         return "no CUDA device is visible"
     return f"only {count} CUDA device{'s' if count > 1 else ''} exist{'' if count > 1 else 's'} (ids 0-{count - 1})"
@@ -210,15 +230,18 @@ def resolve(
     """Turn ``--n-gpu``/``--devices``/``--[no-]soft-placement`` into a Placement.
 
     ``n_towers`` None means "not given": one tower, or one per listed device.
-    ``gpu_count`` defaults to what CuPy sees; tests pass it explicitly.
+    ``gpu_count`` defaults to what CuPy sees (then, when CuPy is not installed,
+    the messages say how to install it); tests pass it explicitly.
     """
     if n_towers is not None and n_towers < 1:
         raise UserError(f"`n_gpu` {n_towers}: the number of towers must be at least 1")
     ids = _parse_devices(devices) if devices is not None else None
     if devices is not None and ids is None:  # --devices cpu
         return Placement([CPU] * (n_towers or 1))
+    cupy = True  # a count given by the caller is taken as it is
     if gpu_count is None:
         gpu_count = cuda_device_count()
+        cupy = gpu_count > 0 or cupy_installed()
 
     if ids is None:
         want = n_towers or 1
@@ -229,6 +252,9 @@ def resolve(
         asked = f"GPUs {','.join(map(str, ids))} (`devices`)"
         missing = [i for i in ids if i >= gpu_count]
         if missing:  # before any fallback: soft placement bends counts, never a wrong id
+            if not cupy:
+                gpus = "GPUs" if len(ids) > 1 else "a GPU"
+                raise UserError(f"`devices` {devices} names {gpus}, but {_have(0, cupy)}; or use `devices` cpu")
             raise UserError(
                 f"GPU {missing[0]} does not exist: {_have(gpu_count)}; fix `devices`"
                 + (" (or `devices` cpu)" if gpu_count == 0 else "")
@@ -242,13 +268,13 @@ def resolve(
     if gpu_count == 0:
         if not soft:
             raise UserError(
-                f"asked for {asked} but {_have(0)}; use `devices` cpu, "
+                f"asked for {asked} but {_have(0, cupy)}; use `devices` cpu, "
                 "or fall back to the CPU (`soft_placement`)"
             )
+        why = "no CUDA device found" if cupy else "CuPy is not installed (towers[cuda12] or towers[cuda13] for GPUs)"
         return Placement(
             [CPU] * want,
-            notice=f"soft placement: no CUDA device found, running {want} "
-            f"tower{'s' if want > 1 else ''} on the CPU with NumPy",
+            notice=f"soft placement: {why}, running {want} tower{'s' if want > 1 else ''} on the CPU with NumPy",
         )
     if want > len(ids):
         if not soft:

@@ -33,14 +33,33 @@ from dataclasses import dataclass
 import numpy
 
 from towers.errors import UserError
-from towers.devices.placement import Device
+from towers.devices.placement import GPU_EXTRAS, Device
 
 
 def nccl_module():
-    """The real ``cupy.cuda.nccl`` (imported lazily: the CPU path never needs it)."""
-    from cupy.cuda import nccl
+    """The real ``cupy.cuda.nccl`` (imported lazily: the CPU path never needs it).
 
-    return nccl
+    NCCL's library comes with the cuda12/cuda13 extras, not with CuPy: without
+    it CuPy's module imports with ``available`` False (and a warning) and fails
+    at its first call, so that is said here, in one line naming the extras.
+    """
+    import warnings
+
+    why = ""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            from cupy.cuda import nccl
+        except ImportError as e:  # no CuPy at all
+            nccl, why = None, str(e)
+    if nccl is not None and getattr(nccl, "available", True):
+        return nccl
+    # CuPy's warning spans lines ("nccl library could not be loaded.", "Reason: ...", its own pip command for
+    # CUDA 12 only): its reason alone goes into the one line.
+    lines = [line.strip() for line in (why or (str(said[0].message) if said else "")).splitlines() if line.strip()]
+    why = next((line[len("Reason: "):] for line in lines if line.startswith("Reason: ")), lines[0] if lines else "")
+    why = f" ({why})" if why else ""
+    raise UserError(f"towers on several GPUs average through NCCL, whose library does not load{why}: {GPU_EXTRAS}")
 
 
 def data_ptr(array) -> int:
