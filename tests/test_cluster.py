@@ -237,10 +237,12 @@ def test_a_clusters_logged_learning_rate_is_one_hosts_under_each_schedule(local_
 
 
 def api_calls(tmp_path, **kw) -> dict:
-    """The same public calls on any Trainer: fit, weights, state, a step on a given batch, load, evaluate."""
+    """The same public calls on any Trainer: fit, weights, state, a step on a given batch, load, evaluate,
+    predict."""
     with towers.Trainer(towers.Config(**{**SMALL, "steps": 4, "logdir": str(tmp_path), **kw})) as t:
         out = {"fit": t.fit()["step"], "weights": t.get_weights(), "ema": t.get_weights(ema=True),
-               "state": t.state_dict(), "evaluate": t.evaluate(), "lr": t.lr()}
+               "state": t.state_dict(), "evaluate": t.evaluate(), "lr": t.lr(), "predict": t.predict(),
+               "predict_given": t.predict(t.dataset.x[:50], ema=False, batch_size=7)}
         x, y = t.dataset.x[:t.global_batch], t.dataset.y[:t.global_batch]
         losses = t.train_step(x, y, want_loss=True)
         out.update(stepped=t.get_weights(), step=t.step, losses=[float(v) for v in losses])
@@ -257,6 +259,9 @@ def test_one_trainer_api_over_both_executors(local_ray, tmp_path):
     assert one["loaded_step"] == two["loaded_step"] == 4
     for key in ("evaluate", "evaluate_given", "losses", "lr"):
         assert one[key] == two[key], key
+    for key in ("predict", "predict_given"):
+        numpy.testing.assert_array_equal(one[key], two[key], err_msg=key)
+    assert two["predict"].shape == (359, 10) and two["predict_given"].dtype == numpy.float32
     assert_same([two[k] for k in ("weights", "ema", "stepped", "loaded")],
                 [one[k] for k in ("weights", "ema", "stepped", "loaded")])
     assert_same([two["loaded"]], [two["weights"]])

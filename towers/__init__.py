@@ -24,6 +24,7 @@ public API) over an ``executor`` (``local``: this process's towers;
     >>> with towers.Trainer(towers.Config(n_gpu=2, devices="cpu", steps=500)) as tr:
     ...     metrics = tr.fit()
     ...     weights = tr.get_weights()
+    ...     logits = tr.predict(x)               # x: examples of the data's shape; towers.softmax(logits)
 """
 from towers.config import Config
 from towers.data.dataset import Dataset
@@ -32,12 +33,14 @@ from towers.errors import TrainingError, UserError
 from towers.nn.conv import Conv2D
 from towers.nn.dropout import Dropout
 from towers.nn.layers import Dense, Flatten, ReLU, Sequential
+from towers.nn.loss import softmax
 from towers.nn.normalization import LRN, BatchNorm
 from towers.nn.pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from towers.nn.residual import PadShortcut, Residual
 from towers.trainer import Trainer
 
-__all__ = ["Config", "Trainer", "ClusterTrainer", "Dataset", "load_dataset", "Sequential", "Dense", "ReLU", "Flatten",
+__all__ = ["Config", "Trainer", "ClusterTrainer", "Dataset", "load_dataset", "softmax",
+           "Sequential", "Dense", "ReLU", "Flatten",
            "Conv2D", "MaxPool2D", "AvgPool2D", "GlobalAvgPool", "BatchNorm", "LRN", "Dropout", "Residual",
            "PadShortcut",
            "UserError", "TrainingError"]

@@ -23,7 +23,7 @@ learning-rate schedule is each executor's ``schedule``, made by
 
 Sync points: ``run_steps`` returns when the segment's steps are issued
 (local) or done (cluster); ``get_weights``, ``get_gradients``,
-``state_dict``, ``evaluate`` and ``check_replicas`` wait for the towers.
+``state_dict``, ``evaluate``, ``predict`` and ``check_replicas`` wait for the towers.
 """
 from __future__ import annotations
 
@@ -138,6 +138,10 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def evaluate(self, ema: bool, x, y) -> dict:
         """{"loss", "accuracy"} on ``x``, ``y`` (checked), EMA or raw weights."""
+
+    @abc.abstractmethod
+    def predict(self, ema: bool, x, batch: int):
+        """The logits of ``x`` (checked) as a host float32 array, EMA or raw weights, in chunks of ``batch``."""
 
     def report(self, global_batch: int) -> str:
         """The phase timer's report (``profile``)."""

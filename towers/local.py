@@ -16,7 +16,7 @@ towers behind one update (which the schedule and the checkpoint count).
 
 State: each part saves its own keys (``towers.state`` lists them).
 
-Sync points: ``get_weights``, ``state_dict``, ``evaluate`` and
+Sync points: ``get_weights``, ``state_dict``, ``evaluate``, ``predict`` and
 ``check_replicas`` wait for the towers (``synchronize``); steps do not.
 """
 from __future__ import annotations
@@ -334,15 +334,25 @@ class LocalExecutor(Executor):
         set_counters()
         self._start_input(self.step, position)
 
-    def evaluate(self, ema: bool, x, y) -> dict:
+    @contextlib.contextmanager
+    def _scoring(self, ema: bool):
+        """A replica of the first tower's weights (or the EMA's) and buffers, on its device, made current."""
         dev = self.towers[0].device
         self.synchronize()
         with dev.scope():
             r = Replica(self.model, dev.xp)
             r.set_params(self.ema.shadow if ema else self.towers[0].replica.params)
             r.set_buffers(self.towers[0].replica.buffers)
+            yield r
+
+    def evaluate(self, ema: bool, x, y) -> dict:
+        with self._scoring(ema) as r:
             loss, acc = r.evaluate(x, y)
         return {"loss": loss, "accuracy": acc}
+
+    def predict(self, ema: bool, x, batch: int):
+        with self._scoring(ema) as r:
+            return r.predict(x, batch)
 
     # -- teardown ------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ steps (``train_step``, ``run_steps``), weights (``get_weights``/
 executor's own parts (``towers``, ``engine``, ``ema``, ``replicas``,
 ``source``, ...) are reached as the trainer's attributes.
 
-Sync points: ``get_weights``, ``state_dict``, ``evaluate`` and
+Sync points: ``get_weights``, ``state_dict``, ``evaluate``, ``predict`` and
 ``check_replicas`` wait for the towers (``synchronize``); steps do not.
 """
 from __future__ import annotations
@@ -40,6 +40,59 @@ from towers.nn.normalization import check_batch_statistics
 from towers.optim.optimizers import SLOTS
 from towers.output import checkpoint
 from towers.settings import integer
+
+
+def check_inputs(x, y, where: str, example_shape: tuple, dtype, num_classes: int, n: int | None = None,
+                 batch: str | None = None):
+    """(x, y) as arrays if they are examples and labels of a model's data, else a ``UserError`` starting with
+    ``where`` (cheap: shapes, dtypes, label range; a scan for NaN/inf in float examples).
+
+    The one check of what the API is handed (``Trainer._check_examples``;
+    ``towers.inference.Predictor``): host arrays (or lists), examples of
+    ``example_shape`` and ``dtype`` (None: not known, not checked), integer
+    labels 0..``num_classes`` - 1.  ``n``: a step's global batch, exactly
+    ``n`` of each (``batch`` says what makes it).  Else the examples are test
+    data, checked as the loader checks a test split (uint8 pixels, or finite
+    floats taken as float32, of the training examples' dtype: uint8 is scaled
+    by 1/255 and floats not), at least one with labels; ``y`` None: examples
+    alone (``predict``), any number.
+    """
+    check_host(x, f"{where}: x")
+    if y is not None:
+        check_host(y, f"{where}: y")
+    # Lists (of examples, of labels) were taken before these checks: keep taking them.
+    x = x if hasattr(x, "dtype") else numpy.asarray(x)
+    y = y if y is None or hasattr(y, "dtype") else numpy.asarray(y)
+    if y is None and x.ndim < 1:
+        raise UserError(f"{where}: x must be an array of examples, got {x.dtype} {x.shape}")
+    if y is not None and (x.ndim < 1 or y.ndim < 1):
+        raise UserError(f"{where}: x and y must be arrays of examples and labels, got {x.dtype} {x.shape} and "
+                        f"{y.dtype} {y.shape}")
+    if n is not None and (len(x) != n or len(y) != n):
+        raise UserError(f"{where} takes one global batch of {n} examples and {n} labels ({batch}), "
+                        f"got {len(x)} and {len(y)}")
+    if n is None and y is not None and (len(x) != len(y) or not len(x)):
+        raise UserError(f"{where}: give as many labels as examples, at least one; got {len(x)} examples "
+                        f"and {len(y)} labels")
+    if n is None:
+        # Evaluation data is test data: the loader's checks of a test split (uint8 pixels, or finite floats
+        # taken as float32; of the training examples' dtype, since uint8 is scaled by 1/255 and floats not).
+        x = check_examples(x, where, "x")
+        if len(x):
+            check_test_split(x, y, f"{where}: ", "x", dtype)
+    # The data set's dtype, for a step's batch and (after the loader's conversion) for evaluation.
+    if tuple(x.shape[1:]) != tuple(example_shape) or (dtype is not None and x.dtype != dtype):
+        if tuple(x.shape) == tuple(example_shape):
+            raise UserError(f"{where}: x is one example of shape {tuple(x.shape)}: give a batch of shape "
+                            f"(N, {', '.join(map(str, example_shape))}) (x[None] for one example)")
+        theirs = f"{numpy.dtype(dtype)} " if dtype is not None else ""
+        raise UserError(f"{where}: examples are {x.dtype} {tuple(x.shape[1:])}, the data set's are "
+                        f"{theirs}{tuple(example_shape)}")
+    if y is not None and (not numpy.issubdtype(y.dtype, numpy.integer) or y.ndim != 1 or (
+            len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes))):
+        raise UserError(f"{where}: labels must be integers 0..{num_classes - 1}, "
+                        f"got {y.dtype} {tuple(y.shape)}" + (f" from {y.min()} to {y.max()}" if y.size else ""))
+    return x, y
 
 
 class Trainer:
@@ -211,38 +264,17 @@ class Trainer:
         return self.executor.run_steps(integer(n, 0, "run_steps: n"), want_loss)[0]
 
     def _check_examples(self, x, y, where: str, n: int | None):
-        """(x, y) as arrays if they are examples and labels of this data set (``n`` of them), else a UserError (cheap)."""
-        check_host(x, f"{where}: x")
-        check_host(y, f"{where}: y")
-        # Lists (of examples, of labels) were taken before these checks: keep taking them.
-        x = x if hasattr(x, "dtype") else numpy.asarray(x)
-        y = y if hasattr(y, "dtype") else numpy.asarray(y)
-        if x.ndim < 1 or y.ndim < 1:
-            raise UserError(f"{where}: x and y must be arrays of examples and labels, got {x.dtype} {x.shape} and "
-                            f"{y.dtype} {y.shape}")
+        """(x, y) as arrays if they are examples and labels of this data set (``n`` of them), else a UserError (cheap).
+
+        ``check_inputs`` with the data set's example shape, dtype and classes;
+        ``y`` None: examples alone (``predict``).
+        """
         ds = self.dataset
-        if n is not None and (len(x) != n or len(y) != n):
-            raise UserError(f"{where} takes one global batch of {n} examples and {n} labels "
-                            f"({self.n_towers} towers x `batch_size` {self.cfg.batch_size}"
-                            + (f" x `accumulate` {self.cfg.accumulate}" if self.cfg.accumulate > 1 else "")
-                            + f"), got {len(x)} and {len(y)}")
-        if n is None and (len(x) != len(y) or not len(x)):
-            raise UserError(f"{where}: give as many labels as examples, at least one; got {len(x)} examples "
-                            f"and {len(y)} labels")
-        if n is None:
-            # Evaluation data is test data: the loader's checks of a test split (uint8 pixels, or finite floats
-            # taken as float32; of the training examples' dtype, since uint8 is scaled by 1/255 and floats not).
-            x = check_examples(x, where, "x")
-            check_test_split(x, y, f"{where}: ", "x", ds.x.dtype)
-        # The data set's dtype, for a step's batch and (after the loader's conversion) for evaluation.
-        if tuple(x.shape[1:]) != ds.example_shape or x.dtype != ds.x.dtype:
-            raise UserError(f"{where}: examples are {x.dtype} {tuple(x.shape[1:])}, the data set's are "
-                            f"{ds.x.dtype} {ds.example_shape}")
-        if not numpy.issubdtype(y.dtype, numpy.integer) or y.ndim != 1 or (
-                len(y) and (int(y.min()) < 0 or int(y.max()) >= ds.num_classes)):
-            raise UserError(f"{where}: labels must be integers 0..{ds.num_classes - 1}, "
-                            f"got {y.dtype} {tuple(y.shape)}" + (f" from {y.min()} to {y.max()}" if y.size else ""))
-        return x, y
+        batch = None
+        if n is not None:
+            batch = (f"{self.n_towers} towers x `batch_size` {self.cfg.batch_size}"
+                     + (f" x `accumulate` {self.cfg.accumulate}" if self.cfg.accumulate > 1 else ""))
+        return check_inputs(x, y, where, ds.example_shape, ds.x.dtype, ds.num_classes, n, batch)
 
     def finish(self) -> None:
         """End of training: in weights mode, a last average if steps were taken since."""
@@ -329,12 +361,43 @@ class Trainer:
             x, y = self._check_examples(x, y, "evaluate", None)
         result = self.executor.evaluate(ema, x, y)
         if not numpy.isfinite(result["loss"]):
-            bad = checkpoint.non_finite(self.executor.get_weights(ema))
-            if bad is not None:
-                raise TrainingError(f"evaluate: the {'EMA' if ema else 'raw'} weights hold NaN or inf ({bad!r}): "
-                                    "training diverged; lower `lr` and train again, or load an earlier checkpoint "
-                                    "(load_state_dict)")
+            self._diverged("evaluate", ema)
         return result
+
+    def predict(self, x=None, ema: bool = True, batch_size: int = 250) -> numpy.ndarray:
+        """The logits of the examples ``x`` (default: the test data) as a host float32 array (len(x), classes).
+
+        On the first tower's device (a GPU where there is one), with the EMA
+        weights (``ema=False``: the raw ones), in evaluation mode (moving
+        statistics, no dropout), in chunks of ``batch_size`` examples
+        (``Replica.predict``: one copy to the host at the end, a sync point).
+        ``x`` is any number of examples (0 too), checked as ``evaluate``
+        checks them (the data set's example shape and dtype, uint8 or finite
+        floats).  ``towers.softmax`` turns the logits into probabilities;
+        their argmax is the predicted class.  Weights that hold NaN or inf
+        are a ``TrainingError`` naming one, as in ``evaluate``.
+        """
+        self._open()
+        batch = integer(batch_size, 1, "predict: batch_size")
+        if x is None:
+            x = self.dataset.x_test
+            if x is None:
+                raise UserError("predict: no test data to predict: give x, or x_test/y_test in `data`, or `test_data`")
+        else:
+            x, _ = self._check_examples(x, None, "predict", None)
+        logits = self.executor.predict(ema, x, batch)
+        if not numpy.isfinite(logits).all():
+            self._diverged("predict", ema)
+        return logits
+
+    def _diverged(self, where: str, ema: bool) -> None:
+        """A ``TrainingError`` naming a weight that holds NaN or inf, if one does (looked for only after a
+        non-finite result: a diverged run's, not a meaningless figure beside it)."""
+        bad = checkpoint.non_finite(self.executor.get_weights(ema))
+        if bad is not None:
+            raise TrainingError(f"{where}: the {'EMA' if ema else 'raw'} weights hold NaN or inf ({bad!r}): "
+                                "training diverged; lower `lr` and train again, or load an earlier checkpoint "
+                                "(load_state_dict)")
 
     def test_accuracy(self) -> dict:
         """{"test_accuracy", "test_accuracy_ema"} ({} without test data)."""

@@ -347,6 +347,9 @@ class ClusterExecutor(Executor):
     def evaluate(self, ema: bool, x, y) -> dict:
         return self._source_call("evaluate", ema, x, y)
 
+    def predict(self, ema: bool, x, batch: int):
+        return self._source_call("predict", x, ema, batch)
+
     def check_replicas(self) -> bool:
         """Each host's towers, then every host against host 0 (or the server); async: never (by design)."""
         if self.cfg.sync == "async":

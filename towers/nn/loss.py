@@ -9,9 +9,15 @@ the target is ``(1 - eps) * onehot + eps / C``, so the loss is the plain
 cross-entropy plus ``eps * mean_rows(z_y - mean_c z_c)`` and the gradient
 ``(softmax - onehot) / n + eps * (onehot - 1 / C) / n``: the plain loss and
 gradient, then two corrections (array operations on either device).
+
+``softmax`` turns logits (``Trainer.predict``'s) into probabilities on the
+host, with the same max shift.
 """
 from __future__ import annotations
 
+import numpy
+
+from towers.devices.placement import check_host
 from towers.nn import kernels
 from towers.nn.layers import Workspace
 
@@ -44,3 +50,18 @@ def softmax_cross_entropy(logits, labels, ws: Workspace, want_loss: bool = True,
 def accuracy_count(logits, labels) -> int:
     """Number of correct predictions (host int: a sync point, used at eval only)."""
     return int((logits.argmax(axis=1) == labels).sum())
+
+
+def softmax(logits, axis: int = -1) -> numpy.ndarray:
+    """Probabilities from logits (``towers.softmax``): ``exp(z - max z) / sum exp(z - max z)`` along ``axis``.
+
+    A host (NumPy) array in, float32 out.  Subtracting each row's largest
+    logit first keeps ``exp`` from overflowing (logits of 1000 give 1, not
+    inf / inf = nan) and changes nothing else: the factor ``exp(-max z)``
+    cancels.  The largest probability of a row is at its largest logit, so the
+    argmax (the predicted class) is the logits' own.
+    """
+    check_host(logits, "softmax: logits")
+    z = numpy.asarray(logits, dtype=numpy.float32)
+    e = numpy.exp(z - z.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)

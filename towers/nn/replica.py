@@ -10,8 +10,8 @@ statistics; often empty), which layers update in place while training.
 
 ``context`` (``towers.nn.context.StepContext``) tells the layers whether they
 train, the step, the tower, the seed and the sync-BN callable;
-``loss_and_grads`` runs in training mode, ``forward`` (by default) and
-``evaluate`` in evaluation mode.
+``loss_and_grads`` runs in training mode, ``forward`` (by default),
+``evaluate`` and ``predict`` in evaluation mode.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import contextlib
 import numpy
 
 from towers.data.dataset import input_scale
+from towers.devices.placement import to_host
 from towers.nn import kernels
 from towers.nn.context import StepContext
 from towers.nn.layers import Sequential, Workspace
@@ -181,27 +182,49 @@ class Replica:
             self._scratch = (flat, [{k: views[n] for k, n in names} for names in self._grad_names])
         return self._scratch[1]
 
+    def _chunks(self, x, batch: int):
+        """(start, logits) of each chunk of ``batch`` host examples of ``x``, in evaluation mode.
+
+        Chunks are small because a convolution's im2col buffer grows with
+        them; the last one is short, never padded.  uint8 inputs are scaled by
+        1/255 on the device, as in training.  The logits may live in a
+        workspace that the next chunk overwrites: use them before asking for it.
+        """
+        xp = self.xp
+        for start in range(0, len(x), batch):
+            xb = xp.asarray(x[start : start + batch])
+            scale = input_scale(xb.dtype)
+            xb = xb * scale if scale is not None else xb.astype(self.dtype, copy=False)
+            yield start, self.forward(xb.astype(self.dtype, copy=False))
+
     def evaluate(self, x, y, batch: int = 250) -> tuple[float, float]:
         """Mean loss (without L2 and label smoothing) and accuracy over host arrays ``x``, ``y``.
 
-        Evaluation mode (moving statistics, no dropout).  Counts real examples
-        only (the last chunk is short, never padded).  Chunks are small because
-        a convolution's im2col buffer grows with them.  uint8 inputs are scaled
-        by 1/255 on the device, as in training.
+        Evaluation mode (moving statistics, no dropout), in chunks of
+        ``batch`` (``_chunks``); counts real examples only.  Each chunk's loss
+        and count reach the host (a sync point per chunk on a GPU).
         """
         xp = self.xp
         total_loss, correct = 0.0, 0
-        for start in range(0, len(x), batch):
-            xb = xp.asarray(x[start : start + batch])
+        for start, logits in self._chunks(x, batch):
             yb = xp.asarray(y[start : start + batch])
-            scale = input_scale(xb.dtype)
-            xb = xb * scale if scale is not None else xb.astype(self.dtype, copy=False)
-            logits = self.forward(xb.astype(self.dtype, copy=False))
             loss, _ = softmax_cross_entropy(logits, yb, self._loss_ws, True)
             total_loss += float(loss) * len(yb)
             correct += accuracy_count(logits, yb)
         n = max(len(x), 1)
         return total_loss / n, correct / n
+
+    def predict(self, x, batch: int = 250) -> numpy.ndarray:
+        """The logits of host examples ``x`` as a host float32 array (len(x), classes).
+
+        Evaluation mode, in chunks of ``batch`` (``_chunks``) gathered into one
+        array on the device, which is copied to the host once at the end (the
+        one sync point on a GPU).  ``len(x)`` may be 0.
+        """
+        out = self.xp.empty((len(x),) + tuple(self.model.output_shape), dtype=self.dtype)
+        for start, logits in self._chunks(x, batch):
+            out[start : start + len(logits)] = logits
+        return to_host(out)
 
 
 _NO_TIMER = contextlib.nullcontext()
