@@ -1,9 +1,12 @@
-"""Predictions: ``Trainer.predict`` and ``towers.softmax``.
+"""Predictions: ``Trainer.predict``, ``towers.softmax``, ``towers.load`` of a finished run.
 
 Before: the logits were reachable only through ``tr.replicas[0].forward(...)`` (a tower's raw weights, no
-EMA, no uint8 scaling, one batch at a time).
+EMA, no uint8 scaling, one batch at a time), and a finished run was loaded only by ``towers.eval``.
 """
 from __future__ import annotations
+
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -111,3 +114,110 @@ def test_softmax_gives_probabilities_without_overflow_and_keeps_the_argmax():
     e = np.exp(logits[1] - 3)
     assert np.allclose(p[1], e / e.sum(), rtol=1e-6)
     assert np.allclose(towers.softmax(logits.T, axis=0), p.T)
+
+
+def test_load_of_a_finished_run_predicts_the_live_trainers_logits(run):
+    logdir, logits, weights = run
+    x = digits()["x_test"]
+    for source in (logdir, logdir / "final.npz", logdir / "ckpt-00000030.npz", str(logdir)):
+        with towers.load(source) as model:
+            assert isinstance(model, towers.Predictor) and model.step == 30
+            assert model.example_shape == (8, 8) and model.example_dtype == np.uint8 and model.num_classes == 10
+            for ema in (True, False):
+                assert np.array_equal(model.predict(x, ema=ema), logits[ema]), (source, ema)
+            assert np.array_equal(model.predict(), logits[True])  # no x: the run's test data
+            got = model.evaluate()
+            assert got["accuracy"] == float(np.mean(logits[True].argmax(axis=1) == digits()["y_test"]))
+            assert model.get_weights(ema=True).keys() == weights.keys()
+            assert all(np.array_equal(model.get_weights(ema=True)[k], weights[k]) for k in weights)
+    with towers.load(logdir / "ckpt-00000010.npz") as early:  # an earlier checkpoint: its own weights
+        assert early.step == 10 and not np.array_equal(early.predict(x), logits[True])
+
+
+def test_load_needs_no_training_data_and_checks_inputs_against_the_checkpoint(tmp_path):
+    d = digits()
+    scaled = {k: d[k].astype(np.float32) / 16 if k.startswith("x") else d[k] for k in d}
+    np.savez(tmp_path / "train.npz", x=scaled["x"], y=scaled["y"])
+    np.savez(tmp_path / "test.npz", x=scaled["x_test"], y=scaled["y_test"])
+    cfg = Config(**SMALL, steps=20, data=str(tmp_path / "train.npz"), test_data=str(tmp_path / "test.npz"),
+                 logdir=str(tmp_path / "run"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+        want, evaluated = tr.predict(scaled["x_test"]), tr.evaluate()
+    os.unlink(tmp_path / "train.npz")  # gone: the checkpoint describes the data
+    with towers.load(tmp_path / "run") as model:
+        assert model.example_dtype == np.float32
+        assert np.array_equal(model.predict(scaled["x_test"].astype(np.float64)), want)  # float64: taken as float32
+        assert model.evaluate() == evaluated  # the run's --test-data, read alone
+        assert model.evaluate(x=scaled["x_test"], y=scaled["y_test"]) == evaluated
+        for call, message in [
+            (lambda: model.predict(d["x_test"]), "predict: test examples are uint8 but training examples float32"),
+            (lambda: model.evaluate(x=scaled["x_test"][:5], y=np.full(5, 10)), "evaluate: labels must be integers "
+                                                                              "0..9"),
+            (lambda: model.evaluate(x=scaled["x_test"][:5]), "evaluate: give both x and y"),
+            (lambda: model.predict(scaled["x_test"][:, :4]), r"examples are float32 \(4, 8\), the data set's are "
+                                                             r"float32 \(8, 8\)"),
+        ]:
+            with pytest.raises(UserError, match=message):
+                call()
+
+
+def test_load_of_a_model_object_run_takes_the_model_again(tmp_path):
+    d = digits()
+
+    def layers():
+        return [Flatten(), Dense("fc1", 32), BatchNorm("bn"), ReLU(), Dense("fc2", 10)]
+    with Trainer(Config(**SMALL, steps=20, logdir=str(tmp_path / "run")), model=layers()) as tr:
+        tr.fit()
+        want = tr.predict(d["x_test"])
+    with pytest.raises(UserError, match=r"was trained with a model object handed to the Trainer, which a checkpoint "
+                                        r"does not hold: give it again in Python, towers.load\(.*, model=\.\.\.\)"):
+        towers.load(tmp_path / "run")
+    with towers.load(tmp_path / "run", model=layers()) as model:  # buffers too: the moving statistics
+        assert np.array_equal(model.predict(d["x_test"]), want)
+
+
+def test_load_errors_are_one_line(run, tmp_path):
+    logdir = run[0]
+
+    def error(source):
+        with pytest.raises(UserError) as e:
+            towers.load(source)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+    assert error(tmp_path / "missing") == (f"towers.load: {tmp_path / 'missing'} does not exist: give a run's logdir, "
+                                           "one of its ckpt-*.npz, or its final.npz")
+    (tmp_path / "empty").mkdir()
+    assert error(tmp_path / "empty").startswith(f"towers.load: no checkpoint in {tmp_path / 'empty'}: give a run's")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "ckpt-00000005.npz").write_bytes(b"not a zip")
+    assert error(bad) == (f"none of the 1 checkpoints in {bad} can be read (newest: {bad / 'ckpt-00000005.npz'}): "
+                          f"nothing to load; towers.load('{bad / 'ckpt-00000005.npz'}') says why it fails")
+    assert "is not a readable checkpoint" in error(bad / "ckpt-00000005.npz")
+    alone = tmp_path / "final.npz"  # away from its run: nothing says which model or data it is
+    shutil.copy(logdir / "final.npz", alone)
+    assert "the checkpoint of its step, which has the run's settings, is not beside it" in error(alone)
+
+
+def test_load_of_a_logdir_skips_an_unreadable_newest_checkpoint_with_a_notice(run, tmp_path, notices):
+    logdir = tmp_path / "run"
+    shutil.copytree(run[0], logdir)
+    (logdir / "ckpt-00000040.npz").write_bytes(b"cut short")
+    with towers.load(logdir) as model:
+        assert model.step == 30 and np.array_equal(model.predict(digits()["x_test"]), run[1][True])
+    assert any("ckpt-00000040.npz is unreadable" in line for line in notices), notices
+
+
+def test_load_of_an_image_run_takes_what_its_towers_took(tmp_path):
+    # normalize makes the stored uint8 pixels float32 on the image path: the model's inputs, which the checkpoint's
+    # fingerprint (uint8, as stored) does not say alone.
+    cfg = Config(**SMALL, steps=10, normalize="0.5,0.25", logdir=str(tmp_path / "run"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+        want = tr.predict()
+    with towers.load(tmp_path / "run") as model:
+        assert model.example_dtype == np.float32
+        assert np.array_equal(model.predict(), want)  # its test data made as the run made it
+        with pytest.raises(UserError, match="predict: test examples are uint8 but training examples float32"):
+            model.predict(digits()["x_test"])

@@ -18,18 +18,25 @@ and at the top: ``config`` (settings), ``trainer`` (the ``Trainer``, the
 public API) over an ``executor`` (``local``: this process's towers;
 ``cluster/``: host actors on Ray, imported only for ``hosts`` > 1), ``loop``
 (segments of steps), ``extensions`` (the loop's side concerns),
-``profiling``, and the command lines ``train`` and ``eval``.
+``profiling``, ``inference`` (``towers.load``: a finished run's model for
+predictions) and the command lines ``train`` and ``eval``.
 
     >>> import towers
     >>> with towers.Trainer(towers.Config(n_gpu=2, devices="cpu", steps=500)) as tr:
     ...     metrics = tr.fit()
     ...     weights = tr.get_weights()
     ...     logits = tr.predict(x)               # x: examples of the data's shape; towers.softmax(logits)
+
+A finished run loads without its training data (``inference``)::
+
+    >>> model = towers.load("runs/a")            # a logdir, a ckpt-*.npz or a final.npz
+    >>> model.predict(x), model.evaluate()       # its logits; loss and accuracy on its test data
 """
 from towers.config import Config
 from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset
 from towers.errors import TrainingError, UserError
+from towers.inference import Predictor, load
 from towers.nn.conv import Conv2D
 from towers.nn.dropout import Dropout
 from towers.nn.layers import Dense, Flatten, ReLU, Sequential
@@ -39,7 +46,7 @@ from towers.nn.pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from towers.nn.residual import PadShortcut, Residual
 from towers.trainer import Trainer
 
-__all__ = ["Config", "Trainer", "ClusterTrainer", "Dataset", "load_dataset", "softmax",
+__all__ = ["Config", "Trainer", "ClusterTrainer", "Dataset", "load_dataset", "load", "Predictor", "softmax",
            "Sequential", "Dense", "ReLU", "Flatten",
            "Conv2D", "MaxPool2D", "AvgPool2D", "GlobalAvgPool", "BatchNorm", "LRN", "Dropout", "Residual",
            "PadShortcut",

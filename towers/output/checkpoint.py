@@ -179,6 +179,38 @@ def latest_checkpoint(logdir: str, warn=None, finite: bool = False) -> tuple[str
     return None
 
 
+def newest_readable(logdir: str, warn, action: str, show) -> tuple[str, dict] | None:
+    """``latest_checkpoint`` for reading a run (``towers.eval``, ``towers.load``): the newest checkpoint in
+    ``logdir`` that loads, or None when there is none.
+
+    The files skipped on the way are reported through ``warn`` only when one
+    loads; when none does, the ``UserError`` says there is nothing to
+    ``action`` and ends with ``show(newest)``, the way to see why the newest
+    fails (``latest_checkpoint``'s own message advises a training run to
+    start fresh).
+    """
+    skipped = []
+    try:
+        found = latest_checkpoint(logdir, warn=skipped.append)
+    except UserError:
+        names = list_checkpoints(logdir)  # a training run's rotation may have removed them since
+        newest, why = (f" (newest: {names[0][1]})", f"; {show(names[0][1])}") if names else ("", "")
+        raise UserError(f"none of the {len(skipped)} checkpoints in {logdir} can be read{newest}: "
+                        f"nothing to {action}{why}") from None
+    for line in skipped:
+        warn(line)
+    return found
+
+
+def read_checkpoint(path: str) -> dict:
+    """The arrays of the checkpoint, or run's ``final.npz``, at ``path`` (``load_checkpoint``); a
+    ``UserError`` naming it when it cannot be read."""
+    try:
+        return load_checkpoint(path, final=True)
+    except CheckpointError as e:
+        raise UserError(f"{path} is not a readable checkpoint ({e})") from None
+
+
 def non_finite(arrays: dict) -> str | None:
     """The first floating array of a state dict (weights, EMA, optimizer state, buffers) holding NaN or inf."""
     for key, a in arrays.items():

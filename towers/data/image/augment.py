@@ -98,6 +98,12 @@ def parse_normalize(text, channels: int):
     return np.broadcast_to(mean, (channels,)).copy(), np.broadcast_to(std, (channels,)).copy()
 
 
+def transformed_dtype(augment: str, normalized: bool) -> np.dtype:
+    """What a transform hands the towers: uint8 pixels, or float32 once ``normalize`` or ``tf-cifar10``'s
+    standardization has scaled them (``Transform.dtype``; ``towers.inference`` reads a run's from its settings)."""
+    return np.dtype(np.float32 if normalized or augment == "tf-cifar10" else np.uint8)
+
+
 class Transform:
     """One example -> the towers' array: ``decode`` (H, W, C of the decoded image), ``augment``, ``normalize``.
 
@@ -115,7 +121,7 @@ class Transform:
             raise UserError(f"`augment` tf-cifar10 crops 24 x 24 but the images are {h} x {w}")
         self.norm = parse_normalize(normalize, c) if normalize else None
         self.shape = (TF_CIFAR_CROP, TF_CIFAR_CROP, c) if augment == "tf-cifar10" else (h, w, c)
-        self.dtype = np.dtype(np.float32 if self.norm is not None or augment == "tf-cifar10" else np.uint8)
+        self.dtype = transformed_dtype(augment, self.norm is not None)
         self.draws = {"none": 0, "cifar": 3, "tf-cifar10": 5, "imagenet": 41}[augment]
 
     def __call__(self, example, u=None) -> np.ndarray:

@@ -1,0 +1,265 @@
+"""A finished run's model, for inference: ``towers.load`` and the ``Predictor`` it gives.
+
+``towers.load(source)`` reads what a run left: its logdir (the newest
+checkpoint there that loads), one of its ``ckpt-*.npz``, or its ``final.npz``
+(weights only: the settings come from the checkpoint of its step beside it,
+``towers.output.checkpoint.load_final``).  A checkpoint records the run's
+settings and what its training data was (the example shape, the classes and
+their names, the examples' stored dtype), so the model is built and its
+inputs are checked without the training data.  ``towers.eval`` builds its
+model, and finds its test data, through this module too: one piece of code.
+
+Why a ``Predictor`` and not a ``Trainer``: a ``Trainer`` is a run in
+progress, made from settings and training data: towers, optimizer state,
+an input thread, an all-reduce.  A finished run's checkpoint holds the
+model, its raw and EMA weights and the description of its data, and
+inference needs nothing more: one replica on one device.  What the two share
+is one piece of code each: the input check (``towers.trainer.check_inputs``),
+the forward pass in chunks (``Replica.predict``, ``Replica.evaluate``).
+
+Algorithm: the raw and the EMA weights are checked against the model's
+layout and kept as host flat arrays; one ``Replica`` on the device (the first
+GPU where there is one, else the CPU) holds the model's buffers (batch
+norm's moving statistics) and takes the weights asked for when they change.
+Sync points: ``predict`` copies its logits to the host once at the end;
+``evaluate`` brings each chunk's loss and count to the host.  Limits: the
+weights are held twice on the host (raw and EMA) and once on the device; a
+model handed to the ``Trainer`` as an object is not in its checkpoint, which
+records only that there was one: give it again (``model=``).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy
+
+from towers.config import MODEL_OBJECT
+from towers.data.dataset import TestSet
+from towers.data.inputs import is_tfrecord
+from towers.data.loading import load_test_data, uses_images
+from towers.devices.cpu_threads import input_workers
+from towers.devices.placement import Device, resolve
+from towers.errors import UserError, notice
+from towers.nn.models import build_model
+from towers.nn.replica import Replica
+from towers.output.checkpoint import model_weights, named_to_flat, newest_readable, read_checkpoint, \
+    recorded_classes
+from towers.settings import integer
+from towers.state import Layout, under
+from towers.trainer import check_inputs
+
+FIX = {"loaded": "it cannot be loaded", "evaluated": "it cannot be evaluated"}
+
+
+def load(source: str, model=None) -> "Predictor":
+    """The model of a finished run, ready to ``predict`` and ``evaluate`` without its training data.
+
+    ``source``: a run's logdir (its newest checkpoint that loads; unreadable
+    newer ones are skipped with a notice), a ``ckpt-*.npz``, or a run's
+    ``final.npz`` (with the checkpoint of its step beside it, as a run leaves
+    it).  ``model``: the model object (a ``towers.Sequential`` or a list of
+    layers) a run was given in place of a built-in one.  Anything else is a
+    ``UserError`` in one line.
+    """
+    source = os.fspath(source)
+    what = "give a run's logdir, one of its ckpt-*.npz, or its final.npz"
+    if os.path.isdir(source):
+        found = newest_readable(source, notice, "load", lambda newest: f"towers.load({newest!r}) says why it fails")
+        if found is None:
+            raise UserError(f"towers.load: no checkpoint in {source}: {what} (train with `logdir` {source} first)")
+        path, arrays = found
+    elif not os.path.exists(source):
+        raise UserError(f"towers.load: {source} does not exist: {what}")
+    else:
+        path, arrays = source, read_checkpoint(source)
+    return Predictor(path, arrays, model=model)
+
+
+class Predictor:
+    """A trained model from a checkpoint, on one device: ``predict``, ``evaluate``, ``get_weights``.
+
+    Made by ``towers.load`` (or by ``towers.eval``, from the arrays of
+    ``towers.output.checkpoint.load_checkpoint``).  Its attributes describe the
+    run: ``path`` (the checkpoint read), ``step``, ``config`` (the run's
+    settings, a dict), ``example_shape``, ``example_dtype`` (None when the
+    checkpoint does not record it, before fingerprints), ``num_classes``,
+    ``classes`` (an image folder's class names, label k at k, else None),
+    ``model`` and ``device``.  ``device``: where it runs (default: the first GPU
+    where there is one, else the CPU); ``test`` and ``test_sets``: what
+    ``test_data`` reads (``TestSets.get``'s overrides, and the cache it is
+    kept in: ``towers.eval`` shares one between checkpoints); ``purpose``: how
+    a checkpoint that does not fit its model is refused ("it cannot be ...").
+    Use it as a context manager, or ``close()`` (a TFRecord or image test set
+    has input workers to stop).
+    """
+
+    def __init__(self, path: str, arrays: dict, model=None, device: Device | None = None, test: dict | None = None,
+                 test_sets: "TestSets | None" = None, purpose: str = "loaded"):
+        ck = arrays["config"]
+        self.path, self.step, self.config = path, int(arrays["step"]), ck
+        self.example_shape = tuple(int(v) for v in numpy.ravel(arrays["data/shape"])[1:])
+        self.num_classes = int(arrays["data/num_classes"])
+        self.classes = recorded_classes(arrays)
+        self.example_dtype = trained_dtype(arrays)
+        self.model = run_model(arrays, path, model)
+        self._weights = {ema: named_to_flat(self.model, model_weights(self.model, arrays, "ema" if ema else "params",
+                                                                     path, FIX[purpose]))
+                         for ema in (False, True)}
+        buffers = Layout(self.model.buffer_layout())  # moving statistics: evaluation normalizes with them
+        self._buffers = buffers.join(buffers.check(under(arrays, "buffers"), f"{path} does not fit this model",
+                                                   "buffer"))
+        self.device = device or resolve(1, None, soft=True).towers[0]  # a GPU when there is one
+        with self.device.scope():
+            self.replica = Replica(self.model, self.device.xp)
+            self.replica.set_buffers(self._buffers)
+        self._holds = None  # which weights the replica holds: True the EMA's, False the raw ones
+        self._arrays, self._test = arrays, dict(test or {})
+        self._own_sets = test_sets is None
+        self._sets = TestSets() if test_sets is None else test_sets
+
+    def _replica(self, ema: bool) -> Replica:
+        """The replica with the weights asked for (call within ``self.device.scope()``)."""
+        if self._holds is not bool(ema):
+            self.replica.set_params(self._weights[bool(ema)])
+            self._holds = bool(ema)
+        return self.replica
+
+    def _check(self, x, y, where: str):
+        return check_inputs(x, y, where, self.example_shape, self.example_dtype, self.num_classes)
+
+    def predict(self, x=None, ema: bool = True, batch_size: int = 250) -> numpy.ndarray:
+        """The logits of ``x`` (default: the test data) as a host float32 array (len(x), classes).
+
+        As ``Trainer.predict``: the EMA weights (``ema=False``: the raw ones),
+        evaluation mode, chunks of ``batch_size``; ``x`` is checked as the
+        ``Trainer`` checks it, against the shape and dtype the run trained on.
+        """
+        batch = integer(batch_size, 1, "predict: batch_size")
+        if x is None:
+            x = self.test_data().x
+        else:
+            x, _ = self._check(x, None, "predict")
+        with self.device.scope():
+            return self._replica(ema).predict(x, batch)
+
+    def evaluate(self, ema: bool = True, x=None, y=None) -> dict:
+        """{"loss", "accuracy"} on ``x``, ``y`` (checked as ``Trainer.evaluate`` checks them), or on the test
+        data (``test_data``); the loss is the mean cross-entropy without the L2 term."""
+        if (x is None) != (y is None):
+            raise UserError("evaluate: give both x and y (examples and their labels), or neither for the test data")
+        if x is None:
+            ds = self.test_data()
+            x, y = ds.x, ds.y
+        else:
+            x, y = self._check(x, y, "evaluate")
+        with self.device.scope():
+            loss, acc = self._replica(ema).evaluate(x, y)
+        return {"loss": loss, "accuracy": acc}
+
+    def test_data(self) -> TestSet:
+        """The test split ``evaluate()`` and ``predict()`` take without ``x``: the run's `test_data`, else its
+        `data`'s x_test/y_test, read alone (``towers.data.loading.load_test_data``: the training data may be
+        gone), labelled in the run's classes; loaded once."""
+        return self._sets.get(self._arrays, **self._test)
+
+    def get_weights(self, ema: bool = False) -> dict[str, numpy.ndarray]:
+        """{name: float32 host copy}: the weights (or the EMA's), then the model's buffers, as
+        ``Trainer.get_weights`` gives them."""
+        named = Layout(self.model.layout()).split(self._weights[bool(ema)])
+        named.update(Layout(self.model.buffer_layout()).split(self._buffers))
+        return {k: numpy.array(v, dtype=numpy.float32) for k, v in named.items()}
+
+    def close(self) -> None:
+        """Stop the input workers of a TFRecord or image test set it loaded (idempotent)."""
+        if self._own_sets:
+            self._sets.close()
+
+    def __enter__(self) -> "Predictor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_model(arrays: dict, path: str, model=None):
+    """The model a checkpoint's run trained, built from its settings for its data's shape and classes
+    (``towers.nn.models.build_model``); ``model``: the model object the run was given, which a checkpoint
+    records only as ``<model object>``."""
+    ck = arrays["config"]
+    spec = ck.get("model", "mlp") if model is None else model
+    if isinstance(spec, str) and spec == MODEL_OBJECT:
+        raise UserError(f"{path} was trained with a model object handed to the Trainer, which a checkpoint does not "
+                        f"hold: give it again in Python, towers.load({path!r}, model=...)")
+    shape = tuple(int(v) for v in numpy.ravel(arrays["data/shape"])[1:])
+    return build_model(spec, shape, int(arrays["data/num_classes"]), ck.get("hidden", 500))
+
+
+def trained_dtype(arrays: dict) -> numpy.dtype | None:
+    """The dtype of the examples a checkpoint's model was trained on, as its towers took them; None when the
+    checkpoint does not record it (written before ``data/fingerprint``).
+
+    The stored dtype (the fingerprint's) is uint8 pixels or float32 (the
+    loader makes every float dtype float32); the image path's transform makes
+    uint8 pixels float32 with ``normalize`` or ``tf-cifar10``
+    (``towers.data.image.augment.transformed_dtype``).
+    """
+    ck = arrays["config"]
+    if ck.get("normalize") or ck.get("augment", "none") != "none":
+        from towers.data.image.augment import transformed_dtype  # the image path: imported only for it
+
+        if transformed_dtype(ck.get("augment", "none"), bool(ck.get("normalize"))) != numpy.uint8:
+            return numpy.dtype(numpy.float32)
+    if "data/fingerprint" not in arrays:
+        return None
+    stored = json.loads(str(numpy.asarray(arrays["data/fingerprint"])[()])).get("dtype")
+    return numpy.dtype(numpy.uint8 if stored == "uint8" else numpy.float32)
+
+
+class TestSets:
+    """The test splits checkpoints are evaluated on, each loaded once (``towers.eval --watch`` evaluates many
+    checkpoints of one run); ``loaded(test_set)`` is called with each one when it is loaded."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, loaded=None):
+        self._sets: dict = {}
+        self.loaded = loaded
+
+    def get(self, arrays: dict, data: str | None = None, test_data: str | None = None, x_key: str | None = None,
+            y_key: str | None = None, decode: str | None = None) -> TestSet:
+        """The test split a checkpoint is evaluated on, labelled in its classes.
+
+        ``test_data`` (else the checkpoint's, unless ``data`` replaces the whole data source) is read
+        alone; without one, the test split of ``data`` (else the checkpoint's): an npz's ``x_test``/
+        ``y_test``.  The training data is never read: what the test split is checked and matched against
+        (example shape, classes and their names, the stored dtype) is in the checkpoint.  ``x_key``,
+        ``y_key``, ``decode``: the checkpoint's unless given.
+        """
+        ck = arrays["config"]
+        test = test_data or (None if data else ck.get("test_data"))
+        path = test or data or ck["data"]
+        x_key, y_key = x_key or ck.get("x_key", "x"), y_key or ck.get("y_key", "y")
+        shape = tuple(int(v) for v in numpy.ravel(arrays["data/shape"])[1:])
+        classes = recorded_classes(arrays)
+        stored = json.loads(str(arrays["data/fingerprint"][()])) if "data/fingerprint" in arrays else {}
+        key = (path, test is None, x_key, y_key, shape, int(arrays["data/num_classes"]),
+               tuple(classes) if classes else None, stored.get("dtype"))
+        if key not in self._sets:
+            # Trained from images (a folder: it recorded its classes): the test split is made as images too.
+            images = classes is not None or uses_images(None, ck.get("decode"), ck.get("augment", "none"),
+                                                        ck.get("normalize"), ck.get("image_size"))
+            ds = load_test_data(path, shape, key[5], classes, stored.get("dtype"), x_key, y_key,
+                                decode=decode or (ck.get("decode") if is_tfrecord(path) else None),
+                                on_error=ck.get("on_error", "stop"), workers=input_workers(ck.get("input_workers"), 0),
+                                augment=ck.get("augment", "none"), normalize=ck.get("normalize"),
+                                image_size=ck.get("image_size"), own=test is None, images=images)
+            if self.loaded is not None:
+                self.loaded(ds)
+            self._sets[key] = ds
+        return self._sets[key]
+
+    def close(self) -> None:
+        """Stop the worker processes of TFRecord and image test sets."""
+        for ds in self._sets.values():
+            ds.close()
