@@ -1,4 +1,4 @@
-"""Predictions: ``Trainer.predict``, ``towers.softmax``, ``towers.load`` of a finished run.
+"""Predictions: ``Trainer.predict``, ``towers.softmax``, ``towers.load`` of a finished run, ``towers.eval --predict``.
 
 Before: the logits were reachable only through ``tr.replicas[0].forward(...)`` (a tower's raw weights, no
 EMA, no uint8 scaling, one batch at a time), and a finished run was loaded only by ``towers.eval``.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import towers
-from conftest import DIGITS
+from conftest import DIGITS, run_cli
 from towers import BatchNorm, Config, Dataset, Dense, Flatten, ReLU, Trainer, TrainingError, UserError
 
 SMALL = dict(n_gpu=2, devices="cpu", hidden=16, batch_size=50, quiet=True, summary_every=0)
@@ -221,3 +221,42 @@ def test_load_of_an_image_run_takes_what_its_towers_took(tmp_path):
         assert np.array_equal(model.predict(), want)  # its test data made as the run made it
         with pytest.raises(UserError, match="predict: test examples are uint8 but training examples float32"):
             model.predict(digits()["x_test"])
+
+
+def test_eval_predict_writes_what_predict_gives(run, tmp_path):
+    logdir, logits, _ = run
+    y = digits()["y_test"]
+    for flags, ema in (((), True), (("--no-ema",), False)):
+        out = tmp_path / f"pred-{ema}.npz"
+        p = run_cli("--logdir", str(logdir), "--predict", str(out), *flags, module="towers.eval")
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.splitlines()[1] == (f"wrote {out}: logits and predicted classes of the 359 test examples "
+                                            f"({'EMA' if ema else 'raw'} weights)")
+        with np.load(out) as z:
+            assert sorted(z.files) == ["labels", "logits", "predicted"]
+            assert z["logits"].dtype == np.float32 and np.array_equal(z["logits"], logits[ema])
+            assert z["predicted"].dtype == np.int64 and np.array_equal(z["predicted"], logits[ema].argmax(axis=1))
+            assert np.array_equal(z["labels"], y)
+        assert f"accuracy = {np.mean(logits[ema].argmax(axis=1) == y):.4f}" in p.stdout
+    assert sorted(os.listdir(tmp_path)) == ["pred-False.npz", "pred-True.npz"]  # no temporary left
+
+
+def test_eval_predict_errors_are_one_line_and_write_nothing(run, tmp_path):
+    logdir = run[0]
+
+    def error(*args):
+        p = run_cli(*map(str, args), module="towers.eval")
+        assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+        return p.stderr.strip()
+    taken = tmp_path / "taken.npz"
+    taken.write_bytes(b"mine")
+    assert error("--logdir", logdir, "--predict", taken) == (
+        f"towers.eval: error: {taken} exists: towers.eval writes no file over another; remove it or choose another "
+        "--predict")
+    assert taken.read_bytes() == b"mine"
+    assert error("--logdir", logdir, "--predict", tmp_path / "no" / "p.npz") == (
+        f"towers.eval: error: cannot write {tmp_path / 'no' / 'p.npz'}: {tmp_path / 'no'} does not exist; choose "
+        "another --predict")
+    assert "--predict writes one file, of one checkpoint: not with --watch" in error(
+        "--logdir", logdir, "--predict", tmp_path / "w.npz", "--watch")
+    assert sorted(os.listdir(tmp_path)) == ["taken.npz"]

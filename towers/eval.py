@@ -7,8 +7,10 @@ checkpoint's configuration unless ``--data``/``--test-data`` say otherwise;
 only the test split is read, and its labels are matched to the checkpoint's
 classes (``data/classes``) by name (``towers.data.loading.load_test_data``).
 The model is built from the checkpoint, and the test split found, by
-``towers.inference`` (what ``towers.load`` gives in Python).  ``--watch``
-evaluates each new checkpoint as it appears until interrupted.
+``towers.inference`` (what ``towers.load`` gives in Python).  ``--predict
+OUT.npz`` also writes the test data's logits, predicted classes and labels,
+atomically (``towers.output.files``).  ``--watch`` evaluates each new
+checkpoint as it appears until interrupted.
 """
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ import os
 import sys
 import time
 
+import numpy
+
 from towers.cli import Parser, run_main, show_notices, warn_about
 from towers.errors import UserError
 from towers.data.image.load import describe_classes
 from towers.devices.placement import resolve
 from towers.inference import Predictor, TestSets
 from towers.output.checkpoint import newest_readable, read_checkpoint
+from towers.output.files import check_new_output, write_npz, write_new_output
 
 
 MAX_INTERVAL = 86400  # seconds between --watch polls; a longer wait is a typo, not a schedule
@@ -45,6 +50,9 @@ def build_parser(prog: str = "python -m towers.eval") -> argparse.ArgumentParser
     ap.add_argument("--x-key", help="npz key or TFRecord feature of the examples (default: the checkpoint's)")
     ap.add_argument("--y-key", help="npz key or TFRecord feature of the labels (default: the checkpoint's)")
     ap.add_argument("--decode", help="TFRecord: NAME:DTYPE[:SHAPE] or NAME:image:H,W,C (default: the checkpoint's)")
+    ap.add_argument("--predict", metavar="OUT.npz",
+                    help="also write the test data's logits, predicted classes and labels to this new .npz "
+                         "(arrays logits, predicted, labels)")
     ap.add_argument("--watch", action="store_true", help="evaluate each new checkpoint in --logdir until interrupted")
     ap.add_argument("--interval", type=float, default=10.0, metavar="SEC",
                     help=f"seconds between polls with --watch (0 < SEC <= {MAX_INTERVAL})")
@@ -71,7 +79,7 @@ class Evaluator:
         return Predictor(path, arrays, device=self.device, test=test, test_sets=self.test_sets, purpose="evaluated")
 
     def evaluate(self, path: str, arrays: dict) -> str:
-        """The line that reports the checkpoint's loss and accuracy."""
+        """The line that reports the checkpoint's loss and accuracy (and, with ``--predict``, the file written)."""
         p = self.predictor(path, arrays)
         result = p.evaluate(ema=self.args.ema)
         weights = "EMA" if self.args.ema else "raw"
@@ -79,7 +87,19 @@ class Evaluator:
         n = len(p.test_data().y)
         line = (f"{os.path.basename(path)} (step {p.step}): loss = {result['loss']:.4f}, accuracy = "
                 f"{result['accuracy']:.4f} on {n} test examples ({weights} weights){classes}")
+        if self.args.predict:
+            self.write_predictions(p)
+            line += (f"\nwrote {self.args.predict}: logits and predicted classes of the {n} test examples "
+                     f"({weights} weights)")
         return line
+
+    def write_predictions(self, p: Predictor) -> None:
+        """``--predict OUT``: the test data's ``logits`` (float32, examples x classes), ``predicted`` (their
+        argmax: the predicted class) and ``labels`` (int64), written atomically (no partial file, ever)."""
+        logits = p.predict(ema=self.args.ema)
+        arrays = {"logits": logits, "predicted": logits.argmax(axis=1).astype(numpy.int64),
+                  "labels": numpy.asarray(p.test_data().y, dtype=numpy.int64)}
+        write_new_output(self.args.predict, lambda f: write_npz(f, arrays.items()), "--predict")
 
 
 def _warn(line: str) -> None:
@@ -99,6 +119,10 @@ def run(args) -> None:
 
 
 def _run(args, ev: "Evaluator") -> None:
+    if args.predict:
+        if args.watch:
+            raise UserError("--predict writes one file, of one checkpoint: not with --watch")
+        check_new_output(args.predict, "towers.eval", "--predict")  # before any work
     if args.checkpoint:
         if args.watch:
             raise UserError("--watch needs --logdir (it waits for new checkpoints there), not --checkpoint")

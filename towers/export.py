@@ -37,7 +37,6 @@ exit 1, and no file.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -47,12 +46,10 @@ import numpy as np
 from towers.cli import Parser, run_main
 from towers.errors import UserError
 from towers.output.checkpoint import final_checkpoint, non_finite
-from towers.output.files import DiskError, atomic_write
+from towers.output.files import check_new_output, write_new_output
 from towers.state import Layout
 
 LAYOUTS = ("towers", "torch", "keras")
-# Errors that say the chosen folder cannot take a file (exit 2), not that the disk failed (exit 1).
-NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR)
 
 
 def read_weights(path: str, ema: bool) -> tuple[dict, dict]:
@@ -151,12 +148,7 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
     disk, I/O error) a DiskError; either way ``out`` is not written."""
     if layout not in LAYOUTS:
         raise UserError(f"--layout {layout!r} is unknown: use one of {', '.join(LAYOUTS)}")
-    if os.path.lexists(out):
-        raise UserError(f"{out} exists: export writes no file over another; remove it or choose another -o")
-    folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder):
-        what = "is not a folder" if os.path.exists(folder) else "does not exist"
-        raise UserError(f"cannot write {out}: {folder} {what}; choose another -o")
+    check_new_output(out, "export", "-o")
     named, run = read_weights(path, ema)
     metadata = {"format": "pt" if layout == "torch" else "np", "towers.layout": layout,
                 "towers.weights": "ema" if ema else "raw", "towers.step": str(run["step"])}
@@ -174,16 +166,7 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
     from safetensors.numpy import save
 
     data = save(tensors, metadata=metadata)
-    try:
-        atomic_write(out, lambda f: f.write(data))
-    except DiskError as e:  # a full disk or quota (``atomic_write`` names them), in this command's words
-        raise DiskError(out, e.error, advice=f"free some space in {folder} or choose another -o") from None
-    except OSError as e:
-        if e.errno in NOT_WRITABLE:  # the folder the user chose cannot take a file: a user mistake
-            code = errno.errorcode.get(e.errno, "")
-            raise UserError(f"cannot write {out}: {e.strerror or e} [{code}]: choose another -o, or make {folder} "
-                            "writable") from None
-        raise DiskError(out, e, advice="check that disk, or choose another -o") from None  # EIO, EFBIG, ...
+    write_new_output(out, lambda f: f.write(data), "-o")
     return {k: tuple(v.shape) for k, v in tensors.items()}
 
 

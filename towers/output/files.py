@@ -375,6 +375,46 @@ def atomic_write_text(path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
+# -- a command's output file -------------------------------------------------------------
+
+#: Errors that say the chosen folder cannot take a file (the user's choice: exit 2), not that the disk failed (exit 1).
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR)
+
+
+def check_new_output(out: str, command: str, flag: str) -> None:
+    """A ``UserError`` unless ``out`` can be a new file: none there yet, in a folder that exists.
+
+    Checked before the work that makes it (``command`` writes no file over
+    another); ``flag`` is the option that names it, in the advice.
+    """
+    if os.path.lexists(out):
+        raise UserError(f"{out} exists: {command} writes no file over another; remove it or choose another {flag}")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise UserError(f"cannot write {out}: {folder} {what}; choose another {flag}")
+
+
+def write_new_output(out: str, write, flag: str) -> None:
+    """``atomic_write(out, write)`` for a command's output named by ``flag``, its failures in one line each.
+
+    A folder that cannot take the file (read-only, no permission, gone) is a
+    ``UserError``; a full disk or an I/O error a ``DiskError``.  Either way no
+    file and no temporary remain.
+    """
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        atomic_write(out, write)
+    except DiskError as e:  # a full disk or quota (``atomic_path`` names them), with this flag's advice
+        raise DiskError(out, e.error, advice=f"free some space in {folder} or choose another {flag}") from None
+    except OSError as e:
+        if e.errno in NOT_WRITABLE:  # the folder the user chose cannot take a file: a user mistake
+            code = errno.errorcode.get(e.errno, "")
+            raise UserError(f"cannot write {out}: {e.strerror or e} [{code}]: choose another {flag}, or make "
+                            f"{folder} writable") from None
+        raise DiskError(out, e, advice=f"check that disk, or choose another {flag}") from None  # EIO, EFBIG, ...
+
+
 # -- write failures ---------------------------------------------------------------------
 
 
