@@ -122,6 +122,8 @@ def test_load_of_a_finished_run_predicts_the_live_trainers_logits(run):
     for source in (logdir, logdir / "final.npz", logdir / "ckpt-00000030.npz", str(logdir)):
         with towers.load(source) as model:
             assert isinstance(model, towers.Predictor) and model.step == 30
+            assert repr(model) == (f"<towers.Predictor {os.path.basename(model.path)} (step 30): mlp, examples (8, 8) "
+                                   f"uint8 -> 10 classes, on {model.device}>")
             assert model.example_shape == (8, 8) and model.example_dtype == np.uint8 and model.num_classes == 10
             for ema in (True, False):
                 assert np.array_equal(model.predict(x, ema=ema), logits[ema]), (source, ema)

@@ -170,6 +170,12 @@ class Predictor:
         named.update(Layout(self.model.buffer_layout()).split(self._buffers))
         return {k: numpy.array(v, dtype=numpy.float32) for k, v in named.items()}
 
+    def __repr__(self) -> str:
+        dtype = f" {self.example_dtype}" if self.example_dtype is not None else ""
+        model = self.config.get("model", "mlp")
+        return (f"<towers.Predictor {os.path.basename(self.path)} (step {self.step}): {model}, examples "
+                f"{self.example_shape}{dtype} -> {self.num_classes} classes, on {self.device}>")
+
     def close(self) -> None:
         """Stop the input workers of a TFRecord or image test set it loaded (idempotent)."""
         if self._own_sets:
