@@ -52,7 +52,10 @@ def pytest_collection_modifyitems(config, items):
         return
     # A dry run of the GPU tests on the CPU (tests/gpu_compare.py): those that take their device from there run.
     dry = os.environ.get("TOWERS_TEST_GPU_AS") == "cpu"
-    skip = pytest.mark.skip(reason="no CUDA device visible to CuPy")
+    from towers.devices.placement import cupy_installed
+
+    why = "no CUDA device visible to CuPy" if cupy_installed() else "CuPy is not installed (towers[cuda12], [cuda13])"
+    skip = pytest.mark.skip(reason=why)
     for item in items:
         if "gpu" in item.keywords and not (dry and "dry_run" in item.keywords):
             item.add_marker(skip)
