@@ -56,6 +56,19 @@ def test_two_hosts_match_one_host_two_towers(local_ray, sync):
     assert_same(got, want, rtol=0 if sync == "grads" else 1e-6)
 
 
+def test_epochs_give_every_host_the_step_count_of_one_host(local_ray):
+    """Each host derives the steps of `epochs` from its share (the run's examples per update) as the driver does:
+    under a cosine schedule, which ends at them, two hosts give one host's weights."""
+    kw = dict(epochs=1, lr_schedule="cosine")
+    with towers.Trainer(towers.Config(**SMALL, n_gpu=2, **kw)) as t:
+        assert t.cfg.steps == 8  # 1438 / 200, rounded up
+        want = weights_after(t, 8)
+    with cluster(hosts=2, n_gpu=1, **kw) as t:
+        assert t.cfg.steps == 8
+        got = weights_after(t, 8)
+    assert_same(got, want)
+
+
 def test_hosts_on_one_machine_split_its_cores_for_blas(local_ray):
     """CPU hosts sharing a machine each take their share of its cores for BLAS (each took every core: 2 hosts x 1
     tower ran at 0.16x of 1 host x 2 towers on 2 cores), so 2 hosts x 1 tower run what 1 host x 2 towers runs,

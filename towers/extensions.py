@@ -381,7 +381,8 @@ def settings_line(cfg, n_params: int | None = None) -> str:
         parts.append(f"label_smoothing {cfg.label_smoothing:g}")
     if cfg.sync_bn:
         parts.append("sync_bn")
-    parts += [f"ema_decay {cfg.ema_decay:g}", f"steps {cfg.steps}", f"sync {cfg.sync}"]
+    steps = f"steps {cfg.steps}" if cfg.epochs is None else f"epochs {cfg.epochs} = steps {cfg.steps}"
+    parts += [f"ema_decay {cfg.ema_decay:g}", steps, f"sync {cfg.sync}"]
     return "settings: " + ", ".join(parts)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+from towers.config import steps_of_epochs
 from towers.data.batches import BatchSource, InputPosition, Prefetcher, start_batch
 from towers.data.device_data import DeviceData, fits_on
 from towers.devices import kernels, matmul
@@ -90,6 +91,8 @@ class LocalExecutor(Executor):
         self._blas = self._tf32 = self.engine = self.reducer = self._prefetch = None
         n = len(placement.towers)
         self.share = share or Share(0, n, n)
+        # `epochs` gives the step count, once the data's size and a step's examples are known (every host's).
+        self.cfg = cfg = steps_of_epochs(cfg, len(dataset.x), self.examples_per_step)
         self._draw = self.share.draw_towers * self.tower_batch  # the run's global batch
         self._start_input(0, (0, 0))  # checks the batch fits, before any device memory
         try:

@@ -116,6 +116,7 @@ class Trainer:
         except BaseException:
             self.close()
             raise
+        self.cfg = self.executor.cfg  # with the steps `epochs` gives (``towers.config.steps_of_epochs``)
 
     def _local(self, reducer, share) -> Executor:
         try:

@@ -40,6 +40,7 @@ import numpy
 from towers.cluster import session
 from towers.cluster.board import Aborted, Board
 from towers.cluster.state import towers_per_update
+from towers.config import steps_of_epochs
 from towers.errors import TrainingError, UserError
 from towers.errors import notice as say_notice
 from towers.executor import Executor
@@ -93,6 +94,9 @@ class ClusterExecutor(Executor):
         except BaseException:
             self.close()
             raise
+        # `epochs` gives the step count once the hosts' towers are known; each host derives the same from its
+        # share (the run's examples per update), so the hosts get `epochs` as given.
+        self.cfg = cfg = steps_of_epochs(cfg, len(driver_data.x), self.examples_per_step)
         self.schedule = make_schedule(cfg, len(driver_data.x), self.examples_per_step)
 
     # -- start-up --------------------------------------------------------------------------
