@@ -337,14 +337,14 @@ class LocalExecutor(Executor):
         set_counters()
         self._start_input(self.step, position)
 
-    def evaluate(self, ema: bool, x, y) -> dict:
+    def evaluate(self, ema: bool, x, y, progress=None) -> dict:
         dev = self.towers[0].device
         self.synchronize()
         with dev.scope():
             r = Replica(self.model, dev.xp)
             r.set_params(self.ema.shadow if ema else self.towers[0].replica.params)
             r.set_buffers(self.towers[0].replica.buffers)
-            loss, acc = r.evaluate(x, y)
+            loss, acc = r.evaluate(x, y, progress=progress)
         return {"loss": loss, "accuracy": acc}
 
     # -- teardown ------------------------------------------------------------------------------

@@ -348,8 +348,11 @@ class ClusterExecutor(Executor):
         self._all("load_state_dict", state, where)
         self._step = int(numpy.asarray(state["step"]))
 
-    def evaluate(self, ema: bool, x, y) -> dict:
-        return self._source_call("evaluate", ema, x, y)
+    def evaluate(self, ema: bool, x, y, progress=None) -> dict:
+        result = self._source_call("evaluate", ema, x, y)
+        if progress is not None:  # host 0 (or the server) evaluates: its chunks are not seen from here
+            progress(len(x))
+        return result
 
     def check_replicas(self) -> bool:
         """Each host's towers, then every host against host 0 (or the server); async: never (by design)."""

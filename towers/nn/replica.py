@@ -181,13 +181,16 @@ class Replica:
             self._scratch = (flat, [{k: views[n] for k, n in names} for names in self._grad_names])
         return self._scratch[1]
 
-    def evaluate(self, x, y, batch: int = 250) -> tuple[float, float]:
+    def evaluate(self, x, y, batch: int = 250, progress=None) -> tuple[float, float]:
         """Mean loss (without L2 and label smoothing) and accuracy over host arrays ``x``, ``y``.
 
         Evaluation mode (moving statistics, no dropout).  Counts real examples
         only (the last chunk is short, never padded).  Chunks are small because
         a convolution's im2col buffer grows with them.  uint8 inputs are scaled
-        by 1/255 on the device, as in training.
+        by 1/255 on the device, as in training.  ``progress(k)``, when given,
+        is called after each chunk with its example count (a progress bar's
+        ``update``); each chunk's loss already reached the host (a sync point
+        per chunk, as before).
         """
         xp = self.xp
         total_loss, correct = 0.0, 0
@@ -200,6 +203,8 @@ class Replica:
             loss, _ = softmax_cross_entropy(logits, yb, self._loss_ws, True)
             total_loss += float(loss) * len(yb)
             correct += accuracy_count(logits, yb)
+            if progress is not None:
+                progress(len(yb))
         n = max(len(x), 1)
         return total_loss / n, correct / n
 
