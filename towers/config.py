@@ -244,8 +244,10 @@ class Config:
         "after another)", group="performance", check=Choice(("threads", "serial")), resume=SILENT, type="str",
         metavar="MODE")
     blas_threads: int = setting(
-        0, "BLAS threads of the process (0: auto, one per concurrent CPU tower, else every core; a host of "
-        "--hosts shares its machine's cores with the other CPU hosts there)",
+        0, "BLAS threads of the process (0: auto: the cores this process may use less one, split among its CPU "
+        "towers, at least one each, so a busy process beside it does not stall every product; --cpu-towers serial: "
+        "every core; a host of --hosts shares its machine's cores with the other CPU hosts there; see Performance "
+        "on the CPU)",
         group="performance", check=Integer(0), resume=SILENT, type="int", metavar="N")
     profile: bool = switch("print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase; see "
         "Performance)", group="performance", resume=SILENT)

@@ -52,14 +52,15 @@ DEATH_WAIT_S = 5.0  # after a failure: how long the other hosts' errors may take
 
 
 def core_shares(host_info: list[dict]) -> list[int]:
-    """Each host's share of its machine's cores (0: all of them), from the hosts' ``describe()``.
+    """Each host's share of its machine's cores (0: the one-host rule), from the hosts' ``describe()``.
 
-    CPU hosts on one machine split its cores (at least one each): each host's
-    BLAS is sized from its share (``towers.local.Share``), as one host's towers
-    split them, instead of every host taking them all, which on 2 cores made 2
-    hosts x 1 tower run at 0.16x of 1 host x 2 towers (each sgemm's threads
-    spinning against the other host's).  A host alone on its machine, and GPU
-    hosts, keep every core.  OpenBLAS sums some products in another order with
+    CPU hosts on one machine split its cores less one, as one host's towers
+    split them (``towers.devices.cpu_threads.blas_threads``: the spare core is
+    the machine's, left once), at least one each: each host's BLAS is sized
+    from its share (``towers.local.Share``) instead of every host taking them
+    all, which on 2 cores made 2 hosts x 1 tower run at 0.16x of 1 host x 2
+    towers (each sgemm's threads spinning against the other host's).  A host
+    alone on its machine, and GPU hosts, get 0: one host's rule.  OpenBLAS sums some products in another order with
     another thread count (the MNIST MLP's 784 x 500 layer, LeNet-5's; not the
     digits MLP's), so such a run's weights move by rounding from the releases
     before, and now equal 1 host x N towers' bit for bit (one BLAS thread a
@@ -69,7 +70,7 @@ def core_shares(host_info: list[dict]) -> list[int]:
     for info in host_info:
         if info["cpu"]:
             crowd[info["node_id"]] = crowd.get(info["node_id"], 0) + 1
-    return [max(1, info["cores"] // crowd[info["node_id"]]) if info["cpu"] and crowd[info["node_id"]] > 1 else 0
+    return [max(1, (info["cores"] - 1) // crowd[info["node_id"]]) if info["cpu"] and crowd[info["node_id"]] > 1 else 0
             for info in host_info]
 
 
