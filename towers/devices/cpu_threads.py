@@ -1,9 +1,9 @@
-"""Concurrent CPU towers: one persistent thread per tower, BLAS pinned to 1 thread each.
+"""Concurrent CPU towers: one persistent thread per tower, BLAS threads the cores less one split among them.
 
 NumPy releases the GIL inside BLAS calls and inside the loops of large
 elementwise operations, so N CPU towers running in N threads with one BLAS
-thread each keep N cores busy on work that is large per call (a 100 x 784 x 500
-matmul).  The alternative, towers in sequence with a multi-threaded BLAS, splits
+thread each (as on 2 cores; ``blas_threads`` says why a core is left over)
+keep N cores busy on work that is large per call (a 100 x 784 x 500 matmul).  The alternative, towers in sequence with a multi-threaded BLAS, splits
 each small matmul across cores and loses to thread start-up and spinning; the
 benchmark (``tools/bench_train.py``) measures both, and the faster is the
 default (``--cpu-towers threads``).
