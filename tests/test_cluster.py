@@ -56,6 +56,19 @@ def test_two_hosts_match_one_host_two_towers(local_ray, sync):
     assert_same(got, want, rtol=0 if sync == "grads" else 1e-6)
 
 
+def test_epochs_give_every_host_the_step_count_of_one_host(local_ray):
+    """Each host derives the steps of `epochs` from its share (the run's examples per update) as the driver does:
+    under a cosine schedule, which ends at them, two hosts give one host's weights."""
+    kw = dict(epochs=1, lr_schedule="cosine")
+    with towers.Trainer(towers.Config(**SMALL, n_gpu=2, **kw)) as t:
+        assert t.cfg.steps == 8  # 1438 / 200, rounded up
+        want = weights_after(t, 8)
+    with cluster(hosts=2, n_gpu=1, **kw) as t:
+        assert t.cfg.steps == 8
+        got = weights_after(t, 8)
+    assert_same(got, want)
+
+
 def test_hosts_on_one_machine_split_its_cores_for_blas(local_ray):
     """CPU hosts sharing a machine each take their share of its cores for BLAS (each took every core: 2 hosts x 1
     tower ran at 0.16x of 1 host x 2 towers on 2 cores), so 2 hosts x 1 tower run what 1 host x 2 towers runs,
@@ -68,7 +81,7 @@ def test_hosts_on_one_machine_split_its_cores_for_blas(local_ray):
     data = towers.Dataset.from_arrays(rng.integers(0, 256, (400, 28, 28), dtype=numpy.uint8),
                                       rng.integers(0, 10, 400))
     mnist_mlp = {**SMALL, "hidden": 500, "steps": 3}
-    share = max(1, cpu_count() // 2)
+    share = max(1, (cpu_count() - 1) // 2)  # the machine's cores less one, split between the hosts
     with towers.Trainer(towers.Config(**mnist_mlp, hosts=2, n_gpu=1), dataset=data) as t:
         assert t.host_blas_threads() == [share, share]
         got = weights_after(t, 3)
@@ -82,7 +95,7 @@ def test_hosts_on_one_machine_split_its_cores_for_blas(local_ray):
              {"cpu": True, "node_id": "a", "cores": 8}, {"cpu": False, "node_id": "a", "cores": 8},
              {"cpu": True, "node_id": "c", "cores": 2}, {"cpu": True, "node_id": "c", "cores": 2},
              {"cpu": True, "node_id": "c", "cores": 2}]
-    assert core_shares(hosts) == [4, 0, 4, 0, 1, 1, 1]  # 0: every core (alone, or a GPU host)
+    assert core_shares(hosts) == [3, 0, 3, 0, 1, 1, 1]  # 0: one host's rule (alone, or a GPU host)
 
 
 def buffered_model():

@@ -135,6 +135,32 @@ def test_bad_cpu_towers_flag():
         run(Config(cpu_towers="fibers"))
 
 
+def test_blas_threads_leave_a_core_to_the_rest_of_the_machine(monkeypatch):
+    from towers.devices import cpu_threads
+
+    # cores: (a tower alone, 2 towers in threads, 2 towers serial)
+    for cores, want in {1: (1, 1, 1), 2: (1, 1, 2), 4: (3, 1, 4), 16: (15, 7, 16)}.items():
+        monkeypatch.setattr(cpu_threads, "cpu_count", lambda c=cores: c)
+        got = (cpu_threads.blas_threads(1), cpu_threads.blas_threads(2), cpu_threads.blas_threads(2, serial=True))
+        assert got == want, cores
+    # a cluster host's share, which core_shares took from its machine's cores less one, is split as it is
+    assert [cpu_threads.blas_threads(1, share=3), cpu_threads.blas_threads(2, share=3),
+            cpu_threads.blas_threads(2, serial=True, share=3)] == [3, 1, 3]
+
+
+def test_one_cpu_tower_leaves_a_core_to_the_rest_of_the_machine():
+    # A tower alone took every core for BLAS: beside one busy process on 2 cores, its products waited for the
+    # thread that process held (LeNet-5, 20 steps: 3.5x the time of one thread; README, Performance on the CPU).
+    from threadpoolctl import threadpool_info
+
+    from towers.devices.cpu_threads import cpu_count
+
+    want = max(1, cpu_count() - 1)
+    with Trainer(Config(devices="cpu", hidden=8, steps=1), dataset=_data()) as t:
+        assert t.blas_threads == want
+        assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {want}
+
+
 def test_input_workers_default_to_spare_cores(monkeypatch):
     from towers.devices import cpu_threads
 

@@ -11,8 +11,8 @@ from towers import Config
 from towers.config import checkpoint_settings
 from towers.optim.optimizers import OPTIMIZERS
 from towers.errors import UserError
-from towers.settings import NOTE, REFUSE, RULES, SILENT, Check, flag_name, flag_table, resume_changes
-from towers.train import build_parser, parse_config
+from towers.settings import GROUPS, NOTE, REFUSE, RULES, SILENT, Check, flag_name, flag_table, resume_changes
+from towers.train import build_parser, main, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,42 @@ def test_every_field_is_a_flag_with_its_default_and_its_help():
     cfg = parse_config(["--optimizer", "rmsprop", "--rmsprop-decay", "0.8", "--rmsprop-centered",
                         "--weight-decay", "0.1", "--no-soft-placement"])
     assert (cfg.rmsprop_decay, cfg.rmsprop_centered, cfg.weight_decay, cfg.soft_placement) == (0.8, True, 0.1, False)
+
+
+def help_sections(text: str) -> dict[str, list[str]]:
+    """{heading: its lines} of an argparse --help text (a heading is a line 'name:' at column 0)."""
+    sections, current = {}, None
+    for line in text.splitlines():
+        if re.fullmatch(r"[a-z][\w -]*:", line):
+            current = sections.setdefault(line[:-1], [])
+        elif current is not None:
+            current.append(line)
+    return sections
+
+
+def test_help_shows_every_flag_once_under_its_declared_group(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"], prog="towers-train")
+    assert e.value.code == 0
+    sections = help_sections(capsys.readouterr().out)
+    # argparse's own heading (for -h alone), then the declared groups in their order, each with its line
+    assert list(sections) == ["options", *GROUPS]
+    for name, description in GROUPS.items():
+        lines = sections[name]
+        assert " ".join(line.strip() for line in lines[:lines.index("")]) == description, name
+    flags = {name: re.findall(r"^  (--[a-z0-9-]+)", "\n".join(lines), re.M) for name, lines in sections.items()}
+    assert flags["options"] == []
+    for f in dataclasses.fields(Config):
+        where = [name for name, found in flags.items() if flag_name(f) in found]
+        assert where == [f.metadata["group"]], (f.name, where)
+    assert sum(map(len, flags.values())) == len(dataclasses.fields(Config))
+
+
+def test_a_setting_of_an_undeclared_group_is_refused():
+    from towers.settings import Integer, setting
+
+    with pytest.raises(ValueError, match="group 'optimisation'"):
+        setting(1, "a typo'd group", group="optimisation", check=Integer(), resume=SILENT, type="int")
 
 
 def test_config_stays_a_plain_dataclass_with_the_optimizers_fields():

@@ -584,7 +584,8 @@ def run_main_job(where: str, steps: int | None, timeout: float, tmp: str, cache_
         return {"error": f"exit {p.returncode}: " + " | ".join(text.strip().splitlines()[-4:]), "cmd": cmd}
     shown = [c for c in cmd if c not in ("--logdir", logdir)]  # the temporary logdir says nothing
     out = {"wall_s": wall, "cmd": " ".join("python" if c == sys.executable else c for c in shown)}
-    done = re.search(r"done: (\d+) steps .*? in ([\d.]+) s, ([\d.]+) examples/sec", text)
+    # the done line: the run's time, its parts (the training loop's among them), then the training rate
+    done = re.search(r"done: (\d+) steps .*? training ([\d.]+) s,.*?; training ([\d.]+) examples/sec", text)
     if done:
         out.update(steps=int(done.group(1)), loop_s=float(done.group(2)), examples_per_sec=float(done.group(3)))
     acc = re.search(r"test accuracy: ([\d.]+) \(raw weights\), ([\d.]+) \(EMA", text)

@@ -22,6 +22,11 @@ What is timed (samples/s, MNIST-shaped uint8 data, float32, SGD, L2 1e-4):
   network (same initialization scheme, batch norm momentum and epsilon, L2 on
   weights only, SGD momentum 0.9, EMA) at batch 128 on 2 threads.
 
+``--load-rows`` measures only issue 41's rows: one CPU tower (``python -m
+towers.train --model lenet5 --steps 20``, the whole command) with every core
+in BLAS, with the default BLAS threads and with OpenBLAS's shorter thread
+timeout, on the machine as it is and beside one busy process.
+
 ``--kernel-rows`` measures only issue 31's rows (ResNet-20 2 x 32, LeNet-5
 2 x 50 with Adam, MLP 2 x 100; 2 CPU towers against PyTorch eager on 2
 threads), the median of alternating rounds, each printed with its target and
@@ -83,14 +88,14 @@ def _towers_loop(a) -> float:
 
 def _towers_bare(a) -> float:
     """Forward/backward + plain SGD, towers in threads as the trainer runs them."""
-    from towers.devices.cpu_threads import TowerThreads, cpu_count, set_blas_threads
+    from towers.devices.cpu_threads import TowerThreads, blas_threads, set_blas_threads
     from towers.nn.models import build_model
     from towers.nn.replica import Replica
 
     d = numpy.load(a.data)
     model = build_model(a.model, d["x"].shape[1:], 10, 500)
     threaded = a.towers > 1 and a.cpu_towers == "threads"
-    set_blas_threads(a.blas_threads or (max(1, cpu_count() // a.towers) if threaded else cpu_count()))
+    set_blas_threads(a.blas_threads or blas_threads(a.towers, serial=not threaded))  # as the trainer sets it
     reps = [Replica(model, numpy) for _ in range(a.towers)]
     for r in reps:
         r.set_params(model.init_params(0))
@@ -397,6 +402,58 @@ def kernel_rows(data: dict, a) -> int:
     return 0
 
 
+def _command_time(args: list, env: dict) -> tuple[float, float]:
+    """(wall seconds of ``python -m towers.train args``, the training seconds its done line reports)."""
+    import re
+
+    with tempfile.TemporaryDirectory(prefix="bench-load-") as logdir:
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "towers.train", *args, "--quiet", "--summary-every", "0",
+                            "--logdir", logdir], capture_output=True, text=True, cwd=ROOT,
+                           env=dict(os.environ, **env))
+        wall = time.perf_counter() - t0
+    done = re.search(r"training ([\d.]+) s,", p.stdout)
+    if p.returncode != 0 or not done:
+        raise SystemExit(f"towers.train {' '.join(args)} failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+    return wall, float(done.group(1))
+
+
+def load_rows(a) -> int:
+    """Issue 41's rows: one CPU tower (``--model lenet5 --steps 20``, ``--load-data``) with each BLAS setting,
+    on the machine as it is and beside one busy process (a Python spinning on a core), ``a.repeats`` rounds
+    alternating the settings; the median of the whole command's wall time and of the training time its done
+    line reports.  Rounds alternate quiet and busy, so that load from elsewhere falls on both."""
+    cores = str(len(os.sched_getaffinity(0)))  # towers' cpu_count (this script runs without towers on its path)
+    settings = {
+        f"every core (--blas-threads {cores}: the default before)": (["--blas-threads", cores], {}),
+        "the default (cores less one: 1 on 2 cores)": ([], {}),
+        f"every core, OPENBLAS_THREAD_TIMEOUT=4": (["--blas-threads", cores], {"OPENBLAS_THREAD_TIMEOUT": "4"}),
+    }
+    command = ["--model", "lenet5", "--steps", "20", *(["--data", a.load_data] if a.load_data else [])]
+    print(f"python -m towers.train {' '.join(command)} (one tower), {cores} cores; {_blas_info(a)}")
+    runs = {}
+    # Each round runs every setting quiet, then beside the busy process: load from elsewhere hits both alike.
+    for r in range(a.repeats):
+        for load in ("quiet", "busy"):
+            busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load == "busy" else None
+            try:
+                print(f"round {r + 1}, {load}: load average before {os.getloadavg()[0]:.2f}", flush=True)
+                for name, (args, env) in settings.items():
+                    runs.setdefault((name, load), []).append(_command_time(command + args, env))
+                    print(f"  {name}: {runs[(name, load)][-1][0]:.1f} s, training {runs[(name, load)][-1][1]:.1f} s",
+                          flush=True)
+            finally:
+                if busy is not None:
+                    busy.kill()
+                    busy.wait()
+    print("\n| BLAS threads | quiet: wall / training (s) | one busy process: wall / training (s) | busy / quiet |")
+    print("| --- | --- | --- | --- |")
+    for name in settings:
+        (qw, qt), (bw, bt) = (numpy.median(numpy.array(runs[(name, load)]), axis=0) for load in ("quiet", "busy"))
+        print(f"| {name} | {qw:.1f} / {qt:.1f} | {bw:.1f} / {bt:.1f} | {bw / qw:.1f}x |")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -409,6 +466,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-resnet", action="store_true")
     ap.add_argument("--resnet-steps", type=int, default=8)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--load-rows", action="store_true",
+                    help="only issue 41's rows: one LeNet-5 tower's BLAS threads, quiet and beside a busy process")
+    ap.add_argument("--load-data", help="--load-rows: the training data (default: towers' own, the digits)")
     # worker mode (internal)
     ap.add_argument("--worker", choices=sorted(WORKERS))
     ap.add_argument("--data")
@@ -436,6 +496,8 @@ def main(argv=None) -> int:
     if a.worker:
         print(json.dumps({"result": WORKERS[a.worker](a)}), flush=True)
         return 0
+    if a.load_rows:
+        return load_rows(a)
 
     tmp = tempfile.mkdtemp(prefix="towers-bench-")
     data = os.path.join(tmp, "mnist_shaped.npz")

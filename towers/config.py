@@ -42,6 +42,7 @@ def _default_data() -> str:
 
 
 DEFAULT_DATA = _default_data()
+DEFAULT_STEPS = 2000  # `steps` when neither it nor `epochs` is given
 # `model` of a run whose model was an object handed to the Trainer (checkpoints, the settings line).
 MODEL_OBJECT = "<model object>"
 
@@ -150,8 +151,15 @@ class Config:
         1, "micro-batches of --batch-size each tower sums before one all-reduce and one update: a step takes "
         "towers x B x K examples (batch norm: statistics per micro-batch; see Gradient accumulation)",
         group="optimization", check=Integer(1), resume=BATCH, type="int", metavar="K")
-    steps: int = setting(2000, "training steps (with --resume: the total, not more steps)", group="optimization",
-                         check=Integer(1), resume=SILENT, type="int", metavar="N")
+    steps: int | None = setting(
+        None, f"training steps (with --resume: the total, not more steps); default {DEFAULT_STEPS}, or what "
+        "--epochs gives", group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None",
+        metavar="N", shown=str(DEFAULT_STEPS))
+    epochs: int | None = setting(
+        None, "train for N epochs instead of --steps (give one of them): the steps are N x the training examples / "
+        "the examples of a step (towers x B x K), rounded up, so every example is seen N times and the last step "
+        "takes the rest of its batch from the next epoch's shuffle (with --resume: the total, not more epochs)",
+        group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None", metavar="N")
     lr: float | None = setting(
         None, "initial learning rate (default: the model's for its optimizer; mlp with sgd 0.8, cifar10 and "
         "resnets 0.1; see Optimizers for the others)", group="optimization", check=Number(0, low_open=True),
@@ -175,8 +183,9 @@ class Config:
     # models' recipes (towers.nn, towers.optim.schedule)
     lr_schedule: str | None = setting(
         None, "`exponential` (decay per epoch, the default), `piecewise` (constant between --lr-boundaries) or "
-        "`cosine` (to 0 at --steps); default: the model's (resnets: piecewise; see Recipes)", group="recipes",
-        check=Choice(SCHEDULES, optional=True), resume=NOTE, type="str | None", metavar="S", shown="the model's")
+        "`cosine` (to 0 at --steps, or the steps --epochs gives); default: the model's (resnets: piecewise; see "
+        "Recipes)", group="recipes", check=Choice(SCHEDULES, optional=True), resume=NOTE, type="str | None",
+        metavar="S", shown="the model's")
     lr_boundaries: str | None = setting(
         None, "piecewise: the steps where the learning rate changes, e.g. 32000,48000 (resnets' default)",
         group="recipes", check=Text(), resume=NOTE, type="str | None", metavar="B1,B2", shown="the model's")
@@ -235,8 +244,10 @@ class Config:
         "after another)", group="performance", check=Choice(("threads", "serial")), resume=SILENT, type="str",
         metavar="MODE")
     blas_threads: int = setting(
-        0, "BLAS threads of the process (0: auto, one per concurrent CPU tower, else every core; a host of "
-        "--hosts shares its machine's cores with the other CPU hosts there)",
+        0, "BLAS threads of the process (0: auto: the cores this process may use less one, split among its CPU "
+        "towers, at least one each, so a busy process beside it does not stall every product; --cpu-towers serial: "
+        "every core; a host of --hosts shares its machine's cores with the other CPU hosts there; see Performance "
+        "on the CPU)",
         group="performance", check=Integer(0), resume=SILENT, type="int", metavar="N")
     profile: bool = switch("print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase; see "
         "Performance)", group="performance", resume=SILENT)
@@ -269,6 +280,8 @@ class Config:
         # A hyperparameter of another optimizer stays unset: the run does not use it.
         filled.update({k: defaults.get(k, FALLBACK[k]) for k in MODEL_DEFAULTED
                        if getattr(cfg, k) is None and k not in filled and in_use(cfg, k)})
+        if cfg.steps is None and cfg.epochs is None:
+            filled["steps"] = DEFAULT_STEPS  # with `epochs`, the executor sets it (``steps_of_epochs``)
         if cfg.checkpoint_every is None:  # a checkpoint holds weights right after an average
             k = cfg.average_every if cfg.sync == "weights" else 1
             filled["checkpoint_every"] = -(-1000 // k) * k
@@ -316,6 +329,9 @@ def _check(cfg: Config) -> None:
     the rules between settings, and the fields whose messages are their own.
     """
     check_fields(cfg, late=False)
+    if cfg.steps is not None and cfg.epochs is not None:
+        raise UserError(f"`steps` {cfg.steps} and `epochs` {cfg.epochs} are both given: give one of them (`epochs` "
+                        "sets the step count from the training set's size and the examples of a step)")
     if cfg.sync != "weights" and cfg.average_every != 1:
         raise UserError("`average_every` applies to `sync` weights; set `sync` weights or drop it")
     if cfg.hosts == 1 and cfg.sync in ("ps", "async"):
@@ -350,6 +366,28 @@ def _check_optimization(cfg: Config) -> None:
         )
 
 
+def steps_of_epochs(cfg: Config, n_examples: int, examples_per_step: int) -> Config:
+    """``cfg`` (resolved) with ``steps`` derived from ``epochs`` when that is given; else ``cfg`` itself.
+
+    ``steps = ceil(epochs * n_examples / examples_per_step)``: the training
+    stream runs through one shuffle per epoch without a break (a batch that
+    crosses an epoch's end continues into the next one's,
+    ``towers.data.batches``), so after these steps every example was seen
+    ``epochs`` times, and the last step took fewer than ``examples_per_step``
+    examples of epoch ``epochs + 1``; no step is short.  ``examples_per_step``
+    is the examples behind one update (towers x ``batch_size`` x
+    ``accumulate``, every host's; one host's with async), the count the
+    learning-rate schedule's epochs are made of.  The executor calls it before
+    it builds the schedule (``cosine`` ends at these steps); a resumed run
+    takes the total of its own global batch.  The result holds both settings,
+    as the settings line and a checkpoint's ``config`` show them; a copy to
+    be resolved again (a one-tower scaling run) sets ``epochs`` back to None.
+    """
+    if cfg.epochs is None:
+        return cfg
+    return dataclasses.replace(cfg, steps=-(-cfg.epochs * n_examples // examples_per_step))
+
+
 # Settings filled from the model's (its optimizer's) defaults when left as None; else their fallback.
 MODEL_DEFAULTED = tuple(f.name for f in dataclasses.fields(Config) if f.metadata["model_default"])
 FALLBACK = {f.name: f.metadata["fallback"] for f in dataclasses.fields(Config)}
@@ -377,6 +415,8 @@ def checkpoint_settings(saved: dict) -> dict:
         # sgd): resolved again, they would count as given.
         probe = types.SimpleNamespace(**{f.name: known.get(f.name, f.default) for f in dataclasses.fields(Config)})
         given = {k: v for k, v in known.items() if in_use(probe, k)}
+        if given.get("steps") is not None:  # the total the run's `epochs` gave (``steps_of_epochs``)
+            given.pop("epochs", None)
         try:
             filled = dataclasses.asdict(Config(**{**given, "resume": False}).resolved())
         except (UserError, TypeError, ValueError):

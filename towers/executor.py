@@ -136,8 +136,9 @@ class Executor(abc.ABC):
         """Restore ``state_dict()`` output, strictly: a bad key is a ``UserError`` and nothing changes."""
 
     @abc.abstractmethod
-    def evaluate(self, ema: bool, x, y) -> dict:
-        """{"loss", "accuracy"} on ``x``, ``y`` (checked), EMA or raw weights."""
+    def evaluate(self, ema: bool, x, y, progress=None) -> dict:
+        """{"loss", "accuracy"} on ``x``, ``y`` (checked), EMA or raw weights; ``progress(k)``: called as ``k``
+        more examples are done (a progress bar's ``update``)."""
 
     @abc.abstractmethod
     def predict(self, ema: bool, x, batch: int):

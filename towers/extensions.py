@@ -45,7 +45,7 @@ from towers.output import checkpoint
 from towers.optim.optimizers import OPTIMIZERS
 from towers.optim.schedule import piecewise_values
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, lock_logdir, writing
-from towers.output.summaries import Reporter, TensorBoard, trim_metrics
+from towers.output.summaries import Reporter, TensorBoard, progress_bar, trim_metrics
 
 
 class Extension:
@@ -194,6 +194,7 @@ class Run:
         else:
             _make_logdir(logdir)
         run = cls(trainer, logdir, ())
+        run._opened = time.perf_counter()  # the run's time counts from here (and the trainer's building)
         run._lock = lock_logdir(logdir)
         try:
             resumed = checkpoint.resume(trainer, logdir)
@@ -298,22 +299,46 @@ class Run:
             return self._finish(scaling or (lambda rate: (math.nan, math.nan)))
 
     def _finish(self, scaling) -> dict:
+        """The end of a run: the final evaluation (with its progress bar on a terminal), ``final.npz``, the
+        summary lines.
+
+        The ``done:`` line's time is the whole run's: the trainer's building
+        (``Trainer.build_seconds``: settings, placement, data, model, replicas),
+        training (from the settings line to the last step: the steps and what is
+        due between them, log lines, summaries, checkpoints and their test
+        accuracy), this final evaluation, the 1-tower scaling run when asked
+        for, and writing (opening the logdir, a resume's checkpoint read,
+        ``final.npz``).  Examples/sec stays a training figure: the steps'
+        examples over the training time.  Sync point: the towers finish before
+        the training clock stops.
+        """
         t, cfg = self.trainer, self.trainer.cfg
         t.synchronize()
-        elapsed = time.perf_counter() - self._t0
+        trained = time.perf_counter()
+        elapsed = trained - self._t0
         rate = (t.step - self.start_step) * t.global_batch / max(elapsed, 1e-9)
-        test = t.test_accuracy()
+        self.reporter.end_bar()
+        n_test = 0 if t.dataset.x_test is None else len(t.dataset.x_test)
+        # Raw and EMA weights, each a pass over the test set: on a terminal a bar counts both passes' examples.
+        with progress_bar(not cfg.quiet, total=2 * n_test, unit="example", desc="test evaluation",
+                          leave=False) as bar:
+            test = t.test_accuracy(progress=bar.update)
+        evaluated = time.perf_counter()
+        evaluation = evaluated - trained
         self.tensorboard.scalars(t.step, **test)
         result = {"step": t.step, "examples_per_sec": rate}
         if cfg.profile:
             self.reporter.say(t.profile_report())
+        measured = time.perf_counter()
         efficiency, rate_1 = scaling(rate)
+        scaling_s = time.perf_counter() - measured
         if not math.isnan(efficiency):
             result["scaling_efficiency"] = efficiency
         if test:
             result.update(test)
             self.reporter.say(f"test accuracy: {test['test_accuracy']:.4f} (raw weights), "
-                              f"{test['test_accuracy_ema']:.4f} (EMA weights)")
+                              f"{test['test_accuracy_ema']:.4f} (EMA weights) on {n_test} test examples, "
+                              f"evaluated in {evaluation:.1f} s")
         else:
             self.reporter.say(render("no test data (x_test/y_test in `data`, or `test_data`): test accuracy skipped"))
         weights = {f"params/{k}": v for k, v in t.get_weights().items()}
@@ -322,14 +347,26 @@ class Run:
         final = os.path.join(self.logdir, "final.npz")
         with writing(final):
             atomic_save_npz(final, weights)
+        build = t.build_seconds
+        total = build + time.perf_counter() - self._opened
+        timed_one = t.n_towers > 1 and not math.isnan(efficiency)  # a 1-tower run was timed
+        written = total - build - elapsed - evaluation - (scaling_s if timed_one else 0.0)
+        result.update(run_seconds=total, build_seconds=build, train_seconds=elapsed, eval_seconds=evaluation,
+                      write_seconds=written)
+        if timed_one:
+            result["scaling_seconds"] = scaling_s
         self.reporter.record(**result)
         scaling_text = ("" if math.isnan(efficiency) else
                    f", scaling efficiency {efficiency:.2f} (1 tower: {rate_1:.1f} examples/sec)")
         exchanges, per_step = t.executor.communication()
         towers = t.executor.running_towers
+        parts = [f"building {build:.1f} s", f"training {elapsed:.1f} s", f"test evaluation {evaluation:.1f} s"]
+        if "scaling_seconds" in result:
+            parts.append(f"1-tower scaling run {scaling_s:.1f} s")
+        parts.append(f"writing {written:.1f} s")
         self.reporter.say(
-            f"done: {t.step - self.start_step} steps (to step {t.step}) in {elapsed:.1f} s, "
-            f"{rate:.1f} examples/sec on {towers} tower{'s' if towers > 1 else ''} "
+            f"done: {t.step - self.start_step} steps (to step {t.step}) in {total:.1f} s ({', '.join(parts)}); "
+            f"training {rate:.1f} examples/sec on {towers} tower{'s' if towers > 1 else ''} "
             f"({t.towers_text()}), {cfg.sync} sync, "
             f"{(exchanges - self.start_exchanges) / max(t.step - self.start_step, 1):.2f} {per_step}"
             f"{scaling_text}; wrote {final}")
@@ -381,7 +418,8 @@ def settings_line(cfg, n_params: int | None = None) -> str:
         parts.append(f"label_smoothing {cfg.label_smoothing:g}")
     if cfg.sync_bn:
         parts.append("sync_bn")
-    parts += [f"ema_decay {cfg.ema_decay:g}", f"steps {cfg.steps}", f"sync {cfg.sync}"]
+    steps = f"steps {cfg.steps}" if cfg.epochs is None else f"epochs {cfg.epochs} = steps {cfg.steps}"
+    parts += [f"ema_decay {cfg.ema_decay:g}", steps, f"sync {cfg.sync}"]
     return "settings: " + ", ".join(parts)
 
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+from towers.config import steps_of_epochs
 from towers.data.batches import BatchSource, InputPosition, Prefetcher, start_batch
 from towers.data.device_data import DeviceData, fits_on
 from towers.devices import kernels, matmul
-from towers.devices.cpu_threads import cpu_count, set_blas_threads
+from towers.devices.cpu_threads import blas_threads, set_blas_threads
 from towers.devices.placement import Placement
 from towers.executor import Executor
 from towers.nn.replica import Replica
@@ -90,6 +91,8 @@ class LocalExecutor(Executor):
         self._blas = self._tf32 = self.engine = self.reducer = self._prefetch = None
         n = len(placement.towers)
         self.share = share or Share(0, n, n)
+        # `epochs` gives the step count, once the data's size and a step's examples are known (every host's).
+        self.cfg = cfg = steps_of_epochs(cfg, len(dataset.x), self.examples_per_step)
         self._draw = self.share.draw_towers * self.tower_batch  # the run's global batch
         self._start_input(0, (0, 0))  # checks the batch fits, before any device memory
         try:
@@ -144,16 +147,16 @@ class LocalExecutor(Executor):
         elif not isinstance(reducer, Reducer):
             reducer = reducer(self.placement, streams)
         self.reducer = reducer
-        # CPU towers: concurrent threads with 1 BLAS thread each (or serial with
-        # all cores in BLAS); see towers.devices.cpu_threads for why.  Threads
-        # need a reducer that splits (not NCCL, not across hosts).  "All cores"
-        # are this process's share of its machine's (a cluster host's, Share).
+        # CPU towers: concurrent threads sharing the cores but one between their
+        # BLAS threads (or serial with all cores in BLAS); see
+        # towers.devices.cpu_threads.blas_threads for why.  Threads need a reducer
+        # that splits (not NCCL, not across hosts).  A cluster host's cores are its
+        # share of its machine's (Share).
         n = len(devices)
         threads = False
         if not any(d.is_gpu for d in devices):
             threads = n > 1 and cfg.cpu_towers == "threads" and reducer.splittable
-            cores = self.share.cores or cpu_count()
-            self.blas_threads = cfg.blas_threads or (max(1, cores // n) if threads else cores)
+            self.blas_threads = cfg.blas_threads or blas_threads(n, serial=not threads, share=self.share.cores)
             self._blas = set_blas_threads(self.blas_threads)
         self.schedule = make_schedule(cfg, len(self.dataset.x), self.examples_per_step)
         keeper = (PeriodicAveraging(reducer, self.timer, self.ema, cfg.average_every) if weights_mode
@@ -345,9 +348,9 @@ class LocalExecutor(Executor):
             r.set_buffers(self.towers[0].replica.buffers)
             yield r
 
-    def evaluate(self, ema: bool, x, y) -> dict:
+    def evaluate(self, ema: bool, x, y, progress=None) -> dict:
         with self._scoring(ema) as r:
-            loss, acc = r.evaluate(x, y)
+            loss, acc = r.evaluate(x, y, progress=progress)
         return {"loss": loss, "accuracy": acc}
 
     def predict(self, ema: bool, x, batch: int):

@@ -1,9 +1,9 @@
 """How a setting is declared: one dataclass field whose metadata carries the rest.
 
 A setting of ``towers.Config`` is declared once, with ``setting(...)``: its
-default, its help text, its group, its check and its resume rule.  From that
-one declaration are derived the command line's flags and ``--help``
-(``towers.train``), the README's flag table (``flag_table``; a test compares
+default, its help text, its group (one of ``GROUPS``), its check and its resume
+rule.  From that one declaration are derived the command line's flags and
+``--help``, by group (``towers.train``), the README's flag table (``flag_table``; a test compares
 them), the per-field checks of ``Config.resolved()`` (``check_fields``) and what
 a changed setting does on ``--resume`` (``resume_changes``).  An optimizer
 declares its hyperparameters the same way in its own file
@@ -35,6 +35,21 @@ from towers.errors import UserError
 
 REFUSE, NOTE, BATCH, SILENT = "refuse", "note", "batch", "silent"
 RULES = (REFUSE, NOTE, BATCH, SILENT)
+
+# The groups a setting may belong to (``group=``), in the order ``--help`` shows them, each with the one line
+# its heading there says.
+GROUPS = {
+    "placement": "how many towers, on which devices",
+    "data": "the training and test data, and how they are read",
+    "images": "image data: its size, augmentation, normalization and the decoded-image cache",
+    "model": "the network",
+    "optimization": "how long to train, the batch, the optimizer and its hyperparameters",
+    "recipes": "the learning-rate schedule, warm-up, label smoothing, synchronized batch norm",
+    "sync": "how the replicas are kept together",
+    "hosts": "several hosts on Ray",
+    "output": "log lines, the logdir, checkpoints, TensorBoard summaries, resuming",
+    "performance": "CPU threads and kernels, GPU matmuls, and what a run measures of its speed",
+}
 
 
 # -- the kinds of check ---------------------------------------------------------------
@@ -173,6 +188,8 @@ def setting(default, help: str, *, group: str, check: Check, resume: str, type: 
     """
     if resume not in RULES:
         raise ValueError(f"resume rule {resume!r}: use one of {RULES}")
+    if group not in GROUPS:
+        raise ValueError(f"group {group!r}: use one of {tuple(GROUPS)} (a new group is declared in GROUPS)")
     meta = dict(help=" ".join(help.split()), group=group, check=check, resume=resume, type=type,
                 metavar=metavar, shown=shown, used_when=used_when, model_default=bool(model_default),
                 fallback=fallback)

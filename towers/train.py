@@ -15,7 +15,7 @@ from dataclasses import fields
 from towers.cli import Parser, run_main, show_notices, sigterm_raises, warn_about
 from towers.config import Config
 from towers.errors import flags_in_messages
-from towers.settings import flag_name, metavar
+from towers.settings import GROUPS, flag_name, metavar
 from towers.trainer import Trainer
 
 def _number(kind):
@@ -32,17 +32,25 @@ NAME = "towers.train"  # in its error lines (the README's)
 
 
 def build_parser(prog: str = "python -m towers.train") -> argparse.ArgumentParser:
-    """One flag per ``Config`` field, its help, type and metavar from the field's declaration."""
-    ap = Parser(prog=prog, name=NAME, description="Multi-tower training with CuPy + NCCL, or NumPy on the CPU.")
+    """One flag per ``Config`` field, its help, type and metavar from the field's declaration.
+
+    ``--help`` lists the flags under one heading per group (``towers.settings.GROUPS``: their order and
+    one-line descriptions), not all under ``options:``; the usage line names no flag, since the 60-odd of
+    them filled 27 lines before the first heading.
+    """
+    ap = Parser(prog=prog, name=NAME, usage="%(prog)s [-h] [--FLAG [VALUE] ...]",
+                description="Multi-tower training with CuPy + NCCL, or NumPy on the CPU.")
+    groups = {name: ap.add_argument_group(name, description) for name, description in GROUPS.items()}
     for f in fields(Config):
         help_ = f.metadata["help"].replace("%", "%%").replace("`", "")
+        group = groups[f.metadata["group"]]
         if f.metadata["type"] == "bool":  # on by default: the flag (--no-...) turns it off
-            ap.add_argument(flag_name(f), dest=f.name, action="store_false" if f.default else "store_true",
-                            help=help_)
+            group.add_argument(flag_name(f), dest=f.name, action="store_false" if f.default else "store_true",
+                               help=help_)
         else:
             kind = f.metadata["check"].arg_type
-            ap.add_argument(flag_name(f), dest=f.name, type=_number(kind) if kind is not str else str,
-                            default=f.default, metavar=metavar(f), help=help_)
+            group.add_argument(flag_name(f), dest=f.name, type=_number(kind) if kind is not str else str,
+                               default=f.default, metavar=metavar(f), help=help_)
     return ap
 
 

@@ -25,6 +25,8 @@ Sync points: ``get_weights``, ``state_dict``, ``evaluate``, ``predict`` and
 """
 from __future__ import annotations
 
+import time
+
 import numpy
 
 from towers.config import Config
@@ -119,6 +121,7 @@ class Trainer:
 
     def __init__(self, cfg: Config | None = None, *, model=None, dataset: Dataset | None = None,
                  reducer=None, placement: Placement | None = None, share=None, nccl=None):
+        started = time.perf_counter()
         self._closed, self._owned_data, self.executor = True, None, None  # until device memory exists
         self.cfg = cfg = Config.resolved(cfg if cfg is not None else Config(), model)
         cluster = cfg.hosts > 1
@@ -169,6 +172,8 @@ class Trainer:
         except BaseException:
             self.close()
             raise
+        self.cfg = self.executor.cfg  # with the steps `epochs` gives (``towers.config.steps_of_epochs``)
+        self.build_seconds = time.perf_counter() - started  # the run's building, which `fit`'s done line counts
 
     def _local(self, reducer, share) -> Executor:
         try:
@@ -339,7 +344,7 @@ class Trainer:
 
     # -- evaluation ------------------------------------------------------------------------
 
-    def evaluate(self, ema: bool = True, x=None, y=None) -> dict:
+    def evaluate(self, ema: bool = True, x=None, y=None, progress=None) -> dict:
         """{"loss", "accuracy"} on the test data (or ``x``, ``y``), EMA or raw weights (a host sync).
 
         The loss is the mean cross-entropy without the L2 term.  ``x``, ``y`` are
@@ -348,7 +353,8 @@ class Trainer:
         floats, integer labels in range); give both or neither.  Weights that
         hold NaN or inf (a diverged run) are a ``TrainingError`` naming one,
         not a loss of nan beside a meaningless accuracy: looked for only when
-        the loss is not finite.
+        the loss is not finite.  ``progress(k)``: called as ``k`` more examples
+        are done (a progress bar's ``update``; on a cluster once, at the end).
         """
         self._open()
         if (x is None) != (y is None):
@@ -359,7 +365,7 @@ class Trainer:
                 raise UserError("no test data: give x_test/y_test in `data`, or `test_data`")
         else:
             x, y = self._check_examples(x, y, "evaluate", None)
-        result = self.executor.evaluate(ema, x, y)
+        result = self.executor.evaluate(ema, x, y, progress)
         if not numpy.isfinite(result["loss"]):
             self._diverged("evaluate", ema)
         return result
@@ -399,12 +405,13 @@ class Trainer:
                                 "training diverged; lower `lr` and train again, or load an earlier checkpoint "
                                 "(load_state_dict)")
 
-    def test_accuracy(self) -> dict:
-        """{"test_accuracy", "test_accuracy_ema"} ({} without test data)."""
+    def test_accuracy(self, progress=None) -> dict:
+        """{"test_accuracy", "test_accuracy_ema"} ({} without test data); ``progress`` as ``evaluate``'s, over
+        both passes (twice the test examples)."""
         if self.dataset.x_test is None:
             return {}
-        return {"test_accuracy": self.evaluate(ema=False)["accuracy"],
-                "test_accuracy_ema": self.evaluate(ema=True)["accuracy"]}
+        return {"test_accuracy": self.evaluate(ema=False, progress=progress)["accuracy"],
+                "test_accuracy_ema": self.evaluate(ema=True, progress=progress)["accuracy"]}
 
     # -- the loop ----------------------------------------------------------------------------
 

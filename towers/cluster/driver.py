@@ -40,6 +40,7 @@ import numpy
 from towers.cluster import session
 from towers.cluster.board import Aborted, Board
 from towers.cluster.state import towers_per_update
+from towers.config import steps_of_epochs
 from towers.errors import TrainingError, UserError
 from towers.errors import notice as say_notice
 from towers.executor import Executor
@@ -51,14 +52,15 @@ DEATH_WAIT_S = 5.0  # after a failure: how long the other hosts' errors may take
 
 
 def core_shares(host_info: list[dict]) -> list[int]:
-    """Each host's share of its machine's cores (0: all of them), from the hosts' ``describe()``.
+    """Each host's share of its machine's cores (0: the one-host rule), from the hosts' ``describe()``.
 
-    CPU hosts on one machine split its cores (at least one each): each host's
-    BLAS is sized from its share (``towers.local.Share``), as one host's towers
-    split them, instead of every host taking them all, which on 2 cores made 2
-    hosts x 1 tower run at 0.16x of 1 host x 2 towers (each sgemm's threads
-    spinning against the other host's).  A host alone on its machine, and GPU
-    hosts, keep every core.  OpenBLAS sums some products in another order with
+    CPU hosts on one machine split its cores less one, as one host's towers
+    split them (``towers.devices.cpu_threads.blas_threads``: the spare core is
+    the machine's, left once), at least one each: each host's BLAS is sized
+    from its share (``towers.local.Share``) instead of every host taking them
+    all, which on 2 cores made 2 hosts x 1 tower run at 0.16x of 1 host x 2
+    towers (each sgemm's threads spinning against the other host's).  A host
+    alone on its machine, and GPU hosts, get 0: one host's rule.  OpenBLAS sums some products in another order with
     another thread count (the MNIST MLP's 784 x 500 layer, LeNet-5's; not the
     digits MLP's), so such a run's weights move by rounding from the releases
     before, and now equal 1 host x N towers' bit for bit (one BLAS thread a
@@ -68,7 +70,7 @@ def core_shares(host_info: list[dict]) -> list[int]:
     for info in host_info:
         if info["cpu"]:
             crowd[info["node_id"]] = crowd.get(info["node_id"], 0) + 1
-    return [max(1, info["cores"] // crowd[info["node_id"]]) if info["cpu"] and crowd[info["node_id"]] > 1 else 0
+    return [max(1, (info["cores"] - 1) // crowd[info["node_id"]]) if info["cpu"] and crowd[info["node_id"]] > 1 else 0
             for info in host_info]
 
 
@@ -93,6 +95,9 @@ class ClusterExecutor(Executor):
         except BaseException:
             self.close()
             raise
+        # `epochs` gives the step count once the hosts' towers are known; each host derives the same from its
+        # share (the run's examples per update), so the hosts get `epochs` as given.
+        self.cfg = cfg = steps_of_epochs(cfg, len(driver_data.x), self.examples_per_step)
         self.schedule = make_schedule(cfg, len(driver_data.x), self.examples_per_step)
 
     # -- start-up --------------------------------------------------------------------------
@@ -344,8 +349,11 @@ class ClusterExecutor(Executor):
         self._all("load_state_dict", state, where)
         self._step = int(numpy.asarray(state["step"]))
 
-    def evaluate(self, ema: bool, x, y) -> dict:
-        return self._source_call("evaluate", ema, x, y)
+    def evaluate(self, ema: bool, x, y, progress=None) -> dict:
+        result = self._source_call("evaluate", ema, x, y)
+        if progress is not None:  # host 0 (or the server) evaluates: its chunks are not seen from here
+            progress(len(x))
+        return result
 
     def predict(self, ema: bool, x, batch: int):
         return self._source_call("predict", x, ema, batch)

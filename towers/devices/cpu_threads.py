@@ -1,9 +1,9 @@
-"""Concurrent CPU towers: one persistent thread per tower, BLAS pinned to 1 thread each.
+"""Concurrent CPU towers: one persistent thread per tower, BLAS threads the cores less one split among them.
 
 NumPy releases the GIL inside BLAS calls and inside the loops of large
 elementwise operations, so N CPU towers running in N threads with one BLAS
-thread each keep N cores busy on work that is large per call (a 100 x 784 x 500
-matmul).  The alternative, towers in sequence with a multi-threaded BLAS, splits
+thread each (as on 2 cores; ``blas_threads`` says why a core is left over)
+keep N cores busy on work that is large per call (a 100 x 784 x 500 matmul).  The alternative, towers in sequence with a multi-threaded BLAS, splits
 each small matmul across cores and loses to thread start-up and spinning; the
 benchmark (``tools/bench_train.py``) measures both, and the faster is the
 default (``--cpu-towers threads``).
@@ -50,6 +50,34 @@ def input_workers(setting: int | None, cpu_towers: int) -> int:
     if setting is not None:
         return setting
     return max(0, min(4, cores - cpu_towers - 1))
+
+
+def blas_threads(towers: int, serial: bool = False, share: int = 0) -> int:
+    """The BLAS threads of a process running ``towers`` CPU towers when ``blas_threads`` is 0 (auto).
+
+    Towers in threads, and a tower alone, share the cores this process may use
+    less one, at least one thread each; towers run one after another (``serial``,
+    ``cpu_towers`` serial) take every core, which is that mode's purpose.
+    ``share``: a cluster host's part of its machine's cores
+    (``towers.cluster.driver.core_shares``, which leaves that machine's spare
+    core), split among its towers as it is.
+
+    Why a core is left over: OpenBLAS splits each product among its threads
+    and the product ends when the slowest thread does, the others spinning
+    meanwhile.  With a thread on every core, one other busy process takes a
+    core from one of them at a time, and every product waits for it: one
+    LeNet-5 tower with 2 threads on 2 cores ran 20 steps in 3.5x the time of
+    one thread beside a busy process, against 1.2x faster on a quiet machine
+    (README, Performance on the CPU).  A spare core also keeps the input thread
+    and the main thread off the towers' cores.  OpenBLAS's own waiting policy
+    (``OPENBLAS_THREAD_TIMEOUT``) is read only when it loads, before towers
+    runs, and shortening it did not stop the wait for the slowest thread.
+    OpenBLAS orders some sums by its thread count, so a run's last bits depend
+    on it (the MNIST MLP's 784 x 500 layer, LeNet-5; not the digits MLP's).
+    """
+    if serial and towers > 1:
+        return share or cpu_count()
+    return max(1, (share or max(1, cpu_count() - 1)) // towers)
 
 
 def set_blas_threads(n: int):
@@ -123,4 +151,4 @@ def chunks(size: int, n: int) -> list[slice]:
     return [slice(bounds[i], bounds[i + 1]) for i in range(n)]
 
 
-__all__ = ["TowerThreads", "chunks", "cpu_count", "input_workers", "set_blas_threads"]
+__all__ = ["TowerThreads", "blas_threads", "chunks", "cpu_count", "input_workers", "set_blas_threads"]

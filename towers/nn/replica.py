@@ -197,12 +197,14 @@ class Replica:
             xb = xb * scale if scale is not None else xb.astype(self.dtype, copy=False)
             yield start, self.forward(xb.astype(self.dtype, copy=False))
 
-    def evaluate(self, x, y, batch: int = 250) -> tuple[float, float]:
+    def evaluate(self, x, y, batch: int = 250, progress=None) -> tuple[float, float]:
         """Mean loss (without L2 and label smoothing) and accuracy over host arrays ``x``, ``y``.
 
         Evaluation mode (moving statistics, no dropout), in chunks of
         ``batch`` (``_chunks``); counts real examples only.  Each chunk's loss
         and count reach the host (a sync point per chunk on a GPU).
+        ``progress(k)``, when given, is called after each chunk with its
+        example count (a progress bar's ``update``).
         """
         xp = self.xp
         total_loss, correct = 0.0, 0
@@ -211,6 +213,8 @@ class Replica:
             loss, _ = softmax_cross_entropy(logits, yb, self._loss_ws, True)
             total_loss += float(loss) * len(yb)
             correct += accuracy_count(logits, yb)
+            if progress is not None:
+                progress(len(yb))
         n = max(len(x), 1)
         return total_loss / n, correct / n
 

@@ -81,6 +81,11 @@ class Reporter:
     def advance(self, steps: int = 1) -> None:
         self.bar.update(steps)
 
+    def end_bar(self) -> None:
+        """Close the training bar (it stays on the terminal), so that what follows (the final evaluation's
+        bar, the last lines) takes the lines below it."""
+        self.bar.close()
+
     def log_step(self, step: int, loss: float, lr: float, examples_per_sec: float, sec_per_batch: float,
                  note: str | None = None) -> None:
         """The log line; ``note`` (a warning) is added to it, and said once even when quiet."""
