@@ -1,6 +1,7 @@
 """Shared fixtures: paths, the NCCL stand-in, the GPU marker, the library's notices."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -104,3 +105,26 @@ def run_cli(*args: str, module: str = "towers.train", timeout: int = 120) -> sub
         [sys.executable, "-m", module, *args], cwd=REPO, env=env,
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def cpu_form(which: str):
+    """Inside the block host arrays take the ops' NumPy passes (``"numpy"``) or numba's compiled loops
+    (``"numba"``: the test skips without numba), whatever a ``Trainer`` built earlier chose."""
+    from towers.ops import backend
+
+    if which == "numba":
+        pytest.importorskip("numba", reason="numba is not installed: the compiled CPU forms are optional")
+    with backend.using(which):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _numpy_forms_between_tests():
+    """Each test starts with the NumPy passes, as a fresh process does: a ``Trainer`` a test builds chooses the
+    process's form of the ops (``towers.ops.backend``), which would otherwise carry over to the next test."""
+    from towers.ops import backend
+
+    backend.use(False)
+    yield
+    backend.use(False)

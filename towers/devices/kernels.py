@@ -52,11 +52,14 @@ MAX_ELEMENTS = 2**31 - 1 - _BLOCK * _MAX_GRID
 _F32 = numpy.dtype(numpy.float32)
 
 # The module's text is _HEAD + the registered parts + _OWN + _TAIL (``source``).
+#: The kernels' ``maximum``: ``a`` unless ``b`` is larger or NaN (NaN propagates; ``a`` on ties).
+NP_MAX = r"""// numpy.maximum(a, b): a unless b is larger or b is NaN (NaN propagates)
+__device__ __forceinline__ float np_max(float a, float b) { return (a >= b || a != a) ? a : b; }
+"""
+
 _HEAD = r"""
 #define LOOP(i, n) for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += blockDim.x * gridDim.x)
-// numpy.maximum(a, b): a unless b is larger or b is NaN (NaN propagates)
-__device__ __forceinline__ float np_max(float a, float b) { return (a >= b || a != a) ? a : b; }
-
+""" + NP_MAX + r"""
 extern "C" {
 
 """

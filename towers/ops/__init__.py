@@ -1,0 +1,1 @@
+"""The ops: each op's arithmetic written once, its NumPy, compiled-CPU and GPU forms derived from it."""

@@ -1,0 +1,129 @@
+"""Which form of the ops runs on host arrays, NumPy's passes or numba's compiled loops: one choice per process.
+
+Every op has a form per backend (``towers.ops``); device (CuPy) arrays always
+take the GPU form, so an op tells its form from the arrays it gets and, for
+host arrays, from this module's choice.  The choice is made once, when a
+``Trainer`` builds its towers (``towers.step.tower.build_towers`` calls
+``choose`` with the ``cpu_kernels`` setting, the model and whether any tower
+is on the CPU), and holds for the process until the next ``choose``; the ops,
+the optimizers and the reducers read it (``compiled``), no flag is handed
+through their calls.  ``using`` sets it for a block (tests, tools, a
+``Replica`` made by hand, which otherwise runs whatever the last ``Trainer``
+chose: NumPy's passes in a process that built none).
+
+Settings (``MODES``): ``"auto"`` gives the compiled loops when numba imports
+and the model is ``worth_loading`` them, ``"numba"`` requires numba,
+``"numpy"`` never loads it.  A numba that is missing or fails to import (a
+release that does not support this NumPy) leaves NumPy in charge under
+``auto``, with a notice when it is installed but broken.
+
+The compiled loops give NumPy's bits, but for batch norm's statistics (float64
+sums) and a convolution's input gradient by col2im (another order of sums):
+a model with such layers depends on the choice (``rounds_otherwise``), and a
+checkpoint records which form ran (``towers.output.checkpoint``).
+
+Limit: one choice per process.  Two ``Trainer`` objects alive in one process
+with different ``cpu_kernels`` run with the choice of the one built last; for
+a model that ``rounds_otherwise`` that changes its results.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from towers.errors import UserError, notice
+from towers.ops import numba_jit
+
+MODES = ("auto", "numba", "numpy")
+
+#: ``auto`` loads the compiled loops for models of this many parameters or more: the update, L2 and all-reduce
+#: passes they fuse grow with the model (the MLP 784-500-10, 0.4 M: 0.4-0.5 ms of a 3.4 ms step saved; the
+#: default digits MLP, 37.5 k: about 0.12 ms, so numba's start, 0.75 s, costs its 2,000-step run more than it saves).
+WORTH_PARAMS = 100_000
+
+_COMPILED = [False]  # the choice: whether host arrays take the compiled loops
+
+
+def compiled() -> bool:
+    """Whether ops on host arrays run their compiled (numba) form."""
+    return _COMPILED[0]
+
+
+def name() -> str:
+    """The choice as a checkpoint records it: ``"numba"`` or ``"numpy"``."""
+    return "numba" if _COMPILED[0] else "numpy"
+
+
+def worth_loading(model) -> bool:
+    """Whether ``auto`` loads numba for ``model`` (built): ``WORTH_PARAMS`` or more parameters, or results
+    that depend on the compiled loops (``rounds_otherwise``: a model's results never depend on its size)."""
+    return model.size >= WORTH_PARAMS or rounds_otherwise(model)
+
+
+def rounds_otherwise(model) -> bool:
+    """Whether the compiled loops change ``model``'s (built) results: a layer's ``compiled_rounding``, where
+    layers after the first with trainable parameters take their input gradient (``Replica._backward``)."""
+    first = min((li for li, _, prm in model.params if prm.trainable), default=0)
+    return any(layer.compiled_rounding(input_grad=i > first) for i, layer in enumerate(model.layers))
+
+
+def available(mode: str) -> bool:
+    """Whether ``mode`` can have the compiled loops: numba imports (``"numpy"``: never).
+
+    ``"numba"`` without numba is a ``UserError``; ``"auto"`` with a broken
+    numba, a notice.  Imports numba (about 0.25 s) on the first call.
+    """
+    if mode not in MODES:
+        raise UserError(f"`cpu_kernels` {mode!r} is unknown: use one of {', '.join(MODES)}")
+    if mode == "numpy":
+        return False
+    try:
+        numba_jit.numba_module()
+        return True
+    except ImportError as e:
+        missing = isinstance(e, ModuleNotFoundError) and e.name == "numba"
+        why = "numba is not installed" if missing else f"numba does not import ({e})"
+        if mode == "numba":
+            raise UserError(f"`cpu_kernels` numba: {why}; install a numba that supports NumPy "
+                            f"{_numpy_version()} (pip install -U numba) or set `cpu_kernels` to auto or numpy") from None
+        if not missing:
+            notice(f"CPU kernels: {why}; NumPy's array operations run instead")
+        return False
+
+
+def choose(mode: str, model, cpu_towers: bool) -> str:
+    """Make the process's choice for a run (module doc) and return it as ``name`` does.
+
+    With the compiled loops, every kernel is loaded from numba's disk cache
+    (or compiled: about a second a kernel, once per machine) now, not in the
+    first step.
+    """
+    if mode not in MODES:
+        raise UserError(f"`cpu_kernels` {mode!r} is unknown: use one of {', '.join(MODES)}")
+    on = cpu_towers and (mode != "auto" or worth_loading(model)) and available(mode)
+    use(on)
+    if on:
+        numba_jit.warm_up()
+    return name()
+
+
+def use(on: bool) -> None:
+    """Set the choice: the compiled loops (``on``) or NumPy's passes."""
+    _COMPILED[0] = bool(on)
+
+
+@contextlib.contextmanager
+def using(mode: str):
+    """The choice for ``mode`` (``"numba"`` requires numba; ``"auto"``: numba where it imports) inside the
+    block, the previous one after it."""
+    before = _COMPILED[0]
+    use(available(mode))
+    try:
+        yield
+    finally:
+        use(before)
+
+
+def _numpy_version() -> str:
+    import numpy
+
+    return numpy.__version__

@@ -1,0 +1,162 @@
+"""An elementwise op: its arithmetic written once, its NumPy, compiled-CPU and GPU forms derived from it.
+
+``Elementwise(name, definition, outputs)`` traces the definition (a Python
+function of one element of each array, ``towers.ops.expr``) once, when it is
+made, and derives:
+
+* the array form (``towers.ops.numpy_form``): one in-place NumPy pass per
+  operation, block by block on host arrays; CuPy runs the same passes for
+  device arrays the kernel does not take (not float32, or too large);
+* the compiled CPU form (``towers.ops.numba_form``): one loop whose body is the
+  definition, compiled by numba on first use (``towers.ops.numba_jit``);
+* the GPU form (``towers.ops.cuda_form``): one CUDA kernel, registered into the
+  one CUDA module (``towers.devices.kernels``) when the op is made at import
+  (``module=True``: the layers' ops), or compiled on its own (an optimizer's
+  update, made when the optimizer is).
+
+Every form performs the definition's operations in its order, each rounded to
+the arrays' dtype, so they give the same bits on the same inputs
+(``tests/test_elementwise.py``; the GPU's kernel text is compared with the
+validated one in ``tests/test_kernel_text.py``).
+
+``op(*args)`` takes the definition's arguments in its order (arrays and
+scalars), then the output-only arrays, and writes the outputs in place.  It
+picks the form from the arrays: device arrays take the kernel, host arrays the
+compiled loop when the process chose it (``towers.ops.backend``) and the
+arrays are C-contiguous, else the passes.  Scalars are cast to the arrays'
+dtype.  A launch goes on the current stream; nothing synchronizes.
+"""
+from __future__ import annotations
+
+import inspect
+import keyword
+
+import numpy
+
+from towers.devices import kernels as device
+from towers.devices.placement import array_module
+from towers.ops import backend, cuda_form, numba_form, numba_jit
+from towers.ops.expr import trace
+from towers.ops.numpy_form import NumpyForm
+
+_i = numpy.int32
+_MADE: list = []  # every op made in this process (the compile test compiles each one's kernel)
+# Names the generated sources use for themselves.
+_RESERVED = {"n", "i", "cols", "xp", "S", "B", "dt", "numpy", "float", "int", "bool", "const", "np_max", "sqrtf"}
+
+
+def made() -> list:
+    """Every ``Elementwise`` made in this process so far."""
+    return list(_MADE)
+
+
+class Elementwise:
+    """One op and its three forms (module doc).
+
+    ``outputs``: the arrays it writes, in order: a definition argument (in
+    place) or a new name (an output-only array, given after the arguments).
+    ``scalars``: the arguments that are one value per call; ``rows``: array
+    arguments holding one value per column of the (rows, cols) outputs.
+    ``params``: the definition's argument names, when it takes ``**kwargs``
+    (default: its signature).  ``compiled``: whether host arrays may take the
+    compiled loop (False where NumPy's single pass is as fast).
+    ``fresh_outputs``: the output-only arrays never share memory with an input
+    (the passes may then use them as scratch from the first pass).
+    ``module``: register the kernel into the one CUDA module (an op made at
+    import); else it is compiled on its own, with its arrays ``__restrict__``.
+    """
+
+    def __init__(self, name: str, definition, outputs: tuple, scalars: tuple = (), rows: tuple = (),
+                 params: tuple | None = None, compiled: bool = True, fresh_outputs: bool = False,
+                 module: bool = True):
+        params = tuple(params if params is not None else inspect.signature(definition).parameters)
+        for p in (*params, *outputs):
+            if not p.isidentifier() or keyword.iskeyword(p) or p in _RESERVED or p.endswith("_") or (
+                    p[0] == "t" and p[1:].isdigit()) or (p[0] == "c" and p[1:].isdigit()):
+                raise ValueError(f"{name}: {p!r} cannot name an argument of a generated kernel")
+        arrays = tuple(p for p in params if p not in scalars)
+        self.name = name
+        self.traced = trace(definition, arrays, tuple(scalars), tuple(rows), tuple(outputs))
+        self.params = params + tuple(o for o in outputs if o not in params)  # the call order
+        self._scalar_at = [i for i, p in enumerate(self.params) if p in scalars]
+        self._array_at = [i for i, p in enumerate(self.params) if p not in scalars]
+        self._full_at = [i for i in self._array_at if self.params[i] not in rows]
+        self._lead = self.params.index(outputs[0])
+        self._rows = bool(rows)
+        self.numpy_form = NumpyForm(self.traced, self.params, name, fresh_outputs)
+        self.numba_source = numba_form.source(self.traced, self.params, "towers_" + name)
+        self._loop = None
+        self.compiled = compiled
+        if compiled:
+            numba_jit.on_warm_up(lambda: self.loop().warm())
+        self.cuda_source = cuda_form.source(self.traced, self.params, "towers_" + name, restrict=not module)
+        self.in_module = module
+        self._kernel = None
+        if module:
+            device.register(self.cuda_source + "\n", (name,))
+        _MADE.append(self)
+
+    # -- the forms
+
+    def loop(self):
+        """The compiled CPU form (a ``numba_jit.Kernel``; its source written and imported on the first call)."""
+        if self._loop is None:
+            self._loop = numba_jit.from_source(self.numba_source, "towers_" + self.name, self._warm_args)
+        return self._loop
+
+    def kernel(self):
+        """The GPU form compiled on its own (``cuda_form.Kernel``), for an op outside the one module."""
+        if self._kernel is None:
+            self._kernel = cuda_form.Kernel(self.cuda_source, "towers_" + self.name)
+        return self._kernel
+
+    def _warm_args(self) -> tuple:
+        f = numpy.float32
+        args = [f(0.5) if i in self._scalar_at else numpy.zeros(2, f) for i in range(len(self.params))]
+        return tuple(args) + ((_i(2),) if self._rows else ())
+
+    def warm_up(self) -> None:
+        """Load (or compile) the compiled CPU form now, when the process chose it: not inside a timed step."""
+        if self.compiled and backend.compiled():
+            self.loop().warm()
+
+    # -- a call
+
+    def __call__(self, *args) -> None:
+        lead = args[self._lead]
+        dt = lead.dtype.type
+        if self._scalar_at:
+            args = list(args)
+            for i in self._scalar_at:
+                args[i] = dt(args[i])
+        if isinstance(lead, numpy.ndarray):
+            if self.compiled and backend.compiled() and self._flat(args, lead):
+                self.loop()(*self._flatten(args), *self._cols(args))
+                return
+            self.numpy_form(numpy, args, [args[i] for i in self._array_at], lead)
+            return
+        arrays = [args[i] for i in self._array_at]
+        if device.takes(*arrays) and all(a.flags.c_contiguous for a in arrays):
+            n = lead.size
+            extra = (_i(n),) + self._cols(args)
+            if self.in_module:
+                device.launch_named(self.name, n, *args, *extra)
+            else:
+                self.kernel()(n, *args, *extra)
+            return
+        self.numpy_form(array_module(lead), args, arrays, lead)
+
+    def _flat(self, args, lead) -> bool:
+        n = lead.size
+        return all(args[i].flags.c_contiguous and args[i].size == n for i in self._full_at) and all(
+            args[i].flags.c_contiguous for i in self._array_at)
+
+    def _flatten(self, args):
+        return [a.reshape(-1) if i in self._array_at else a for i, a in enumerate(args)]
+
+    def _cols(self, args) -> tuple:
+        """(cols,) for an op with row operands: the length of a row (the row operands' size)."""
+        if not self._rows:
+            return ()
+        row = next(args[i] for i in self._array_at if i not in self._full_at)
+        return (_i(row.size),)
