@@ -1,14 +1,21 @@
-"""The CPU update runs block by block (``host_blocks``): the same bits as each pass over the whole buffer.
+"""Every CPU form of every optimizer's update gives the bits of its definition run by NumPy on whole arrays.
 
-The reference is the unblocked code: ``_cpu_update`` then ``EMA.apply`` once
-over the whole slice ``part``.  Buffers span several blocks, end in a partial
-one, and ``part`` starts mid-block.
+The update is written once (``Optimizer.update``, with the EMA's ``ema``);
+the reference here evaluates that definition directly on the whole slice
+``part`` (each operation one allocating NumPy pass over the whole slice).
+The forms derived from it (``towers.ops.elementwise``): the NumPy passes,
+block by block (``host_blocks``) with scratch reused in place, and numba's
+compiled loop, one element at a time.  Buffers span several blocks, end in a
+partial one, and ``part`` starts mid-block.
 """
+import types
+
 import numpy as np
 import pytest
 
-from towers.devices.kernels import HOST_BLOCK_BYTES, host_blocks
-from towers.optim.ema import EMA, ema_decay
+from conftest import cpu_form
+from towers.ops.numpy_form import HOST_BLOCK_BYTES, host_blocks
+from towers.optim.ema import EMA, ema, ema_decay
 from towers.optim.optimizers import OPTIMIZERS
 
 BLOCK = HOST_BLOCK_BYTES // 4  # float32 elements per block
@@ -51,15 +58,18 @@ def _pair(variant, with_ema):
     return out, rng
 
 
-def _old_step(opt, grads, lr, step, part):
-    """The unblocked CPU step: every pass over the whole slice."""
+def _reference_step(opt, grads, lr, step, part):
+    """The definition itself on NumPy arrays: ``update`` then ``ema`` over the whole slice, allocating."""
     t = opt.dtype
     part = slice(None) if part is None else part
-    scalars = [t(v) for v in opt._scalars(lr, step)]
-    p, tmp = opt.params[part], opt._tmp[part]
-    opt._cpu_update(p, grads, tmp, scalars, {k: v[part] for k, v in opt.state.items()})
+    k = types.SimpleNamespace(**dict(zip(opt.scalars, (t(v) for v in opt._scalars(lr, step)))))
+    slot = types.SimpleNamespace(**{name: buf[part].copy() for name, buf in opt.state.items()})
+    p_new = opt.update(opt.params[part].copy(), grads, slot, k)
+    for name, buf in opt.state.items():
+        buf[part] = getattr(slot, name)
+    opt.params[part] = p_new
     if opt.ema is not None:
-        opt.ema.apply(p, t(1.0 - ema_decay(opt.ema.decay, step)), tmp, part)
+        opt.ema.shadow[part] = ema(opt.ema.shadow[part], p_new, t(1.0 - ema_decay(opt.ema.decay, step)))
 
 
 def _bits(a):
@@ -69,22 +79,18 @@ def _bits(a):
 @pytest.mark.parametrize("part", PARTS, ids=str)
 @pytest.mark.parametrize("with_ema", [False, True], ids=["no-ema", "ema"])
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("form", ["blocked", "fused"])
-def test_blocked_step_is_bit_identical_to_whole_slice_passes(variant, with_ema, part, form):
-    """``form`` fused: the optimizer's ``cpu_loop`` compiled by numba (``cpu_kernels``), one element at a time."""
+@pytest.mark.parametrize("form", ["numpy", "numba"])
+def test_each_form_of_the_update_gives_the_definitions_bits(variant, with_ema, part, form):
+    """``form`` numpy: the blocked passes; numba: the compiled loop (``cpu_kernels`` numba)."""
     (blocked, old), rng = _pair(variant, with_ema)
-    if form == "fused":
-        pytest.importorskip("numba", reason="numba is not installed: the fused CPU kernels are optional")
-        from towers.nn import fused_cpu
-
-        blocked.fused = fused_cpu.load("numba")
     part = PARTS[part]
     for step in range(3):
         grads = (rng.standard_normal(N) * 0.1).astype(np.float32)
         g = grads if part is None else grads[part]
         lr = 0.05 / (1 + step)
-        blocked.step(g.copy(), lr, step, part)
-        _old_step(old, g.copy(), lr, step, part)
+        with cpu_form(form):
+            blocked.step(g.copy(), lr, step, part)
+        _reference_step(old, g.copy(), lr, step, part)
     assert _bits(blocked.params) == _bits(old.params)
     for slot in old.state:
         assert _bits(blocked.state[slot]) == _bits(old.state[slot]), slot
@@ -99,14 +105,15 @@ def test_blocked_step_is_bit_identical_to_whole_slice_passes(variant, with_ema, 
     assert _bits(blocked.params[outside]) == _bits(fresh.params[outside])
 
 
-def test_standalone_ema_update_is_bit_identical_to_one_pass():
+@pytest.mark.parametrize("form", ["numpy", "numba"])
+def test_standalone_ema_update_gives_the_definitions_bits(form):
     rng = np.random.default_rng(3)
     params = rng.standard_normal(N).astype(np.float32)
     blocked, old = EMA(params, 0.999), EMA(params, 0.999)
     for n in range(4):
         params = params + (rng.standard_normal(N) * 0.1).astype(np.float32)
-        blocked.update(params, n)
-        one_minus_d = np.float32(1.0 - ema_decay(old.decay, n))
-        old.apply(params, one_minus_d, np.empty_like(params))
+        with cpu_form(form):
+            blocked.update(params, n)
+        old.shadow = ema(old.shadow, params, np.float32(1.0 - ema_decay(old.decay, n)))
     assert _bits(blocked.shadow) == _bits(old.shadow)
     assert not np.array_equal(blocked.shadow, EMA(params, 0.999).shadow)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy
 import pytest
 
+from conftest import cpu_form
 from towers.errors import UserError
 from towers.nn.conv import Conv2D, MaxPool2D
 from towers.nn.layers import Dense, Flatten, ReLU, Sequential
@@ -15,11 +16,10 @@ def _loss(replica, x, y, l2):
     return float(replica.loss_and_grads(x, y, l2, want_loss=True))
 
 
-def _check_grads(model, x, y, l2=1e-2, eps=1e-6, seed=0, fused=None):
-    """Every parameter gradient (and the input path) against central differences (``fused``: the CPU kernels)."""
+def _check_grads(model, x, y, l2=1e-2, eps=1e-6, seed=0):
+    """Every parameter gradient (and the input path) against central differences."""
     rng = numpy.random.default_rng(seed)
     r = Replica(model, numpy, dtype=numpy.float64)
-    r.context.fused = fused
     # Random, not the init: biases non-zero, and no exact ties in max-pool windows.
     r.set_params(rng.normal(0, 0.3, model.size))
     _loss(r, x, y, l2)
@@ -46,12 +46,6 @@ def _check_grads(model, x, y, l2=1e-2, eps=1e-6, seed=0, fused=None):
 def test_conv_pool_gradients(in_shape, padding, filters, cpu_kernels):
     # Odd sizes exercise SAME padding of both the convolution and the pool;
     # two convolutions make the first one's input gradient path (col2im) count.
-    fused = None
-    if cpu_kernels == "numba":
-        pytest.importorskip("numba", reason="numba is not installed: the fused CPU kernels are optional")
-        from towers.nn import fused_cpu
-
-        fused = fused_cpu.load("numba")
     rng = numpy.random.default_rng(1)
     model = Sequential([
         Conv2D("c1", 3, 3, padding=padding, regularize=True), ReLU(), MaxPool2D(2),
@@ -59,7 +53,8 @@ def test_conv_pool_gradients(in_shape, padding, filters, cpu_kernels):
     ]).build(in_shape)
     x = rng.normal(size=(2,) + in_shape)
     y = numpy.array([0, 2])
-    _check_grads(model, x, y, fused=fused)
+    with cpu_form(cpu_kernels):
+        _check_grads(model, x, y)
 
 
 def test_lenet5_shapes_names_and_small_gradients():

@@ -162,6 +162,17 @@ def test_constants_keep_float32_in_the_compiled_loop():
     assert y.tobytes() == f32.tobytes() and not numpy.array_equal(f32, f64)
 
 
+def test_the_passes_reuse_buffers_in_place():
+    """Adam's moments and step with the EMA: one scratch buffer, as the hand-written passes had."""
+    from towers.optim.ema import EMA
+    from towers.optim.optimizers.adam import Adam
+
+    params = numpy.zeros(8, numpy.float32)
+    op = Adam(params, ema=EMA(params, 0.99))._op
+    assert op.numpy_form.n_float == 1 and op.numpy_form.n_bool == 0
+    assert op.numpy_form.source.count("xp.") == 15  # one pass per operation, no copies
+
+
 def test_a_definition_branches_on_settings_not_on_values():
     with pytest.raises(TypeError, match="no truth value"):
         trace(lambda x: x if x > 0 else -x, ("x",), (), (), ("y",))

@@ -111,7 +111,7 @@ def test_resume_on_gpu_continues_the_same_run(tmp_path):
     assert ev.returncode == 0 and "accuracy = " in ev.stdout, ev.stderr
 
 
-# -- the fused kernels (towers.nn.kernels, towers.devices.kernels) against their NumPy versions
+# -- the ops' kernels (towers.ops, towers.devices.kernels) against their NumPy forms
 
 
 def _ws(xp):
@@ -153,43 +153,48 @@ def _floats(rng, shape, special=True):
 
 
 def test_elementwise_kernels_give_numpys_bits():
-    from towers.devices import kernels as device_kernels
-    from towers.nn import kernels
+    from towers.ops import activation, bias as bias_op, l2 as l2_op, mean2 as mean2_op
 
     rng = np.random.default_rng(1)
     x, b = _floats(rng, (37, 53)), _floats(rng, (53,), special=False)
     dy, w = _floats(rng, (37, 53)), _floats(rng, (37, 53))
 
     def bias(xp, y, b):
-        kernels.bias_add(y, b)
+        bias_op.bias_add(y, b)
         return y
 
     def relu(xp, x):
         y = xp.full_like(x, 7.0)  # poisoned: every element must be written
-        kernels.relu(x, y)
+        activation.relu(x, y)
+        return y
+
+    def add_relu(xp, h, s):
+        y = xp.full_like(h, 7.0)
+        activation.add_relu(h, s, y)
         return y
 
     def relu_bwd(xp, y, dy):
-        kernels.relu_backward(y, dy)
+        activation.relu_backward(y, dy)
         return dy
 
     def l2(xp, g, w):
-        kernels.add_scaled(g, w, 1e-4)
+        l2_op.add_scaled(g, w, 1e-4)
         return g
 
     def mean2(xp, a, b):
-        device_kernels.mean2(a, b, 0.5)
+        mean2_op.mean2(a, b, 0.5)
         return a, b
 
-    for fn, args in ((bias, (x, b)), (relu, (x,)), (relu_bwd, (x, dy)), (l2, (dy, w)), (mean2, (x, dy))):
+    for fn, args in ((bias, (x, b)), (relu, (x,)), (add_relu, (x, dy)), (relu_bwd, (x, dy)), (l2, (dy, w)),
+                     (mean2, (x, dy))):
         cpu, gpu = _both(fn, *args)
         _assert_same_values(cpu, gpu)
 
 
 @pytest.mark.parametrize("padding,shape", [("SAME", (3, 9, 11, 4)), ("VALID", (2, 8, 7, 3)), ("SAME", (2, 6, 6, 1))])
 def test_im2col_and_col2im_kernels_give_numpys_bits(padding, shape):
-    from towers.nn import kernels
     from towers.nn.conv import Conv2D
+    from towers.ops import im2col as kernels
 
     conv = Conv2D("c", 5, 3 if padding == "VALID" else 5, padding)
     conv.build(shape[1:])
@@ -214,7 +219,7 @@ def test_im2col_and_col2im_kernels_give_numpys_bits(padding, shape):
 
 @pytest.mark.parametrize("shape", [(3, 8, 10, 4), (2, 7, 9, 3)])  # even, and odd (TF SAME padding)
 def test_maxpool_kernels_give_numpys_bits(shape):
-    from towers.nn import kernels
+    from towers.ops import maxpool as kernels
 
     n, h, w, c = shape
     ho, wo = -(-h // 2), -(-w // 2)
@@ -234,7 +239,7 @@ def test_maxpool_kernels_give_numpys_bits(shape):
 
 
 def test_softmax_xent_kernel_matches_numpy():
-    from towers.nn import kernels
+    from towers.ops import softmax_xent as kernels
 
     rng = np.random.default_rng(4)
     logits = (rng.standard_normal((64, 10)) * 30).astype(np.float32)  # large: the shift matters
@@ -253,7 +258,7 @@ def test_softmax_xent_kernel_matches_numpy():
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True), (True, True)])
 def test_gemm_through_cublas_matches_numpy(trans_a, trans_b):
     import cupy
-    from towers.nn import kernels
+    from towers.ops import gemm as kernels
 
     rng = np.random.default_rng(4)
     m, k, n = 37, 53, 29
@@ -274,7 +279,7 @@ def test_gemm_through_cublas_matches_numpy(trans_a, trans_b):
 
 def test_bias_grad_on_gpu_is_the_column_sum():
     import cupy
-    from towers.nn import kernels
+    from towers.ops import bias as kernels
 
     dy = _floats(np.random.default_rng(8), (300, 41), special=False)
     out = cupy.full(41, 7.0, dtype=cupy.float32)
@@ -360,7 +365,8 @@ def test_tf32_is_opt_in_and_restored():
                                 dict(optimizer="rmsprop")])
 def test_each_optimizers_fused_kernel_gives_its_numpy_updates_bits(kw, ema):
     """Every optimizer of the registry: the one-kernel GPU update (with the EMA fused, or without) gives the
-    bits of the CPU's NumPy passes (``towers.optim.kernels``: no FMA contraction, the same order)."""
+    bits of the CPU's NumPy passes (both derived from its one definition, ``towers.ops.cuda_form``: no FMA
+    contraction, the same order)."""
     import cupy
 
     from towers.optim.ema import EMA
@@ -409,33 +415,37 @@ def test_kernels_give_other_dtypes_to_cupys_array_operations():
     import cupy
 
     from towers.devices import kernels as device_kernels
-    from towers.nn import kernels
+    from towers.ops import activation, bias, l2, mean2
 
     rng = np.random.default_rng(9)
     x = rng.standard_normal((13, 7))
     y = cupy.empty((13, 7), dtype=cupy.float64)
-    kernels.relu(cupy.asarray(x), y)
+    activation.relu(cupy.asarray(x), y)
     np.testing.assert_array_equal(y.get(), np.maximum(x, 0))
     g, w = cupy.asarray(x), cupy.asarray(x[::-1].copy())
-    kernels.add_scaled(g, w, 0.5)
+    l2.add_scaled(g, w, 0.5)
     np.testing.assert_allclose(g.get(), x + 0.5 * x[::-1], rtol=1e-15)
     b = rng.standard_normal(7)
     yb = cupy.asarray(x)
-    kernels.bias_add(yb, cupy.asarray(b))
+    bias.bias_add(yb, cupy.asarray(b))
     np.testing.assert_array_equal(yb.get(), x + b)
     a1, a2 = cupy.asarray(x), cupy.asarray(2 * x)
-    device_kernels.mean2(a1, a2, 0.5)
+    mean2.mean2(a1, a2, 0.5)
     np.testing.assert_allclose(a1.get(), 1.5 * x, rtol=1e-15)
     assert device_kernels.takes(cupy.empty(3, cupy.float32)) and not device_kernels.takes(cupy.empty(3, cupy.float64))
 
 
-def test_the_update_kernel_refuses_a_buffer_of_another_dtype():
+def test_an_update_of_buffers_of_another_dtype_takes_cupys_passes():
+    """float64 device buffers are not read as float32 by the update's kernel: CuPy runs the update's passes, which
+    give NumPy's float64 bits."""
     import cupy
 
-    from towers.optim.optimizers.sgd import SGD
+    from towers.optim.optimizers.adam import Adam
 
-    opt = SGD(cupy.zeros(10, cupy.float32))
-    opt.step(cupy.ones(10, cupy.float32), 0.1, 0)  # builds the kernel
-    with pytest.raises(TypeError, match="float32"):
-        opt._kernel(cupy.ones(10, cupy.float64), np.float32(0.1), np.float32(0), np.float32(0),
-                    cupy.zeros(10, cupy.float64))
+    out = []
+    for xp in (np, cupy):
+        opt = Adam(xp.linspace(-1, 1, 10))
+        opt.step(xp.linspace(1, 2, 10), 0.1, 0)
+        out.append(to_host(opt.params))
+    assert out[0].dtype == np.float64
+    np.testing.assert_array_equal(out[1], out[0])

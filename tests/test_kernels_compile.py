@@ -9,10 +9,17 @@ asks for a device first, so the program is built through
 * the one CUDA module of the layer, data and reducer kernels
   (``towers.devices.kernels.source()``), and every name of ``kernel_names()``
   is a ``__global__`` function in it;
-* every fused optimizer update (``Optimizer._gpu_kernel``) of every optimizer
-  of the registry, in each of its variants, with and without the EMA, with the
+* every optimizer update (``Optimizer._op``, generated from the optimizer's
+  one definition: ``towers.ops.cuda_form``) of every optimizer of the
+  registry, in each of its variants, with and without the EMA, with the
   kernel's own compile options;
-* the EMA's standalone update (``EMA.update`` on the GPU).
+* the EMA's standalone update (``EMA.update`` on the GPU);
+* every other generated kernel compiled on its own that the process has made
+  (``towers.ops.elementwise.made``): none is left out.
+
+Every generated kernel and the update kernels are checked for what makes them
+round as NumPy's passes do: no ``fma.`` in the machine code, IEEE division and
+square root.
 """
 import re
 
@@ -21,8 +28,9 @@ import pytest
 
 import towers  # noqa: F401 - registers the layers' kernels into the module
 from towers.devices import kernels
+from towers.ops import elementwise
+from towers.optim import ema
 from towers.optim.ema import EMA
-from towers.optim.kernels import flat_kernel
 from towers.optim.optimizers import OPTIMIZERS
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed")
@@ -78,7 +86,16 @@ def _params():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_kernel_module_compiles(arch):
-    compile_cuda(kernels.source(), "towers_kernels", arch=arch)
+    ptx = compile_cuda(kernels.source(), "towers_kernels", arch=arch)
+    for op in elementwise.made():  # the generated kernels in the module round as NumPy's passes
+        if op.in_module:
+            _rounds_as_numpy(_function(ptx, "towers_" + op.name), op.name)
+
+
+def _function(ptx: str, name: str) -> str:
+    """The PTX of the entry ``name`` (to its closing brace)."""
+    start = ptx.index(f".entry {name}(")
+    return ptx[start: ptx.index("\n}", start)]
 
 
 def test_every_registered_kernel_is_defined_in_the_module():
@@ -100,19 +117,32 @@ def test_every_fused_optimizer_update_compiles(name, variant, with_ema, arch):
     params = _params()
     ema = EMA(params, 0.99) if with_ema else None
     opt = OPTIMIZERS[name](params, ema=ema, **VARIANTS.get(name, {}).get(variant, {}))
-    kernel = opt._gpu_kernel()
-    assert f"void {kernel.raw.name}(" in kernel.source
-    _rounds_as_numpy(compile_cuda(kernel.source, kernel.raw.name, tuple(kernel.raw.options), arch), kernel.raw.name)
+    _compiles_on_its_own(opt._op.kernel(), arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_standalone_ema_update_compiles(arch):
-    kernel = flat_kernel(("p",), ("one_minus_d",), ("e",), EMA.GPU_BODY.format(p="p"), "towers_ema")
-    _rounds_as_numpy(compile_cuda(kernel.source, kernel.raw.name, tuple(kernel.raw.options), arch), kernel.raw.name)
+    _compiles_on_its_own(ema._UPDATE.kernel(), arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_generated_kernel_made_so_far_compiles(arch):
+    """Whatever else the process generated (an optimizer variant made by another test, a user's op)."""
+    ops = [op for op in elementwise.made() if not op.in_module]
+    assert ops, "no generated kernel outside the module: the EMA's standalone update at least"
+    for op in ops:
+        _compiles_on_its_own(op.kernel(), arch)
+
+
+def _compiles_on_its_own(kernel, arch) -> None:
+    from towers.ops.cuda_form import OPTIONS
+
+    assert f"void {kernel.name}(" in kernel.source
+    _rounds_as_numpy(compile_cuda(kernel.source, kernel.name, OPTIONS, arch), kernel.name)
 
 
 def _rounds_as_numpy(ptx: str, name: str) -> None:
-    """The update rounds each product and sum on its own, as NumPy's passes do (``towers.optim.kernels``): no
+    """The kernel rounds each product and sum on its own, as NumPy's passes do (``towers.ops.cuda_form``): no
     fused multiply-add in its machine code, and IEEE-rounded division and square root."""
     assert "fma." not in ptx, f"{name}: NVRTC contracted a multiply-add into an FMA (compile with --fmad=false)"
     for op in re.findall(r"\b(div|sqrt)\.(\w+)\.f32", ptx):

@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy
 import pytest
 
-from towers.nn import kernels
+from conftest import cpu_form
+from towers.ops import activation
 from towers.nn.context import TowerSync
 from towers.nn.conv import Conv2D
 from towers.nn.layers import Dense, ReLU, Sequential, Workspace
@@ -158,31 +159,30 @@ def test_sync_bn_combines_the_towers_statistics_without_cancelling():
     numpy.testing.assert_allclose(states[0][0]["moving_mean"], 0.9 * x64.mean(axis=0), rtol=1e-6)
 
 
-def _resnet_step(dtype, x, y, n: int, masks: dict, fused=None):
+def _resnet_step(dtype, x, y, n: int, masks: dict, compiled=False):
     """The mean gradient of one sync-BN step of ResNet-20 on ``n`` towers (threads), as float64.
 
     ``masks``: the ReLU masks per (tower, call); a float32 step records them,
-    a float64 step applies them (see the test).  ``fused``: the fused CPU
-    kernels (``towers.nn.fused_cpu``), and each tower's own statistics (no
-    sync-BN: the fused kernels are for those).
+    a float64 step applies them (see the test).  ``compiled``: numba's compiled
+    CPU forms (``towers.ops.backend``), and each tower's own statistics (no
+    sync-BN: batch norm's compiled loops are for those).
     """
     model = resnet(3)(x.shape[1:], 10).build(x.shape[1:])
     reps = [Replica(model, numpy, dtype=dtype) for _ in range(n)]
     s = BarrierSync(n)
     for i, r in enumerate(reps):
         r.set_params(model.init_params(0))
-        r.context.tower, r.context.sync = i, s.for_tower(i) if fused is None else None
-        r.context.fused = fused
+        r.context.tower, r.context.sync = i, s.for_tower(i) if not compiled else None
     b = len(x) // n
     calls = threading.local()
-    record = kernels.relu_backward
+    record = activation.relu_backward
 
-    def relu_backward(y, dy, ws=None):
+    def relu_backward(y, dy):
         key = (calls.tower, calls.count)
         calls.count += 1
         if dtype == numpy.float32:
             masks[key] = y > 0
-            record(y, dy, ws)
+            record(y, dy)
         else:
             dy *= masks[key]
 
@@ -191,11 +191,12 @@ def _resnet_step(dtype, x, y, n: int, masks: dict, fused=None):
         rows = slice(i * b, (i + 1) * b)
         reps[i].loss_and_grads(x[rows].astype(dtype), y[rows], 1e-4)
 
-    kernels.relu_backward = relu_backward
+    activation.relu_backward = relu_backward
     try:
-        _concurrently(n, tower)
+        with cpu_form("numba" if compiled else "numpy"):
+            _concurrently(n, tower)
     finally:
-        kernels.relu_backward = record
+        activation.relu_backward = record
     return sum(r.grads.astype(numpy.float64) for r in reps) / n
 
 
@@ -222,21 +223,20 @@ def test_one_sync_bn_step_of_resnet20_lands_near_float64():
     assert numpy.linalg.norm(g32 - g64) / numpy.linalg.norm(g64) < 1e-5
 
 
-def test_one_fused_step_of_resnet20_lands_near_float64():
-    """The same step through numba's fused batch norm (``cpu_kernels``), one tower, against float64.
+def test_one_compiled_step_of_resnet20_lands_near_float64():
+    """The same step through numba's compiled batch norm (``cpu_kernels``), one tower, against float64.
 
-    The float32 step runs the fused kernels (float64 sums); the float64 step
-    the NumPy path.  The fused kernels keep the centred moments, so they land
-    as near as the NumPy path does.
+    The float32 step runs the compiled loops (float64 sums); the float64 step
+    the NumPy passes.  The loops keep the centred moments, so they land as near
+    as the NumPy passes do.
     """
-    pytest.importorskip("numba", reason="numba is not installed: the fused CPU kernels are optional")
-    from towers.nn import fused_cpu
+    pytest.importorskip("numba", reason="numba is not installed: the compiled CPU forms are optional")
 
     rng = numpy.random.default_rng(0)
     x = ((128 + rng.integers(-4, 5, (8, 32, 32, 3))) / 255).astype(numpy.float32)
     y = rng.integers(0, 10, 8)
     masks: dict = {}
-    g32 = _resnet_step(numpy.float32, x, y, 1, masks, fused_cpu.load("numba"))
+    g32 = _resnet_step(numpy.float32, x, y, 1, masks, compiled=True)
     g64 = _resnet_step(numpy.float64, x, y, 1, masks)
     assert len(masks) == 19
     assert numpy.linalg.norm(g32 - g64) / numpy.linalg.norm(g64) < 1e-5

@@ -10,9 +10,10 @@ shape, ``--steps`` timed steps after 3 warm-up steps.  Printed, in ms per step:
 
 * each top-level layer's forward and backward (a ``Residual`` block is one row:
   its convolutions, batch norms, ReLUs and add together), plus the loss;
-* the same step split by kind of work: ``gemm`` (``kernels.gemm``: every
+* the same step split by kind of work: ``gemm`` (``towers.ops.gemm``: every
   matmul of Dense and Conv2D), ``copies`` (im2col, col2im, pads and crops:
-  ``kernels.im2col``, ``run_im2col``, ``col2im``, ``padded``, ``crop``) and the
+  ``towers.ops.im2col``'s ``im2col``, ``run_im2col``, ``col2im``, ``padded``,
+  ``crop``, as the layers call them) and the
   rest (elementwise passes and reductions: bias, ReLU, batch norm, pooling,
   the residual add, softmax).  A kernel called inside another counts once, for
   the outer one.
@@ -33,9 +34,10 @@ import numpy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from towers.devices.cpu_threads import set_blas_threads  # noqa: E402
-from towers.nn import fused_cpu, kernels  # noqa: E402
+from towers.nn import conv, layers, normalization, pooling  # noqa: E402
 from towers.nn.models import build_model  # noqa: E402
 from towers.nn.replica import Replica  # noqa: E402
+from towers.ops import backend  # noqa: E402
 
 KINDS = {"gemm": "gemm", "im2col": "copies", "run_im2col": "copies", "col2im": "copies",
          "padded": "copies", "crop": "copies"}
@@ -73,7 +75,7 @@ def profile(model_name: str, shape: tuple, batch: int, steps: int, blas_threads:
     rep = Replica(model, numpy)
     rep.set_params(model.init_params(0))
     # As CPU towers get them (towers.step.tower.build_towers), except that auto loads them for any model here.
-    rep.context.fused = fused_cpu.load(cpu_kernels)
+    backend.use(backend.available(cpu_kernels))
     rng = numpy.random.default_rng(0)
     x = rng.random((batch,) + shape, dtype=numpy.float32)
     y = rng.integers(0, 10, batch).astype(numpy.int32)
@@ -86,8 +88,10 @@ def profile(model_name: str, shape: tuple, batch: int, steps: int, blas_threads:
             kind = f"   blocks' {type(inner).__name__}"
             inner.forward = clock.wrap(inner.forward, (kind, "forward"))
             inner.backward = clock.wrap(inner.backward, (kind, "backward"))
-    for name, kind in KINDS.items():
-        setattr(kernels, name, clock.wrap(getattr(kernels, name), ("kind", kind), nested=True))
+    for module in (conv, layers, normalization, pooling):  # the kernels as the layers call them
+        for name, kind in KINDS.items():
+            if hasattr(module, name):
+                setattr(module, name, clock.wrap(getattr(module, name), ("kind", kind), nested=True))
     limit = set_blas_threads(blas_threads)
     for _ in range(3):
         rep.loss_and_grads(x, y, 1e-4, False)
@@ -107,8 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=100, help="one tower's batch")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--blas-threads", type=int, default=1)
-    ap.add_argument("--cpu-kernels", default="auto", choices=fused_cpu.MODES,
-                    help="batch norm's fused numba kernels (auto, numba) or NumPy's operations (numpy)")
+    ap.add_argument("--cpu-kernels", default="auto", choices=backend.MODES,
+                    help="the ops' compiled numba loops (auto, numba) or NumPy's passes (numpy)")
     a = ap.parse_args(argv)
     shape = tuple(int(s) for s in a.shape.split(","))
     ms, total = profile(a.model, shape, a.batch, a.steps, a.blas_threads, a.cpu_kernels)

@@ -9,9 +9,10 @@ The folders follow the data flow of a step::
 
     towers/data/      datasets, shuffled global batches, staging onto devices
     towers/devices/   placement on GPUs or the CPU, CPU tower threads
+    towers/ops/       the ops' kernels by op: each op's arithmetic once, its NumPy, numba and CUDA forms
     towers/nn/        layers, models, the loss, one replica's flat buffers
     towers/parallel/  the all-reduce, sync modes, the replica check
-    towers/optim/     learning-rate schedule, SGD and Adam, the EMA
+    towers/optim/     learning-rate schedule, the optimizers, the EMA
     towers/output/    atomic files, checkpoints, logs, TensorBoard
 
 and at the top: ``config`` (settings), ``trainer`` (the ``Trainer``, the

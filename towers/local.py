@@ -32,6 +32,7 @@ from towers.devices.cpu_threads import blas_threads, set_blas_threads
 from towers.devices.placement import Placement
 from towers.executor import Executor
 from towers.nn.replica import Replica
+from towers.ops import backend
 from towers.optim.ema import EMA
 from towers.optim.optimizers import make_optimizer
 from towers.optim.schedule import make_schedule
@@ -111,8 +112,8 @@ class LocalExecutor(Executor):
         # them) reduces every tower's own buffers, so its towers keep their own.
         self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self.share.first_tower,
                                    share=keeping.same_updates and reducer is None)
-        # What runs the CPU towers' fused kernels (a checkpoint records it; a resume notes a change).
-        self.cpu_kernels = "numba" if any(t.replica.context.fused is not None for t in self.towers) else "numpy"
+        # Which form of the ops the CPU towers run, chosen by build_towers (a checkpoint records it).
+        self.cpu_kernels = backend.name()
         streams = [t.stream for t in self.towers]
         self.timer.syncs = [s.synchronize if s is not None else None for s in streams]
         # GPU towers: a training set that fits stays on the devices (steps then
@@ -137,13 +138,11 @@ class LocalExecutor(Executor):
                 fused = self.ema if t.index == 0 and not weights_mode else None
                 # A tower that shares another's buffer is updated by that tower's optimizer.
                 t.optimizer = None if t.shares_params else make_optimizer(cfg, t.replica.params, fused)
-            if t.optimizer is not None and not t.device.is_gpu:
-                # The run's fused CPU kernels update in one compiled pass; loaded now, not in the first step.
-                t.optimizer.fused = t.replica.context.fused
-                t.optimizer.warm_up()
+            if t.optimizer is not None:
+                t.optimizer.warm_up()  # its compiled CPU form, where chosen: loaded now, not in the first step
         # Devices were validated by placement.resolve before any communicator.
         if reducer is None:
-            reducer = make_reducer(self.placement, streams, fused=self.towers[0].replica.context.fused)
+            reducer = make_reducer(self.placement, streams)
         elif not isinstance(reducer, Reducer):
             reducer = reducer(self.placement, streams)
         self.reducer = reducer

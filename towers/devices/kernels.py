@@ -1,35 +1,28 @@
 """The device kernels of towers: one CUDA module, compiled once, and how its kernels are launched.
 
-Every raw kernel of towers lives in ONE CUDA source: a head (the grid-stride
-``LOOP`` and NumPy's ``maximum`` as ``np_max``), the parts other modules
-``register`` (the layers' kernels, ``towers.nn.kernels``, registered when it is
-imported, which ``import towers`` does), this module's own kernels, and a tail.
-The text is assembled in that fixed order, so it is the same string in every
-process: NVRTC compiles it once and CuPy keeps the binary in its on-disk kernel
-cache (``CUPY_CACHE_DIR``, keyed by the text), so later runs load it without
-compiling; ``warm_up`` loads every kernel on the current device before the
-first step.  A part registered after the first compile would be missing from
-the compiled module, so ``register`` refuses it.
+Every raw kernel of the layers and reducers lives in ONE CUDA source: a head
+(the grid-stride ``LOOP`` and NumPy's ``maximum`` as ``np_max``), the parts the
+ops ``register`` when ``towers.ops`` is imported (which ``import towers``
+does: the generated elementwise kernels and the hand-written window and loss
+kernels, in the order ``towers.ops`` imports them), this module's own
+kernels, and a tail.  The text is assembled in that fixed order, so it is the
+same string in every process: NVRTC compiles it once and CuPy keeps the
+binary in its on-disk kernel cache (``CUPY_CACHE_DIR``, keyed by the text),
+so later runs load it without compiling; ``warm_up`` loads every kernel on
+the current device before the first step.  A part registered after the first
+compile would be missing from the compiled module, so ``register`` refuses it
+(an op made later, an optimizer's update, compiles on its own:
+``towers.ops.cuda_form.Kernel``).
 
 ``launch`` calls a kernel's loaded CUDA function directly, a grid-stride loop
 over ``n`` elements on the current stream (a small model's step is bound by the
 host's launch cost, and CuPy's per-call lookup costs a few microseconds);
-``towers.optim.kernels`` launches its update kernels through it too.
+every generated kernel is launched through it.
 
-This module's own kernels, for the other rooms of a step:
-
-===================  ==========================================  ==============
-function             NumPy passes                                CUDA launches
-===================  ==========================================  ==============
-``gather_batch``     (device-resident data) fancy index + scale  1
-``mean2``            ``a += b; a *= s; b[...] = a`` (reducers)   1
-===================  ==========================================  ==============
-
-Each takes arrays of one module (NumPy or CuPy) and writes into the output it
-is given: on NumPy the array operations, on CuPy one launch doing the same
-arithmetic in the same order (``gather_batch`` gives the CPU's values on the
-same inputs; ``tests/test_gpu.py`` checks both against NumPy).  No atomics:
-results are deterministic.
+This module's own kernel, ``gather_batch``: a batch of device-resident data,
+``xo = xd[idx] * scale`` and ``yo = yd[idx]`` (NumPy's fancy index and scale on
+the host, one launch on a GPU, the CPU's values on the same inputs;
+``tests/test_gpu.py`` checks it).  No atomics: results are deterministic.
 
 Limits: float32 (``gather_batch`` also reads uint8), C-contiguous arrays, at
 most ``MAX_ELEMENTS`` elements per array (index arithmetic is 32-bit for
@@ -64,12 +57,7 @@ extern "C" {
 
 """
 
-_OWN = r"""// The mean of two towers' buffers on one device, written to both: a = b = (a + b) * s.
-__global__ void towers_mean2(float* a, float* b, float s, int n) {
-    LOOP(i, n) { float v = (a[i] + b[i]) * s; a[i] = v; b[i] = v; }
-}
-
-// One batch from a device-resident data set: rows idx of xd (scaled to float32) and of yd.
+_OWN = r"""// One batch from a device-resident data set: rows idx of xd (scaled to float32) and of yd.
 __global__ void towers_gather_u8(const unsigned char* xd, const int* yd, const long long* idx, float* xo, int* yo,
                                  int total, int feat, float scale) {
     LOOP(i, total) {
@@ -95,7 +83,7 @@ __global__ void towers_gather_f32(const float* xd, const int* yd, const long lon
 _TAIL = r"""}  // extern "C"
 """
 
-_OWN_NAMES = ("gather_u8", "gather_f32", "mean2")
+_OWN_NAMES = ("gather_u8", "gather_f32")
 _PARTS: list = []  # (CUDA text, kernel names) registered by other modules, in import order
 _FROZEN: list = []  # the module's text, fixed by the first compile
 _KERNELS: dict = {}
@@ -144,29 +132,6 @@ def warm_up() -> None:
 def on_host(a) -> bool:
     """Whether ``a`` is a NumPy array (the CPU path of a kernel), not a device array."""
     return isinstance(a, numpy.ndarray)
-
-
-# Bytes of each buffer in one block of a blocked host pass.  Several in-place
-# NumPy passes over one block (Adam + EMA: 15 passes over 6 buffers) then run in
-# L1/L2 instead of each streaming a multi-megabyte buffer from memory.  Smaller
-# blocks mean more NumPy calls, each a hand-off of the GIL when CPU tower
-# threads update concurrently.  Measured on this project's 2-core Xeon (48 KiB
-# L1d, 2 MiB L2 per core), Adam + EMA of one tower and Adam of the other over
-# half of LeNet-5's 1.66M parameters, ms per step: one thread 5.26 unblocked,
-# 3.13 at 256 KiB, 3.16 at 512, 3.41 at 768, 3.81 at 1 MiB; two threads at once
-# (each its half) 5.30 unblocked, 5.46 at 256 KiB, 4.26 at 512, 4.20 at 768,
-# 4.36 at 1 MiB.  In bytes, so float64 (gradient checks) keeps the working set.
-HOST_BLOCK_BYTES = 512 * 1024
-
-
-def host_blocks(start: int, stop: int, itemsize: int):
-    """Slices that cut ``[start, stop)`` into consecutive blocks of ``HOST_BLOCK_BYTES`` (the last one shorter).
-
-    For host passes that are elementwise: running all of them block by block
-    gives the same bits as running each over the whole range.
-    """
-    step = max(1, HOST_BLOCK_BYTES // itemsize)
-    return [slice(i, min(i + step, stop)) for i in range(start, stop, step)]
 
 
 _FUNCS: dict = {}  # (RawKernel, device id) -> its loaded CUDA function
@@ -222,28 +187,6 @@ def check_contiguous(*arrays) -> None:
     for a in arrays:
         if not a.flags.c_contiguous:
             raise ValueError(f"towers kernels take C-contiguous arrays, got strides {a.strides}")
-
-
-# -- the reducers' mean of two towers on one device ---------------------------------------
-
-
-def mean2(a, b, scale, fused=None) -> None:
-    """In place: ``a`` and ``b`` both become ``(a + b) * scale`` (two towers sharing a device).
-
-    On the host: NumPy's add, scale and copy (three passes), or with
-    ``fused``, the run's fused CPU kernels (``towers.nn.fused_cpu``), one
-    compiled pass over 1-D contiguous arrays with the same roundings.
-    """
-    scale = a.dtype.type(scale)
-    if fused is not None and on_host(a) and a.ndim == b.ndim == 1 and a.flags.c_contiguous and b.flags.c_contiguous:
-        fused.mean2(a, b, scale)
-        return
-    if on_host(a) or not takes(a, b):
-        a += b
-        a *= scale
-        b[...] = a
-        return
-    launch_named("mean2", a.size, a, b, scale, _i(a.size))
 
 
 # -- device-resident data ------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Float32 matrix products on a GPU: one cuBLAS GEMM as ``cupy.matmul`` would call it, and their precision.
 
-``sgemm`` is the layers' device GEMM (``towers.nn.kernels.gemm``, ``bias_grad``,
+``sgemm`` is the layers' device GEMM (``towers.ops.gemm``, ``bias_grad``,
 ``col_sum``): ONE ``cublasGemmEx`` call on the current stream, with the compute
 type and algorithm ``cupy.matmul`` picks, without its Python-level dispatch.
 ``set_tf32`` switches that compute type, CuPy's process-wide setting, between

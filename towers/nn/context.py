@@ -24,12 +24,9 @@ layers through their workspaces (``ws.ctx``):
     and every tower makes the same sequence of calls (one per batch-norm layer
     forward, one per backward), so the calls pair up.
 
-``fused``
-    None, or the fused CPU kernels of ``towers.nn.fused_cpu.load`` (the
-    ``cpu_kernels`` setting): layers that have a fused form (batch norm,
-    max-pooling, ReLU, a convolution's col2im) use
-    them on host arrays.  Set by ``towers.step.tower.build_towers`` for CPU
-    towers; a ``Replica`` made by hand runs the NumPy code.
+Which form of each op runs (NumPy's passes, numba's compiled loops, CUDA)
+is not part of the context: the ops tell it from their arrays and the
+process's choice (``towers.ops.backend``).
 
 ``host_rng(ctx, path)`` is the generator a layer at ``path`` draws its masks
 from: ``numpy.random.default_rng([seed, tower, step, *path])``, drawn on the
@@ -50,7 +47,6 @@ class StepContext:
     tower: int = 0
     seed: int = 0
     sync: TowerSync | None = None
-    fused: object = None
 
 
 @dataclass(frozen=True)

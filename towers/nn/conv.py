@@ -8,13 +8,13 @@ which is also the layout in which im2col needs no transpose.
 Conv2D (any stride; padding ``same`` as TensorFlow's, ``valid``, or a number
 of zero pixels on every side; optional bias) is im2col + matmuls:
 
-* forward: im2col (``towers.nn.kernels.im2col``: on the CPU the input is
+* forward: im2col (``towers.ops.im2col``: on the CPU the input is
   copied into a zero-bordered buffer and ONE strided copy of whole window
   rows, on a GPU one kernel at stride 1) turns it into ``cols`` of shape
   (N*Ho*Wo, kh*kw*C) (row = output pixel, column = (i, j, c) tap, the order
   of a TF (kh, kw, C, F) kernel); ``y = cols @ W`` is then already NHWC
   (N*Ho*Wo, F).  On the CPU the copies' views are planned once per input
-  buffer (``kernels.im2col_plan``), so a chunk costs its copies and GEMMs;
+  buffer (``im2col_plan``), so a chunk costs its copies and GEMMs;
 * backward: ``db = sum(dy)``, ``dW`` and the input gradient (below).
 
 Two algorithms, ``algorithm=``:
@@ -34,14 +34,14 @@ Two algorithms, ``algorithm=``:
   LeNet-5's conv2) ``dW = cols(x)^T @ dy`` from x's im2col is faster instead
   (``_dw_from_x``: a k*k*C-wide im2col and a better-shaped GEMM), and dy's
   im2col gives the input gradient alone (on the CPU, where it was measured);
-  with the fused CPU kernels (``cpu_kernels``) such a layer takes the input
-  gradient by ``dcols = dy @ W.T`` (k*k*C wide, not k*k*F) and their
-  compiled col2im, one gathering pass (LeNet-5's conv2 backward 20.1 ->
+  with the compiled CPU forms (``cpu_kernels``, ``towers.ops.backend``) such a
+  layer takes the input gradient by ``dcols = dy @ W.T`` (k*k*C wide, not
+  k*k*F) and the compiled col2im, one gathering pass (LeNet-5's conv2 backward 20.1 ->
   18.3 ms; NumPy's col2im is slower than dy's im2col there, so the two
   modes sum it in different orders).  At other strides, and for the first
   layer (no input gradient, and a narrow ``x``), ``dW = cols.T @ dy`` from
   ``x``'s im2col, and ``dcols = dy @ W.T`` and col2im (compiled, with the
-  same bits, under the fused kernels).  On a GPU: one chunk, the whole batch.
+  same bits, under the compiled forms).  On a GPU: one chunk, the whole batch.
 * ``"whole"``: the batch's ``cols`` in one piece, kept for backward; the input
   gradient by ``dcols = dy @ W.T`` and col2im (kh*kw strided adds into a padded
   buffer on the CPU, one gathering kernel on a GPU).  No built-in model uses
@@ -56,11 +56,15 @@ Output shapes and padding follow ``towers.nn.windows``.
 """
 from __future__ import annotations
 
+from towers.devices.kernels import on_host
 from towers.errors import UserError
-from towers.nn import kernels
 from towers.nn.layers import Exported, Layer, Param
 from towers.nn.pooling import MaxPool2D  # it lived here: kept importable from here
 from towers.nn.windows import check_padding, nhwc, positive, window_geometry
+from towers.ops import backend
+from towers.ops.bias import bias_add, bias_grad
+from towers.ops.gemm import gemm
+from towers.ops.im2col import col2im, im2col, im2col_plan, run_im2col
 
 
 CHUNK_BYTES = 1 << 20  # a CPU chunk's im2col buffer: about the size of a core's L2 cache
@@ -141,10 +145,10 @@ class Conv2D(Layer):
             return ws.array(key, (m,) + out_hw + (k, k, c), a.dtype)
 
         chunks = self._chunks(a, c if of_dy else None)
-        if not (kernels.on_host(a) and a4.flags.c_contiguous):
+        if not (on_host(a) and a4.flags.c_contiguous):
             for b0, b1 in chunks:
                 cols = cols_of(b1 - b0)
-                kernels.im2col(a4[b0:b1], cols, pad, pad_ws, stride)
+                im2col(a4[b0:b1], cols, pad, pad_ws, stride)
                 yield (b0, b1), cols.reshape(-1, k * k * c)
             return
         # The same memory, not just the same object: a layer's backward returns a new view of its
@@ -152,9 +156,9 @@ class Conv2D(Layer):
         where = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype, chunks)
         plan = ws.saved.get(key + "_plan")
         if plan is None or plan[1] != where:
-            plan = ws.saved[key + "_plan"] = (a, where, kernels.im2col_plan(a4, cols_of, pad, pad_ws, stride, chunks))
+            plan = ws.saved[key + "_plan"] = (a, where, im2col_plan(a4, cols_of, pad, pad_ws, stride, chunks))
         for chunk, step in zip(chunks, plan[2]):
-            kernels.run_im2col(step)
+            run_im2col(step)
             yield chunk, step[-1]
 
     def _chunks(self, x, channels=None):
@@ -164,7 +168,7 @@ class Conv2D(Layer):
         that of the input-sized im2col of ``dy`` (``_backward_as_conv``).
         """
         n = x.shape[0]
-        if self.algorithm == "whole" or not kernels.on_host(x):
+        if self.algorithm == "whole" or not on_host(x):
             return [(0, n)]
         hw = self.in_hwc[:2] if channels else self.out_hw
         per_image = hw[0] * hw[1] * self.k * self.k * (channels or self.in_hwc[2]) * x.dtype.itemsize
@@ -177,9 +181,9 @@ class Conv2D(Layer):
         y = ws.array("y", (n, ho, wo, f), x.dtype)
         w2, y2, rows = p["weights"].reshape(-1, f), y.reshape(-1, f), ho * wo
         for (b0, b1), cols in self._im2col_chunks(x, ws):
-            kernels.gemm(cols, w2, y2[b0 * rows: b1 * rows])
+            gemm(cols, w2, y2[b0 * rows: b1 * rows])
         if self.bias is not None:
-            kernels.bias_add(y.reshape(-1, f), p["biases"])
+            bias_add(y.reshape(-1, f), p["biases"])
         # "whole" keeps the batch's im2col for backward (one chunk); "chunked" recomputes it there.
         ws.saved["x"], ws.saved["x_shape"] = x, x.shape
         return y
@@ -188,13 +192,13 @@ class Conv2D(Layer):
         x, f = ws.saved["x"], self.filters
         dy2 = dy.reshape(-1, f)  # dy is a contiguous NHWC buffer: a view
         if self.bias is not None:
-            kernels.bias_grad(dy2, g["biases"], ws)
+            bias_grad(dy2, g["biases"], ws)
         gw = g["weights"].reshape(-1, f)
-        # F > C on CPU towers with the fused kernels: dW from x's im2col and dx by col2im, one compiled gather
+        # F > C on CPU towers with the compiled forms: dW from x's im2col and dx by col2im, one compiled gather
         # (LeNet-5's conv2: dx 10.6 -> 8.1 ms at batch 50); without them NumPy's col2im is slower than dy's im2col.
         # Measured on the CPU only: a GPU keeps its path (and its results).
-        from_x = self._dw_from_x and kernels.on_host(dy)
-        if need_dx and self._dx_conv and not (from_x and ws.ctx.fused is not None):
+        from_x = self._dw_from_x and on_host(dy)
+        if need_dx and self._dx_conv and not (from_x and backend.compiled()):
             if from_x:
                 self._weight_grad(x, dy2, gw, ws)
             return self._backward_as_conv(p["weights"], None if from_x else gw, x, dy, ws)
@@ -208,12 +212,12 @@ class Conv2D(Layer):
             part = self._dx(p["weights"], dy[b0:b1], ws, view)
             if dx is None:
                 dx = part
-            elif part is not view:  # the fused col2im writes the chunk's rows in place
+            elif part is not view:  # the compiled col2im writes the chunk's rows in place
                 view[...] = part
         return dx.reshape(ws.saved["x_shape"])
 
-    def fused_rounding(self, input_grad: bool = True) -> bool:
-        """With more filters than input channels the fused CPU kernels take dx by col2im, NumPy by dy's im2col:
+    def compiled_rounding(self, input_grad: bool = True) -> bool:
+        """With more filters than input channels the compiled CPU forms take dx by col2im, NumPy by dy's im2col:
         other sums, where the input gradient is taken (``Layer``)."""
         return input_grad and getattr(self, "_dw_from_x", False)
 
@@ -222,12 +226,12 @@ class Conv2D(Layer):
         chunks = self._chunks(x)
         rows = dy2.shape[0] // x.shape[0]
         if len(chunks) == 1:  # the forward's im2col is still in the workspace
-            kernels.gemm(ws.array("cols", self._cols_shape(x.shape[0]), x.dtype).reshape(-1, gw.shape[0]), dy2, gw,
+            gemm(ws.array("cols", self._cols_shape(x.shape[0]), x.dtype).reshape(-1, gw.shape[0]), dy2, gw,
                          trans_a=True)
             return chunks
         part = ws.array("dw_part", gw.shape, gw.dtype)
         for i, ((b0, b1), cols) in enumerate(self._im2col_chunks(x, ws)):
-            kernels.gemm(cols, dy2[b0 * rows: b1 * rows], gw if i == 0 else part, trans_a=True)
+            gemm(cols, dy2[b0 * rows: b1 * rows], gw if i == 0 else part, trans_a=True)
             if i:
                 gw += part
         return chunks
@@ -237,15 +241,15 @@ class Conv2D(Layer):
 
     def _dx(self, weights, dy, ws, out=None):
         """The input gradient of the images of ``dy`` (n, Ho, Wo, F) by ``dcols = dy @ W.T`` and col2im (into
-        ``out`` where ``kernels.col2im`` can)."""
+        ``out`` where ``col2im`` can)."""
         k, f = self.k, self.filters
         n = dy.shape[0]
         h, w, c = self.in_hwc
         ho, wo = self.out_hw
         dcols = ws.array("dcols", (n, ho, wo, k, k, c), dy.dtype)
-        kernels.gemm(dy.reshape(-1, f), weights.reshape(-1, f), dcols.reshape(n * ho * wo, k * k * c), trans_b=True)
+        gemm(dy.reshape(-1, f), weights.reshape(-1, f), dcols.reshape(n * ho * wo, k * k * c), trans_b=True)
         # col2im: each tap (i, j) adds its slice back where it was read from.
-        return kernels.col2im(dcols, (h, w), self.pad, ws, self.stride, out)
+        return col2im(dcols, (h, w), self.pad, ws, self.stride, out)
 
     def _backward_as_conv(self, weights, gw, x, dy, ws):
         """Stride 1: both gradients from ONE im2col of ``dy``, padded by k-1-top (``dcols``, row = input pixel);
@@ -268,11 +272,11 @@ class Conv2D(Layer):
         dx2 = dx.reshape(-1, c)
         for i, ((b0, b1), dcols) in enumerate(self._im2col_chunks(dy, ws, of_dy=True)):
             r0, r1 = b0 * h * w, b1 * h * w
-            kernels.gemm(dcols, w_rot, dx2[r0:r1])
+            gemm(dcols, w_rot, dx2[r0:r1])
             if dw_rot is None:
                 continue
             part = dw_rot if i == 0 else ws.array("dw_part", dw_rot.shape, gw.dtype)
-            kernels.gemm(x2[r0:r1], dcols, part, trans_a=True)
+            gemm(x2[r0:r1], dcols, part, trans_a=True)
             if i:
                 dw_rot += part
         if dw_rot is not None:

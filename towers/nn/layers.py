@@ -21,7 +21,7 @@ array module (NumPy or CuPy, whichever holds the input):
     (``towers.nn.context``: training or not, step, tower, seed, sync) and
     ``ws.path`` the layer's position in the model.
 ``backward(p, g, dy, ws, need_dx) -> dx``
-    Write parameter gradients INTO the views in ``g`` (``kernels.gemm(..., g[k])``
+    Write parameter gradients INTO the views in ``g`` (``gemm(..., g[k])``
     or ``g[k][...] = ...``); rebinding a name would leave the flat gradient buffer
     untouched and the all-reduce would average stale values.  ``g`` holds the
     trainable parameters only.  Return ``dx``, or None when ``need_dx`` is
@@ -48,8 +48,10 @@ from typing import Callable
 import numpy
 
 from towers.errors import UserError
-from towers.nn import kernels
 from towers.nn.context import StepContext
+from towers.ops import activation
+from towers.ops.bias import bias_add, bias_grad
+from towers.ops.gemm import gemm
 
 
 @dataclass(frozen=True)
@@ -131,10 +133,11 @@ class Layer:
     scope: str | None = None
     keeps_dy: bool = False
 
-    def fused_rounding(self, input_grad: bool = True) -> bool:
-        """Whether the fused CPU kernels (``towers.nn.fused_cpu``) round this layer otherwise than its NumPy
-        operations (batch norm's float64 sums), so that the ``cpu_kernels`` that ran are part of what reproduces
-        its results; ``input_grad``: its backward computes the input gradient (not the first layer's)."""
+    def compiled_rounding(self, input_grad: bool = True) -> bool:
+        """Whether the compiled CPU forms of its ops (``towers.ops.backend``) round this layer otherwise than
+        their NumPy passes (batch norm's float64 sums), so that the ``cpu_kernels`` that ran are part of what
+        reproduces its results; ``input_grad``: its backward computes the input gradient (not the first
+        layer's)."""
         return False
 
     def build(self, in_shape: tuple) -> tuple[list[Param], tuple]:
@@ -211,19 +214,19 @@ class Dense(Layer):
 
     def forward(self, p, x, ws):
         y = ws.array("y", (x.shape[0], self.units), x.dtype)
-        kernels.gemm(x, p["weights"], y)
-        kernels.bias_add(y, p["biases"])
+        gemm(x, p["weights"], y)
+        bias_add(y, p["biases"])
         ws.saved["x"] = x
         return y
 
     def backward(self, p, g, dy, ws, need_dx):
         x = ws.saved["x"]
-        kernels.gemm(x, dy, g["weights"], trans_a=True)
-        kernels.bias_grad(dy, g["biases"], ws)
+        gemm(x, dy, g["weights"], trans_a=True)
+        bias_grad(dy, g["biases"], ws)
         if not need_dx:
             return None
         dx = ws.array("dx", x.shape, x.dtype)
-        kernels.gemm(dy, p["weights"], dx, trans_b=True)
+        gemm(dy, p["weights"], dx, trans_b=True)
         return dx
 
 
@@ -232,7 +235,7 @@ class ReLU(Layer):
 
     def forward(self, p, x, ws):
         y = ws.array("y", x.shape, x.dtype)
-        kernels.relu(x, y)
+        activation.relu(x, y)
         ws.saved["y"] = y
         return y
 
@@ -240,7 +243,7 @@ class ReLU(Layer):
         if not need_dx:
             return None
         y = ws.saved["y"]
-        kernels.relu_backward(y, dy, ws)  # dy is the next layer's scratch: safe in place
+        activation.relu_backward(y, dy)  # dy is the next layer's scratch: safe in place
         return dy
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy
 
 from towers.devices.placement import check_host
-from towers.nn import kernels
 from towers.nn.layers import Workspace
+from towers.ops.softmax_xent import softmax_xent
 
 
 def softmax_cross_entropy(logits, labels, ws: Workspace, want_loss: bool = True, smoothing: float = 0.0):
@@ -27,13 +27,13 @@ def softmax_cross_entropy(logits, labels, ws: Workspace, want_loss: bool = True,
 
     Uses the log-sum-exp shift (never the log of a softmax, which underflows).
     Returns (loss or None, dlogits); dlogits lives in ``ws``.  On a GPU it is
-    one fused kernel (``towers.nn.kernels.softmax_xent``).  ``smoothing``:
+    one fused kernel (``towers.ops.softmax_xent``).  ``smoothing``:
     label smoothing (module doc).
     """
     # Host labels of device logits (a replica driven by hand) go to the device: the kernel and the smoothing's
     # indexing take device labels.
     labels = ws.xp.asarray(labels)
-    loss, d = kernels.softmax_xent(logits, labels, ws, want_loss)
+    loss, d = softmax_xent(logits, labels, ws, want_loss)
     if not smoothing:
         return loss, d
     xp = ws.xp

@@ -66,14 +66,13 @@ bias 1, alpha 1, beta 0.5): ``s = bias + alpha * sum(x^2 over channels c - r
 """
 from __future__ import annotations
 
-import functools
-
 import numpy
 
 from towers.errors import UserError
-from towers.nn import kernels
 from towers.nn.layers import Exported, Layer, Param, rows_in
-from towers.optim.ema import ema_decay
+from towers.ops import batch_norm
+from towers.ops.gemm import gemm
+from towers.optim.ema import ema, ema_decay
 
 
 def _channels(in_shape: tuple, who: str) -> int:
@@ -135,7 +134,7 @@ class BatchNorm(Layer):
 
     keeps_dy = True  # backward reads dy only
 
-    def fused_rounding(self, input_grad: bool = True) -> bool:
+    def compiled_rounding(self, input_grad: bool = True) -> bool:
         return True  # numba's moments sum in float64, NumPy's in float32 GEMVs
 
     def __init__(self, scope: str, momentum: float = 0.99, epsilon: float = 1e-3,
@@ -166,8 +165,8 @@ class BatchNorm(Layer):
         dt = x2.dtype.type
         gamma = p["gamma"] if self.scale else dt(1)
         y = ws.array("y", x.shape, x.dtype)
-        (xw, yw), r = _wide(x2, y), _repeats(m, c)
         if not ctx.training:
+            (xw, yw), r = batch_norm.wide(x2, y), batch_norm.repeats(m, c)
             mean = p["moving_mean"]
             a = gamma / xp.sqrt(p["moving_variance"] + dt(self.epsilon))
             xp.subtract(xw, xp.tile(mean, r), out=yw)  # centred first: x * a and mean * a would cancel
@@ -176,18 +175,23 @@ class BatchNorm(Layer):
                 yw += xp.tile(p["beta"], r)
             return y
         xc = ws.array("xc", x2.shape, x2.dtype)
-        xcw = xc.reshape(xw.shape)
-        fused = _fused(ws, x2)
-        if fused is not None:  # the same moments in two passes that only read (towers.nn.fused_cpu)
-            shift, off, var = fused.bn_moments(x2)
+        compiled = batch_norm.compiled_for(ws, x2)
+        if compiled:  # the same moments in two passes that only read
+            shift, off, var = batch_norm.moments_loop(x2)
             mean = shift + off
         else:
-            mean, var, off = self._moments(xp, ctx, x2, xw, xc, xcw, y, yw, ws)
+            shift, moments = batch_norm.moments_passes(x2, xc, y.reshape(x2.shape), ws,
+                                                       _coarse if ctx.sync is not None else None)
+            if ctx.sync is None:
+                off = moments[0]  # the batch mean is shift + off
+                var = moments[1] - off * off
+                mean = shift + off
+            else:
+                mean, var, off = _combine(ctx.sync, shift, moments, ws)
         var = xp.maximum(var, dt(0))
         d = dt(1.0 - ema_decay(self.momentum, ctx.step))
         for name, batch in (("moving_mean", mean), ("moving_variance", var)):
-            buf = p[name]
-            buf -= (buf - batch) * d
+            p[name][...] = ema(p[name], batch, d)  # the moving statistics follow the EMA's formula
         inv_std = dt(1) / xp.sqrt(var + dt(self.epsilon))
         a = gamma * inv_std
         # y = (xc - off) * a + beta: off is small (rounding, or this tower's
@@ -195,43 +199,12 @@ class BatchNorm(Layer):
         b = -off * a
         if self.center:
             b += p["beta"]
-        if fused is not None:
-            fused.center_scale(x2, shift, a, b, xc, y.reshape(x2.shape))
+        if compiled:
+            batch_norm.center_scale_loop(x2, shift, a, b, xc, y.reshape(x2.shape))
         else:
-            xp.multiply(xcw, xp.tile(a, r), out=yw)
-            yw += xp.tile(b, r)
+            batch_norm.normalize_passes(xc, a, b, y.reshape(x2.shape), xp)
         ws.saved.update(xc=xc, off=off, inv_std=inv_std, a=a, x_shape=x.shape)
         return y
-
-    @staticmethod
-    def _moments(xp, ctx, x2, xw, xc, xcw, y, yw, ws):
-        """(mean, var, off) of (M, C) ``x2`` from moments around a shift (module doc), ``xc = x - shift``."""
-        m, c = x2.shape
-        dt = x2.dtype.type
-        r = _repeats(m, c)
-        # The shift: this tower's mean as float32 rounds it (a GEMV).  The
-        # values centred on it (kept for backward) are small, so their moments
-        # (two GEMVs and a square) hold float32's precision of the spread, not
-        # of the mean.
-        shift = ws.array("shift", (c,), x2.dtype)
-        kernels.col_sum(x2, shift, ws)
-        shift *= dt(1.0 / m)
-        if ctx.sync is not None:
-            shift = _coarse(xp, shift)  # so that the gather through an average is exact (see _combine)
-        xp.subtract(xw, xp.tile(shift, r), out=xcw)
-        moments = ws.array("moments", (2, c), x2.dtype)  # mean(xc), mean(xc^2)
-        kernels.col_sum(xc, moments[0], ws)
-        sq = y.reshape(x2.shape)  # y's buffer as scratch until it holds y
-        xp.multiply(xcw, xcw, out=yw)
-        kernels.col_sum(sq, moments[1], ws)
-        moments *= dt(1.0 / m)
-        if ctx.sync is None:
-            off = moments[0]  # the batch mean is shift + off
-            var = moments[1] - off * off
-            mean = shift + off
-        else:
-            mean, var, off = _combine(ctx.sync, shift, moments, ws)
-        return mean, var, off
 
     def backward(self, p, g, dy, ws, need_dx):
         xp, ctx, c = ws.xp, ws.ctx, self.c
@@ -241,17 +214,14 @@ class BatchNorm(Layer):
         m = dy2.shape[0]
         dt = dy2.dtype.type
         dx = ws.array("dx", dy.shape, dy.dtype)
-        (dyw, xcw, dxw), r = _wide(dy2, xc, dx), _repeats(m, c)
         # sums[0] = sum(dy), sums[1] = sum(dy * xhat) = inv_std * (sum(dy * xc) - off * sum(dy)):
         # centred values, and off small, so the difference does not cancel.
         sums = ws.array("sums", (2, c), dy2.dtype)
-        fused = _fused(ws, dy2)
-        if fused is not None:
-            sums[...] = fused.bn_backward_sums(dy2, xc)
+        compiled = batch_norm.compiled_for(ws, dy2)
+        if compiled:
+            sums[...] = batch_norm.backward_sums_loop(dy2, xc)
         else:
-            kernels.col_sum(dy2, sums[0], ws)
-            xp.multiply(dyw, xcw, out=dxw)  # dx's buffer as scratch until it holds dx
-            kernels.col_sum(dx.reshape(-1, c), sums[1], ws)
+            batch_norm.backward_sums_passes(dy2, xc, dx.reshape(-1, c), sums, ws)  # dx's buffer as scratch
         sums[1] -= off * sums[0]
         sums[1] *= inv_std
         if self.scale:
@@ -268,20 +238,11 @@ class BatchNorm(Layer):
         #    = a * (xc * k + dy + c0): four passes, no scratch
         k = -inv_std * means[1]
         c0 = off * inv_std * means[1] - means[0]
-        if fused is not None:
-            fused.bn_backward_dx(dy2, xc, k, c0, a, dx.reshape(-1, c))
+        if compiled:
+            batch_norm.backward_dx_loop(dy2, xc, k, c0, a, dx.reshape(-1, c))
         else:
-            xp.multiply(xcw, xp.tile(k, r), out=dxw)
-            dxw += dyw
-            dxw += xp.tile(c0, r)
-            dxw *= xp.tile(a, r)
+            batch_norm.backward_dx_passes(dy2, xc, k, c0, a, dx.reshape(-1, c), xp)
         return dx.reshape(s["x_shape"])
-
-
-def _fused(ws, a):
-    """The fused CPU kernels for this step's array ``a`` (``kernels.fused_for``), or None: GPU arrays, and
-    ``sync_bn``, whose moments are gathered across towers, take the array-operation path."""
-    return None if ws.ctx.sync is not None else kernels.fused_for(ws, a)
 
 
 def _combine(sync, shift, moments, ws):
@@ -327,27 +288,6 @@ def _coarse(xp, v):
     return xp.ldexp(xp.rint(mantissa * 65536) / 65536, exponent).astype(v.dtype, copy=False)
 
 
-_ROW = 1024  # values per row of the wide views: long enough for NumPy's inner loop
-
-
-@functools.lru_cache(maxsize=None)
-def _repeats(m: int, c: int) -> int:
-    """How many rows of c channels to lay side by side: the largest divisor of m with r * c <= _ROW."""
-    return max(r for r in range(1, max(_ROW // c, 1) + 1) if m % r == 0)
-
-
-def _wide(*arrays):
-    """(M, C)-shaped contiguous arrays viewed as (M / r, r * C) (``_repeats``), for per-channel broadcasts.
-
-    NumPy broadcasts a (C,) vector over (M, C) one row of C values at a time:
-    with C = 16 that is 4x slower than the same pass over rows of ~1,000
-    values, which a per-channel vector tiled r times gives.
-    """
-    m, c = arrays[0].reshape(-1, arrays[0].shape[-1]).shape
-    r = _repeats(m, c)
-    return tuple(a.reshape(m // r, r * c) for a in arrays)
-
-
 class LRN(Layer):
     """TensorFlow's ``local_response_normalization`` across the last axis (see the module doc)."""
 
@@ -370,7 +310,7 @@ class LRN(Layer):
         sq = ws.array("sq", x2.shape, x2.dtype)
         xp.multiply(x2, x2, out=sq)
         s = ws.array("s", x2.shape, x2.dtype)
-        kernels.gemm(sq, band, s)  # window sums of squares
+        gemm(sq, band, s)  # window sums of squares
         s *= dt(self.alpha)
         s += dt(self.bias)
         u = ws.array("u", x2.shape, x2.dtype)  # s ** -beta
@@ -392,7 +332,7 @@ class LRN(Layer):
         t *= u
         t /= s
         tb = ws.array("tb", x2.shape, x2.dtype)
-        kernels.gemm(t, ws.constant("band", self._band, x2.dtype), tb)  # the band is symmetric
+        gemm(t, ws.constant("band", self._band, x2.dtype), tb)  # the band is symmetric
         tb *= x2
         tb *= dt(-2.0 * self.alpha * self.beta)
         dx = ws.array("dx", dy.shape, dy.dtype)

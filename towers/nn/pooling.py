@@ -5,9 +5,9 @@ activations are NHWC; shapes and padding follow ``towers.nn.windows``
 (TensorFlow's rules).
 
 MaxPool2D.  Windows that tile the image (stride = k, no padding on top/left,
-LeNet-5's 2x2) take the dedicated path of ``towers.nn.kernels`` (``maxpool``,
-``maxpool_backward``: on the CPU k*k maxima over strided views, on a GPU one
-kernel each way).  Any other window (the CIFAR-10 model's 3x3 at stride 2)
+LeNet-5's 2x2) take the dedicated op of ``towers.ops.maxpool`` (``maxpool``,
+``maxpool_backward``: on the CPU k*k maxima over strided views or one
+compiled pass, on a GPU one kernel each way).  Any other window (the CIFAR-10 model's 3x3 at stride 2)
 takes array operations on either device: the input in a -inf-bordered
 buffer, k*k maxima over strided tap views; backward walks the taps in
 row-major order and gives each window's gradient to its FIRST maximal element
@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import numpy
 
-from towers.nn import kernels
 from towers.nn.layers import Layer
 from towers.nn.windows import check_padding, nhwc, positive, window_geometry
+from towers.ops.im2col import crop, padded
+from towers.ops.maxpool import maxpool, maxpool_backward
 
 
 class _Pool2D(Layer):
@@ -55,7 +56,7 @@ class _Pool2D(Layer):
 
     def _input(self, x, ws, fill: float):
         n = x.shape[0]
-        return kernels.padded(ws, "xpad", x.reshape((n,) + self.in_hwc), self.pad, self.span, fill)
+        return padded(ws, "xpad", x.reshape((n,) + self.in_hwc), self.pad, self.span, fill)
 
 
 class MaxPool2D(_Pool2D):
@@ -75,7 +76,7 @@ class MaxPool2D(_Pool2D):
         y = ws.array("y", (n,) + self.out_hw + (self.in_hwc[2],), x.dtype)
         if self._tiling:
             x = x.reshape((n,) + self.in_hwc)
-            kernels.maxpool(x, y, self.k, ws)
+            maxpool(x, y, self.k, ws)
         else:
             x = self._input(x, ws, -numpy.inf)
             for a, b, tap in self._taps(x):
@@ -91,7 +92,7 @@ class MaxPool2D(_Pool2D):
             return None
         x, y = ws.saved["x"], ws.saved["y"]
         if self._tiling:
-            return kernels.maxpool_backward(x, y, dy, self.k, ws).reshape(ws.saved["x_shape"])
+            return maxpool_backward(x, y, dy, self.k, ws).reshape(ws.saved["x_shape"])
         xp = ws.xp
         dpad = ws.array("dpad", x.shape, dy.dtype)
         dpad.fill(0)
@@ -104,7 +105,7 @@ class MaxPool2D(_Pool2D):
             left -= eq
             eq *= dy
             dtap += eq
-        return kernels.crop(ws, dpad, self.pad, self.in_hwc[:2]).reshape(ws.saved["x_shape"])
+        return crop(ws, dpad, self.pad, self.in_hwc[:2]).reshape(ws.saved["x_shape"])
 
 
 class AvgPool2D(_Pool2D):
@@ -149,7 +150,7 @@ class AvgPool2D(_Pool2D):
         ws.xp.multiply(dy, ws.constant("inv_count", self._inv_count, dy.dtype), out=share)
         for _, _, dtap in self._taps(dpad):
             dtap += share
-        return kernels.crop(ws, dpad, self.pad, self.in_hwc[:2]).reshape(ws.saved["x_shape"])
+        return crop(ws, dpad, self.pad, self.in_hwc[:2]).reshape(ws.saved["x_shape"])
 
 
 class GlobalAvgPool(Layer):

@@ -21,10 +21,10 @@ import numpy
 
 from towers.data.dataset import input_scale
 from towers.devices.placement import to_host
-from towers.nn import kernels
 from towers.nn.context import StepContext
 from towers.nn.layers import Sequential, Workspace
 from towers.nn.loss import accuracy_count, softmax_cross_entropy
+from towers.ops.l2 import add_scaled
 
 
 class Replica:
@@ -156,12 +156,8 @@ class Replica:
         with timer("backward"):
             if self._nreg and l2:
                 w = self.params[: self._nreg]
-                # grads += l2 * w: one fused kernel on a GPU; on the CPU one compiled
-                # pass with the fused CPU kernels, else two in-place passes over a
-                # scratch buffer (no temporary per step).
-                tmp = (self._loss_ws.array("l2", w.shape, w.dtype)
-                       if kernels.on_host(w) and self.context.fused is None else None)
-                kernels.add_scaled(self.grads[: self._nreg], w, l2, tmp, self.context.fused)
+                # grads += l2 * w: one kernel on a GPU, one pass or two on the CPU (towers.ops.l2).
+                add_scaled(self.grads[: self._nreg], w, l2)
         return loss
 
     def _backward(self, dy, grads) -> None:

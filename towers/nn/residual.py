@@ -23,11 +23,12 @@ from __future__ import annotations
 import dataclasses
 
 from towers.errors import UserError
-from towers.nn import kernels
 from towers.nn.conv import Conv2D
 from towers.nn.layers import Exported, Layer
 from towers.nn.normalization import BatchNorm
 from towers.nn.windows import nhwc
+from towers.ops import activation
+from towers.ops.im2col import zeroed
 
 
 class PadShortcut(Layer):
@@ -45,7 +46,7 @@ class PadShortcut(Layer):
 
     def forward(self, p, x, ws):
         n, (h, w, c), s = x.shape[0], self.in_hwc, self.stride
-        y = kernels.zeroed(ws, "y", (n, -(-h // s), -(-w // s), self.channels), x.dtype)
+        y = zeroed(ws, "y", (n, -(-h // s), -(-w // s), self.channels), x.dtype)
         y[..., :c] = x.reshape(n, h, w, c)[:, ::s, ::s, :]  # the appended channels stay 0
         ws.saved["x_shape"] = x.shape
         return y
@@ -54,7 +55,7 @@ class PadShortcut(Layer):
         if not need_dx:
             return None
         n, (h, w, c), s = dy.shape[0], self.in_hwc, self.stride
-        dx = kernels.zeroed(ws, "dx", (n, h, w, c), dy.dtype)  # pixels between the strides stay 0
+        dx = zeroed(ws, "dx", (n, h, w, c), dy.dtype)  # pixels between the strides stay 0
         dx[:, ::s, ::s, :] = dy[..., :c]
         return dx.reshape(ws.saved["x_shape"])
 
@@ -89,10 +90,10 @@ class Residual(Layer):
         self._has_short_params = any(self._names[len(self.body):])
         return params, tuple(out)
 
-    def fused_rounding(self, input_grad: bool = True) -> bool:
-        """Whether one of its layers (each takes its input gradient) rounds otherwise through the fused CPU
-        kernels (``Layer``); built first."""
-        return any(layer.fused_rounding() for layer in self.layers)
+    def compiled_rounding(self, input_grad: bool = True) -> bool:
+        """Whether one of its layers (each takes its input gradient) rounds otherwise through the compiled CPU
+        forms (``Layer``); built first."""
+        return any(layer.compiled_rounding() for layer in self.layers)
 
     def exports(self, framework):
         """Its layers' declarations, under their names inside the block (``conv1/weights``).  Each is handed
@@ -157,7 +158,7 @@ class Residual(Layer):
         for i, layer in enumerate(self.short_layers, nb):
             s = layer.forward(parts[i], s, ws.child(i))
         y = ws.array("y", h.shape, h.dtype)
-        kernels.add_relu(h, s.reshape(h.shape), y, ws)
+        activation.add_relu(h, s.reshape(h.shape), y)
         ws.saved["y"] = y
         return y
 
@@ -165,7 +166,7 @@ class Residual(Layer):
         nb = len(self.body)
         pp, gp = self._parts(p, ws, "p_parts"), self._parts(g, ws, "g_parts")
         y = ws.saved["y"]
-        kernels.relu_backward(y, dy, ws)  # dy is the next layer's scratch: safe in place
+        activation.relu_backward(y, dy)  # dy is the next layer's scratch: safe in place
         d = dy
         if not self.body[-1].keeps_dy:  # it may write into its dy, which the shortcut reads after it
             d = ws.array("d_body", y.shape, y.dtype)

@@ -5,23 +5,35 @@ TensorFlow's ``ExponentialMovingAverage(decay, num_updates=step)``::
     d = min(decay, (1 + step) / (10 + step))
     shadow -= (1 - d) * (shadow - params)
 
+``ema_decay`` is the first line, ``ema`` the second, written once as a function
+of one element (``towers.ops.expr``): the optimizers fuse it into the first
+replica's update (``towers.optim.optimizers.base``: one pass, one kernel), it
+runs on its own after each weight average in weights mode (``EMA.update``, an
+``Elementwise`` op of it), and batch norm's moving statistics follow the same
+formula (``towers.nn.normalization``).
+
 The shadow starts equal to the initial weights and lives in one flat buffer on
-the first tower's device.  In grads mode the optimizers fuse this update into
-the first replica's update pass (``EMA.apply``, ``EMA.gpu_body``); in weights
-mode it runs on its own after each weight average (``EMA.update``).
+the first tower's device.
 """
 from __future__ import annotations
 
-import numpy
-
-from towers.devices.kernels import host_blocks
 from towers.devices.placement import array_module
-from towers.optim.kernels import flat_kernel
+from towers.ops.elementwise import Elementwise
 
 
 def ema_decay(decay: float, step: int) -> float:
     """TF ``ExponentialMovingAverage`` decay with ``num_updates=step``."""
     return min(decay, (1.0 + step) / (10.0 + step))
+
+
+def ema(shadow, params, one_minus_d):
+    """The shadow's new value: ``shadow - (shadow - params) * (1 - d)`` (an element, an array or a traced value)."""
+    return shadow - (shadow - params) * one_minus_d
+
+
+# The update alone over flat buffers (weights mode): every form of ``ema``.
+_UPDATE = Elementwise("ema", lambda p, e, one_minus_d: ema(e, p, one_minus_d), ("e",), scalars=("one_minus_d",),
+                      module=False)
 
 
 class EMA:
@@ -32,14 +44,9 @@ class EMA:
     (weight averaging in ``--sync weights``).
     """
 
-    # The update as CUDA source over the new weights ``{p}`` (fused into the
-    # optimizers' kernels, or run alone by ``update``).
-    GPU_BODY = "e = e - (e - {p}) * one_minus_d;\n"
-
     def __init__(self, params, decay: float):
         self.decay = float(decay)
         self.shadow = params.copy()  # TF starts the shadow at the variable's value
-        self._tmp = None
 
     def state_dict(self, layout) -> dict:
         """{ema/name: host array} (``layout``: ``towers.state.Layout`` of the weights)."""
@@ -58,23 +65,15 @@ class EMA:
     def set_state(self, flat) -> None:
         self.shadow[...] = array_module(self.shadow).asarray(flat)
 
+    def one_minus_d(self, num_updates: int):
+        """``1 - d`` for ``num_updates``, in the shadow's dtype (the update's scalar)."""
+        return self.shadow.dtype.type(1.0 - ema_decay(self.decay, num_updates))
+
     def update(self, params, num_updates: int) -> None:
-        """``shadow -= (1 - d) * (shadow - params)`` with d from ``num_updates``."""
-        t = self.shadow.dtype.type
-        one_minus_d = t(1.0 - ema_decay(self.decay, num_updates))
-        if isinstance(self.shadow, numpy.ndarray):
-            if self._tmp is None:
-                self._tmp = numpy.empty_like(self.shadow)
-            for b in host_blocks(0, self.shadow.size, self.shadow.itemsize):  # in cache: see Optimizer.step
-                self.apply(params[b], one_minus_d, self._tmp[b], b)
-        else:
-            flat_kernel(("p",), ("one_minus_d",), ("e",), self.GPU_BODY.format(p="p"), "towers_ema")(
-                params, one_minus_d, self.shadow)
+        """``shadow -= (1 - d) * (shadow - params)`` with d from ``num_updates``: one pass (``_UPDATE``)."""
+        _UPDATE(params, self.shadow, self.one_minus_d(num_updates))
 
-    def apply(self, params, one_minus_d, tmp, part: slice = slice(None)) -> None:
-        """The CPU pass over ``shadow[part]`` (``params``, ``tmp``: that slice's)."""
-        e = self.shadow[part]
-        numpy.subtract(e, params, out=tmp)
-        tmp *= one_minus_d
-        e -= tmp
-
+    @staticmethod
+    def warm_up() -> None:
+        """Load the standalone update's compiled CPU form now, where the process chose it."""
+        _UPDATE.warm_up()

@@ -41,7 +41,7 @@ import numpy
 from towers.config import Config, checkpoint_settings
 from towers.data.fingerprint import changes as fingerprint_changes
 from towers.errors import TrainingError, UserError, notice
-from towers.nn import fused_cpu
+from towers.ops import backend
 from towers.settings import NOTE, REFUSE, SILENT, resume_changes, show, used_settings
 from towers.state import Layout, under
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, remove_stale, writing
@@ -240,8 +240,8 @@ META = ("format", "data/shape", "data/num_classes", "n_towers", "global_batch", 
 def metadata(cfg, dataset, n_towers: int, global_batch: int, cpu_kernels: str = "numpy") -> dict:
     """The checkpoint format's own keys: what a resume checks the data and the run against.
 
-    ``cpu_kernels``: what ran the CPU towers' fused kernels, ``numba`` or
-    ``numpy`` (``towers.nn.fused_cpu``), which the ``cpu_kernels`` setting
+    ``cpu_kernels``: which form of the ops ran on the CPU towers, ``numba``
+    or ``numpy`` (``towers.ops.backend``), which the ``cpu_kernels`` setting
     alone does not say (``auto`` is either).  ``data/fingerprint``: the
     training set's (``towers.data.fingerprint``), as JSON.
     """
@@ -439,8 +439,8 @@ def resume(trainer, logdir: str) -> Resume | None:
         # A checkpoint without the key was written before numba's kernels existed: NumPy's.
         old, new = str(found.arrays.get("cpu_kernels", "numpy")), getattr(trainer, "cpu_kernels", None)
         # Only batch norm and a convolution with more filters than channels round otherwise through the
-        # fused kernels (``fused_cpu.rounds_otherwise``): elsewhere the bits are the same.
-        if new is not None and old != new and fused_cpu.rounds_otherwise(trainer.model):
+        # compiled forms (``backend.rounds_otherwise``): elsewhere the bits are the same.
+        if new is not None and old != new and backend.rounds_otherwise(trainer.model):
             found.notes.append(f"note: the CPU kernels changed since the checkpoint ({old} -> {new}, see "
                                "`cpu_kernels`): batch norm's and some convolutions' sums round differently, so "
                                "the continuation differs from an uninterrupted run by float rounding")

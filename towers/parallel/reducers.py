@@ -40,8 +40,8 @@ buffers from one thread.
 """
 from __future__ import annotations
 
-from towers.devices import kernels
 from towers.devices.placement import on_stream
+from towers.ops.mean2 import mean2
 from towers.parallel.allreduce import NcclAllReduce, NcclWorld
 
 
@@ -66,14 +66,13 @@ class DeviceMean(Reducer):
     ``groups``: tower indices per device; ``devices``/``streams``: per tower.
     Alone (one group, ``scale`` = 1 / towers) it is the mean of towers sharing
     a device; inside ``Hierarchical`` its two halves surround the leaders' mean.
-    Two towers alone take one pass (``kernels.mean2``): one kernel on a GPU,
-    and on the CPU one compiled loop when ``fused`` holds the run's fused CPU
-    kernels (``towers.nn.fused_cpu``), with NumPy's roundings either way.
+    Two towers alone take one op (``towers.ops.mean2``): one kernel on a GPU,
+    one compiled loop or NumPy's passes on the CPU (``towers.ops.backend``),
+    with the same roundings in every form.
     """
 
-    def __init__(self, groups: list[list[int]], devices: list, streams: list, scale: float, fused=None):
+    def __init__(self, groups: list[list[int]], devices: list, streams: list, scale: float):
         self.groups, self.devices, self.streams, self.scale = groups, devices, streams, scale
-        self.fused = fused
         self.noop = all(len(g) == 1 for g in groups) and scale == 1.0
         self.splittable = not any(d.is_gpu for d in devices)
 
@@ -88,11 +87,11 @@ class DeviceMean(Reducer):
             a, b = self.streams
             with self.devices[0].scope(), on_stream(a):
                 _after(a, b)
-                kernels.mean2(buffers[0], buffers[1], self.scale)
+                mean2(buffers[0], buffers[1], self.scale)
                 _after(b, a)
             return
-        if len(self.groups) == 1 and len(buffers) == 2 and self.fused is not None:  # CPU: one compiled pass
-            kernels.mean2(buffers[0], buffers[1], self.scale, self.fused)
+        if len(self.groups) == 1 and len(buffers) == 2:  # two CPU towers: one op
+            mean2(buffers[0], buffers[1], self.scale)
             return
         self.gather(buffers)
         self.scatter(buffers)
@@ -179,7 +178,7 @@ class Counted(Reducer):
 
 
 def make_reducer(placement, streams: list, nccl=None, world: NcclWorld | None = None,
-                 across: Reducer | None = None, total_towers: int | None = None, fused=None) -> Reducer:
+                 across: Reducer | None = None, total_towers: int | None = None) -> Reducer:
     """The reducer for ``placement``'s towers (``streams``: one per tower, None on the CPU).
 
     * one device group, alone on its host: ``DeviceMean``;
@@ -187,15 +186,14 @@ def make_reducer(placement, streams: list, nccl=None, world: NcclWorld | None = 
     * ``across`` (the cluster's cross-host mean of CPU hosts): ``Hierarchical(DeviceMean, across)``,
       the local sum scaled by 1 / (this host's towers) and ``across`` weighting hosts by their towers.
 
-    ``nccl`` replaces ``cupy.cuda.nccl``; ``total_towers`` is every host's towers (``world``); ``fused``, the
-    run's fused CPU kernels, for a lone ``DeviceMean`` of two CPU towers.
+    ``nccl`` replaces ``cupy.cuda.nccl``; ``total_towers`` is every host's towers (``world``).
     """
     devices, groups = list(placement.towers), placement.groups
     n = len(devices)
     if across is not None:
         return Hierarchical(DeviceMean([list(range(n))], devices, streams, 1.0 / n), across)
     if world is None and len(groups) == 1:
-        return DeviceMean(groups, devices, streams, 1.0 / n, fused)
+        return DeviceMean(groups, devices, streams, 1.0 / n)
     ranks = len(groups) if world is None else world.n_ranks
     towers = n if world is None else world.total_towers
     local = DeviceMean(groups, devices, streams, ranks / towers)

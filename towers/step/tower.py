@@ -20,8 +20,8 @@ import numpy
 from towers.data.staging import Stager
 from towers.devices.placement import on_stream
 from towers.errors import UserError
-from towers.nn import fused_cpu
 from towers.nn.replica import Replica
+from towers.ops import backend
 from towers.state import Layout, under
 
 # A diverging run overflows to inf/NaN: the loop reports it as one line at the
@@ -104,11 +104,9 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
     batch_size, seed = cfg.batch_size, cfg.seed
     init = model.init_params(seed)
     streams: dict[int, object] = {}
-    fused = None
-    if any(not d.is_gpu for d in placement.towers) and (cfg.cpu_kernels != "auto" or fused_cpu.worth_loading(model)):
-        fused = fused_cpu.load(cfg.cpu_kernels)
-        if fused is not None:
-            fused_cpu.warm_up(fused)  # numba's import and its cached kernels now, not inside the first step
+    # The process's form of the ops on host arrays (towers.ops.backend), chosen once here; with numba its
+    # kernels are loaded now, not inside the first step.
+    backend.choose(cfg.cpu_kernels, model, any(not d.is_gpu for d in placement.towers))
     # ``share`` (a keeper whose replicas apply the same update to the same
     # weights: grads mode): CPU towers (one process's memory) share the first
     # CPU tower's parameter buffer, and its optimizer step is the only one: the
@@ -132,7 +130,6 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
                 cpu_params = replica.params
             replica.set_params(init)
             replica.context.tower, replica.context.seed = first_tower + i, seed
-            replica.context.fused = None if dev.is_gpu else fused
         stager = Stager(dev, stream, batch_size, dataset.example_shape, dataset.x.dtype)
         towers.append(Tower(i, dev, stream, replica, stager, timer.for_tower(i), cfg.accumulate,
                             first_tower + i, shares_params=shares))

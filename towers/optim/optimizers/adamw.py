@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import math
 
-import numpy
-
 from towers.errors import UserError
+from towers.ops.expr import sqrt
 from towers.optim.optimizers.adam import moments
 from towers.optim.optimizers.base import Optimizer
 from towers.optim.schedule import piecewise_values
@@ -38,10 +37,7 @@ class AdamW(Optimizer):
     reads = ("beta1", "beta2", "epsilon", "weight_decay")
     defaults = {"lr": 0.001, "lr_decay": 1.0, "l2": 0.0}  # torch's lr; the decay replaces L2
     all_slots = slots = ("adam_m", "adam_v")
-    # The products and sums of ``_cpu_update``, in its order (``towers.optim.kernels``: no FMA contraction).
-    GPU_BODY = ("adam_m = adam_m * b1 + g * (1 - b1);\n"
-                "adam_v = adam_v * b2 + (g * g) * (1 - b2);\n"
-                "T p_new = p * keep - (adam_m / (sqrt(adam_v) * inv_root_bc2 + eps)) * step_size;\n")
+    scalars = ("keep", "step_size", "inv_root_bc2", "b1", "b2", "eps")
 
     def __init__(self, params, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.01, ema=None):
         self.beta1, self.beta2, self.epsilon = float(beta1), float(beta2), float(epsilon)
@@ -64,42 +60,11 @@ class AdamW(Optimizer):
                             "below 1: AdamW multiplies every parameter by 1 - lr x weight_decay each step, which would "
                             "zero or flip the weights; lower `lr` or `weight_decay` (torch's defaults: 0.001 x 0.01)")
 
-    def _scalar_names(self):
-        return ("keep", "step_size", "inv_root_bc2", "b1", "b2", "eps")
-
     def _scalars(self, lr, step):
         t = step + 1
         return (1.0 - lr * self.weight_decay, lr / (1.0 - self.beta1 ** t),
                 1.0 / math.sqrt(1.0 - self.beta2 ** t), self.beta1, self.beta2, self.epsilon)
 
-    def _cpu_update(self, p, g, tmp, scalars, state):
-        keep, step_size, inv_root_bc2, b1, b2, eps = scalars
-        m, v = state["adam_m"], state["adam_v"]
-        p *= keep
-        moments(m, v, g, tmp, b1, b2)
-        numpy.sqrt(v, out=tmp)
-        tmp *= inv_root_bc2
-        tmp += eps
-        numpy.divide(m, tmp, out=tmp)
-        tmp *= step_size
-        p -= tmp
-
-    def _loop_args(self, part, scalars):
-        keep, step_size, inv_root_bc2, b1, b2, eps = scalars
-        one = b1.dtype.type(1)
-        return (self.state["adam_m"][part], self.state["adam_v"][part], keep, step_size, inv_root_bc2, b1, b2,
-                one - b1, one - b2, eps)
-
-    @staticmethod
-    def cpu_loop(p, g, e, omd, m, v, keep, step_size, inv_root_bc2, b1, b2, c1, c2, eps):  # pragma: no cover
-        """``_cpu_update`` (``c1``, ``c2``: 1 - b1, 1 - b2) and the EMA one element at a time: the same roundings
-        (compiled by numba)."""
-        for i in range(p.size):
-            pk = p[i] * keep
-            mi = m[i] * b1 + g[i] * c1
-            vi = v[i] * b2 + (g[i] * g[i]) * c2
-            m[i], v[i] = mi, vi
-            pn = pk - (mi / (numpy.sqrt(vi) * inv_root_bc2 + eps)) * step_size
-            p[i] = pn
-            if e.size:
-                e[i] = e[i] - (e[i] - pn) * omd
+    def update(self, p, g, slot, k):
+        slot.adam_m, slot.adam_v = moments(slot.adam_m, slot.adam_v, g, k.b1, k.b2)
+        return p * k.keep - (slot.adam_m / (sqrt(slot.adam_v) * k.inv_root_bc2 + k.eps)) * k.step_size

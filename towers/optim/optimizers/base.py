@@ -19,20 +19,23 @@ declares, beside its update:
   ``GENERIC``) a run gets with it when the model gives none;
 * ``all_slots`` and ``slot_init``: its state buffers' names, as checkpoints
   store them, and their initial values;
-* the update itself, three times: ``GPU_BODY`` (CUDA source of one fused
-  elementwise kernel, ``towers.optim.kernels``), ``_cpu_update`` (in-place NumPy
-  passes over preallocated scratch: no allocation per step) and ``cpu_loop``
-  (the same arithmetic element by element, with the EMA, for numba: one pass
-  with the run's fused CPU kernels, ``towers.nn.fused_cpu``).  ``cpu_loop``
-  and ``GPU_BODY`` must round as ``_cpu_update`` does, operation by operation:
-  the same products and sums in the same order (the GPU kernel is compiled
-  without FMA contraction; ``tests/test_blocked_update.py`` compares the CPU
-  forms' bits for every optimizer, ``tests/test_gpu.py`` the GPU's).  ``_cpu_update`` must be
-  elementwise (no reduction over the buffer): ``step`` runs it, then the EMA,
-  block by block (``towers.devices.kernels.host_blocks``, 512 KiB per buffer),
-  so the passes over a block hit L1/L2 instead of each streaming the whole
-  buffer from memory (Adam + EMA: 15 passes over 13 MB buffers for LeNet-5);
-  the bits are those of whole-buffer passes.
+* ``scalars`` and ``_scalars(lr, step)``: the names and the values of the
+  numbers its update reads per step (computed on the host in float64, then
+  rounded to the buffers' dtype: bias corrections, ``lr``);
+* ``update(p, g, slot, k)``: the update itself, written once, as a function of
+  one element (``towers.ops.expr``): ``p`` and ``g`` the parameter and its
+  gradient, ``slot`` its slots (read ``slot.adam_m``, assign the new value to
+  it), ``k`` the scalars (``k.lr``); it returns the new parameter.  Python
+  ``if`` on the optimizer's own settings chooses a variant (SGD's momentum).
+
+The base class appends the EMA (``towers.optim.ema.ema``, when this replica
+holds it) to the update and derives every form of the whole from that one
+definition (``towers.ops.elementwise``): NumPy passes block by block over the
+flat buffers, a numba loop (one pass, the run's compiled CPU form), and one
+CUDA kernel (one launch per replica and step).  Each performs the same
+operations in the same order, so they give the same bits
+(``tests/test_blocked_update.py``, ``tests/test_kernel_text.py``).  The update
+must be elementwise: no reduction over the buffer.
 
 State buffers (``slots``) have the parameters' flat layout, so checkpoints name
 them like the weights (``adam_m/layer1/weights``) and weights mode averages them
@@ -41,12 +44,17 @@ concurrent CPU tower threads can each update a share.
 """
 from __future__ import annotations
 
+import hashlib
+import types
+
 import numpy
 
-from towers.devices.kernels import host_blocks
 from towers.devices.placement import array_module
-from towers.optim.ema import ema_decay
-from towers.optim.kernels import flat_kernel
+from towers.ops import expr
+from towers.ops.elementwise import Elementwise
+from towers.optim.ema import ema
+
+_OPS: dict = {}  # the traced update's text -> its Elementwise (one per distinct arithmetic, shared by replicas)
 
 
 class Optimizer:
@@ -59,17 +67,15 @@ class Optimizer:
     all_slots: tuple[str, ...] = ()  # every slot it may hold (checkpoints of it may hold these)
     slot_init: dict = {}  # slot -> initial value (others start at 0)
     slots: tuple[str, ...] = ()  # the slots this instance holds
-    variant = ""  # distinguishes kernels of one class whose source differs
+    scalars: tuple[str, ...] = ()  # the names of ``_scalars``' values, as ``update`` reads them (``k.lr``)
 
     def __init__(self, params, ema=None):
-        self.fused = None  # the fused CPU kernels (towers.nn.fused_cpu), set by the executor; None: NumPy passes
         self.params = params
         self.xp = array_module(params)
         self.dtype = params.dtype.type
         self.ema = ema  # an EMA whose shadow lives on this replica's device, or None
         self.state = {name: self.xp.full_like(params, self.slot_init.get(name, 0)) for name in self.slots}
-        self._tmp = numpy.empty_like(params) if self.xp is numpy else None
-        self._kernel = None  # the fused GPU update, built on the first GPU step
+        self._op = self._make_op()
 
     @classmethod
     def from_config(cls, cfg, params, ema=None) -> "Optimizer":
@@ -123,74 +129,59 @@ class Optimizer:
         """Apply one update with learning rate ``lr``; ``step`` counts earlier updates.
 
         ``part`` (CPU only) limits the update to a slice of the flat buffer;
-        ``grads`` is then that slice's gradients.
+        ``grads`` is then that slice's gradients.  One call of the update's op:
+        one kernel on a GPU, one compiled pass or the blocked NumPy passes on
+        the CPU (``towers.ops.elementwise``).
         """
-        t = self.dtype
-        one_minus_d = t(1.0 - ema_decay(self.ema.decay, step)) if self.ema is not None else t(0.0)
-        scalars = [t(v) for v in self._scalars(lr, step)]
-        if self.xp is numpy and self.fused is not None:
-            # One compiled pass over the slice, element by element: the same roundings as the passes below.
-            part = slice(None) if part is None else part
-            e = self.ema.shadow[part] if self.ema is not None else self.params[:0]
-            self.fused.loop(self.cpu_loop)(self.params[part], grads, e, one_minus_d, *self._loop_args(part, scalars))
-            return
-        if self.xp is numpy:
-            # Block by block: the update then the EMA of one block while it is in cache.
-            lo, hi, _ = (slice(None) if part is None else part).indices(self.params.size)
-            for b in host_blocks(lo, hi, self.params.itemsize):
-                p, tmp = self.params[b], self._tmp[b]
-                self._cpu_update(p, grads[b.start - lo: b.stop - lo], tmp, scalars,
-                                 {k: v[b] for k, v in self.state.items()})
-                if self.ema is not None:
-                    self.ema.apply(p, one_minus_d, tmp, b)
-            return
-        if part is not None:
+        if part is None:
+            part = slice(None)
+        elif self.xp is not numpy:
             raise ValueError("Optimizer.step(part=...) is for CPU buffers only")
-        if self._kernel is None:
-            self._kernel = self._gpu_kernel()
-        self._kernel(grads, *scalars, one_minus_d, self.params, *self.state.values(),
-                     *([self.ema.shadow] if self.ema is not None else []))
+        t = self.dtype
+        scalars = [t(v) for v in self._scalars(lr, step)]
+        arrays = [grads, self.params[part], *(buf[part] for buf in self.state.values())]
+        if self.ema is not None:
+            arrays.append(self.ema.shadow[part])
+            scalars.append(self.ema.one_minus_d(step))
+        self._op(*arrays, *scalars)
 
-    def _gpu_kernel(self):
-        names = list(self.state)
-        outs = ("p", *names, *(("e",) if self.ema is not None else ()))
-        body = self.GPU_BODY + "p = p_new;\n" + (self.ema.GPU_BODY.format(p="p_new") if self.ema is not None else "")
-        return flat_kernel(("g",), (*self._scalar_names(), "one_minus_d"), outs, body,
-                           f"towers_{type(self).__name__.lower()}_{len(names)}_e{int(self.ema is not None)}"
-                           + self.variant)
+    def _make_op(self) -> Elementwise:
+        """The update, with the EMA when this replica holds it, as one op (shared by optimizers of the same
+        arithmetic)."""
+        slots, with_ema = tuple(self.slots), self.ema is not None
+        arrays = ("g", "p", *slots, *(("e",) if with_ema else ()))
+        scalars = (*self.scalars, *(("one_minus_d",) if with_ema else ()))
+
+        def definition(**a):
+            slot = types.SimpleNamespace(**{name: a[name] for name in slots})
+            k = types.SimpleNamespace(**{name: a[name] for name in self.scalars})
+            p_new = self.update(a["p"], a["g"], slot, k)
+            out = {"p": p_new, **{name: getattr(slot, name) for name in slots}}
+            if with_ema:
+                out["e"] = ema(a["e"], p_new, a["one_minus_d"])
+            return out
+
+        outputs = ("p", *slots, *(("e",) if with_ema else ()))
+        key = expr.trace(definition, arrays, scalars, (), outputs).key()
+        op = _OPS.get(key)
+        if op is None:
+            # Named by its arithmetic: the same kernel and compiled loop (numba's disk cache) in every process.
+            name = f"{self.name or type(self).__name__.lower()}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+            op = _OPS[key] = Elementwise(name, definition, outputs, scalars=scalars, params=arrays + scalars,
+                                         module=False)
+        return op
 
     # -- subclasses
-    GPU_BODY = ""  # CUDA source that sets ``T p_new`` (and updates the slots)
-
-    def _scalar_names(self) -> tuple[str, ...]:
-        raise NotImplementedError
 
     def _scalars(self, lr: float, step: int) -> tuple[float, ...]:
+        """The values of ``scalars`` for this step (host floats)."""
         raise NotImplementedError
 
-    def _cpu_update(self, p, g, tmp, scalars, state) -> None:
-        raise NotImplementedError
-
-    # The update and the EMA over a slice, one element at a time, as ``_cpu_update``'s passes round them:
-    # ``cpu_loop(p, g, e, one_minus_d, *_loop_args(part, scalars))`` (``e`` empty without an EMA), compiled
-    # by numba (``towers.nn.fused_cpu.loop``) when the run has the fused CPU kernels.
-    @staticmethod
-    def cpu_loop(p, g, e, one_minus_d, *args):  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def _loop_args(self, part: slice, scalars: list) -> tuple:
+    def update(self, p, g, slot, k):
+        """The new parameter from one element of ``p``, ``g`` and the slots (module doc)."""
         raise NotImplementedError
 
     def warm_up(self) -> None:
-        """Compile (or load from numba's cache) the fused loop on a one-element copy of every buffer: not in a step."""
-        if self.fused is None:
-            return
-        saved = (self.params, self.state, self.ema)
-        try:
-            self.params = self.params[:1].copy()
-            self.state = {k: v[:1].copy() for k, v in self.state.items()}
-            if self.ema is not None:
-                self.ema = type(self.ema)(self.params, self.ema.decay)
-            self.step(self.params.copy(), 0.0, 0)
-        finally:
-            self.params, self.state, self.ema = saved
+        """Load (or compile) the update's compiled CPU form now, where the process chose it: not in a step."""
+        if self.xp is numpy:
+            self._op.warm_up()

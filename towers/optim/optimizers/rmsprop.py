@@ -11,8 +11,7 @@ when centered (a resume that turns ``rmsprop_centered`` on starts it at zero).
 """
 from __future__ import annotations
 
-import numpy
-
+from towers.ops.expr import sqrt
 from towers.optim.optimizers.base import Optimizer
 from towers.settings import NOTE, Number, hyperparameter, switch
 
@@ -33,74 +32,26 @@ class RMSProp(Optimizer):
     defaults = {"lr": 0.001, "lr_decay": 1.0, "momentum": 0.0, "l2": 1e-4}
     all_slots = ("rmsprop_ms", "rmsprop_mom", "rmsprop_mg")
     slot_init = {"rmsprop_ms": 1.0}
+    scalars = ("lr", "rho", "mu", "eps")
 
     def __init__(self, params, decay=0.9, momentum=0.0, epsilon=1e-10, centered=False, ema=None):
         self.decay, self.momentum, self.epsilon = float(decay), float(momentum), float(epsilon)
         self.centered = bool(centered)
         self.slots = ("rmsprop_ms", "rmsprop_mom") + (("rmsprop_mg",) if self.centered else ())
-        self.variant = "_centered" if self.centered else ""
         super().__init__(params, ema)
-        mean_square = "rmsprop_ms - rmsprop_mg * rmsprop_mg" if self.centered else "rmsprop_ms"
-        # The products and sums of ``_cpu_update``, in its order (``towers.optim.kernels``: no FMA contraction).
-        self.GPU_BODY = ("rmsprop_ms = rmsprop_ms * rho + (g * g) * (1 - rho);\n"
-                         + ("rmsprop_mg = rmsprop_mg * rho + g * (1 - rho);\n" if self.centered else "")
-                         + f"rmsprop_mom = rmsprop_mom * mu + (g / sqrt({mean_square} + eps)) * lr;\n"
-                         "T p_new = p - rmsprop_mom;\n")
 
     @classmethod
     def from_config(cls, cfg, params, ema=None):
         return cls(params, cfg.rmsprop_decay, cfg.momentum, cfg.rmsprop_epsilon, cfg.rmsprop_centered, ema)
 
-    def _scalar_names(self):
-        return ("lr", "rho", "mu", "eps")
-
     def _scalars(self, lr, step):
         return (lr, self.decay, self.momentum, self.epsilon)
 
-    def _cpu_update(self, p, g, tmp, scalars, state):
-        lr, rho, mu, eps = scalars
-        ms, mom = state["rmsprop_ms"], state["rmsprop_mom"]
-        ms *= rho
-        numpy.multiply(g, g, out=tmp)
-        tmp *= 1 - rho
-        ms += tmp
+    def update(self, p, g, slot, k):
+        slot.rmsprop_ms = slot.rmsprop_ms * k.rho + (g * g) * (1 - k.rho)
+        mean_square = slot.rmsprop_ms
         if self.centered:
-            mg = state["rmsprop_mg"]
-            mg *= rho
-            numpy.multiply(g, 1 - rho, out=tmp)
-            mg += tmp
-            numpy.multiply(mg, mg, out=tmp)
-            numpy.subtract(ms, tmp, out=tmp)
-        else:
-            tmp[...] = ms
-        tmp += eps
-        numpy.sqrt(tmp, out=tmp)
-        numpy.divide(g, tmp, out=tmp)
-        tmp *= lr
-        mom *= mu
-        mom += tmp
-        p -= mom
-
-    def _loop_args(self, part, scalars):
-        lr, rho, mu, eps = scalars
-        mg = self.state["rmsprop_mg"][part] if self.centered else self.params[part][:0]
-        return (self.state["rmsprop_ms"][part], self.state["rmsprop_mom"][part], mg, lr, rho, rho.dtype.type(1) - rho,
-                mu, eps, self.centered)
-
-    @staticmethod
-    def cpu_loop(p, g, e, omd, ms, mom, mg, lr, rho, c, mu, eps, centered):  # pragma: no cover - compiled by numba
-        """``_cpu_update`` (``c``: 1 - rho) and the EMA one element at a time: the same roundings."""
-        for i in range(p.size):
-            msi = ms[i] * rho + (g[i] * g[i]) * c
-            ms[i] = msi
-            d = msi
-            if centered:
-                mgi = mg[i] * rho + g[i] * c
-                mg[i] = mgi
-                d = msi - mgi * mgi
-            mi = mom[i] * mu + (g[i] / numpy.sqrt(d + eps)) * lr
-            mom[i] = mi
-            pn = p[i] - mi
-            p[i] = pn
-            if e.size:
-                e[i] = e[i] - (e[i] - pn) * omd
+            slot.rmsprop_mg = slot.rmsprop_mg * k.rho + g * (1 - k.rho)
+            mean_square = slot.rmsprop_ms - slot.rmsprop_mg * slot.rmsprop_mg
+        slot.rmsprop_mom = slot.rmsprop_mom * k.mu + (g / sqrt(mean_square + k.eps)) * k.lr
+        return p - slot.rmsprop_mom

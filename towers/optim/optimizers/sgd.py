@@ -8,8 +8,6 @@ Slot: ``momentum`` (only when momentum > 0).
 """
 from __future__ import annotations
 
-import numpy
-
 from towers.errors import UserError
 from towers.optim.optimizers.base import Optimizer
 from towers.settings import NOTE, Number, hyperparameter, switch
@@ -30,16 +28,12 @@ class SGD(Optimizer):
     # The book's MNIST example settings (batch 100, lr 0.8 decayed 0.99 per epoch).
     defaults = {"lr": 0.8, "lr_decay": 0.99, "momentum": 0.0, "l2": 1e-4}
     all_slots = ("momentum",)
+    scalars = ("lr", "mu")
 
     def __init__(self, params, momentum: float = 0.0, ema=None, nesterov: bool = False):
         self.momentum, self.nesterov = float(momentum), bool(nesterov) and bool(momentum)
         self.slots = ("momentum",) if self.momentum else ()
-        self.variant = "_nesterov" if self.nesterov else ""
         super().__init__(params, ema)
-        # The products and sums of ``_cpu_update``, in its order (``towers.optim.kernels``: no FMA contraction).
-        step = "(momentum * mu + g)" if self.nesterov else "momentum"
-        self.GPU_BODY = (f"momentum = momentum * mu + g;\nT p_new = p - {step} * lr;\n" if self.momentum
-                         else "T p_new = p - g * lr;\n")
 
     @classmethod
     def from_config(cls, cfg, params, ema=None):
@@ -54,41 +48,12 @@ class SGD(Optimizer):
     def velocity(self):
         return self.state.get("momentum")
 
-    def _scalar_names(self):
-        return ("lr", "mu")
-
     def _scalars(self, lr, step):
         return (lr, self.momentum)
 
-    def _cpu_update(self, p, g, tmp, scalars, state):
-        lr, mu = scalars
-        step = g
-        if "momentum" in state:
-            v = state["momentum"]
-            v *= mu
-            v += g
-            step = v
-            if self.nesterov:  # g + mu * v, in tmp
-                numpy.multiply(v, mu, out=tmp)
-                tmp += g
-                step = tmp
-        numpy.multiply(step, lr, out=tmp)
-        p -= tmp
-
-    def _loop_args(self, part, scalars):
-        lr, mu = scalars
-        v = self.state["momentum"][part] if "momentum" in self.state else self.params[part][:0]
-        return (v, lr, mu, bool(self.momentum), self.nesterov)
-
-    @staticmethod
-    def cpu_loop(p, g, e, omd, v, lr, mu, momentum, nesterov):  # pragma: no cover - compiled by numba
-        """``_cpu_update`` and the EMA one element at a time (``Optimizer.step``): the same roundings."""
-        for i in range(p.size):
-            step = g[i]
-            if momentum:
-                v[i] = v[i] * mu + g[i]
-                step = v[i] * mu + g[i] if nesterov else v[i]
-            pn = p[i] - step * lr
-            p[i] = pn
-            if e.size:
-                e[i] = e[i] - (e[i] - pn) * omd
+    def update(self, p, g, slot, k):
+        if not self.momentum:
+            return p - g * k.lr
+        slot.momentum = slot.momentum * k.mu + g
+        step = slot.momentum * k.mu + g if self.nesterov else slot.momentum
+        return p - step * k.lr

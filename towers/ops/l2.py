@@ -1,0 +1,13 @@
+"""L2's gradient, ``g += w * s`` (the product rounded first), written once (``towers.ops.elementwise``).
+
+Two NumPy passes (a multiply into scratch, an add), or one compiled pass where
+the process chose it (``towers.ops.backend``), or one kernel
+(``g + __fmul_rn(w, s)``: never a fused multiply-add): the same bits.
+``towers.nn.replica`` adds it to the regularized weights' gradients.
+"""
+from __future__ import annotations
+
+from towers.ops.elementwise import Elementwise
+
+# add_scaled(g, w, s): g = g + w * s.
+add_scaled = Elementwise("add_scaled", lambda g, w, s: g + w * s, ("g",), scalars=("s",))

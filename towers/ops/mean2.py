@@ -1,0 +1,17 @@
+"""The mean of two towers' buffers on one device, written to both: ``a = b = (a + b) * s``, written once.
+
+The all-reduce of two towers sharing a device (``towers.parallel.reducers``):
+NumPy's add, scale and copy (three passes), one compiled pass where the
+process chose it (``towers.ops.backend``), or one kernel: the same bits.
+"""
+from __future__ import annotations
+
+from towers.ops.elementwise import Elementwise
+
+
+def _mean2(a, b, s):
+    v = (a + b) * s
+    return {"a": v, "b": v}
+
+
+mean2 = Elementwise("mean2", _mean2, ("a", "b"), scalars=("s",))  # mean2(a, b, s)
