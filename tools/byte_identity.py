@@ -1,6 +1,6 @@
 """The md5 of ``final.npz`` for a fixed set of training jobs, run from a given towers checkout.
 
-    python -m tools.byte_identity CHECKOUT [--jobs NAME,...] [--json OUT]
+    python -m tools.byte_identity CHECKOUT [--jobs NAME,...] [--modes auto,numpy] [--json OUT]
 
 A change that must keep results byte-identical runs this on the checkout
 before it and on the one after, and compares the two tables.  Each job runs
@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkout", help="the towers checkout whose code runs the jobs")
     ap.add_argument("--jobs", help="comma-separated job names (default: all)")
+    ap.add_argument("--modes", default="auto,numpy", help="--cpu-kernels values to run each job with")
     ap.add_argument("--json", help="also write {job/mode: md5} here")
     a = ap.parse_args(argv)
     root = Path(a.checkout).resolve()
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
                     import ray  # noqa: F401
                 except ImportError:
                     continue
-            for mode in ("auto", "numpy"):
+            for mode in a.modes.split(","):
                 md5 = run_job(root, [*args, "--cpu-kernels", mode], tmp / f"{name}-{mode}")
                 out[f"{name}/{mode}"] = md5
                 print(f"{name:18s} {mode:6s} {md5}", flush=True)
