@@ -71,7 +71,7 @@ class Elementwise:
                  module: bool = True):
         params = tuple(params if params is not None else inspect.signature(definition).parameters)
         for p in (*params, *outputs):
-            if not p.isidentifier() or keyword.iskeyword(p) or p in _RESERVED or p.endswith("_") or (
+            if not p.isidentifier() or keyword.iskeyword(p) or p in _RESERVED or p[0] == "_" or p.endswith("_") or (
                     p[0] == "t" and p[1:].isdigit()) or (p[0] == "c" and p[1:].isdigit()):
                 raise ValueError(f"{name}: {p!r} cannot name an argument of a generated kernel")
         arrays = tuple(p for p in params if p not in scalars)
@@ -80,6 +80,7 @@ class Elementwise:
         self.params = params + tuple(o for o in outputs if o not in params)  # the call order
         self._scalar_at = [i for i, p in enumerate(self.params) if p in scalars]
         self._array_at = [i for i, p in enumerate(self.params) if p not in scalars]
+        self._is_array = [p not in scalars for p in self.params]
         self._full_at = [i for i in self._array_at if self.params[i] not in rows]
         self._lead = self.params.index(outputs[0])
         self._rows = bool(rows)
@@ -152,7 +153,7 @@ class Elementwise:
             args[i].flags.c_contiguous for i in self._array_at)
 
     def _flatten(self, args):
-        return [a.reshape(-1) if i in self._array_at else a for i, a in enumerate(args)]
+        return [a.reshape(-1) if array else a for a, array in zip(args, self._is_array)]
 
     def _cols(self, args) -> tuple:
         """(cols,) for an op with row operands: the length of a row (the row operands' size)."""

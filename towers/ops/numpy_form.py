@@ -94,7 +94,6 @@ def source(traced: Traced, params: tuple, fresh_outputs: bool = False) -> tuple[
         return _scalar_text(n, _name)
 
     passes = [n for n in traced.nodes if not traced.scalar_only(n) and n.op != "arg"]
-    order = {n.id: j for j, n in enumerate(passes)}
     last = {}
     for j, n in enumerate(passes):
         for a in n.args:
@@ -177,7 +176,8 @@ def source(traced: Traced, params: tuple, fresh_outputs: bool = False) -> tuple[
             body.append(f"    xp.copyto({out}, {operand(n.args[2], j)})")
             body.append(f"    xp.copyto({out}, {operand(n.args[1], j)}, where={operand(n.args[0], j)})")
         else:
-            args = ", ".join(operand(a, j, out if n.op == "max" else None) for a in n.args)
+            # maximum against a constant reads an array of it (module doc); a per-call scalar stays a scalar
+            args = ", ".join(operand(a, j, out if n.op == "max" and _constant_only(a) else None) for a in n.args)
             body.append(f"    xp.{_UFUNC[n.op]}({args}, out={out})")
     copies = []
     for name, node in outs.items():
@@ -192,6 +192,11 @@ def source(traced: Traced, params: tuple, fresh_outputs: bool = False) -> tuple[
     body += [f"    xp.copyto({name}, {src})" for name, src in copies]
     text = ("def passes(xp, S, B, dt, " + ", ".join(params) + "):\n" + "\n".join(head + body or ["    pass"]) + "\n")
     return text, counts["S"], counts["B"]
+
+
+def _constant_only(node) -> bool:
+    """Whether ``node`` depends on the definition's constants alone (the same value at every call)."""
+    return node.op == "const" or (node.op not in ("arg",) and bool(node.args) and all(map(_constant_only, node.args)))
 
 
 def _at(loc: str) -> str:
