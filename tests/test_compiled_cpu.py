@@ -389,3 +389,29 @@ def test_lenet5_takes_its_input_gradient_by_col2im_through_numba(tmp_path):
     assert any(out["numba"][k].tobytes() != out["numpy"][k].tobytes() for k in out["numpy"]), "col2im did not run"
     for k in out["numpy"]:
         _close(out["numba"][k], out["numpy"][k], k, rtol=1e-5)
+
+
+def test_two_trainers_in_one_process_each_train_with_their_own_forms(tmp_path):
+    """The forms are the process's choice; a Trainer built later with other ``cpu_kernels`` does not change what
+    an earlier one runs: batch norm's statistics (which the compiled loops round otherwise) end on the bits of
+    the earlier Trainer's run alone."""
+    pytest.importorskip("numba", reason="numba is not installed")
+    import towers
+
+    def model():
+        return [towers.Conv2D("c1", 4, 3), towers.BatchNorm("bn"), towers.ReLU(), towers.Flatten(),
+                towers.Dense("fc", 10)]
+
+    def trainer(kernels, name):
+        cfg = Config(devices="cpu", n_gpu=2, batch_size=8, steps=3, quiet=True, summary_every=0, log_every=1000,
+                     checkpoint_every=0, cpu_kernels=kernels, logdir=str(tmp_path / name))
+        return towers.Trainer(cfg, model=model())
+
+    with trainer("numba", "alone") as t:
+        t.fit()
+        alone = t.get_weights()
+    with trainer("numba", "first") as first, trainer("numpy", "second") as second:
+        first.fit()
+        second.fit()
+        assert all(alone[k].tobytes() == v.tobytes() for k, v in first.get_weights().items())
+        assert any(alone[k].tobytes() != v.tobytes() for k, v in second.get_weights().items())

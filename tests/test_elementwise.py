@@ -41,6 +41,9 @@ DEFINITIONS = {
     "swap": (_swap_scaled, ("a", "b"), ("s",), ()),  # each output reads the other's old value
     "consts": (lambda x: (x * 0.1 + 3) / 7 - maximum(-x, 0.25), ("y",), (), ()),
     "rows": (lambda y, b: y * b + b, ("y",), (), ("b",)),
+    # masks that are added, subtracted or negated count as 1.0 and 0.0, not as bools
+    "mask_sum": (lambda a, b: where(a > 0, 1, 0) + where(b > 0, 1, 0), ("y",), (), ()),
+    "mask_sub": (lambda x: x - where(x > 0, 1, 0) * x - where(x < 0, 1, 0), ("y",), (), ()),
 }
 
 _N = {}
@@ -146,6 +149,45 @@ def test_an_output_sharing_an_inputs_memory_is_read_before_it_is_written(form):
     with cpu_form(form):
         _op("relu_out")(y, y)
     assert y.tobytes() == numpy.maximum(x, numpy.float32(0)).tobytes()
+    # where() writes its "else" value before it reads its condition and "then" value
+    k = numpy.float32(0.5)
+    want = numpy.empty_like(x)
+    with cpu_form(form), numpy.errstate(all="ignore"):
+        _op("leaky")(x, k, want)
+        y = x.copy()
+        _op("leaky")(y, k, y)
+    assert y.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("form", ["numpy", "numba"])
+def test_arrays_of_the_wrong_size_are_refused_in_every_form(form):
+    """The compiled loop indexes by the outputs' element, unchecked: sizes are checked before it runs."""
+    y = numpy.zeros((4, 7), numpy.float32)
+    with cpu_form(form), pytest.raises(ValueError):
+        _op("rows")(y, numpy.ones(8, numpy.float32))
+    with cpu_form(form), pytest.raises(ValueError):
+        _op("axpy")(numpy.zeros(10, numpy.float32), numpy.zeros(9, numpy.float32), numpy.float32(1))
+
+
+def test_updates_of_one_arithmetic_with_scalars_in_another_order_are_two_ops():
+    """Optimizers share an op per arithmetic: the order of its arguments is part of what is shared."""
+    from towers.optim.optimizers.adam import Adam
+
+    class Reordered(Adam):
+        scalars = ("b1", "b2", "eps", "lr_t")
+
+        def _scalars(self, lr, step):
+            lr_t, b1, b2, eps = super()._scalars(lr, step)
+            return (b1, b2, eps, lr_t)
+
+    rng = numpy.random.default_rng(3)
+    p0, g = rng.standard_normal((2, 1000)).astype(numpy.float32)
+    out = []
+    for cls in (Adam, Reordered):
+        p = p0.copy()
+        cls(p).step(g, 0.01, 0)
+        out.append(p.tobytes())
+    assert out[0] == out[1]
 
 
 def test_constants_keep_float32_in_the_compiled_loop():
@@ -182,3 +224,5 @@ def test_a_definition_branches_on_settings_not_on_values():
         trace(lambda x: {"z": x}, ("x",), (), (), ("y",))
     with pytest.raises(ValueError, match="cannot name"):
         Elementwise("test_bad", lambda n: n, ("y",), module=False)
+    with pytest.raises(ValueError, match="cannot name"):  # a C++ keyword: the kernel would not compile
+        Elementwise("test_bad", lambda new: new, ("y",), module=False)

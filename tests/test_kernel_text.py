@@ -11,14 +11,14 @@ composed it with the EMA's, and the layers' and the reducer's kernels of
 
 Both texts are read by a small parser of the C they use into one expression
 tree per output (the statements run in order over named values; a buffer's
-element ``x[i]``, ``x_[i]`` or ``x[i % cols]`` is the input ``x``), then
-compared node for node: the same float32 operations, on the same operands, in
-the same order (``__fmul_rn(a, b)`` is ``a * b``, ``sqrtf`` is ``sqrt``, a
-literal is its float32 value).  Generated products are all ``__fmul_rn`` and
+element ``x[i]``, ``x_[i]`` or ``x[i % cols]`` is the input ``x`` at that
+index), then compared node for node: the same float32 operations, on the same
+operands (the same elements: ``b[i % cols]`` is not ``b[i]``), in the same
+order, written to the same element (``__fmul_rn(a, b)`` is ``a * b``,
+``sqrtf`` is ``sqrt``, a literal is its float32 value).  Generated products are all ``__fmul_rn`` and
 never contract into a fused multiply-add (``tests/test_kernels_compile.py``
 checks the machine code); the validated update kernels were compiled with
-``--fmad=false`` for the same reason.  The trees are also evaluated in float32
-on random inputs, as a second look.
+``--fmad=false`` for the same reason.
 """
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ UPDATES = {
                               "* lr;\nT p_new = p - rmsprop_mom;\n"),
 }
 
-# The validated layer and reducer kernels' bodies (towers.nn.kernels, towers.devices.kernels at ece5eed); a
-# residual block's add + ReLU was CuPy's add then the ReLU kernel, which is the composition written here.
+# The validated layer and reducer kernels' bodies (towers.nn.kernels, towers.devices.kernels at ece5eed).
+# add_relu had no kernel of its own: a residual block ran CuPy's add, then the validated ReLU kernel; its text
+# here is that composition (a rounded sum, then np_max), written for this test, not run on the H100 as one kernel.
 LAYERS = {
     "bias_add": (bias.bias_add, "y[i] = y[i] + b[i % cols];"),
     "relu": (activation.relu, "y[i] = np_max(x[i], 0.f);"),
@@ -90,7 +91,7 @@ class _Body:
     """Runs a kernel body's statements: ``env`` maps each name to its value's tree; ``written`` the outputs."""
 
     def __init__(self, text: str):
-        self.toks, self.i, self.env, self.written = _tokens(text), 0, {}, []
+        self.toks, self.i, self.env, self.written, self.stored = _tokens(text), 0, {}, [], {}
         while self.i < len(self.toks):
             self.statement()
 
@@ -112,7 +113,7 @@ class _Body:
             self.take()
         name = self.buffer(self.take())
         if self.peek() == "[":
-            self.index()
+            self.stored[name] = self.index()
         self.take("=")
         self.env[name] = self.expr()
         if name not in self.written:
@@ -123,15 +124,20 @@ class _Body:
     def buffer(name: str) -> str:
         return name[:-1] if name.endswith("_") else name
 
-    def index(self):
+    def index(self) -> str:
+        """The index's text, without spaces (``i``, ``i%cols``): which element a buffer's access reads."""
         self.take("[")
-        depth = 1
-        while depth:
+        depth, toks = 1, []
+        while True:
             tok = self.take()
             depth += {"[": 1, "]": -1}.get(tok, 0)
+            if not depth:
+                return "".join(toks)
+            toks.append(tok)
 
-    def value(self, name: str):
-        return self.env.get(name, ("in", name))
+    def value(self, name: str, index: str = "i"):
+        """A value of the body, or an input's element: ``("in", name, index)`` (a plain name reads element i)."""
+        return self.env.get(name, ("in", name, index))
 
     def expr(self):
         cond = self.binary(0)
@@ -174,14 +180,13 @@ class _Body:
             fn = {"__fmul_rn": "*", "sqrtf": "sqrt", "sqrt": "sqrt", "np_max": "max"}[tok]
             return (fn, *args)
         name = self.buffer(tok)
-        if self.peek() == "[":
-            self.index()
-        return self.value(name)
+        return self.value(name, self.index() if self.peek() == "[" else "i")
 
 
 def _outputs(body: str, names) -> dict:
+    """{output: ("out", the element it writes, its value's tree)}; a plain name writes element i."""
     run = _Body(body)
-    return {name: run.env[name] for name in names}
+    return {name: ("out", run.stored.get(name, "i"), run.env[name]) for name in names}
 
 
 def _generated_body(source: str) -> str:
@@ -190,38 +195,10 @@ def _generated_body(source: str) -> str:
     return source[start: source.rindex("}", 0, source.rindex("}"))]
 
 
-def _inputs(tree, found=None) -> set:
-    found = set() if found is None else found
-    if tree[0] == "in":
-        found.add(tree[1])
-    elif tree[0] != "const":
-        for a in tree[1:]:
-            _inputs(a, found)
-    return found
-
-
-def _evaluate(tree, values: dict):
-    """The tree in float32 on NumPy arrays: each node one rounded operation."""
-    op = tree[0]
-    if op == "in":
-        return values[tree[1]]
-    if op == "const":
-        return np.float32(tree[1])
-    a = [_evaluate(x, values) for x in tree[1:]]
-    with np.errstate(all="ignore"):
-        return {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide, ">": np.greater,
-                ">=": np.greater_equal, "<": np.less, "<=": np.less_equal, "sqrt": np.sqrt, "neg": np.negative,
-                "max": lambda x, y: np.where((x >= y) | (x != x), x, y),
-                "?": lambda c, x, y: np.where(c, x, y).astype(np.float32)}[op](*a)
-
-
 def _same(validated: dict, generated: dict, what: str) -> None:
     assert set(generated) == set(validated), f"{what}: outputs {sorted(generated)}, validated {sorted(validated)}"
-    rng = np.random.default_rng(0)
     for name, want in validated.items():
         assert generated[name] == want, f"{what}, output {name}:\n  generated {generated[name]}\n  validated {want}"
-        values = {n: (rng.random(64) + 0.5).astype(np.float32) for n in _inputs(want)}
-        np.testing.assert_array_equal(_evaluate(generated[name], values), _evaluate(want, values))
 
 
 def _validated_update(body: str, slots: tuple, with_ema: bool) -> dict:

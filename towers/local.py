@@ -112,8 +112,11 @@ class LocalExecutor(Executor):
         # them) reduces every tower's own buffers, so its towers keep their own.
         self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self.share.first_tower,
                                    share=keeping.same_updates and reducer is None)
-        # Which form of the ops the CPU towers run, chosen by build_towers (a checkpoint records it).
+        # Which form of the ops the CPU towers run, chosen by build_towers (a checkpoint records it); the
+        # choice is the process's, so each step makes it this executor's again (another Trainer may have chosen
+        # since).
         self.cpu_kernels = backend.name()
+        self._compiled = backend.compiled()
         streams = [t.stream for t in self.towers]
         self.timer.syncs = [s.synchronize if s is not None else None for s in streams]
         # GPU towers: a training set that fits stays on the devices (steps then
@@ -233,6 +236,7 @@ class LocalExecutor(Executor):
             self._prefetch = None
 
     def run_steps(self, n: int, want_loss: bool = False):
+        backend.use(self._compiled)
         losses = x = None
         for k in range(n):
             want = want_loss and k == n - 1
@@ -251,6 +255,7 @@ class LocalExecutor(Executor):
         return losses, x
 
     def train_step(self, x, y, want_loss: bool = False):
+        backend.use(self._compiled)
         return self.engine.run(x, y, want_loss)
 
     def train_step_at(self, indices, want_loss: bool = False):
@@ -261,16 +266,19 @@ class LocalExecutor(Executor):
         same float32 batch reaches each tower.
         """
         indices = check_indices(indices, self.local_batch, len(self.dataset.x))
+        backend.use(self._compiled)
         if self.device_data is None:
             return self.engine.run(self.dataset.x[indices], self.dataset.y[indices], want_loss)
         return self.engine.run(None, None, want_loss, indices)
 
     def gradients(self, x, y, want_loss: bool = False):
         """Stages 1-3 without the update (for a parameter server): every tower's ``grads`` ends as the mean."""
+        backend.use(self._compiled)
         return self.engine.gradients(x, y, want_loss)
 
     def apply_gradients(self, grads) -> None:
         """Stage 4 with given mean gradients (one host flat array): every replica's update."""
+        backend.use(self._compiled)
         self.engine.apply_gradients(grads)
 
     def finish(self) -> None:
@@ -341,6 +349,7 @@ class LocalExecutor(Executor):
         """A replica of the first tower's weights (or the EMA's) and buffers, on its device, made current."""
         dev = self.towers[0].device
         self.synchronize()
+        backend.use(self._compiled)
         with dev.scope():
             r = Replica(self.model, dev.xp)
             r.set_params(self.ema.shadow if ema else self.towers[0].replica.params)

@@ -101,6 +101,11 @@ def register(source: str, names: tuple) -> None:
     _PARTS.append(part)
 
 
+def open_for_parts() -> bool:
+    """Whether ``register`` still takes parts: the module has not been compiled yet in this process."""
+    return not _FROZEN
+
+
 def source() -> str:
     """The CUDA module's text: the head, the registered parts in order, this module's kernels, the tail."""
     return _HEAD + "".join(text for text, _ in _PARTS) + _OWN + _TAIL

@@ -22,9 +22,11 @@ sums) and a convolution's input gradient by col2im (another order of sums):
 a model with such layers depends on the choice (``rounds_otherwise``), and a
 checkpoint records which form ran (``towers.output.checkpoint``).
 
-Limit: one choice per process.  Two ``Trainer`` objects alive in one process
-with different ``cpu_kernels`` run with the choice of the one built last; for
-a model that ``rounds_otherwise`` that changes its results.
+One choice per process at a time: a ``Trainer``'s executor records its
+choice and makes it the process's again at each step, so two ``Trainer``
+objects in one process with different ``cpu_kernels`` each train with their
+own, in training, evaluation and prediction (one after the other; running
+them from two threads at once is not supported).
 """
 from __future__ import annotations
 

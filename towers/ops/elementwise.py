@@ -12,7 +12,8 @@ made, and derives:
 * the GPU form (``towers.ops.cuda_form``): one CUDA kernel, registered into the
   one CUDA module (``towers.devices.kernels``) when the op is made at import
   (``module=True``: the layers' ops), or compiled on its own (an optimizer's
-  update, made when the optimizer is).
+  update, made when the optimizer is; an op made after the module's first
+  compile).
 
 Every form performs the definition's operations in its order, each rounded to
 the arrays' dtype, so they give the same bits on the same inputs
@@ -24,12 +25,16 @@ scalars), then the output-only arrays, and writes the outputs in place.  It
 picks the form from the arrays: device arrays take the kernel, host arrays the
 compiled loop when the process chose it (``towers.ops.backend``) and the
 arrays are C-contiguous, else the passes.  Scalars are cast to the arrays'
-dtype.  A launch goes on the current stream; nothing synchronizes.
+dtype.  Before a kernel or a compiled loop runs, the arrays' sizes are checked
+(every full array the outputs' size, a row operand a row long) and a mismatch
+is a ``ValueError``, as NumPy's broadcasting gives the passes.  A launch goes
+on the current stream; nothing synchronizes.
 """
 from __future__ import annotations
 
 import inspect
 import keyword
+import threading
 
 import numpy
 
@@ -42,7 +47,15 @@ from towers.ops.numpy_form import NumpyForm
 _i = numpy.int32
 _MADE: list = []  # every op made in this process (the compile test compiles each one's kernel)
 # Names the generated sources use for themselves.
-_RESERVED = {"n", "i", "cols", "xp", "S", "B", "dt", "numpy", "float", "int", "bool", "const", "np_max", "sqrtf"}
+_RESERVED = {"n", "i", "cols", "xp", "S", "B", "dt", "numpy", "float", "int", "bool", "const", "np_max", "sqrtf",
+             "range", "prange"}
+# C++ keywords (CUDA C is C++) that are not Python's: an argument so named would compile only on a GPU.
+_CPP = set("""alignas alignof asm auto char char16_t char32_t class constexpr const_cast decltype default delete do
+double dynamic_cast enum explicit export extern friend goto inline long mutable namespace new noexcept nullptr
+operator private protected public register reinterpret_cast short signed sizeof static static_assert static_cast
+struct switch template this thread_local throw typedef typeid typename union unsigned using virtual void volatile
+wchar_t restrict""".split())
+_LOCK = threading.Lock()  # first uses from several tower threads make one compiled loop and one kernel
 
 
 def made() -> list:
@@ -60,18 +73,18 @@ class Elementwise:
     ``params``: the definition's argument names, when it takes ``**kwargs``
     (default: its signature).  ``compiled``: whether host arrays may take the
     compiled loop (False where NumPy's single pass is as fast).
-    ``fresh_outputs``: the output-only arrays never share memory with an input
-    (the passes may then use them as scratch from the first pass).
     ``module``: register the kernel into the one CUDA module (an op made at
-    import); else it is compiled on its own, with its arrays ``__restrict__``.
+    import; one made after the module's first compile is compiled on its own
+    instead); else it is compiled on its own.  ``distinct``: the caller never
+    passes one memory as two of the arrays (an optimizer's own buffers), so the
+    kernel declares them ``__restrict__``.
     """
 
     def __init__(self, name: str, definition, outputs: tuple, scalars: tuple = (), rows: tuple = (),
-                 params: tuple | None = None, compiled: bool = True, fresh_outputs: bool = False,
-                 module: bool = True):
+                 params: tuple | None = None, compiled: bool = True, module: bool = True, distinct: bool = False):
         params = tuple(params if params is not None else inspect.signature(definition).parameters)
         for p in (*params, *outputs):
-            if not p.isidentifier() or keyword.iskeyword(p) or p in _RESERVED or p[0] == "_" or p.endswith("_") or (
+            if not p.isidentifier() or keyword.iskeyword(p) or p in _RESERVED or p in _CPP or p[0] == "_" or p.endswith("_") or (
                     p[0] == "t" and p[1:].isdigit()) or (p[0] == "c" and p[1:].isdigit()):
                 raise ValueError(f"{name}: {p!r} cannot name an argument of a generated kernel")
         arrays = tuple(p for p in params if p not in scalars)
@@ -84,16 +97,16 @@ class Elementwise:
         self._full_at = [i for i in self._array_at if self.params[i] not in rows]
         self._lead = self.params.index(outputs[0])
         self._rows = bool(rows)
-        self.numpy_form = NumpyForm(self.traced, self.params, name, fresh_outputs)
+        self.numpy_form = NumpyForm(self.traced, self.params, name)
         self.numba_source = numba_form.source(self.traced, self.params, "towers_" + name)
         self._loop = None
         self.compiled = compiled
         if compiled:
             numba_jit.on_warm_up(lambda: self.loop().warm())
-        self.cuda_source = cuda_form.source(self.traced, self.params, "towers_" + name, restrict=not module)
-        self.in_module = module
+        self.cuda_source = cuda_form.source(self.traced, self.params, "towers_" + name, restrict=distinct)
+        self.in_module = module and device.open_for_parts()
         self._kernel = None
-        if module:
+        if self.in_module:
             device.register(self.cuda_source + "\n", (name,))
         _MADE.append(self)
 
@@ -102,13 +115,17 @@ class Elementwise:
     def loop(self):
         """The compiled CPU form (a ``numba_jit.Kernel``; its source written and imported on the first call)."""
         if self._loop is None:
-            self._loop = numba_jit.from_source(self.numba_source, "towers_" + self.name, self._warm_args)
+            with _LOCK:
+                if self._loop is None:
+                    self._loop = numba_jit.from_source(self.numba_source, "towers_" + self.name, self._warm_args)
         return self._loop
 
     def kernel(self):
         """The GPU form compiled on its own (``cuda_form.Kernel``), for an op outside the one module."""
         if self._kernel is None:
-            self._kernel = cuda_form.Kernel(self.cuda_source, "towers_" + self.name)
+            with _LOCK:
+                if self._kernel is None:
+                    self._kernel = cuda_form.Kernel(self.cuda_source, "towers_" + self.name)
         return self._kernel
 
     def _warm_args(self) -> tuple:
@@ -132,14 +149,18 @@ class Elementwise:
                 args[i] = dt(args[i])
         if isinstance(lead, numpy.ndarray):
             if self.compiled and backend.compiled() and self._flat(args, lead):
-                self.loop()(*self._flatten(args), *self._cols(args))
+                cols = self._cols(args)
+                self._check(args, lead, cols)
+                self.loop()(*self._flatten(args), *cols)
                 return
             self.numpy_form(numpy, args, [args[i] for i in self._array_at], lead)
             return
         arrays = [args[i] for i in self._array_at]
         if device.takes(*arrays) and all(a.flags.c_contiguous for a in arrays):
             n = lead.size
-            extra = (_i(n),) + self._cols(args)
+            cols = self._cols(args)
+            self._check(args, lead, cols)
+            extra = (_i(n),) + cols
             if self.in_module:
                 device.launch_named(self.name, n, *args, *extra)
             else:
@@ -151,6 +172,15 @@ class Elementwise:
         n = lead.size
         return all(args[i].flags.c_contiguous and args[i].size == n for i in self._full_at) and all(
             args[i].flags.c_contiguous for i in self._array_at)
+
+    def _check(self, args, lead, cols) -> None:
+        """A ``ValueError`` unless every full array has the outputs' size and a row operand is a row long: the
+        kernel and the loop index them by the outputs' element, unchecked."""
+        n = lead.size
+        if any(args[i].size != n for i in self._full_at) or (cols and (lead.shape[-1:] != (int(cols[0]),) or any(
+                args[i].size != int(cols[0]) for i in self._array_at if i not in self._full_at))):
+            shapes = ", ".join(f"{self.params[i]} {tuple(args[i].shape)}" for i in self._array_at)
+            raise ValueError(f"{self.name}: the arrays' sizes do not match ({shapes})")
 
     def _flatten(self, args):
         return [a.reshape(-1) if array else a for a, array in zip(args, self._is_array)]

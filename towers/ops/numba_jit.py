@@ -22,11 +22,10 @@ numba caches only functions that have a source file, and it stamps the cache
 with the file's modification time, which a file written once keeps.
 
 numba writes its cache atomically, but a file damaged afterwards (a disk
-error, a copy cut short) made numba raise at the first call of its kernel
-(``UnpicklingError``, ``EOFError``, ...) in every run until the folder was
-deleted.  A cache is a cache: a kernel whose cached code does not load is
-compiled again, with a notice naming the folder, and its index is written
-anew (``_recompiling_cache``).  Where numba finds no writable place for its
+error, a copy cut short) makes numba raise at the first call of its kernel
+(``UnpicklingError``, ``EOFError``, ...) in every run.  A cache is a cache: a
+kernel whose cached code does not load is compiled again, with a notice
+naming the folder, and its index is written anew (``_recompiling_cache``).  Where numba finds no writable place for its
 cache at all, kernels are compiled in every run, with a notice.
 
 The kernels release the GIL (``nogil``), so CPU tower threads run them at once.

@@ -11,9 +11,9 @@ Python source of one function that runs every operation as a ufunc call with
   no longer read (``m *= beta1``), an operand whose value dies in this pass
   (in place), or a scratch buffer (as few as the definition's live values
   need: one for Adam with the EMA);
-* ``where(c, 1, 0)`` is no pass: the boolean mask itself is the operand (a
-  float times a bool is the float times 1.0 or 0.0, with a quarter of a float
-  mask's memory traffic);
+* ``where(c, 1, 0)`` that is only multiplied (or read by a ``where``) is no
+  pass: the boolean mask itself is the operand (a float times a bool is the
+  float times 1.0 or 0.0, with a quarter of a float mask's memory traffic);
 * ``maximum`` against a constant reads an array of that constant (NumPy's
   array-array loop is SIMD and about 1.8x faster than its array-scalar one);
 * an output whose value ends elsewhere is copied there last.
@@ -33,8 +33,8 @@ as whole-array passes with scratch made per call.
 
 Aliasing: an op's in-place outputs are its own buffers; an output-only buffer
 is written no earlier than the pass that last reads the op's input arrays
-(an output given the same memory as an input, ``relu(y, y)``, is safe), or
-from the first pass where the op says its outputs are fresh buffers.
+(after it, when that pass is a ``where``, which writes before it reads), so
+an output given the same memory as an input, ``relu(y, y)``, is safe.
 """
 from __future__ import annotations
 
@@ -71,13 +71,21 @@ def host_blocks(start: int, stop: int, itemsize: int):
     return [slice(i, min(i + step, stop)) for i in range(start, stop, step)]
 
 
-def _is_mask(node) -> bool:
-    """``where(c, 1, 0)``: the comparison's boolean array stands for it."""
-    return (node.op == "where" and node.args[1].op == "const" and node.args[1].value == 1.0
-            and node.args[2].op == "const" and node.args[2].value == 0.0)
+def _masks(passes) -> set:
+    """Ids of the ``where(c, 1, 0)`` whose comparison's boolean array stands for them: those only multiplied
+    (into a float pass: a float times a bool is the float times 1.0 or 0.0) or read by a ``where``.  Added,
+    subtracted or negated, a bool would not count as 1 and 0, so such a ``where`` is a float pass."""
+    consumers = {}
+    for n in passes:
+        for a in n.args:
+            consumers.setdefault(a.id, []).append(n.op)
+    return {n.id for n in passes
+            if n.op == "where" and n.args[1].op == "const" and n.args[1].value == 1.0
+            and n.args[2].op == "const" and n.args[2].value == 0.0
+            and all(op in ("mul", "where") for op in consumers.get(n.id, ()))}
 
 
-def source(traced: Traced, params: tuple, fresh_outputs: bool = False) -> tuple[str, int, int]:
+def source(traced: Traced, params: tuple) -> tuple[str, int, int]:
     """(Python source of ``passes(xp, S, B, dt, *params)``, float scratch count, bool scratch count).
 
     ``params``: the function's parameters, the op's arrays and scalars in its
@@ -94,6 +102,7 @@ def source(traced: Traced, params: tuple, fresh_outputs: bool = False) -> tuple[
         return _scalar_text(n, _name)
 
     passes = [n for n in traced.nodes if not traced.scalar_only(n) and n.op != "arg"]
+    masks = _masks(passes)
     last = {}
     for j, n in enumerate(passes):
         for a in n.args:
@@ -105,7 +114,7 @@ def source(traced: Traced, params: tuple, fresh_outputs: bool = False) -> tuple[
         finals.setdefault(node.id, []).append(name)
     inputs = [a for a in traced.arrays if a not in outs]
     # An output-only buffer may alias an input array: written no earlier than the inputs' last read.
-    safe_from = 0 if fresh_outputs else max((last.get(traced.args[a].id, -1) for a in inputs if a in traced.args),
+    safe_from = max((last.get(traced.args[a].id, -1) for a in inputs if a in traced.args),
                                             default=-1)
 
     occupants = {}  # location -> node ids it holds ("buf:<name>", "S[k]", "B[k]")
@@ -121,11 +130,13 @@ def source(traced: Traced, params: tuple, fresh_outputs: bool = False) -> tuple[
     def free(loc, j) -> bool:
         return all(last.get(x, -1) <= j for x in occupants[loc])
 
-    def writable(loc, j) -> bool:
+    def writable(loc, j, two_steps) -> bool:
         if not loc.startswith("buf:"):
             return True
         name = loc[4:]
-        return name in outs and (name in traced.args or j >= safe_from)
+        # A pass that reads the inputs' last values may write over them elementwise, but a where() writes its
+        # "else" value before it reads its condition and "then" value: it needs the inputs read already.
+        return name in outs and (name in traced.args or j > safe_from or (j == safe_from and not two_steps))
 
     def new_scratch(kind):
         loc = f"{kind}[{counts[kind]}]"
@@ -135,7 +146,7 @@ def source(traced: Traced, params: tuple, fresh_outputs: bool = False) -> tuple[
 
     head, body = [], []
     # Scalar-only values: once per call, those a pass or an output reads (a mask's 1 and 0 are no operands).
-    needed = {a.id for n in passes if not _is_mask(n) for a in n.args} | {n.id for n in outs.values()}
+    needed = {a.id for n in passes if n.id not in masks for a in n.args} | {n.id for n in outs.values()}
     for n in reversed(traced.nodes):
         if n.id in needed and traced.scalar_only(n):
             needed.update(a.id for a in n.args)
@@ -149,12 +160,12 @@ def source(traced: Traced, params: tuple, fresh_outputs: bool = False) -> tuple[
             return f"_constant(xp, {name}, {like})" if like else name
         return _at(where_is[a.id])
 
-    def usable(loc, kind, j, excluded) -> bool:
+    def usable(loc, kind, j, excluded, two_steps) -> bool:
         return (loc is not None and loc not in excluded and ("B" if loc.startswith("B[") else "S") == kind
-                and writable(loc, j) and free(loc, j))
+                and writable(loc, j, two_steps) and free(loc, j))
 
     for j, n in enumerate(passes):
-        if _is_mask(n):  # no pass: the condition's mask stands for it
+        if n.id in masks:  # no pass: the condition's mask stands for it
             loc = where_is[n.args[0].id]
             occupants[loc].append(n.id)
             where_is[n.id] = loc
@@ -168,7 +179,7 @@ def source(traced: Traced, params: tuple, fresh_outputs: bool = False) -> tuple[
                       + list(occupants))  # any free location
         if n.id in finals:  # an output's final value never sits in another output's buffer (copies stay simple)
             candidates = [c for c in candidates if c in home or not (c or "").startswith("buf:")]
-        loc = next((c for c in candidates if usable(c, kind, j, excluded)), None) or new_scratch(kind)
+        loc = next((c for c in candidates if usable(c, kind, j, excluded, n.op == "where")), None) or new_scratch(kind)
         occupants[loc] = [x for x in occupants[loc] if last.get(x, -1) > j] + [n.id]
         where_is[n.id] = loc
         out = _at(loc)
@@ -234,7 +245,7 @@ def _constant(xp, value, like):
     ``like`` (see the module doc), on a device the scalar."""
     if xp is not numpy:
         return value
-    key = (value.item(), value.dtype.str)
+    key = (value.tobytes(), value.dtype.str)  # by its bits: -0.0 is not 0.0, and a NaN finds itself
     shape = like.shape
     size = like.size
     a = _CONSTANTS.get(key)
@@ -248,8 +259,8 @@ def _constant(xp, value, like):
 class NumpyForm:
     """The op's passes (``source``), run block by block on host arrays, whole on other arrays (module doc)."""
 
-    def __init__(self, traced: Traced, params: tuple, name: str, fresh_outputs: bool = False):
-        self.source, self.n_float, self.n_bool = source(traced, params, fresh_outputs)
+    def __init__(self, traced: Traced, params: tuple, name: str):
+        self.source, self.n_float, self.n_bool = source(traced, params)
         self.name, self.rows = name, traced.rows
         scope = {"numpy": numpy, "_constant": _constant}
         exec(compile(self.source, f"<{name}: numpy form>", "exec"), scope)
@@ -268,10 +279,10 @@ class NumpyForm:
                 self._passes(xp, [s[:n] for s in S], [b[:n] for b in B], dt, *flat)
                 return
             is_array = [isinstance(a, numpy.ndarray) for a in flat]
-            for lo in range(0, n, step):
-                hi = min(lo + step, n)
-                self._passes(xp, [s[: hi - lo] for s in S], [b[: hi - lo] for b in B], dt,
-                             *[a[lo:hi] if arr else a for a, arr in zip(flat, is_array)])
+            for block in host_blocks(0, n, lead.itemsize):
+                m = block.stop - block.start
+                self._passes(xp, [s[:m] for s in S], [b[:m] for b in B], dt,
+                             *[a[block] if arr else a for a, arr in zip(flat, is_array)])
             return
         S = [xp.empty(lead.shape, lead.dtype) for _ in range(self.n_float)]
         B = [xp.empty(lead.shape, bool) for _ in range(self.n_bool)]

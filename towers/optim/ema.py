@@ -33,7 +33,7 @@ def ema(shadow, params, one_minus_d):
 
 # The update alone over flat buffers (weights mode): every form of ``ema``.
 _UPDATE = Elementwise("ema", lambda p, e, one_minus_d: ema(e, p, one_minus_d), ("e",), scalars=("one_minus_d",),
-                      module=False)
+                      module=False, distinct=True)
 
 
 class EMA:
@@ -72,8 +72,3 @@ class EMA:
     def update(self, params, num_updates: int) -> None:
         """``shadow -= (1 - d) * (shadow - params)`` with d from ``num_updates``: one pass (``_UPDATE``)."""
         _UPDATE(params, self.shadow, self.one_minus_d(num_updates))
-
-    @staticmethod
-    def warm_up() -> None:
-        """Load the standalone update's compiled CPU form now, where the process chose it."""
-        _UPDATE.warm_up()

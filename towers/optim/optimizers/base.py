@@ -54,7 +54,7 @@ from towers.ops import expr
 from towers.ops.elementwise import Elementwise
 from towers.optim.ema import ema
 
-_OPS: dict = {}  # the traced update's text -> its Elementwise (one per distinct arithmetic, shared by replicas)
+_OPS: dict = {}  # the update's argument order and traced text -> its Elementwise (one per distinct arithmetic, shared by replicas)
 
 
 class Optimizer:
@@ -162,13 +162,15 @@ class Optimizer:
             return out
 
         outputs = ("p", *slots, *(("e",) if with_ema else ()))
-        key = expr.trace(definition, arrays, scalars, (), outputs).key()
+        # The arithmetic and the order its arguments come in: two updates of one arithmetic whose scalars come
+        # in another order are two ops.
+        key = repr((arrays, scalars, outputs)) + expr.trace(definition, arrays, scalars, (), outputs).key()
         op = _OPS.get(key)
         if op is None:
             # Named by its arithmetic: the same kernel and compiled loop (numba's disk cache) in every process.
             name = f"{self.name or type(self).__name__.lower()}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
             op = _OPS[key] = Elementwise(name, definition, outputs, scalars=scalars, params=arrays + scalars,
-                                         module=False)
+                                         module=False, distinct=True)
         return op
 
     # -- subclasses
