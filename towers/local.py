@@ -37,7 +37,7 @@ from towers.optim.optimizers import make_optimizer
 from towers.optim.schedule import make_schedule
 from towers.output import checkpoint
 from towers.parallel.reducers import Reducer, make_reducer
-from towers.parallel.sync import GradientAveraging, PeriodicAveraging
+from towers.parallel.sync import MODES
 from towers.profiling import PhaseTimer
 from towers.step.engine import StepEngine, check_indices
 from towers.step.tower import ModelState, build_towers
@@ -104,8 +104,7 @@ class LocalExecutor(Executor):
     def _build(self, reducer) -> None:
         cfg, devices = self.cfg, self.placement.towers
         self.timer = PhaseTimer(cfg.profile, len(devices))
-        weights_mode = cfg.sync == "weights"
-        keeping = PeriodicAveraging if weights_mode else GradientAveraging
+        keeping = MODES[cfg.sync].keeper  # how these towers stay together (towers.parallel.sync)
         # CPU towers share one parameter buffer when every replica applies the same
         # update (``build_towers``); a reducer handed in (NCCL ranks, a stand-in for
         # them) reduces every tower's own buffers, so its towers keep their own.
@@ -131,10 +130,10 @@ class LocalExecutor(Executor):
         with devices[0].scope():
             self.ema = EMA(self.towers[0].replica.params, cfg.ema_decay)
         # In grads mode the EMA is fused into the first tower's update; in
-        # weights mode it follows the averaged weights (towers.parallel.sync).
+        # weights mode it follows the averaged weights (``Keeping.fuses_ema``).
         for t in self.towers:
             with t.device.scope():
-                fused = self.ema if t.index == 0 and not weights_mode else None
+                fused = self.ema if t.index == 0 and keeping.fuses_ema else None
                 # A tower that shares another's buffer is updated by that tower's optimizer.
                 t.optimizer = None if t.shares_params else make_optimizer(cfg, t.replica.params, fused)
             if t.optimizer is not None and not t.device.is_gpu:
@@ -159,8 +158,7 @@ class LocalExecutor(Executor):
             self.blas_threads = cfg.blas_threads or blas_threads(n, serial=not threads, share=self.share.cores)
             self._blas = set_blas_threads(self.blas_threads)
         self.schedule = make_schedule(cfg, len(self.dataset.x), self.examples_per_step)
-        keeper = (PeriodicAveraging(reducer, self.timer, self.ema, cfg.average_every) if weights_mode
-                  else keeping(reducer, self.timer))
+        keeper = keeping.build(reducer, self.timer, self.ema, cfg)
         self.engine = StepEngine(self.towers, keeper, self.schedule, l2=cfg.l2, timer=self.timer, threads=threads,
                                  device_data=self.device_data, sync_bn=cfg.sync_bn)
         self.model_state = ModelState(self.towers, self.model)

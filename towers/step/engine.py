@@ -225,7 +225,7 @@ class StepEngine:
         if not self.keeper.comparable(self.step):
             return False
         self.synchronize()
-        check_replicas([t.replica for t in self.towers], self.step, self.keeper.atol(self.towers))
+        check_replicas([t.replica for t in self.towers], self.step, self.keeper.atol(self.towers[0].replica.params))
         return True
 
     def _wait_threads(self) -> None:
