@@ -83,14 +83,14 @@ def test_hosts_on_one_machine_split_its_cores_for_blas(local_ray):
     mnist_mlp = {**SMALL, "hidden": 500, "steps": 3}
     share = max(1, (cpu_count() - 1) // 2)  # the machine's cores less one, split between the hosts
     with towers.Trainer(towers.Config(**mnist_mlp, hosts=2, n_gpu=1), dataset=data) as t:
-        assert t.host_blas_threads() == [share, share]
+        assert t.executor.host_blas_threads() == [share, share]
         got = weights_after(t, 3)
     with towers.Trainer(towers.Config(**mnist_mlp, n_gpu=2), dataset=data) as t:
-        assert t.blas_threads == share  # each tower thread's
+        assert t.executor.blas_threads == share  # each tower thread's
         want = weights_after(t, 3)
     assert_same(got, want)
     with cluster(hosts=2, n_gpu=1, steps=1, blas_threads=3) as t:
-        assert t.host_blas_threads() == [3, 3]
+        assert t.executor.host_blas_threads() == [3, 3]
     hosts = [{"cpu": True, "node_id": "a", "cores": 8}, {"cpu": True, "node_id": "b", "cores": 4},
              {"cpu": True, "node_id": "a", "cores": 8}, {"cpu": False, "node_id": "a", "cores": 8},
              {"cpu": True, "node_id": "c", "cores": 2}, {"cpu": True, "node_id": "c", "cores": 2},
@@ -178,7 +178,7 @@ def test_killed_host_stops_run_and_resume_continues(local_ray, tmp_path):
     deadline = time.time() + 60
     while not checkpoint.list_checkpoints(logdir) and time.time() < deadline:
         time.sleep(0.05)
-    os.kill(t.host_pids()[1], signal.SIGKILL)
+    os.kill(t.executor.host_pids()[1], signal.SIGKILL)
     thread.join(timeout=30)
     assert not thread.is_alive()
     t.close()
@@ -212,7 +212,7 @@ def test_nccl_id_and_ranks_through_ray(local_ray):
     """The GPU path's id exchange and rank layout, against the host-memory stand-in."""
     cfg = towers.Config(**{**SMALL, "hosts": 3, "n_gpu": 2})
     with towers.ClusterTrainer(cfg, nccl="tests.nccl_standin") as t:
-        ranks = local_ray.get([h.nccl_ranks.remote() for h in t._hosts])  # noqa: SLF001 - the layout test
+        ranks = local_ray.get([h.nccl_ranks.remote() for h in t.executor.hosts])  # the layout test
     # 3 hosts, each 2 CPU towers on one device (one group, one rank): ranks numbered host by host.
     assert [[r for _, r, _ in host] for host in ranks] == [[0], [1], [2]]
     assert {size for host in ranks for size, _, _ in host} == {3}

@@ -211,10 +211,11 @@ class StepEngine:
         self.timer.step_done()
         return losses
 
-    # -- parameter servers: stages 1-3 and 4 apart (a GradientAveraging keeper) -----------
+    # -- a parameter server's host: stages 1-3 without the update (a GradientAveraging keeper) ----
 
     def gradients(self, x, y, want_loss: bool = False):
-        """Stages 1-3 without the update: every tower's ``grads`` ends as the mean gradient."""
+        """Stages 1-3 without the update: every tower's ``grads`` ends as the mean gradient (the server
+        applies it: ``towers.cluster.ps``); the step count does not move."""
         self.synchronize()
         if self._pool is not None and self.towers[0].replica.context.sync is not None:
             raise UserError("`sync_bn` averages batch statistics inside a synchronous step of one host's towers: "
@@ -223,17 +224,6 @@ class StepEngine:
         losses = [self._compute(i, s) for i in range(len(self.towers))]
         self.keeper.reduce(self.towers)
         return losses if want_loss else None
-
-    def apply_gradients(self, grads) -> None:
-        """Stage 4 with given mean gradients (one host array): every replica's update (one for towers sharing a
-        buffer), then the step ends."""
-        self.synchronize()
-        lr, step = self.schedule(self.step), self.step
-        for t in self.towers:
-            with t.scope():
-                t.replica.grads[...] = t.device.xp.asarray(grads)
-        self.keeper.apply(self.towers, None, lr, step)
-        self._step_done(None)
 
     # -- keeping replicas together --------------------------------------------------------
 

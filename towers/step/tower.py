@@ -8,8 +8,12 @@ seeded values, towers sharing a GPU share its stream.
 
 ``ModelState`` is the model's part of a state dict: the weights
 (``params/<name>``) and the non-trainable buffers (``buffers/<name>``), read
-from the first tower and written to every tower, because every replica holds
-the same values when a state is taken (right after an average in weights mode).
+from the first replica and written to every replica, because every replica holds
+the same values when a state is taken (right after an average in weights mode);
+a parameter server's one replica (``towers.cluster.ps``) has one too.
+
+``load_cpu_kernels`` is the one rule for whether CPU replicas run the fused
+compiled kernels (``towers.nn.fused_cpu``): the towers' and a server's.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from towers.state import Layout, under
 
 # A diverging run overflows to inf/NaN: the loop reports it as one line at the
 # next loss check, so NumPy's RuntimeWarnings are noise.
-_QUIET = dict(over="ignore", invalid="ignore", divide="ignore")
+QUIET = dict(over="ignore", invalid="ignore", divide="ignore")
 
 
 class Tower:
@@ -50,7 +54,7 @@ class Tower:
     @contextlib.contextmanager
     def scope(self):
         """This tower's device current, its stream current, NumPy's overflow warnings off."""
-        with self.device.scope(), on_stream(self.stream), numpy.errstate(**_QUIET):
+        with self.device.scope(), on_stream(self.stream), numpy.errstate(**QUIET):
             yield
 
     def compute(self, x, y, l2: float, want_loss: bool, step: int, stage=None):
@@ -93,6 +97,20 @@ class Tower:
         return str(self.device)
 
 
+def load_cpu_kernels(model, cfg):
+    """The fused CPU kernels for ``model``'s CPU replicas, loaded and warmed up; None: NumPy's.
+
+    ``cpu_kernels`` auto loads them only where they pay or where results
+    depend on them (``fused_cpu.worth_loading``).
+    """
+    if cfg.cpu_kernels == "auto" and not fused_cpu.worth_loading(model):
+        return None
+    fused = fused_cpu.load(cfg.cpu_kernels)
+    if fused is not None:
+        fused_cpu.warm_up(fused)  # numba's import and its cached kernels now, not inside the first step
+    return fused
+
+
 def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, share: bool = False) -> list[Tower]:
     """One tower per placed device, replicas identical (one seeded draw), streams per GPU.
 
@@ -104,11 +122,7 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
     batch_size, seed = cfg.batch_size, cfg.seed
     init = model.init_params(seed)
     streams: dict[int, object] = {}
-    fused = None
-    if any(not d.is_gpu for d in placement.towers) and (cfg.cpu_kernels != "auto" or fused_cpu.worth_loading(model)):
-        fused = fused_cpu.load(cfg.cpu_kernels)
-        if fused is not None:
-            fused_cpu.warm_up(fused)  # numba's import and its cached kernels now, not inside the first step
+    fused = load_cpu_kernels(model, cfg) if any(not d.is_gpu for d in placement.towers) else None
     # ``share`` (a keeper whose replicas apply the same update to the same
     # weights: grads mode): CPU towers (one process's memory) share the first
     # CPU tower's parameter buffer, and its optimizer step is the only one: the
@@ -140,20 +154,25 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
 
 
 class ModelState:
-    """The model's state over all towers: ``params/<name>`` and ``buffers/<name>``."""
+    """The model's state over every replica: ``params/<name>`` and ``buffers/<name>``.
 
-    def __init__(self, towers: list[Tower], model):
-        self.towers = towers
+    ``scopes``: one context per replica in which its copies are queued (a
+    tower's ``scope``: its device and stream); none: the replicas are host arrays.
+    """
+
+    def __init__(self, replicas: list[Replica], model, scopes=None):
+        self.replicas = replicas
+        self.scopes = scopes or [contextlib.nullcontext] * len(replicas)
         self.weights = Layout(model.layout())
         self.buffers = Layout(model.buffer_layout())
 
     def state_dict(self) -> dict:
-        r = self.towers[0].replica
+        r = self.replicas[0]
         return {**self.weights.split(r.params, "params/"), **self.buffers.split(r.buffers, "buffers/")}
 
     def named(self, params=None) -> dict:
         """{name: host array}: the weights (``params``: another flat buffer of them, e.g. the EMA's), then the buffers."""
-        r = self.towers[0].replica
+        r = self.replicas[0]
         return {**self.weights.split(r.params if params is None else params), **self.buffers.split(r.buffers)}
 
     def read_named(self, named: dict, where: str, buffers_optional: bool = False):
@@ -168,8 +187,20 @@ class ModelState:
             return w, None
         return w, self.buffers.join(self.buffers.check(bufs, where, "buffer"))
 
+    def set_named(self, named: dict, where: str, ema=None, ema_scope=contextlib.nullcontext) -> None:
+        """Every replica's weights and buffers from {name: array}, checked as ``read_named`` checks them; with
+        ``ema`` (an ``EMA``) its weights instead, copied in ``ema_scope`` (its device's), and the buffers, which
+        are then optional, when given."""
+        flat, buffers = self.read_named(named, where, buffers_optional=ema is not None)
+        if ema is None:
+            self.set(flat, buffers)
+            return
+        with ema_scope():
+            ema.set_state(flat)
+        self.set(None, buffers)  # the buffers, when given, are every replica's
+
     def prepare(self, state: dict, where: str):
-        """Check ``params/`` and ``buffers/`` of ``state``; return the function that sets every tower."""
+        """Check ``params/`` and ``buffers/`` of ``state``; return the function that sets every replica."""
         named = under(state, "params")
         if not named:
             raise UserError(f"{where}: no params/ weights")
@@ -182,15 +213,15 @@ class ModelState:
         return lambda: self.set(w, b)
 
     def set(self, weights, buffers=None) -> None:
-        """Every tower's weights and buffers from host flat arrays (None: left as they are).
+        """Every replica's weights and buffers from host flat arrays (None: left as they are).
 
-        The copies are queued on each tower's stream (``Tower.scope``), so the
+        The copies are queued on each tower's stream (its scope), so the
         tower's next step reads the new values: its stream is not ordered with
         CuPy's legacy default stream.
         """
-        for t in self.towers:
-            with t.scope():
+        for r, scope in zip(self.replicas, self.scopes):
+            with scope():
                 if weights is not None:
-                    t.replica.set_params(weights)
+                    r.set_params(weights)
                 if buffers is not None:
-                    t.replica.set_buffers(buffers)
+                    r.set_buffers(buffers)
