@@ -325,8 +325,8 @@ def test_models_without_batch_norm_train_to_numpys_bits_through_the_exact_kernel
         with towers.Trainer(cfg, model=_pool_model() if model == "pool" else None) as t:
             t.fit()
             assert t.cpu_kernels == kernels
-            assert all(o.fused is not None for o in t.optimizers) == (kernels == "numba")
-            assert (t.reducer.fused is not None) == (kernels == "numba")  # the mean of the two towers
+            assert all(o.fused is not None for o in t.executor.optimizers) == (kernels == "numba")
+            assert (t.executor.reducer.fused is not None) == (kernels == "numba")  # the mean of the two towers
             out[kernels] = {k: v.tobytes() for k, v in {**t.get_weights(), **t.get_weights(ema=True)}.items()}
     assert out["numba"] == out["numpy"]
 
