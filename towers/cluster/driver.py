@@ -137,6 +137,7 @@ class ClusterExecutor(Executor):
         here = ray.get_runtime_context().get_node_id()
         self.one_node = all(i["node_id"] == here for i in self.host_info)
         self.keeping = MODES[cfg.sync].host_keeping()(cfg, self.towers_per_host)
+        self._recorded = self.keeping.recorded_settings(host_cfg, cfg)  # what a checkpoint's `config` says
         # `epochs` gives the step count once the hosts' towers are known; each host derives the same from its
         # share (the run's examples per update), so the hosts get `epochs` as given.
         self.cfg = steps_of_epochs(cfg, self.n_examples, self.examples_per_step)
@@ -329,7 +330,7 @@ class ClusterExecutor(Executor):
 
     def state_dict(self) -> dict:
         """The state of whoever holds it, with the run's metadata (``towers.cluster.state.cluster_state``)."""
-        return cluster_state(self._source_call("state_dict"), self.cfg, self.dataset, self.n_towers)
+        return cluster_state(self._source_call("state_dict"), self._recorded, self.dataset, self.n_towers)
 
     def load_state_dict(self, state: dict, where: str) -> None:
         """Every host (and the server) loads ``state``; each checks it strictly, as one host does."""

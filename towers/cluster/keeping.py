@@ -68,6 +68,11 @@ class HostKeeping:
         """The actor that answers for the run's weights and state: host 0."""
         return cluster.hosts[0]
 
+    def recorded_settings(self, host_cfg, run_cfg):
+        """The settings a checkpoint records: those of the actor that holds the state, here a host's
+        (``host_cfg``: where the hosts run, e.g. ``devices`` cpu when the cluster has too few GPUs)."""
+        return host_cfg
+
     def run_steps(self, cluster, n: int, want_loss: bool) -> list | None:
         """``n`` steps of every host in its own loop; the last step's losses (host order) when asked."""
         outs = cluster.wait([(a.run_steps.remote(n, want_loss), h) for h, a in enumerate(cluster.hosts)])

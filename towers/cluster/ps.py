@@ -148,6 +148,9 @@ class ServerKeeping(HostKeeping):
     def source(self, cluster):
         return self.server
 
+    def recorded_settings(self, host_cfg, run_cfg):
+        return run_cfg  # the server's: the run's as given
+
     def run_steps(self, cluster, n: int, want_loss: bool) -> list | None:
         """``n`` updates of the server, the hosts pushing until it has applied them."""
         self.applied += n
