@@ -97,8 +97,8 @@ class Training:
         tr.finish()
         tr.synchronize()
         return Run(tr.get_weights(), tr.get_weights(ema=True), [float(v) for v in self.losses],
-                   [to_host(r.params, copy=True) for r in tr.replicas], tr.evaluate(ema=True)["accuracy"],
-                   tr.device_data is not None)
+                   [to_host(r.params, copy=True) for r in tr.executor.replicas], tr.evaluate(ema=True)["accuracy"],
+                   tr.executor.device_data is not None)
 
     def close(self) -> None:
         self.tr.close()

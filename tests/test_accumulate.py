@@ -81,9 +81,9 @@ def test_threaded_and_serial_towers_accumulate_alike_and_allocate_the_scratch_on
     for mode in ("threads", "serial"):
         with trainer(n_gpu=2, batch_size=25, accumulate=3, momentum=0.9, cpu_towers=mode, steps=4) as t:
             t.run_steps(1)
-            scratch = [tw.replica._scratch[0] for tw in t.towers]
+            scratch = [tw.replica._scratch[0] for tw in t.executor.towers]
             t.run_steps(3)
-            assert all(tw.replica._scratch[0] is s for tw, s in zip(t.towers, scratch))
+            assert all(tw.replica._scratch[0] is s for tw, s in zip(t.executor.towers, scratch))
             out.append(t.get_weights())
     for k in out[0]:
         numpy.testing.assert_array_equal(out[0][k], out[1][k], err_msg=k)
@@ -182,7 +182,7 @@ def test_micro_batches_gathered_on_the_gpu_are_the_host_pipelines():
     out = []
     for on_device in (True, False):
         with trainer(n_gpu=2, devices="0", batch_size=30, accumulate=2, momentum=0.9) as t:
-            assert t.device_data is not None  # the digits fit
+            assert t.executor.device_data is not None  # the digits fit
             src = BatchSource(t.dataset, 120, 0)
             for _ in range(15):
                 idx = src.next_indices()

@@ -360,13 +360,17 @@ def test_a_closed_trainer_refuses_finish_and_check_replicas_as_on_a_cluster():
             call()
 
 
-def test_an_attribute_error_inside_the_executor_is_not_hidden(monkeypatch):
-    from towers.local import LocalExecutor
-
-    monkeypatch.setattr(LocalExecutor, "replicas", property(lambda self: self.no_such_part), raising=False)
+def test_the_trainer_forwards_named_methods_only():
+    """No fallthrough to the executor: its parts are ``tr.executor``'s, and what the Trainer forwards it names
+    (``source``, ``cpu_kernels``, ``train_step_at`` among them)."""
     with Trainer(Config(devices="cpu", hidden=8, batch_size=10, steps=2)) as tr:
-        with pytest.raises(AttributeError, match="no_such_part"):
-            tr.replicas
+        for part in ("replicas", "engine", "ema", "towers", "reducer", "rows"):
+            with pytest.raises(AttributeError, match=f"'Trainer' object has no attribute '{part}'"):
+                getattr(tr, part)
+            getattr(tr.executor, part)
+        assert tr.source is tr.executor.source and tr.cpu_kernels == tr.executor.cpu_kernels == "numpy"
+        tr.train_step_at(np.arange(10))
+        assert tr.step == 1
 
 
 class _DeviceArray:

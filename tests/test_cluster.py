@@ -83,14 +83,14 @@ def test_hosts_on_one_machine_split_its_cores_for_blas(local_ray):
     mnist_mlp = {**SMALL, "hidden": 500, "steps": 3}
     share = max(1, (cpu_count() - 1) // 2)  # the machine's cores less one, split between the hosts
     with towers.Trainer(towers.Config(**mnist_mlp, hosts=2, n_gpu=1), dataset=data) as t:
-        assert t.host_blas_threads() == [share, share]
+        assert t.executor.host_blas_threads() == [share, share]
         got = weights_after(t, 3)
     with towers.Trainer(towers.Config(**mnist_mlp, n_gpu=2), dataset=data) as t:
-        assert t.blas_threads == share  # each tower thread's
+        assert t.executor.blas_threads == share  # each tower thread's
         want = weights_after(t, 3)
     assert_same(got, want)
     with cluster(hosts=2, n_gpu=1, steps=1, blas_threads=3) as t:
-        assert t.host_blas_threads() == [3, 3]
+        assert t.executor.host_blas_threads() == [3, 3]
     hosts = [{"cpu": True, "node_id": "a", "cores": 8}, {"cpu": True, "node_id": "b", "cores": 4},
              {"cpu": True, "node_id": "a", "cores": 8}, {"cpu": False, "node_id": "a", "cores": 8},
              {"cpu": True, "node_id": "c", "cores": 2}, {"cpu": True, "node_id": "c", "cores": 2},
@@ -178,7 +178,7 @@ def test_killed_host_stops_run_and_resume_continues(local_ray, tmp_path):
     deadline = time.time() + 60
     while not checkpoint.list_checkpoints(logdir) and time.time() < deadline:
         time.sleep(0.05)
-    os.kill(t.host_pids()[1], signal.SIGKILL)
+    os.kill(t.executor.host_pids()[1], signal.SIGKILL)
     thread.join(timeout=30)
     assert not thread.is_alive()
     t.close()
@@ -212,7 +212,7 @@ def test_nccl_id_and_ranks_through_ray(local_ray):
     """The GPU path's id exchange and rank layout, against the host-memory stand-in."""
     cfg = towers.Config(**{**SMALL, "hosts": 3, "n_gpu": 2})
     with towers.ClusterTrainer(cfg, nccl="tests.nccl_standin") as t:
-        ranks = local_ray.get([h.nccl_ranks.remote() for h in t._hosts])  # noqa: SLF001 - the layout test
+        ranks = local_ray.get([h.nccl_ranks.remote() for h in t.executor.hosts])  # the layout test
     # 3 hosts, each 2 CPU towers on one device (one group, one rank): ranks numbered host by host.
     assert [[r for _, r, _ in host] for host in ranks] == [[0], [1], [2]]
     assert {size for host in ranks for size, _, _ in host} == {3}
@@ -282,3 +282,70 @@ def test_one_trainer_api_over_both_executors(local_ray, tmp_path):
     for k in one["state"]:
         if k != "config":  # the settings recorded differ in `hosts` and `n_gpu`
             numpy.testing.assert_array_equal(one["state"][k], two["state"][k], err_msg=k)
+
+
+def every_k_across_hosts(k: int):
+    """A sync mode of the test's own (local SGD across hosts): each host's towers average their gradients every
+    step among themselves; every ``k`` steps the hosts average their weights through a shared-memory board.
+
+    Made here, as a ``HostKeeping`` subclass: Ray ships it to the hosts by value.
+    """
+    from towers.cluster.keeping import HostKeeping
+
+    class EveryK(HostKeeping):
+        host_sync = "grads"  # each host's own towers
+        mean = None  # on a host: its side of the cross-host mean
+
+        def wire(self, cluster):
+            from towers.cluster.reduce import board_spec
+
+            self.board = cluster.board(*board_spec(len(self.towers), cluster.model.size + cluster.model.buffer_size))
+
+        def reducer(self, rank, nccl):
+            from towers.cluster.board import Board
+            from towers.cluster.reduce import BoardMean
+
+            self.mean = BoardMean(Board.attach(self.board), rank, self.towers)
+            return None  # the host's own mean among its towers
+
+        def host_steps(self, executor, n, want_loss, *segment):
+            losses, done = None, 0
+            while done < n:
+                m = min(n - done, k - executor.step % k)  # up to the next average
+                losses = executor.run_steps(m, want_loss and done + m == n)[0]
+                done += m
+                if executor.step % k == 0:
+                    weights = executor.get_weights()
+                    flat = numpy.concatenate([numpy.ravel(v) for v in weights.values()])
+                    self.mean.average([flat])  # every host gets the same bytes
+                    offsets = numpy.cumsum([0] + [v.size for v in weights.values()])
+                    executor.set_weights({name: flat[lo:hi].reshape(v.shape) for (name, v), lo, hi
+                                          in zip(weights.items(), offsets, offsets[1:])})
+            return losses
+
+        def check(self, cluster):
+            return cluster.step % k == 0 and super().check(cluster)  # hosts agree right after an average
+
+        def close_host(self):
+            self.mean.close()
+
+    return EveryK
+
+
+def test_a_sync_mode_of_ones_own_is_one_registry_entry(local_ray, monkeypatch):
+    """A HostKeeping and one MODES entry make a sync mode the driver and the hosts run without knowing it: with
+    plain SGD, hosts averaging their weights every 3 steps are one host's towers in weights mode (K=3)."""
+    from towers.parallel.sync import MODES, Mode
+
+    monkeypatch.setitem(MODES, "every-3", Mode(every_k_across_hosts(3), several="averages hosts' weights"))
+    with pytest.raises(towers.UserError, match="sync every-3 averages hosts' weights: set hosts 2 or more"):
+        cluster(sync="every-3")
+    with cluster(hosts=2, n_gpu=1, sync="every-3", steps=6) as t:
+        t.run_steps(4)
+        assert t.check_replicas() is False  # between averages the hosts differ
+        got = weights_after(t, 2)
+        assert t.check_replicas()
+    want = one_host(6, sync="weights", average_every=3)
+    assert_same(got[:1], want[:1], rtol=1e-6)
+    differ = one_host(6)[0]
+    assert not numpy.allclose(got[0]["layer1/weights"], differ["layer1/weights"], rtol=1e-4, atol=0)

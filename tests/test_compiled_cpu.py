@@ -343,7 +343,7 @@ def test_models_without_batch_norm_train_to_numpys_bits_through_the_exact_kernel
             t.fit()
             assert t.cpu_kernels == kernels and backend.compiled() == (kernels == "numba")
             if kernels == "numba":
-                assert all(o._op.loop().compiled().signatures for o in t.optimizers)
+                assert all(o._op.loop().compiled().signatures for o in t.executor.optimizers)
             out[kernels] = {k: v.tobytes() for k, v in {**t.get_weights(), **t.get_weights(ema=True)}.items()}
     assert out["numba"] == out["numpy"]
 

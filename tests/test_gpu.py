@@ -25,8 +25,8 @@ def train(n, devices, steps=20, momentum=0.9):
         out = tr.train_step(*src.next_batch(), want_loss=step == steps - 1)
     losses = [float(v) for v in out]
     tr.synchronize()
-    params = [to_host(r.params) for r in tr.replicas]
-    ema = to_host(tr.ema.shadow)
+    params = [to_host(r.params) for r in tr.executor.replicas]
+    ema = to_host(tr.executor.ema.shadow)
     acc = tr.evaluate(ema=True)["accuracy"]
     tr.close()
     return params, ema, losses, acc
@@ -93,7 +93,7 @@ def test_weights_mode_on_a_shared_gpu_matches_grads_mode():
             tr.train_step(*src.next_batch())
         tr.finish()
         assert tr.check_replicas()
-        out[sync] = tr.replicas[0].params.get()
+        out[sync] = tr.executor.replicas[0].params.get()
         tr.close()
     assert np.linalg.norm(out["weights"] - out["grads"]) / np.linalg.norm(out["grads"]) < 1e-5
 
@@ -310,7 +310,7 @@ def test_device_resident_data_gives_the_host_pipelines_run():
         cfg = Config(n_gpu=2, devices="0", hidden=64, batch_size=60, momentum=0.9)
         ds = load_dataset(str(DIGITS))
         with Trainer(cfg, dataset=ds) as tr:
-            assert tr.device_data is not None  # the digits fit
+            assert tr.executor.device_data is not None  # the digits fit
             src = BatchSource(ds, 120, cfg.seed)
             for _ in range(15):
                 idx = src.next_indices()

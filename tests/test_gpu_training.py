@@ -181,7 +181,7 @@ def test_jpeg_tfrecord_with_cifar_augmentation_through_the_workers_matches_the_c
                      cpu_kernels="numpy", model="lenet5")
         with Trainer(cfg) as tr:
             tr.fit()
-            assert tr.device_data is None  # augmented each epoch: the examples stay on the host
+            assert tr.executor.device_data is None  # augmented each epoch: the examples stay on the host
             out.append(flat(tr.get_weights()))
     d = rel(out[0], out[1])
     record(f"jpeg tfrecord cifar augmentation, {workers} workers, cache {cache}", weights=d)
@@ -285,14 +285,14 @@ def test_the_ema_of_a_tower_on_gpu_1_is_set_there():
     """One tower on GPU 1: the EMA lives there, and set_weights(ema=True) lands there with its values."""
     ds = digits()
     with Trainer(Config(devices="1", hidden=64, batch_size=60), dataset=ds) as tr:
-        assert tr.ema.shadow.device.id == 1
+        assert tr.executor.ema.shadow.device.id == 1
         w = {k: v * np.float32(0.25) for k, v in tr.get_weights(ema=True).items()}
         tr.set_weights(w, ema=True)
         got = tr.get_weights(ema=True)
         for k in w:
             np.testing.assert_array_equal(got[k], w[k])
         tr.run_steps(2)
-        assert tr.ema.shadow.device.id == 1
+        assert tr.executor.ema.shadow.device.id == 1
 
 
 # -- CuPy arrays at the API ------------------------------------------------------------------------------------

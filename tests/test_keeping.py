@@ -46,21 +46,21 @@ def test_a_custom_keeper_decides_how_replicas_stay_together(cpu_towers):
     with towers.Trainer(towers.Config(**SMALL, n_gpu=2, cpu_towers=cpu_towers)) as tr:
         # Grads mode's CPU towers share one parameter buffer: a keeper that updates them apart is refused.
         with pytest.raises(ValueError, match="share one parameter buffer"):
-            tr.engine.keeper = Alone(tr.reducer, tr.timer)
+            tr.executor.engine.keeper = Alone(tr.executor.reducer, tr.executor.timer)
     # Weights mode builds them apart; its keeper is then replaced.
     with towers.Trainer(towers.Config(**SMALL, n_gpu=2, cpu_towers=cpu_towers, sync="weights")) as tr:
-        tr.engine.keeper = Alone(tr.reducer, tr.timer)
+        tr.executor.engine.keeper = Alone(tr.executor.reducer, tr.executor.timer)
         for x, y in data:
             tr.train_step(x, y)
         tr.synchronize()
         assert tr.all_reduces == 0  # the keeper never reduced
         assert tr.check_replicas() is False
-        got = [r.params.copy() for r in tr.replicas]
+        got = [r.params.copy() for r in tr.executor.replicas]
     for i in range(2):  # tower i trained alone on its slice of every batch
         with towers.Trainer(towers.Config(**SMALL, n_gpu=1)) as one:
             for x, y in data:
                 one.train_step(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
-            numpy.testing.assert_allclose(got[i], one.replicas[0].params, rtol=1e-6, atol=1e-7)
+            numpy.testing.assert_allclose(got[i], one.executor.replicas[0].params, rtol=1e-6, atol=1e-7)
     assert not numpy.array_equal(got[0], got[1])
 
 
@@ -77,7 +77,7 @@ def test_one_all_reduce_per_grads_step_on_any_schedule(cpu_towers, sync_bn):
         for x, y in _batches(steps, 2 * SMALL["batch_size"]):
             tr.train_step(x, y)
         tr.synchronize()
-        assert tr.engine.threaded == (cpu_towers == "threads" or sync_bn)
+        assert tr.executor.engine.threaded == (cpu_towers == "threads" or sync_bn)
         assert tr.all_reduces == steps
 
 

@@ -31,7 +31,8 @@ def _train(cpu_towers, steps=15, model="mlp", momentum=0.0, sync="grads"):
             sl = slice(16 * s % 384, 16 * s % 384 + 16)
             losses = tr.train_step(ds.x[sl], ds.y[sl], want_loss=s == steps - 1)
         tr.synchronize()
-        return [r.params.copy() for r in tr.replicas], tr.ema.shadow.copy(), losses, tr.timer
+        ex = tr.executor
+        return [r.params.copy() for r in ex.replicas], ex.ema.shadow.copy(), losses, ex.timer
     finally:
         tr.close()
 
@@ -157,7 +158,7 @@ def test_one_cpu_tower_leaves_a_core_to_the_rest_of_the_machine():
 
     want = max(1, cpu_count() - 1)
     with Trainer(Config(devices="cpu", hidden=8, steps=1), dataset=_data()) as t:
-        assert t.blas_threads == want
+        assert t.executor.blas_threads == want
         assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {want}
 
 

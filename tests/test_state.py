@@ -118,17 +118,17 @@ def test_a_buffer_is_state_but_not_a_weight_everywhere(tmp_path):
                  logdir=str(tmp_path / "a"))
     with Trainer(cfg) as t:
         assert t.model.size == 64 * 8 + 8 + 8 * 10 + 10  # the buffer is no trainable parameter
-        assert [r.buffers.size for r in t.replicas] == [64, 64]
+        assert [r.buffers.size for r in t.executor.replicas] == [64, 64]
         t.train_step(*t.source.next_batch())
         t.synchronize()
         # Weights mode: between averages each tower's buffer follows its own slice...
-        assert not np.array_equal(t.replicas[0].buffers, t.replicas[1].buffers)
+        assert not np.array_equal(t.executor.replicas[0].buffers, t.executor.replicas[1].buffers)
         t.train_step(*t.source.next_batch())
         t.train_step(*t.source.next_batch())  # step 3: an average
         t.synchronize()
         # ... and the average makes them equal, as it does the weights.
-        assert np.array_equal(t.replicas[0].buffers, t.replicas[1].buffers)
-        assert t.replicas[0].buffers.any()
+        assert np.array_equal(t.executor.replicas[0].buffers, t.executor.replicas[1].buffers)
+        assert t.executor.replicas[0].buffers.any()
         w = t.get_weights()
         assert "running/mean" in w and w["running/mean"].shape == (64,)
         assert "running/mean" in t.get_weights(ema=True)
@@ -137,7 +137,7 @@ def test_a_buffer_is_state_but_not_a_weight_everywhere(tmp_path):
         assert "ema/running/mean" not in state  # the EMA covers trainable weights only
         # set_weights takes the buffer with the weights, strictly.
         t.set_weights({**w, "running/mean": np.full(64, 0.5, np.float32)})
-        assert all((r.buffers == 0.5).all() for r in t.replicas)
+        assert all((r.buffers == 0.5).all() for r in t.executor.replicas)
         missing = {k: v for k, v in w.items() if k != "running/mean"}
         with pytest.raises(UserError, match="'running/mean' is missing"):
             t.set_weights(missing)

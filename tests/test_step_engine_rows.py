@@ -67,11 +67,11 @@ def test_tower_threads_gather_the_rows_of_their_own_step():
         tr.finish()
         want = tr.get_weights()
     with Trainer(cfg, dataset=ds) as tr:
-        assert tr.engine.threaded
-        rows = tr.engine.device_data = HostRows(ds, 2, cfg.batch_size, lag=0.02)
+        assert tr.executor.engine.threaded
+        rows = tr.executor.engine.device_data = HostRows(ds, 2, cfg.batch_size, lag=0.02)
         src = BatchSource(ds, tr.global_batch, cfg.seed)
         for _ in range(steps):
-            tr.engine.run(None, None, False, src.next_indices())
+            tr.executor.engine.run(None, None, False, src.next_indices())
         tr.finish()
         got = tr.get_weights()
     assert rows.uploads == steps

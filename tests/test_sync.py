@@ -35,7 +35,7 @@ def make(sync="grads", k=1, momentum=0.0, n=2, standin=None):
     ds = load_dataset(str(DIGITS))
     tr = Trainer(cfg, dataset=ds, reducer=standin.reducer(n) if standin else None)
     if standin:
-        for r in tr.replicas:
+        for r in tr.executor.replicas:
             standin.register(r.grads)
     src = BatchSource(ds, cfg.batch_size * n, cfg.seed)
     return tr, src
@@ -47,17 +47,17 @@ def test_weights_mode_averages_every_k_steps(momentum, per_average):
     for step in range(1, 13):
         tr.train_step(*src.next_batch())
         tr.synchronize()  # join the tower threads before reading their replicas
-        same = np.array_equal(tr.replicas[0].params, tr.replicas[1].params)
+        same = np.array_equal(tr.executor.replicas[0].params, tr.executor.replicas[1].params)
         assert same == (step % 5 == 0), step  # towers drift apart between averages
         assert tr.check_replicas() == (step % 5 == 0)
     assert tr.all_reduces == 2 * per_average  # two averages in 12 steps
-    ema_before = tr.ema.shadow.copy()
+    ema_before = tr.executor.ema.shadow.copy()
     tr.finish()  # steps 11-12 are averaged at the end, and the EMA follows
     assert tr.all_reduces == 3 * per_average
-    assert np.array_equal(tr.replicas[0].params, tr.replicas[1].params)
-    assert not np.array_equal(ema_before, tr.ema.shadow)
+    assert np.array_equal(tr.executor.replicas[0].params, tr.executor.replicas[1].params)
+    assert not np.array_equal(ema_before, tr.executor.ema.shadow)
     if momentum:
-        assert np.array_equal(tr.optimizers[0].velocity, tr.optimizers[1].velocity)
+        assert np.array_equal(tr.executor.optimizers[0].velocity, tr.executor.optimizers[1].velocity)
 
 
 @pytest.mark.parametrize("sync", ["grads", "weights"])
@@ -66,7 +66,7 @@ def test_replica_check_names_the_tower_and_the_largest_difference(sync, standin)
     for _ in range(3):
         tr.train_step(*src.next_batch())
     assert tr.check_replicas()
-    tr.replicas[2].param["layer2/biases"][3] += 0.25
+    tr.executor.replicas[2].param["layer2/biases"][3] += 0.25
     with pytest.raises(TrainingError, match=r"step 3: tower 2 differs from tower 0 by up to 0\.25 "
                                             r"\(at layer2/biases\[3\]\)"):
         tr.check_replicas()
@@ -76,7 +76,7 @@ def test_grads_mode_check_is_bitwise(standin):
     tr, src = make("grads", standin=standin)
     tr.train_step(*src.next_batch())
     tr.synchronize()
-    flat = tr.replicas[1].params
+    flat = tr.executor.replicas[1].params
     flat[0] = np.nextafter(flat[0], np.float32(np.inf))  # one ulp
     with pytest.raises(TrainingError, match="tower 1"):
         tr.check_replicas()

@@ -46,7 +46,7 @@ def trainer(n, reducer=None, hidden=32, batch=50):
 
 
 def drive(cfg, ds, tr, steps):
-    src = BatchSource(ds, cfg.batch_size * len(tr.replicas), cfg.seed)
+    src = BatchSource(ds, cfg.batch_size * len(tr.executor.replicas), cfg.seed)
     for _ in range(steps):
         tr.train_step(*src.next_batch())
     tr.synchronize()  # concurrent CPU towers may still be finishing the last update
@@ -54,30 +54,31 @@ def drive(cfg, ds, tr, steps):
 
 def test_nccl_path_through_the_standin_matches_the_on_device_mean(standin):
     cfg, ds, tr = trainer(2, reducer=standin.reducer(2))
-    for r in tr.replicas:
+    for r in tr.executor.replicas:
         standin.register(r.grads)
-    assert not tr.engine.threaded  # NCCL ranks are driven by one thread
+    assert not tr.executor.engine.threaded  # NCCL ranks are driven by one thread
     drive(cfg, ds, tr, 15)
     assert sum(c[0] == "groupEnd" for c in standin.calls) == 15  # one all-reduce per step
     cfg2, ds2, ref = trainer(2)
     drive(cfg2, ds2, ref, 15)
-    for a, b in zip(tr.replicas, ref.replicas):
+    for a, b in zip(tr.executor.replicas, ref.executor.replicas):
         np.testing.assert_allclose(a.params, b.params, rtol=1e-6, atol=1e-7)
-    assert np.array_equal(tr.replicas[0].params, tr.replicas[1].params)
+    assert np.array_equal(tr.executor.replicas[0].params, tr.executor.replicas[1].params)
 
 
 def test_replicas_stay_bit_identical_and_the_ema_follows(standin):
     # Through the NCCL stand-in the towers keep their own weights (plain CPU towers share one buffer).
     cfg, ds, tr = trainer(3, reducer=standin.reducer(3), batch=40)
-    for r in tr.replicas:
+    for r in tr.executor.replicas:
         standin.register(r.grads)
     drive(cfg, ds, tr, 30)
-    p = [r.params for r in tr.replicas]
+    p = [r.params for r in tr.executor.replicas]
     assert all(np.array_equal(p[0], q) for q in p[1:])
-    v = [o.velocity for o in tr.optimizers]
+    v = [o.velocity for o in tr.executor.optimizers]
     assert all(np.array_equal(v[0], w) for w in v[1:])
-    assert tr.optimizers[0].ema is tr.ema and all(o.ema is None for o in tr.optimizers[1:])
-    assert 0 < rel_diff(tr.ema.shadow, p[0]) < 0.5
+    opts = tr.executor.optimizers
+    assert opts[0].ema is tr.executor.ema and all(o.ema is None for o in opts[1:])
+    assert 0 < rel_diff(tr.executor.ema.shadow, p[0]) < 0.5
 
 
 def test_default_command_trains_on_embedded_data(tmp_path):

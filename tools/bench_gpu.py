@@ -349,7 +349,7 @@ def _towers_worker(spec) -> dict:
             launches = count_launches(step, trainer.synchronize, spec["profile_steps"], k, spec["towers"])
     finally:
         trainer.close()
-    on_device = trainer.device_data is not None
+    on_device = trainer.executor.device_data is not None
     return dict(t, global_batch=trainer.global_batch, loss=loss, startup=marks, launches=launches,
                 data_on_device=on_device, peak_bytes=max(peaks) if peaks else None,
                 peak_source="cupy memory pool high-water (total_bytes), largest GPU" if peaks else None,

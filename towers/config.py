@@ -206,7 +206,7 @@ class Config:
     sync: str = setting(
         "grads", "`grads`: average gradients every step; `weights`: each tower steps alone, weights averaged every "
         "K; with --hosts > 1 also `ps` (synchronous parameter server) or `async` (see Keeping replicas together)",
-        group="sync", check=Choice(MODES), resume=NOTE, type="str", metavar="MODE")
+        group="sync", check=Choice(lambda: tuple(MODES)), resume=NOTE, type="str", metavar="MODE")
     average_every: int = setting(1, "K: steps between weight averages with --sync weights", group="sync",
                                  check=Integer(1), resume=NOTE, type="int", metavar="K")
     check_replicas: int = setting(0, "compare every replica with the first every K steps (0: only at the end)",
@@ -283,7 +283,7 @@ class Config:
         if cfg.steps is None and cfg.epochs is None:
             filled["steps"] = DEFAULT_STEPS  # with `epochs`, the executor sets it (``steps_of_epochs``)
         if cfg.checkpoint_every is None:  # a checkpoint holds weights right after an average
-            k = cfg.average_every if cfg.sync == "weights" else 1
+            k = MODES[cfg.sync].period(cfg)
             filled["checkpoint_every"] = -(-1000 // k) * k
         if model is not None:  # record what was trained, not the `model` setting it replaced
             filled["model"] = MODEL_OBJECT
@@ -332,10 +332,7 @@ def _check(cfg: Config) -> None:
     if cfg.steps is not None and cfg.epochs is not None:
         raise UserError(f"`steps` {cfg.steps} and `epochs` {cfg.epochs} are both given: give one of them (`epochs` "
                         "sets the step count from the training set's size and the examples of a step)")
-    if cfg.sync != "weights" and cfg.average_every != 1:
-        raise UserError("`average_every` applies to `sync` weights; set `sync` weights or drop it")
-    if cfg.hosts == 1 and cfg.sync in ("ps", "async"):
-        raise UserError(f"`sync` {cfg.sync} is a parameter server for several hosts: set `hosts` 2 or more")
+    MODES[cfg.sync].check(cfg.sync, cfg)
     if cfg.hosts == 1 and cfg.ray_address is not None:
         raise UserError("`ray_address` joins a Ray cluster for several hosts: set `hosts` 2 or more, or drop it")
     if cfg.hosts > 1 and (cfg.augment != "none" or cfg.normalize is not None or cfg.image_size is not None):
@@ -359,10 +356,11 @@ def _check_optimization(cfg: Config) -> None:
     check_optimizer_settings(cfg)
     if cfg.lr_schedule == "piecewise":
         piecewise_values(cfg)
-    if cfg.sync == "weights" and cfg.checkpoint_every % cfg.average_every:
+    k = MODES[cfg.sync].period(cfg)
+    if cfg.checkpoint_every % k:
         raise UserError(
-            f"with `sync` weights, `checkpoint_every` ({cfg.checkpoint_every}) must be a multiple of "
-            f"`average_every` ({cfg.average_every}): a checkpoint holds the weights right after an average"
+            f"with `sync` {cfg.sync}, `checkpoint_every` ({cfg.checkpoint_every}) must be a multiple of "
+            f"`average_every` ({k}): a checkpoint holds the weights right after an average"
         )
 
 

@@ -9,10 +9,17 @@ its executor, one of two:
 * ``towers.local.LocalExecutor``: this process's towers (``Tower``, the
   ``StepEngine``, the reducer, the EMA) and its input (the seeded global
   batches and the input position); one host;
-* ``towers.cluster.driver.ClusterExecutor``: host actors on Ray, each a
-  one-host ``Trainer`` over a ``LocalExecutor`` that takes its share of every
-  global batch (and, with ``sync`` ps or async, a parameter server); the
-  driver starts them, runs segments of steps on them and gathers their state.
+* ``towers.cluster.driver.ClusterExecutor``: host actors on Ray, each
+  running a ``LocalExecutor`` that takes its share of every global batch, and
+  the sync mode's ``HostKeeping`` (``towers.cluster.keeping``; with ``sync``
+  ps or async, a parameter server too); the driver starts them, runs segments
+  of steps on them and gathers their state.
+
+A host actor and a parameter server answer the driver through this same
+protocol: a host is asked its ``LocalExecutor``'s methods, a parameter
+server answers the state, weight and evaluation ones for the weights it
+holds; a parameter server's hosts step through ``next_gradients`` and
+``set_flat``, nothing reached around the protocol.
 
 The loop (``towers.loop.fit``) drives either the same way: it asks the
 extensions (``towers.extensions.Run``) where the next log line, checkpoint,
@@ -31,6 +38,8 @@ import abc
 import contextlib
 from typing import Callable
 
+from towers.errors import UserError
+
 
 class Executor(abc.ABC):
     """Runs a ``Trainer``'s steps and holds its replicas (see the module docstring).
@@ -42,6 +51,11 @@ class Executor(abc.ABC):
 
     cfg: object  # the run's resolved ``towers.Config``
     schedule: Callable[[int], float]  # lr(step): the learning rate of the step after ``step`` updates
+    #: what ran the CPU towers' fused kernels, ``numba`` or ``numpy`` (a checkpoint records it); None: not
+    #: decided here (a cluster's hosts each decide)
+    cpu_kernels: str | None = None
+    #: BLAS threads this process's CPU towers run (None: none set here: GPU towers, a cluster's driver)
+    blas_threads: int | None = None
 
     # -- sizes and counters ------------------------------------------------------------------
 
@@ -84,6 +98,12 @@ class Executor(abc.ABC):
     def placement_text(self) -> str:
         """The placement, as ``log_placement`` prints it."""
 
+    @property
+    @abc.abstractmethod
+    def source(self):
+        """The run's global batches (a ``towers.data.batches.BatchSource``): this process's cursor over them, or
+        on a cluster the run's global batches from the first, drawn in the driver."""
+
     # -- steps -------------------------------------------------------------------------------
 
     def prefetching(self, last_step: int):
@@ -100,6 +120,25 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def train_step(self, x, y, want_loss: bool = False):
         """One step on the given global batch (checked); the towers' losses when asked."""
+
+    def train_step_at(self, indices, want_loss: bool = False):
+        """One step on the training-set rows ``indices`` (checked here); the towers' losses when asked."""
+        raise UserError("train_step_at takes row numbers of one host's training set: on a cluster give the "
+                        "examples to train_step(x, y)")
+
+    def next_gradients(self, want_loss: bool = False):
+        """Stages 1-3 on the run's next batch, without an update (a parameter server applies it).
+
+        Returns (the towers' losses when asked, else None; their mean
+        gradient, a host flat array valid until the next step; their mean
+        model buffers, a host flat copy).  A host sync point.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not serve a parameter server")
+
+    def set_flat(self, weights, buffers=None) -> None:
+        """Every replica's weights (and buffers; None: left as they are) from host flat arrays in the model's
+        layout, unchecked: the weights a parameter server published.  Queued before the next step."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve a parameter server")
 
     @abc.abstractmethod
     def finish(self) -> None:

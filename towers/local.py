@@ -24,12 +24,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import numpy
+
 from towers.config import steps_of_epochs
 from towers.data.batches import BatchSource, InputPosition, Prefetcher, start_batch
 from towers.data.device_data import DeviceData, fits_on
 from towers.devices import kernels, matmul
 from towers.devices.cpu_threads import blas_threads, set_blas_threads
-from towers.devices.placement import Placement
+from towers.devices.placement import Placement, to_host
 from towers.executor import Executor
 from towers.nn.replica import Replica
 from towers.ops import backend
@@ -38,7 +40,7 @@ from towers.optim.optimizers import make_optimizer
 from towers.optim.schedule import make_schedule
 from towers.output import checkpoint
 from towers.parallel.reducers import Reducer, make_reducer
-from towers.parallel.sync import GradientAveraging, PeriodicAveraging
+from towers.parallel.sync import MODES
 from towers.profiling import PhaseTimer
 from towers.step.engine import StepEngine, check_indices
 from towers.step.tower import ModelState, build_towers
@@ -89,7 +91,7 @@ class LocalExecutor(Executor):
 
     def __init__(self, cfg, dataset, model, placement: Placement, reducer=None, share: Share | None = None):
         self.cfg, self.dataset, self.model, self.placement = cfg, dataset, model, placement
-        self._blas = self._tf32 = self.engine = self.reducer = self._prefetch = None
+        self._blas = self._tf32 = self.engine = self.reducer = self._prefetch = self.blas_threads = None
         n = len(placement.towers)
         self.share = share or Share(0, n, n)
         # `epochs` gives the step count, once the data's size and a step's examples are known (every host's).
@@ -105,8 +107,7 @@ class LocalExecutor(Executor):
     def _build(self, reducer) -> None:
         cfg, devices = self.cfg, self.placement.towers
         self.timer = PhaseTimer(cfg.profile, len(devices))
-        weights_mode = cfg.sync == "weights"
-        keeping = PeriodicAveraging if weights_mode else GradientAveraging
+        keeping = MODES[cfg.sync].keeper  # how these towers stay together (towers.parallel.sync)
         # CPU towers share one parameter buffer when every replica applies the same
         # update (``build_towers``); a reducer handed in (NCCL ranks, a stand-in for
         # them) reduces every tower's own buffers, so its towers keep their own.
@@ -135,10 +136,10 @@ class LocalExecutor(Executor):
         with devices[0].scope():
             self.ema = EMA(self.towers[0].replica.params, cfg.ema_decay)
         # In grads mode the EMA is fused into the first tower's update; in
-        # weights mode it follows the averaged weights (towers.parallel.sync).
+        # weights mode it follows the averaged weights (``Keeping.fuses_ema``).
         for t in self.towers:
             with t.device.scope():
-                fused = self.ema if t.index == 0 and not weights_mode else None
+                fused = self.ema if t.index == 0 and keeping.fuses_ema else None
                 # A tower that shares another's buffer is updated by that tower's optimizer.
                 t.optimizer = None if t.shares_params else make_optimizer(cfg, t.replica.params, fused)
             if t.optimizer is not None:
@@ -161,11 +162,10 @@ class LocalExecutor(Executor):
             self.blas_threads = cfg.blas_threads or blas_threads(n, serial=not threads, share=self.share.cores)
             self._blas = set_blas_threads(self.blas_threads)
         self.schedule = make_schedule(cfg, len(self.dataset.x), self.examples_per_step)
-        keeper = (PeriodicAveraging(reducer, self.timer, self.ema, cfg.average_every) if weights_mode
-                  else keeping(reducer, self.timer))
+        keeper = keeping.build(reducer, self.timer, self.ema, cfg)
         self.engine = StepEngine(self.towers, keeper, self.schedule, l2=cfg.l2, timer=self.timer, threads=threads,
                                  device_data=self.device_data, sync_bn=cfg.sync_bn)
-        self.model_state = ModelState(self.towers, self.model)
+        self.model_state = ModelState([t.replica for t in self.towers], self.model, [t.scope for t in self.towers])
         # What was built above (initial weights, the EMA's shadow, optimizer
         # slots, the training set on the devices) was copied on CuPy's legacy
         # default stream, which the towers' non-blocking streams are not
@@ -176,8 +176,8 @@ class LocalExecutor(Executor):
     def _start_input(self, step: int, position) -> None:
         """The shuffle from ``position`` (epoch, index), reached after ``step`` steps."""
         lo = self.share.first_tower * self.tower_batch
-        self.source = BatchSource(self.dataset, self._draw, self.cfg.seed, *position)
-        self.rows = Rows(self.source, lo, lo + self.local_batch)
+        self._source = BatchSource(self.dataset, self._draw, self.cfg.seed, *position)
+        self.rows = Rows(self._source, lo, lo + self.local_batch)
         self.position = InputPosition(len(self.dataset.x), self._draw, step, position)
 
     # -- sizes, counters ---------------------------------------------------------------------
@@ -211,6 +211,11 @@ class LocalExecutor(Executor):
     @property
     def optimizers(self) -> list:
         return [t.optimizer for t in self.towers if t.optimizer is not None]
+
+    @property
+    def source(self) -> BatchSource:
+        """The cursor this process's steps draw the run's global batches from (``rows`` keeps its towers' rows)."""
+        return self._source
 
     def towers_text(self) -> str:
         return ", ".join(map(str, self.towers))
@@ -271,15 +276,20 @@ class LocalExecutor(Executor):
             return self.engine.run(self.dataset.x[indices], self.dataset.y[indices], want_loss)
         return self.engine.run(None, None, want_loss, indices)
 
-    def gradients(self, x, y, want_loss: bool = False):
-        """Stages 1-3 without the update (for a parameter server): every tower's ``grads`` ends as the mean."""
+    def next_gradients(self, want_loss: bool = False):
         backend.use(self._compiled)
-        return self.engine.gradients(x, y, want_loss)
+        losses = self.engine.gradients(*self.rows.next_batch(), want_loss)
+        self.synchronize()
+        reps = self.replicas
+        bufs = to_host(reps[0].buffers, copy=True)
+        for r in reps[1:]:  # forward passes may move each tower's buffers: their mean goes with the gradient
+            bufs += to_host(r.buffers)
+        if len(reps) > 1:
+            bufs *= numpy.float32(1 / len(reps))
+        return losses, to_host(reps[0].grads), bufs
 
-    def apply_gradients(self, grads) -> None:
-        """Stage 4 with given mean gradients (one host flat array): every replica's update."""
-        backend.use(self._compiled)
-        self.engine.apply_gradients(grads)
+    def set_flat(self, weights, buffers=None) -> None:
+        self.model_state.set(weights, buffers)
 
     def finish(self) -> None:
         self.engine.finish()
@@ -302,15 +312,11 @@ class LocalExecutor(Executor):
         return self.model_state.weights.split(self.towers[0].replica.grads)
 
     def set_weights(self, weights: dict, ema: bool = False) -> None:
-        flat, buffers = self.model_state.read_named(weights, "set_weights", buffers_optional=ema)
         self.synchronize()
-        if ema:
-            with self.towers[0].scope():  # the EMA lives on tower 0's device: its stream orders the copy
-                self.ema.set_state(flat)
-            self.model_state.set(None, buffers)  # the buffers, when given, are every replica's
-            return
-        self.model_state.set(flat, buffers)
-        self.engine.agreed()  # the next comparison is against these weights
+        # The EMA lives on tower 0's device: its stream orders the copy.
+        self.model_state.set_named(weights, "set_weights", self.ema if ema else None, self.towers[0].scope)
+        if not ema:
+            self.engine.agreed()  # the next comparison is against these weights
 
     def state_dict(self) -> dict:
         self.synchronize()
@@ -347,14 +353,11 @@ class LocalExecutor(Executor):
     @contextlib.contextmanager
     def _scoring(self, ema: bool):
         """A replica of the first tower's weights (or the EMA's) and buffers, on its device, made current."""
-        dev = self.towers[0].device
+        dev, first = self.towers[0].device, self.towers[0].replica
         self.synchronize()
         backend.use(self._compiled)
         with dev.scope():
-            r = Replica(self.model, dev.xp)
-            r.set_params(self.ema.shadow if ema else self.towers[0].replica.params)
-            r.set_buffers(self.towers[0].replica.buffers)
-            yield r
+            yield Replica.holding(self.model, dev.xp, self.ema.shadow if ema else first.params, first.buffers)
 
     def evaluate(self, ema: bool, x, y, progress=None) -> dict:
         with self._scoring(ema) as r:

@@ -16,9 +16,11 @@ steps (``train_step``, ``run_steps``), weights (``get_weights``/
 ``set_weights``), state (``state_dict``/``load_state_dict``), evaluation
 (``evaluate``), the learning rate (``lr``/``lr_at``, one schedule:
 ``towers.optim.schedule.make_schedule``) and the loop (``fit``, in
-``towers.loop``).  What a user passes in is checked here, once; the
-executor's own parts (``towers``, ``engine``, ``ema``, ``replicas``,
-``source``, ...) are reached as the trainer's attributes.
+``towers.loop``).  What a user passes in is checked here, once.  Every
+question goes to the executor through a named method of the ``Executor``
+protocol; the executor's own parts (a ``LocalExecutor``'s ``towers``,
+``engine``, ``ema``, ``replicas``; a ``ClusterExecutor``'s ``host_pids()``)
+are ``trainer.executor``'s attributes, not the trainer's.
 
 Sync points: ``get_weights``, ``state_dict``, ``evaluate``, ``predict`` and
 ``check_replicas`` wait for the towers (``synchronize``); steps do not.
@@ -185,18 +187,6 @@ class Trainer:
                             "activations): use a smaller model (`hidden` for the mlp), a smaller `batch_size`, "
                             "or fewer towers") from None
 
-    def __getattr__(self, name: str):
-        """The executor's own parts (``towers``, ``engine``, ``ema``, ``source``, ``host_pids``, ...)."""
-        executor = self.__dict__.get("executor")
-        if executor is not None and not name.startswith("__"):
-            try:
-                return getattr(executor, name)
-            except AttributeError:
-                if hasattr(type(executor), name) or name in vars(executor):
-                    raise  # the executor has it: the error came from inside it, keep it
-        where = f" (nor has its {type(executor).__name__})" if executor is not None else ""
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{where}")
-
     # -- sizes, schedule, counters -------------------------------------------------------
 
     @property
@@ -240,6 +230,22 @@ class Trainer:
         """The phase timer's report (``profile``; host 0's on a cluster)."""
         return self.executor.report(self.global_batch)
 
+    @property
+    def source(self):
+        """The run's global batches (``towers.data.batches.BatchSource``: ``next_batch()``, ``next_indices()``).
+
+        On one host, the cursor the run's own steps draw from (a batch drawn
+        here is one the run skips); on a cluster, the run's global batches
+        from the first, drawn in this process (each host draws its own).
+        """
+        return self.executor.source
+
+    @property
+    def cpu_kernels(self) -> str | None:
+        """What ran the CPU towers' fused kernels, ``numba`` or ``numpy`` (a checkpoint records it); None on a
+        cluster, whose hosts each decide."""
+        return self.executor.cpu_kernels
+
     # -- steps -----------------------------------------------------------------------------
 
     def _open(self) -> None:
@@ -259,6 +265,16 @@ class Trainer:
         self._open()
         x, y = self._check_examples(x, y, "train_step", self.global_batch)
         return self.executor.train_step(x, y, want_loss)
+
+    def train_step_at(self, indices, want_loss: bool = False):
+        """One step on the training-set rows ``indices`` (one global batch of row numbers; one host).
+
+        With the training set on the GPUs each tower gathers its slice there,
+        otherwise the rows are taken on the host: the same batch either way
+        (``LocalExecutor.train_step_at``).  The losses when ``want_loss``.
+        """
+        self._open()
+        return self.executor.train_step_at(indices, want_loss)
 
     def run_steps(self, n: int, want_loss: bool = False):
         """``n`` steps on the run's own batches (async: ``n`` updates of the server); the last losses when asked.

@@ -3,9 +3,13 @@
 The driver is the command itself (or the user's process).  Its ``Trainer``
 loads the data once to check it (before Ray starts) and to answer the
 outputs' questions; this executor starts (or joins) Ray, starts one host
-actor per host (``towers.cluster.hosts``: each a one-host ``Trainer`` that
-loads the data itself and draws its own share of every global batch) and,
-with ``sync`` ps or async, the parameter server (``towers.cluster.ps``).
+actor per host (``towers.cluster.hosts``: each loads the data itself and
+draws its own share of every global batch), and makes the sync mode's
+``HostKeeping`` by name (``towers.parallel.sync.MODES``), once, which wires
+what the hosts meet on (``wire``: boards, an NCCL id, an exchange or a
+parameter server, through this executor's ``board`` and ``start``) and is
+handed to every host.  Everything that differs between sync modes is the
+keeper's: this module has no branch on the mode.
 
 Who calls whom:
 
@@ -15,13 +19,14 @@ Who calls whom:
   ps/async hosts and the server meet on a shared-memory board;
 * per segment (up to the next step where a log line, checkpoint, summary,
   replica check or user extension is due; the loop, ``towers.loop``, is one
-  host's): ``run_steps(n)`` on every host (and ``serve(n)`` on the server),
-  waiting for all of them and polling every ``POLL_S`` so a dead host is seen
-  within a second;
+  host's): the keeper's ``run_steps(n)``, ``run_steps`` on every host (and
+  ``serve(n)`` on the server), waiting for all of them through ``wait``,
+  which polls every ``POLL_S`` so a dead host is seen within a second;
 * between segments, the ``Trainer``'s questions (weights, state,
-  evaluation) go to host 0 or the server (``state_dict`` there, never
-  serialized by hand) through the actors' one generic ``call(method, *args)``
-  on their own ``Trainer``.
+  evaluation) go to the keeper's ``source`` (host 0, or the server; its
+  ``state_dict``, never serialized by hand, with the run's metadata added
+  here) through the actors' one generic ``call(method, *args)``, answered by
+  the ``Executor`` protocol's method of that name.
 
 The outputs are one host's: ``Run`` writes the same log lines, progress bar,
 ``metrics.jsonl``, TensorBoard and checkpoints, and the learning rate they
@@ -39,13 +44,14 @@ import numpy
 
 from towers.cluster import session
 from towers.cluster.board import Aborted, Board
-from towers.cluster.state import towers_per_update
+from towers.cluster.state import cluster_state
 from towers.config import steps_of_epochs
+from towers.data.batches import BatchSource
 from towers.errors import TrainingError, UserError
 from towers.errors import notice as say_notice
 from towers.executor import Executor
 from towers.optim.schedule import make_schedule
-from towers.parallel.allreduce import world_layout
+from towers.parallel.sync import MODES
 
 POLL_S = 0.2
 DEATH_WAIT_S = 5.0  # after a failure: how long the other hosts' errors may take to show which host died
@@ -81,48 +87,47 @@ class ClusterExecutor(Executor):
     the ``Trainer`` (a model object, a ``Dataset``, or None: each host makes
     or loads its own); ``nccl``: a module (or its import name) standing in for
     ``cupy.cuda.nccl`` in the host actors.
+
+    What the sync mode's keeper uses of it: ``cfg`` (its steps resolved),
+    ``model``, ``n_examples``, ``hosts``, ``host_info``, ``one_node``,
+    ``step``, ``all_reduces``, ``wait``, ``board`` and ``start``.
     """
 
     def __init__(self, trainer_class, cfg, driver_data, model, model_arg=None, dataset=None, nccl=None):
-        self._trainer_class = trainer_class  # what each host and the server build (no import: a cycle)
-        self._ray = self._hosts = self._ps = self._exchange = None
-        self._boards, self._owned, self._closed = [], False, False
-        self.cfg, self.model = cfg, model
-        self._step, self._applied, self._stale, self._gradients = 0, 0, [0, 0, 0], 0
+        self._trainer_class = trainer_class  # what each host builds (no import: a cycle)
+        self._ray, self.hosts, self._actors, self._members = None, [], [], []
+        self._boards, self._owned, self._closed, self._source, self._draws = [], False, False, None, None
+        self.cfg, self.model, self.dataset, self.n_examples = cfg, model, driver_data, len(driver_data.x)
+        self._step = 0
         try:
             self._ray, self._owned = session.connect(cfg.ray_address, cfg.ray_logs, cfg.hosts)
             self._start(model_arg, dataset, getattr(nccl, "__name__", nccl))
         except BaseException:
             self.close()
             raise
-        # `epochs` gives the step count once the hosts' towers are known; each host derives the same from its
-        # share (the run's examples per update), so the hosts get `epochs` as given.
-        self.cfg = cfg = steps_of_epochs(cfg, len(driver_data.x), self.examples_per_step)
-        self.schedule = make_schedule(cfg, len(driver_data.x), self.examples_per_step)
+        self.schedule = make_schedule(self.cfg, self.n_examples, self.examples_per_step)
 
     # -- start-up --------------------------------------------------------------------------
 
     def _start(self, model, dataset, nccl_name) -> None:
         from towers.cluster.hosts import Host
-        from towers.cluster.ps import ParameterServer, board_spec as ps_board
-        from towers.cluster.reduce import Exchange, board_spec as mean_board
 
         ray, cfg, n = self._ray, self.cfg, self.cfg.hosts
         towers = cfg.n_gpu or (len(cfg.devices.split(",")) if cfg.devices and cfg.devices != "cpu" else 1)
         gpus = session.gpus_per_host(ray, n, towers, cfg.devices, cfg.soft_placement)
         host_cfg = cfg if gpus else _replace(cfg, devices="cpu", n_gpu=towers)
-        env = session.actor_env(ray, self._owned)
+        self._env = env = session.actor_env(ray, self._owned)
         opts = {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0, "runtime_env": env}
         group = session.spread(ray, n, gpus) if cfg.ray_address is not None else None
         actor = ray.remote(Host)
-        self._hosts = []
         for h in range(n):
             if group is not None:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=h)
-            self._hosts.append(actor.options(**opts).remote(host_cfg, h, nccl_name, os.getpriority(os.PRIO_PROCESS, 0)))
-        self.host_info = self._wait([(a.describe.remote(), h) for h, a in enumerate(self._hosts)])
+            self.hosts.append(actor.options(**opts).remote(host_cfg, h, nccl_name, os.getpriority(os.PRIO_PROCESS, 0)))
+        self._members = list(self.hosts)
+        self.host_info = self.wait([(a.describe.remote(), h) for h, a in enumerate(self.hosts)])
         notice = self.host_info[0]["notice"]
         if gpus == 0 and int(ray.cluster_resources().get("GPU", 0)) and cfg.devices != "cpu":
             notice = f"{n} hosts x {towers} GPUs asked for, the Ray cluster has fewer GPUs: hosts run on the CPU"
@@ -130,37 +135,37 @@ class ClusterExecutor(Executor):
             say_notice(notice)
         self.towers_per_host = [i["towers"] for i in self.host_info]
         here = ray.get_runtime_context().get_node_id()
-        one_node = all(i["node_id"] == here for i in self.host_info)
+        self.one_node = all(i["node_id"] == here for i in self.host_info)
+        self.keeping = MODES[cfg.sync].host_keeping()(cfg, self.towers_per_host)
+        self._recorded = self.keeping.recorded_settings(host_cfg, cfg)  # what a checkpoint's `config` says
+        # `epochs` gives the step count once the hosts' towers are known; each host derives the same from its
+        # share (the run's examples per update), so the hosts get `epochs` as given.
+        self.cfg = steps_of_epochs(cfg, self.n_examples, self.examples_per_step)
+        self.keeping.wire(self)
+        self._source = self.keeping.source(self)
         data = ray.put(dataset) if dataset is not None else None
-        world, board, exchange = [None] * n, None, None
-        size = max(self.model.size, self.model.buffer_size, 1)
-        if cfg.sync in ("grads", "weights"):
-            if all(i["ranks"] for i in self.host_info):  # GPU hosts: one communicator over every host
-                uid = ray.get(self._hosts[0].unique_id.remote())
-                world = world_layout([i["ranks"] for i in self.host_info], self.towers_per_host, uid)
-            elif one_node:
-                board = self._board(*mean_board(n, size))
-            else:
-                self._exchange = exchange = ray.remote(Exchange).options(num_cpus=0, runtime_env=env).remote(n)
-        else:
-            if not one_node:
-                raise UserError(f"`sync` {cfg.sync} needs every host on the driver's node (the server's board is "
-                                "shared memory); use `sync` grads or weights across nodes")
-            board = self._board(*ps_board(n, self.model.size, self.model.buffer_size, max(self.towers_per_host)))
-            self._ps = ray.remote(ParameterServer).options(num_cpus=0, max_restarts=0, runtime_env=env).remote(
-                self._trainer_class, cfg, model, data, board, self.towers_per_host, os.getpriority(os.PRIO_PROCESS, 0))
         # All at once: NCCL communicators are made only when every rank has joined.
         cores = core_shares(self.host_info)
-        refs = [(a.build.remote(self._trainer_class, model, data, self.towers_per_host, world[h], board, exchange,
-                                cores[h]), h) for h, a in enumerate(self._hosts)]
-        if self._ps is not None:
-            refs.append((self._ps.__ray_ready__.remote(), None))
-        self._wait(refs)
+        refs = [(a.build.remote(self._trainer_class, model, data, self.keeping, cores[h]), h)
+                for h, a in enumerate(self.hosts)]
+        self.wait(refs + [(a.__ray_ready__.remote(), None) for a, _ in self._actors])
 
-    def _board(self, spec, counters):
+    def board(self, spec, counters):
+        """A shared-memory board of this run (``towers.cluster.board``), aborted on a failure, closed at the end;
+        its handle, which the actors attach to."""
         board = Board.create(spec, counters)
         self._boards.append(board)
         return board.handle
+
+    def start(self, actor_class, *args, who: str, member: bool = False):
+        """An actor of this run besides the hosts, on no CPU of its own, named ``who`` when it dies; a
+        ``member`` answers ``call`` (``set_weights``, ``load_state_dict`` and ``finish`` reach it with the
+        hosts)."""
+        actor = self._ray.remote(actor_class).options(num_cpus=0, max_restarts=0, runtime_env=self._env).remote(*args)
+        self._actors.append((actor, who))
+        if member:
+            self._members.append(actor)
+        return actor
 
     # -- sizes, counters ---------------------------------------------------------------------
 
@@ -170,7 +175,7 @@ class ClusterExecutor(Executor):
 
     @property
     def n_towers(self) -> int:
-        return towers_per_update(self.cfg, self.towers_per_host)
+        return self.keeping.towers_per_update()
 
     @property
     def running_towers(self) -> int:
@@ -180,37 +185,38 @@ class ClusterExecutor(Executor):
     @property
     def all_reduces(self) -> int:
         """Host 0's collectives (with a server: only among its own towers)."""
-        return self._wait([(self._hosts[0].counters.remote(), 0)])[0]["all_reduces"]
+        return self.wait([(self.hosts[0].counters.remote(), 0)])[0]["all_reduces"]
 
     def communication(self) -> tuple[int, str]:
-        """With a parameter server, the hosts' gradients it applied (ps: every host's per update, async: one),
-        not collectives, which no host runs across hosts; else the collectives."""
-        if self._ps is not None:
-            return self._gradients, "host gradients/update to the parameter server"
-        return super().communication()
+        """The mode's: the collectives, or the hosts' gradients a parameter server applied."""
+        return self.keeping.communication(self)
+
+    @property
+    def source(self) -> BatchSource:
+        """The run's global batches from the first, drawn here (every host's towers' rows; the hosts draw their
+        own)."""
+        if self._draws is None:
+            rows = sum(self.towers_per_host) * self.cfg.batch_size * self.cfg.accumulate
+            self._draws = BatchSource(self.dataset, rows, self.cfg.seed)
+        return self._draws
 
     def towers_text(self) -> str:
         hosts = " | ".join(", ".join(i["devices"]) for i in self.host_info)
         t = self.towers_per_host[0]
-        text = f"{len(self.towers_per_host)} hosts x {t} tower{'s' if t > 1 else ''}: {hosts}"
-        if self.cfg.sync == "async" and self._stale[0]:
-            text += f"; gradient staleness mean {self._stale[1] / self._stale[0]:.2f}, max {self._stale[2]}"
-        return text
+        return f"{len(self.towers_per_host)} hosts x {t} tower{'s' if t > 1 else ''}: {hosts}{self.keeping.note()}"
 
     def placement_text(self) -> str:
         return self.towers_text()
 
     def report(self, global_batch: int) -> str:
-        return self._wait([(self._hosts[0].call.remote("profile_report"), 0)])[0]
+        return self.wait([(self.hosts[0].call.remote("report", global_batch), 0)])[0]
 
     def results(self) -> dict:
-        if self.cfg.sync == "async" and self._stale[0]:
-            return {"staleness_mean": self._stale[1] / self._stale[0], "staleness_max": self._stale[2]}
-        return {}
+        return self.keeping.results()
 
     # -- talking to the actors ----------------------------------------------------------------
 
-    def _wait(self, refs_hosts):
+    def wait(self, refs_hosts):
         """Results of [(ref, host or None)], in order; a failure aborts the boards and names the host."""
         if self._closed:
             raise UserError("this Trainer is closed: make a new one")
@@ -262,12 +268,13 @@ class ClusterExecutor(Executor):
         that fails on the node, an error in its ``__init__``): a failure to start has no checkpoint to keep."""
         actor_id = getattr(err, "actor_id", None)
         who = None
-        for h, a in enumerate(self._hosts or []):
+        for h, a in enumerate(self.hosts or []):
             if actor_id is not None and a._actor_id.hex() == actor_id:  # noqa: SLF001 - Ray's only id
                 info = self.host_info[h] if getattr(self, "host_info", None) else {}
                 who = f"host {h}" + (f" ({info['node']}, pid {info['pid']})" if info else "")
-        if self._ps is not None and actor_id is not None and self._ps._actor_id.hex() == actor_id:  # noqa: SLF001
-            who = "the parameter server"
+        for a, name in self._actors:
+            if actor_id is not None and a._actor_id.hex() == actor_id:  # noqa: SLF001
+                who = name
         if who is None:
             return None
         if getattr(err, "actor_init_failed", False):
@@ -276,54 +283,34 @@ class ClusterExecutor(Executor):
         return f"{who} died at step {self.step}: run stopped; {keep}"
 
     def _all(self, method: str, *args):
-        """``Trainer.method(*args)`` on every host (and the server), together; their results."""
-        targets = [(a, h) for h, a in enumerate(self._hosts)] + ([(self._ps, None)] if self._ps else [])
-        return self._wait([(a.call.remote(method, *args), h) for a, h in targets])
+        """``method(*args)`` of every host's executor (and of every member actor: a server), together."""
+        return self.wait([(a.call.remote(method, *args), h if h < len(self.hosts) else None)
+                          for h, a in enumerate(self._members)])
 
     def _source_call(self, method: str, *args):
-        """``Trainer.method(*args)`` of whoever holds the run's state: the parameter server, else host 0."""
-        source = self._ps if self._ps is not None else self._hosts[0]
-        return self._wait([(source.call.remote(method, *args), None)])[0]
+        """``method(*args)`` of whoever holds the run's state (the keeper's ``source``: host 0, or the server)."""
+        return self.wait([(self._source.call.remote(method, *args), None)])[0]
 
     # -- steps ------------------------------------------------------------------------------
 
     def run_steps(self, n: int, want_loss: bool = False):
-        """``n`` steps of every host (async: ``n`` updates of the server); (the last step's losses when asked, None)."""
+        """``n`` steps of the run, as its keeper runs a segment; (the last step's losses when asked, None)."""
         if n <= 0:
             return None, None
-        if self._ps is None:
-            outs = self._wait([(a.run_steps.remote(n, want_loss), h) for h, a in enumerate(self._hosts)])
-            losses = [v for per_host in outs for v in per_host] if want_loss else None
-        else:
-            self._applied += n
-            refs = [(a.run_steps.remote(n, want_loss, self._applied), h) for h, a in enumerate(self._hosts)]
-            outs = self._wait([(self._ps.serve.remote(n), None)] + refs)
-            self._stale, self._gradients = outs[0]["stale"], outs[0]["gradients"]
-            if self.cfg.sync == "ps":
-                losses = [v for per_host in outs[1:] for v in per_host] if want_loss else None
-            else:
-                losses = outs[0]["losses"] if want_loss else None
+        losses = self.keeping.run_steps(self, n, want_loss)
         self._step += n
         return losses, None
 
     def train_step(self, x, y, want_loss: bool = False):
-        """Each host's towers take their slice of the global batch ``x``, ``y`` (host order, then tower order)."""
-        if self._ps is not None:
-            raise UserError(f"train_step on a cluster needs `sync` grads or weights (with `sync` {self.cfg.sync} "
-                            "the server applies the hosts' gradients): use run_steps(n) or fit()")
-        b, refs, lo = self.cfg.batch_size * self.cfg.accumulate, [], 0  # a tower's rows
-        for h, a in enumerate(self._hosts):
-            hi = lo + self.towers_per_host[h] * b
-            refs.append((a.train_step.remote(x[lo:hi], y[lo:hi], want_loss), h))
-            lo = hi
-        outs = self._wait(refs)
+        """Each host's towers take their slice of the global batch ``x``, ``y`` (host order, then tower order);
+        a mode whose server applies the hosts' gradients refuses it."""
+        losses = self.keeping.train_step(self, x, y, want_loss)
         self._step += 1
-        return [v for per_host in outs for v in per_host] if want_loss else None
+        return losses
 
     def finish(self) -> None:
         """Hosts end training themselves when they reach ``steps``; after ``train_step`` calls, on request."""
-        if self._ps is None:
-            self._all("finish")
+        self._all("finish")
 
     def synchronize(self) -> None:
         """Nothing runs between segments: the hosts are idle when the driver asks them anything."""
@@ -342,7 +329,8 @@ class ClusterExecutor(Executor):
         self._all("set_weights", weights, ema)
 
     def state_dict(self) -> dict:
-        return self._source_call("state_dict")
+        """The state of whoever holds it, with the run's metadata (``towers.cluster.state.cluster_state``)."""
+        return cluster_state(self._source_call("state_dict"), self._recorded, self.dataset, self.n_towers)
 
     def load_state_dict(self, state: dict, where: str) -> None:
         """Every host (and the server) loads ``state``; each checks it strictly, as one host does."""
@@ -356,32 +344,24 @@ class ClusterExecutor(Executor):
         return result
 
     def predict(self, ema: bool, x, batch: int):
-        return self._source_call("predict", x, ema, batch)
+        return self._source_call("predict", ema, x, batch)
 
     def check_replicas(self) -> bool:
-        """Each host's towers, then every host against host 0 (or the server); async: never (by design)."""
-        if self.cfg.sync == "async":
-            return False
-        out = self._wait([(a.check_replicas.remote(), h) for h, a in enumerate(self._hosts)])
-        if not all(ran for ran, _, _ in out):
-            return False
-        ref = self._wait([(self._ps.params.remote(), None)])[0] if self._ps else out[0][1]
-        atol = 1e-6 * max(1.0, float(numpy.abs(ref).max())) if self.cfg.sync == "weights" else 0.0
-        for h, (_, params, _) in enumerate(out):
-            if numpy.any(numpy.abs(params - ref) > atol):
-                raise TrainingError(f"replica check failed at step {self.step}: host {h} differs from "
-                                    f"{'the parameter server' if self._ps else 'host 0'} by up to "
-                                    f"{float(numpy.abs(params - ref).max()):.3g}; hosts have diverged")
-        return True
+        """The keeper's check: each host's towers, then every host against host 0 (or the server); whether it
+        ran (async: never, by design)."""
+        return self.keeping.check(self)
 
-    def cross_host_seconds(self) -> list[tuple[float, int]]:
-        """(seconds, calls) each host spent in the cross-host mean (CPU hosts; the benchmark reads it)."""
-        return [(c["cross_seconds"], c["cross_calls"]) for c in
-                self._wait([(a.counters.remote(), h) for h, a in enumerate(self._hosts)])]
+    def cross_host_seconds(self) -> list[tuple[float, int]] | None:
+        """(seconds, calls) each host spent in the cross-host mean (CPU hosts; the benchmark reads it); None: the
+        mode has no cross-host mean (a parameter server)."""
+        counters = self.wait([(a.counters.remote(), h) for h, a in enumerate(self.hosts)])
+        if counters[0]["cross_seconds"] is None:
+            return None
+        return [(c["cross_seconds"], c["cross_calls"]) for c in counters]
 
     def host_blas_threads(self) -> list[int | None]:
         """Each host's BLAS threads (None: a GPU host, which sets none)."""
-        return [c["blas_threads"] for c in self._wait([(a.counters.remote(), h) for h, a in enumerate(self._hosts)])]
+        return [c["blas_threads"] for c in self.wait([(a.counters.remote(), h) for h, a in enumerate(self.hosts)])]
 
     def host_pids(self) -> list[int]:
         return [i["pid"] for i in self.host_info]
@@ -398,15 +378,14 @@ class ClusterExecutor(Executor):
             if ray is not None:
                 for b in self._boards:
                     b.abort()
-                for a in (self._hosts or []) + [self._ps, self._exchange]:
-                    if a is not None:
-                        ray.kill(a)
+                for a in self.hosts + [a for a, _ in self._actors]:
+                    ray.kill(a)
                 if self._owned:
                     session.disconnect(ray)
         finally:
             for b in self._boards:
                 b.close()
-            self._boards, self._hosts, self._ps, self._exchange, self._ray = [], [], None, None, None
+            self._boards, self.hosts, self._actors, self._members, self._ray = [], [], [], [], None
 
 
 def raised(traceback_text: str) -> str:

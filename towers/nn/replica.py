@@ -80,6 +80,15 @@ class Replica:
         self._loss_ws = Workspace(xp, self.context)
         self._scratch = None  # (flat buffer, per-layer views): where micro-batches after the first write
 
+    @classmethod
+    def holding(cls, model: Sequential, xp, params, buffers) -> "Replica":
+        """A replica of ``model`` on ``xp`` holding copies of these flat weights and buffers (to evaluate or
+        predict with: an EMA's weights, a run's, without touching the run's replicas)."""
+        r = cls(model, xp)
+        r.set_params(params)
+        r.set_buffers(buffers)
+        return r
+
     def set_params(self, flat) -> None:
         """Copy a flat host or device array into the parameter buffer."""
         self.params[...] = self.xp.asarray(flat, dtype=self.dtype)

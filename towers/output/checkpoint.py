@@ -437,7 +437,7 @@ def resume(trainer, logdir: str) -> Resume | None:
                             f"steps): set `steps` above {found.step} to train on, or evaluate it with towers.eval")
         trainer.load_state_dict(found.arrays, where=found.path)
         # A checkpoint without the key was written before numba's kernels existed: NumPy's.
-        old, new = str(found.arrays.get("cpu_kernels", "numpy")), getattr(trainer, "cpu_kernels", None)
+        old, new = str(found.arrays.get("cpu_kernels", "numpy")), trainer.cpu_kernels
         # Only batch norm and a convolution with more filters than channels round otherwise through the
         # compiled forms (``backend.rounds_otherwise``): elsewhere the bits are the same.
         if new is not None and old != new and backend.rounds_otherwise(trainer.model):

@@ -1,4 +1,4 @@
-"""Keeping data-parallel replicas together: sync modes, their keepers and the replica check.
+"""Keeping data-parallel replicas together: the sync modes by name, one host's keepers, the replica check.
 
 ``--sync grads`` (default), as in the TF multi-GPU example and Ray's gradient
 averaging: one all-reduce of the gradient buffer per step; every replica then
@@ -20,19 +20,31 @@ worker, or one thread per tower) and delegates how replicas stay together to
 one keeper, which reduces through ``Counted(reducer)`` (the run's all-reduce
 count, ``towers.parallel.reducers``):
 
-* ``GradientAveraging`` (grads mode; the parameter-server halves, whose
-  hosts run grads): ``shared`` -- a worker's update needs every tower's
+* ``GradientAveraging`` (grads mode; also a parameter server's hosts, whose
+  towers reduce their gradients before the push): ``shared`` -- a worker's update needs every tower's
   gradients, so on tower threads the engine puts its barrier between compute
   and update; then ``reduce`` averages the gradient buffers (whole, or slice
   ``part`` of every tower's by each thread) and ``apply`` runs every replica's
   optimizer step on them (one step for towers sharing a buffer: ``Tower.update``);
-* ``PeriodicAveraging(period)`` (weights mode, like PyTorch's
+* ``PeriodicAveraging(every)`` (weights mode, like PyTorch's
   ``PeriodicModelAverager``): not shared -- each tower updates alone, with no
-  barrier; every ``period`` steps ``step_done`` joins the tower threads and
+  barrier; every ``every`` steps ``step_done`` joins the tower threads and
   averages the parameters, every optimizer slot and the model buffers, then
   the EMA follows.  It owns the averages' count (the EMA's, saved as
   ``sync/n_averages``) and the step of the last average, when replicas are
   compared.
+
+A keeper is made by the run (``Keeping.build``): what it needs of the run's
+settings it takes itself (``period``: ``average_every``).
+
+``MODES`` is the one registry of the ``sync`` setting: each name is a ``Mode``,
+whose ``keeper`` keeps one host's towers together (None: a mode for several
+hosts only) and whose ``hosts`` keeps a cluster's hosts together
+(``towers.cluster.keeping.HostKeeping``: the hosts' own loop, a parameter
+server; imported only with ``hosts`` > 1, so one host never imports
+``towers.cluster``).  The setting's check, the default checkpoint interval,
+the one-host executor and the cluster's driver all look the mode up here,
+once; adding a mode is adding an entry (README, Keeping replicas together).
 
 Limits: between averages the replicas differ by design, so they are compared
 only right after an average; a single process that owns every device has no
@@ -40,14 +52,19 @@ true asynchronous mode (see the README's table).
 """
 from __future__ import annotations
 
+import importlib
+
 import numpy
 
-from towers.errors import TrainingError
+from towers.errors import TrainingError, UserError
 from towers.devices.placement import to_host
 from towers.parallel.reducers import Counted
 from towers.state import count
 
-MODES = ("grads", "weights", "ps", "async")  # ps, async: several hosts (towers.cluster)
+
+def tolerance(params) -> float:
+    """The replica check's tolerance after an average: the reducer's rounding, relative to the largest weight."""
+    return 1e-6 * max(1.0, float(abs(to_host(params)).max()))
 
 
 def check_replicas(replicas, step: int, atol: float = 0.0) -> None:
@@ -87,9 +104,25 @@ class Keeping:
     #: whether every replica applies the same update to the same weights at every step, so that CPU
     #: towers may share one parameter buffer, updated once (``towers.step.tower.build_towers``)
     same_updates = False
+    #: whether the EMA follows every update, fused into the first tower's optimizer step (else the keeper
+    #: updates it itself)
+    fuses_ema = False
+    #: the settings this keeper reads, each with the value that means "not used" (any other value given
+    #: to another mode's run is refused: ``Mode.check``)
+    settings: dict = {}
 
     def __init__(self, reducer, timer):
         self.reducer, self.timer = Counted(reducer), timer
+
+    @classmethod
+    def build(cls, reducer, timer, ema, cfg) -> "Keeping":
+        """The keeper of a run with settings ``cfg`` over ``reducer``, its ``timer`` and its ``ema``."""
+        return cls(reducer, timer)
+
+    @classmethod
+    def period(cls, cfg) -> int:
+        """Steps between the moments the replicas agree (checkpoints fall on them): 1, every step."""
+        return 1
 
     def update(self, towers: list, part: slice | None, lr: float, step: int, on: int) -> None:
         """After compute: update ``towers`` (all of them when ``shared``, slice ``part`` of their
@@ -109,17 +142,19 @@ class Keeping:
         """Whether replicas are meant to agree now (the engine then compares them)."""
         return True
 
-    def atol(self, towers: list) -> float:
-        """The replica check's tolerance (0: bit-identical); after a host sync point."""
+    @classmethod
+    def atol(cls, params) -> float:
+        """The replica check's tolerance (0: bit-identical), given the first replica's weights ``params``
+        (host or device; after a host sync point).  A cluster's hosts are checked with their keeper's."""
         return 0.0
 
     def state_dict(self) -> dict:
         # Every mode writes the key, so a checkpoint's keys do not depend on `sync`.
-        return {"sync/n_averages": numpy.int64(0)}
+        return averages_state(0)
 
     def prepare(self, state: dict, where: str):
         """Check ``sync/n_averages``; return the function of the loaded step that sets this keeper."""
-        n = count(state, "sync/n_averages", where) if "sync/n_averages" in state else 0
+        n = read_averages(state, where)
         return lambda step: self._loaded(step, n)
 
     def _loaded(self, step: int, n_averages: int) -> None:
@@ -137,6 +172,7 @@ class GradientAveraging(Keeping):
     """Grads mode: reduce the gradients, then every replica applies the same update."""
 
     same_updates = True
+    fuses_ema = True
 
     def update(self, towers, part, lr, step, on) -> None:
         self.reduce(towers, part, on)
@@ -155,22 +191,31 @@ class GradientAveraging(Keeping):
 
 
 class PeriodicAveraging(Keeping):
-    """Weights mode: each tower updates alone; every ``period`` steps average, then the EMA follows."""
+    """Weights mode: each tower updates alone; every ``every`` steps average, then the EMA follows."""
 
     shared = False
+    settings = {"average_every": 1}
 
-    def __init__(self, reducer, timer, ema, period: int):
+    def __init__(self, reducer, timer, ema, every: int):
         super().__init__(reducer, timer)
-        self.ema, self.period = ema, period
+        self.ema, self.every = ema, every
         self.n_averages = 0  # weight averages so far: the EMA's count
         self.last_average = None  # step count right after the last average
+
+    @classmethod
+    def build(cls, reducer, timer, ema, cfg) -> "PeriodicAveraging":
+        return cls(reducer, timer, ema, cfg.average_every)
+
+    @classmethod
+    def period(cls, cfg) -> int:
+        return cfg.average_every
 
     def update(self, towers, part, lr, step, on) -> None:
         for t in towers:
             t.update(t.replica.grads, lr, step)
 
     def step_done(self, towers, step, wait) -> None:
-        if step % self.period == 0:
+        if step % self.every == 0:
             self.average(towers, step, wait)
 
     def average(self, towers: list, step: int, wait) -> None:
@@ -198,13 +243,68 @@ class PeriodicAveraging(Keeping):
     def comparable(self, step: int) -> bool:
         return self.last_average == step  # between averages replicas differ by design
 
-    def atol(self, towers: list) -> float:
+    @classmethod
+    def atol(cls, params) -> float:
         # An average leaves them equal up to the reducer's rounding.
-        return 1e-6 * max(1.0, float(abs(to_host(towers[0].replica.params)).max()))
+        return tolerance(params)
 
     def state_dict(self) -> dict:
-        return {"sync/n_averages": numpy.int64(self.n_averages)}
+        return averages_state(self.n_averages)
 
     def _loaded(self, step: int, n_averages: int) -> None:
         # Checkpoints are taken right after an average.
         self.n_averages, self.last_average = n_averages, step
+
+
+def averages_state(n_averages: int) -> dict:
+    """The keeper's key of a state dict: ``sync/n_averages``, the weight averages so far (0 but in weights mode)."""
+    return {"sync/n_averages": numpy.int64(n_averages)}
+
+
+def read_averages(state: dict, where: str) -> int:
+    """``sync/n_averages`` of a state dict, checked (0 when absent: checkpoints written before the key)."""
+    return count(state, "sync/n_averages", where) if "sync/n_averages" in state else 0
+
+
+class Mode:
+    """One value of the ``sync`` setting (see the module docstring).
+
+    ``keeper``: the ``Keeping`` class of one host's towers (None: the mode
+    needs several hosts; ``several`` then says why, in its refusal).
+    ``hosts``: the ``towers.cluster.keeping.HostKeeping`` class of a cluster
+    run, or its ``"module:Class"`` name (imported only when a cluster asks:
+    ``host_keeping``).
+    """
+
+    def __init__(self, hosts, keeper: type[Keeping] | None = None, several: str = ""):
+        self.hosts, self.keeper, self.several = hosts, keeper, several
+
+    def host_keeping(self):
+        """The cluster's ``HostKeeping`` class of this mode."""
+        if not isinstance(self.hosts, str):
+            return self.hosts
+        module, _, name = self.hosts.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def period(self, cfg) -> int:
+        """Steps between the moments every replica agrees (a checkpoint holds such weights)."""
+        return (self.keeper or Keeping).period(cfg)
+
+    def check(self, name: str, cfg) -> None:
+        """The rules between this mode and the other settings of ``cfg`` (a ``UserError`` naming them)."""
+        if cfg.hosts == 1 and self.keeper is None:
+            raise UserError(f"`sync` {name} {self.several}: set `hosts` 2 or more")
+        mine = (self.keeper or Keeping).settings
+        for other, mode in MODES.items():
+            for setting, unused in (mode.keeper or Keeping).settings.items():
+                if setting not in mine and getattr(cfg, setting) != unused:
+                    raise UserError(f"`{setting}` applies to `sync` {other}; set `sync` {other} or drop it")
+
+
+#: The sync modes by the ``sync`` setting's value (the one registry; see the module docstring).
+MODES: dict[str, Mode] = {
+    "grads": Mode("towers.cluster.keeping:AllReduce", GradientAveraging),
+    "weights": Mode("towers.cluster.keeping:AllReduce", PeriodicAveraging),
+    "ps": Mode("towers.cluster.ps:SynchronousServer", several="is a parameter server for several hosts"),
+    "async": Mode("towers.cluster.ps:AsynchronousServer", several="is a parameter server for several hosts"),
+}

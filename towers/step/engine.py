@@ -36,11 +36,15 @@ two ways towers run:
   reducer that does not split -- NCCL, GPUs: tower 0's thread does both over
   whole buffers).
 
-Both call the same ``_work``.  With the training set on the GPUs the step's
+Both call the same ``_work(mine, step)``: the worker's towers and the step's
+inputs (``Step``: its batch or staged rows, the learning rate, the step
+count, whether losses are wanted), one object made per call and bound to it;
+what is constant per worker (its slice ``part`` of the buffers) is looked up
+by its first tower.  With the training set on the GPUs the step's
 row indices are uploaded once, before the workers start, and each worker's
-gather reads the index buffer of its own step's upload (``staged``).  ``gradients`` and ``apply_gradients`` are
-stages 1-3 and 4 apart, for parameter servers (``towers.cluster``), through
-the gradient keeper's ``reduce`` and ``apply``.
+gather reads the index buffer of its own step's upload (``Step.staged``).  ``gradients`` is stages 1-3 alone, through the
+gradient keeper's ``reduce``, for a parameter server's hosts
+(``towers.cluster.ps``: the server applies the update).
 
 Sync points: none inside a step on a GPU without ``sync_bn``; with tower
 threads (CPU towers, or ``sync_bn``) host barriers inside the step (after
@@ -57,6 +61,8 @@ mode; sync-BN's statistic averages are not counted.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy
 
 from towers.devices.cpu_threads import TowerThreads, chunks
@@ -65,6 +71,25 @@ from towers.nn.context import TowerSync
 from towers.parallel.sync import check_replicas
 from towers.devices.placement import check_host
 from towers.state import count
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step's inputs, as every worker of the step reads them.
+
+    ``x``, ``y``: the host batch (None with ``staged``, the handle of the
+    step's rows on the devices, ``DeviceData.upload``); ``lr``: its learning
+    rate; ``step``: updates done before it; ``want_loss``: whether the towers'
+    losses are kept.  Made per call: a tower thread of the last step still
+    running holds its own.
+    """
+
+    x: object
+    y: object
+    staged: object
+    want_loss: bool
+    lr: float
+    step: int
 
 
 class StepEngine:
@@ -122,20 +147,18 @@ class StepEngine:
 
     def run(self, x, y, want_loss: bool = False, indices=None):
         """One step on host batch ``x``, ``y`` (or device rows ``indices``); the towers' losses when ``want_loss``."""
-        lr, step = self.schedule(self.step), self.step
         # The step's device rows go up once, before any tower gathers its slice
         # (GPU towers on threads too: sync-BN runs them on the pool).  ``staged``
         # names this step's index buffers: a tower thread of the last step that
         # is still running reads its own step's, not these.
-        staged = self._stage_indices(indices)
+        s = Step(x, y, self._stage_indices(indices), want_loss, self.schedule(self.step), self.step)
         if self._pool is None:
-            self._work(range(len(self.towers)), None, x, y, staged, want_loss, lr, step)
+            self._work(range(len(self.towers)), s)
         else:
-            # The arguments are bound to this step's call, not stored on self:
-            # without a barrier (a keeper that is not shared) a late tower thread
-            # of the last step could otherwise read this step's batch.
-            self._pool.run(lambda i: self._work([i], self._parts[i], x, y, staged, want_loss, lr, step,
-                                                threaded=True))
+            # The step is bound to this call, not stored on self: without a
+            # barrier (a keeper that is not shared) a late tower thread of the
+            # last step could otherwise read this step's batch.
+            self._pool.run(lambda i: self._work([i], s))
             if want_loss and not self.keeper.shared:
                 self._pool.wait()  # no barrier: wait for every tower's loss
         return self._step_done(list(self._losses) if want_loss else None)
@@ -147,39 +170,40 @@ class StepEngine:
         with self.timer("stage"):
             return self.device_data.upload(indices)
 
-    def _work(self, mine, part, x, y, staged, want_loss, lr, step, threaded: bool = False) -> None:
-        """A worker's share of a step: compute its towers; then the keeper updates.
+    def _work(self, mine, s: Step) -> None:
+        """A worker's share of step ``s``: compute its towers ``mine``; then the keeper updates.
 
         A keeper that is not ``shared`` updates the worker's own towers.  A
-        shared one updates ``part`` of every tower's buffers (None: whole
-        buffers, by the worker that owns every tower or, on threads, by tower
-        0's after the barrier).
+        shared one updates the worker's ``part`` of every tower's buffers (on
+        tower threads, after the barrier; None: whole buffers, by the worker
+        that owns every tower or, on threads, by tower 0's).
         """
         for i in mine:
-            self._losses[i] = self._compute(i, x, y, staged, want_loss, step)
+            self._losses[i] = self._compute(i, s)
         on = mine[0]
         if not self.keeper.shared:
-            self.keeper.update([self.towers[i] for i in mine], None, lr, step, on)
+            self.keeper.update([self.towers[i] for i in mine], None, s.lr, s.step, on)
             return
-        if threaded:
+        part = None
+        if self._pool is not None:  # one worker per tower
             with self.timer("barrier", on):
                 self._pool.barrier.wait()  # every tower's gradients are complete
+            part = self._parts[on]
             if part is None and on != 0:
                 return  # tower 0's thread reduces and updates whole buffers
-        self.keeper.update(self.towers, part, lr, step, on)
+        self.keeper.update(self.towers, part, s.lr, s.step, on)
 
-    def _compute(self, i: int, x, y, staged, want_loss: bool, step: int):
+    def _compute(self, i: int, s: Step):
         """Tower ``i``'s slice (rows ``i*r .. (i+1)*r`` of the host batch, or of the device rows) through stages 1-2.
 
         ``r`` is the tower's ``rows``: ``batch_size`` x ``accumulate``, run as that many micro-batches.
-        ``staged``: the handle ``DeviceData.upload`` gave for this step's device rows, or None (a host batch).
         """
         t = self.towers[i]
-        if staged is not None:
-            return t.compute(None, None, self.l2, want_loss, step,
-                             stage=lambda k: self.device_data.stage(i, k, staged))
+        if s.staged is not None:
+            return t.compute(None, None, self.l2, s.want_loss, s.step,
+                             stage=lambda k: self.device_data.stage(i, k, s.staged))
         r = t.rows
-        return t.compute(x[i * r: (i + 1) * r], y[i * r: (i + 1) * r], self.l2, want_loss, step)
+        return t.compute(s.x[i * r: (i + 1) * r], s.y[i * r: (i + 1) * r], self.l2, s.want_loss, s.step)
 
     def _step_done(self, losses):
         self.step += 1
@@ -187,28 +211,19 @@ class StepEngine:
         self.timer.step_done()
         return losses
 
-    # -- parameter servers: stages 1-3 and 4 apart (a GradientAveraging keeper) -----------
+    # -- a parameter server's host: stages 1-3 without the update (a GradientAveraging keeper) ----
 
     def gradients(self, x, y, want_loss: bool = False):
-        """Stages 1-3 without the update: every tower's ``grads`` ends as the mean gradient."""
+        """Stages 1-3 without the update: every tower's ``grads`` ends as the mean gradient (the server
+        applies it: ``towers.cluster.ps``); the step count does not move."""
         self.synchronize()
         if self._pool is not None and self.towers[0].replica.context.sync is not None:
             raise UserError("`sync_bn` averages batch statistics inside a synchronous step of one host's towers: "
                             "not with a parameter server")
-        losses = [self._compute(i, x, y, None, want_loss, self.step) for i in range(len(self.towers))]
+        s = Step(x, y, None, want_loss, self.schedule(self.step), self.step)
+        losses = [self._compute(i, s) for i in range(len(self.towers))]
         self.keeper.reduce(self.towers)
         return losses if want_loss else None
-
-    def apply_gradients(self, grads) -> None:
-        """Stage 4 with given mean gradients (one host array): every replica's update (one for towers sharing a
-        buffer), then the step ends."""
-        self.synchronize()
-        lr, step = self.schedule(self.step), self.step
-        for t in self.towers:
-            with t.scope():
-                t.replica.grads[...] = t.device.xp.asarray(grads)
-        self.keeper.apply(self.towers, None, lr, step)
-        self._step_done(None)
 
     # -- keeping replicas together --------------------------------------------------------
 
@@ -225,7 +240,7 @@ class StepEngine:
         if not self.keeper.comparable(self.step):
             return False
         self.synchronize()
-        check_replicas([t.replica for t in self.towers], self.step, self.keeper.atol(self.towers))
+        check_replicas([t.replica for t in self.towers], self.step, self.keeper.atol(self.towers[0].replica.params))
         return True
 
     def _wait_threads(self) -> None:

@@ -8,8 +8,10 @@ seeded values, towers sharing a GPU share its stream.
 
 ``ModelState`` is the model's part of a state dict: the weights
 (``params/<name>``) and the non-trainable buffers (``buffers/<name>``), read
-from the first tower and written to every tower, because every replica holds
-the same values when a state is taken (right after an average in weights mode).
+from the first replica and written to every replica, because every replica holds
+the same values when a state is taken (right after an average in weights mode);
+a parameter server's one replica (``towers.cluster.ps``) has one too.
+
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from towers.state import Layout, under
 
 # A diverging run overflows to inf/NaN: the loop reports it as one line at the
 # next loss check, so NumPy's RuntimeWarnings are noise.
-_QUIET = dict(over="ignore", invalid="ignore", divide="ignore")
+QUIET = dict(over="ignore", invalid="ignore", divide="ignore")
 
 
 class Tower:
@@ -50,7 +52,7 @@ class Tower:
     @contextlib.contextmanager
     def scope(self):
         """This tower's device current, its stream current, NumPy's overflow warnings off."""
-        with self.device.scope(), on_stream(self.stream), numpy.errstate(**_QUIET):
+        with self.device.scope(), on_stream(self.stream), numpy.errstate(**QUIET):
             yield
 
     def compute(self, x, y, l2: float, want_loss: bool, step: int, stage=None):
@@ -137,20 +139,25 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
 
 
 class ModelState:
-    """The model's state over all towers: ``params/<name>`` and ``buffers/<name>``."""
+    """The model's state over every replica: ``params/<name>`` and ``buffers/<name>``.
 
-    def __init__(self, towers: list[Tower], model):
-        self.towers = towers
+    ``scopes``: one context per replica in which its copies are queued (a
+    tower's ``scope``: its device and stream); none: the replicas are host arrays.
+    """
+
+    def __init__(self, replicas: list[Replica], model, scopes=None):
+        self.replicas = replicas
+        self.scopes = scopes or [contextlib.nullcontext] * len(replicas)
         self.weights = Layout(model.layout())
         self.buffers = Layout(model.buffer_layout())
 
     def state_dict(self) -> dict:
-        r = self.towers[0].replica
+        r = self.replicas[0]
         return {**self.weights.split(r.params, "params/"), **self.buffers.split(r.buffers, "buffers/")}
 
     def named(self, params=None) -> dict:
         """{name: host array}: the weights (``params``: another flat buffer of them, e.g. the EMA's), then the buffers."""
-        r = self.towers[0].replica
+        r = self.replicas[0]
         return {**self.weights.split(r.params if params is None else params), **self.buffers.split(r.buffers)}
 
     def read_named(self, named: dict, where: str, buffers_optional: bool = False):
@@ -165,8 +172,20 @@ class ModelState:
             return w, None
         return w, self.buffers.join(self.buffers.check(bufs, where, "buffer"))
 
+    def set_named(self, named: dict, where: str, ema=None, ema_scope=contextlib.nullcontext) -> None:
+        """Every replica's weights and buffers from {name: array}, checked as ``read_named`` checks them; with
+        ``ema`` (an ``EMA``) its weights instead, copied in ``ema_scope`` (its device's), and the buffers, which
+        are then optional, when given."""
+        flat, buffers = self.read_named(named, where, buffers_optional=ema is not None)
+        if ema is None:
+            self.set(flat, buffers)
+            return
+        with ema_scope():
+            ema.set_state(flat)
+        self.set(None, buffers)  # the buffers, when given, are every replica's
+
     def prepare(self, state: dict, where: str):
-        """Check ``params/`` and ``buffers/`` of ``state``; return the function that sets every tower."""
+        """Check ``params/`` and ``buffers/`` of ``state``; return the function that sets every replica."""
         named = under(state, "params")
         if not named:
             raise UserError(f"{where}: no params/ weights")
@@ -179,15 +198,15 @@ class ModelState:
         return lambda: self.set(w, b)
 
     def set(self, weights, buffers=None) -> None:
-        """Every tower's weights and buffers from host flat arrays (None: left as they are).
+        """Every replica's weights and buffers from host flat arrays (None: left as they are).
 
-        The copies are queued on each tower's stream (``Tower.scope``), so the
+        The copies are queued on each tower's stream (its scope), so the
         tower's next step reads the new values: its stream is not ordered with
         CuPy's legacy default stream.
         """
-        for t in self.towers:
-            with t.scope():
+        for r, scope in zip(self.replicas, self.scopes):
+            with scope():
                 if weights is not None:
-                    t.replica.set_params(weights)
+                    r.set_params(weights)
                 if buffers is not None:
-                    t.replica.set_buffers(buffers)
+                    r.set_buffers(buffers)
