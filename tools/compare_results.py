@@ -1,25 +1,37 @@
 """Run a fixed set of training jobs from a checkout and record what they wrote, to compare two checkouts.
 
-A refactoring that must not change results runs this on the commit before
-and on its own, then compares:
+A change that must not change results runs this on the commit before and on
+its own, then compares:
 
-    python tools/compare_results.py run /path/to/base base.json
-    python tools/compare_results.py run . mine.json
+    python tools/compare_results.py run /path/to/base base.json [--jobs NAME,...] [--modes auto,numpy]
+    python tools/compare_results.py run . mine.json [same options]
     python tools/compare_results.py compare base.json mine.json
 
-Each job is ``python -m towers.train`` run in the checkout (its own
-``towers``), with ``--quiet --summary-every 0`` and a fresh ``--logdir``; the
-record is the md5 of its ``final.npz``.  Deterministic jobs must match byte
-for byte.  ``--sync async`` is nondeterministic by design (the server applies
-whichever host's gradient arrives first): its one-step job runs ``ASYNC_TRIES``
-times and records the set of md5s seen (each is one host's first gradient
-applied to the common initial weights, so the sets of two checkouts must
-overlap and hold at most one md5 per host); its 300-step job records the
-staleness the summary line reports, compared as ranges (printed, not
-judged).  Jobs on 2 hosts start a local Ray each (about 10-20 s on 2 cores).
+Each job is ``python -m towers.train`` run in the checkout (``PYTHONPATH`` set
+to it: its own ``towers``, whatever is installed), with ``--quiet
+--summary-every 0`` and a fresh ``--logdir``; the record is the md5 of its
+``final.npz``, one per ``--cpu-kernels`` value of ``--modes`` (default
+``auto``; ``auto,numpy,numba`` checks the CPU ops' NumPy passes and numba's
+loops alike, for models whose ``auto`` leaves numba out).  The jobs: the
+default job with each optimizer, weights mode, 2 hosts in grads and ps,
+LeNet-5, ResNet-20 on the digits and on 32x32x3 synthetic images (made here,
+seeded), and the JPEG TFRecord with ``--augment cifar`` at 0 and 2 input
+workers (``../shared/image-samples``; skipped without it).  Jobs on 2 hosts
+need Ray (skipped without it) and start a local Ray each (10-20 s on 2
+cores).
+
+Deterministic jobs must match byte for byte.  ``--sync async`` is
+nondeterministic by design (the server applies whichever host's gradient
+arrives first), so it runs in the first mode only: its one-step job runs
+``ASYNC_TRIES`` times and records the set of md5s seen (each is one host's
+first gradient applied to the common initial weights, so the sets of two
+checkouts must overlap and hold at most one md5 per host); its 300-step job
+records the staleness the summary line reports, compared as ranges (printed,
+not judged).
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -27,21 +39,43 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
+import numpy
+
+SAMPLES = Path(__file__).resolve().parents[1] / ".." / "shared" / "image-samples"
 BASE = ["--n-gpu", "2", "--steps", "300", "--quiet", "--summary-every", "0"]
 HOSTS = ["--hosts", "2", "--n-gpu", "1", "--steps", "300", "--quiet", "--summary-every", "0"]
+JPEG = ["--data", str(SAMPLES / "mnist_jpeg_head500.tfrecords"), "--test-data",
+        str(SAMPLES / "mnist_png_head500.tfrecords"), "--x-key", "image/encoded", "--y-key", "image/class/label",
+        "--decode", "image/encoded:image:28,28,3", "--augment", "cifar", "--steps", "60"]
 JOBS = {
     "default": BASE,
     "adam": BASE + ["--optimizer", "adam"],
+    "adamw": BASE + ["--optimizer", "adamw"],
+    "rmsprop": BASE + ["--optimizer", "rmsprop"],
+    "weights": BASE + ["--sync", "weights"],
     "weights K=4 momentum 0.9": BASE + ["--sync", "weights", "--average-every", "4", "--momentum", "0.9"],
     "2 hosts grads": HOSTS,
     "2 hosts ps": HOSTS + ["--sync", "ps"],
-    "lenet5 20 steps batch 20": BASE + ["--model", "lenet5", "--steps", "20", "--batch-size", "20"],
-    "resnet20 6 steps batch 8": BASE + ["--model", "resnet20", "--steps", "6", "--batch-size", "8"],
+    "lenet5": BASE + ["--model", "lenet5", "--steps", "40"],
+    "resnet20 digits": BASE + ["--model", "resnet20", "--steps", "12", "--batch-size", "16"],
+    "resnet20 32x32x3": BASE + ["--model", "resnet20", "--steps", "8", "--batch-size", "16", "--data", "{cifar}"],
+    "jpeg augment, 0 input workers": BASE + JPEG + ["--input-workers", "0"],
+    "jpeg augment, 2 input workers": BASE + JPEG + ["--input-workers", "2"],
 }
 ASYNC_ONE = HOSTS + ["--sync", "async", "--steps", "1"]
 ASYNC_LONG = HOSTS + ["--sync", "async"]
 ASYNC_TRIES = 3
+
+
+def synthetic_cifar(path: Path) -> None:
+    """512 training and 128 test images 32x32x3 uint8, labels from a fixed projection (learnable), seeded."""
+    rng = numpy.random.default_rng(20)
+    x = rng.integers(0, 256, (640, 32, 32, 3), dtype=numpy.uint8)
+    proj = rng.standard_normal((32 * 32 * 3, 10)).astype(numpy.float32)
+    y = (x.reshape(640, -1).astype(numpy.float32) @ proj).argmax(1).astype(numpy.int64)
+    numpy.savez(path, x=x[:512], y=y[:512], x_test=x[512:], y_test=y[512:])
 
 
 def train(checkout: str, args: list[str]) -> tuple[str, str]:
@@ -56,19 +90,40 @@ def train(checkout: str, args: list[str]) -> tuple[str, str]:
             return hashlib.md5(f.read()).hexdigest(), p.stdout
 
 
-def run(checkout: str, out: str) -> None:
+def runnable(name: str) -> bool:
+    """Whether this machine can run job ``name``: Ray for 2 hosts, the shared samples for the JPEG jobs."""
+    if "hosts" in name or name.startswith("async"):
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            return False
+    return not name.startswith("jpeg") or SAMPLES.exists()
+
+
+def run(checkout: str, out: str, names: list[str], modes: list[str]) -> None:
     record = {}
-    for name, args in JOBS.items():
-        record[name] = train(checkout, args)[0]
-        print(f"{name:28s} {record[name]}", flush=True)
-    record["async 1 step"] = sorted({train(checkout, ASYNC_ONE)[0] for _ in range(ASYNC_TRIES)})
-    print(f"{'async 1 step':28s} {' '.join(record['async 1 step'])}", flush=True)
-    stale = []
-    for _ in range(2):
-        m = re.search(r"gradient staleness mean ([0-9.]+), max (\d+)", train(checkout, ASYNC_LONG)[1])
-        stale.append([float(m.group(1)), int(m.group(2))] if m else None)
-    record["async 300 steps staleness (mean, max)"] = stale
-    print(f"{'async 300 steps staleness':28s} {stale}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="compare-results-") as tmp:
+        cifar = Path(tmp) / "cifar32.npz"
+        synthetic_cifar(cifar)
+        for name in (n for n in names if n != "async"):
+            if not runnable(name):
+                print(f"{name:34s} skipped (needs Ray or ../shared/image-samples)", flush=True)
+                continue
+            for mode in modes:
+                key = name if len(modes) == 1 else f"{name} / {mode}"
+                args = [a.format(cifar=cifar) for a in JOBS[name]] + ["--cpu-kernels", mode]
+                record[key] = train(checkout, args)[0]
+                print(f"{key:34s} {record[key]}", flush=True)
+    if "async" in names and runnable("async"):
+        kernels = ["--cpu-kernels", modes[0]]
+        record["async 1 step"] = sorted({train(checkout, ASYNC_ONE + kernels)[0] for _ in range(ASYNC_TRIES)})
+        print(f"{'async 1 step':34s} {' '.join(record['async 1 step'])}", flush=True)
+        stale = []
+        for _ in range(2):
+            m = re.search(r"gradient staleness mean ([0-9.]+), max (\d+)", train(checkout, ASYNC_LONG + kernels)[1])
+            stale.append([float(m.group(1)), int(m.group(2))] if m else None)
+        record["async 300 steps staleness (mean, max)"] = stale
+        print(f"{'async 300 steps staleness':34s} {stale}", flush=True)
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
 
@@ -94,10 +149,27 @@ def compare(a_path: str, b_path: str) -> int:
     return 1 if bad else 0
 
 
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run the jobs from CHECKOUT and write their md5s to OUT")
+    r.add_argument("checkout")
+    r.add_argument("out")
+    r.add_argument("--jobs", help=f"comma-separated, of: {', '.join([*JOBS, 'async'])} (default: all)")
+    r.add_argument("--modes", default="auto", help="--cpu-kernels values to run each job with (default: auto)")
+    c = sub.add_parser("compare", help="print two records side by side; exit 1 where they differ")
+    c.add_argument("a")
+    c.add_argument("b")
+    args = ap.parse_args(argv)
+    if args.command == "compare":
+        return compare(args.a, args.b)
+    names = args.jobs.split(",") if args.jobs else [*JOBS, "async"]
+    unknown = [n for n in names if n not in JOBS and n != "async"]
+    if unknown:
+        ap.error(f"unknown jobs {unknown}: use names of {', '.join([*JOBS, 'async'])}")
+    run(args.checkout, args.out, names, args.modes.split(","))
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "run":
-        run(sys.argv[2], sys.argv[3])
-    elif len(sys.argv) == 4 and sys.argv[1] == "compare":
-        sys.exit(compare(sys.argv[2], sys.argv[3]))
-    else:
-        raise SystemExit(__doc__)
+    sys.exit(main())
