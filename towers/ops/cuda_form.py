@@ -30,7 +30,11 @@ from __future__ import annotations
 
 import numpy
 
-from towers.ops.expr import BINARY, COMPARE, Traced
+from towers.ops.expr import Traced, render
+
+# Products never contract into a fused multiply-add (module doc); np_max is NumPy's maximum.
+_SPELLING = {"mul": "__fmul_rn({0}, {1})", "sqrt": "sqrtf({0})", "max": "np_max({0}, {1})",
+             "where": "{0} ? {1} : {2}"}
 
 #: NVRTC options of a kernel compiled on its own (see the module doc).
 OPTIONS = ("--fmad=false",)
@@ -57,24 +61,7 @@ def source(traced: Traced, params: tuple, name: str, restrict: bool = False) -> 
         return a.value if a.op == "arg" else f"t{number[a.id]}"
 
     def expr(n) -> str:
-        if n.op == "const":
-            return literal(n.value)
-        a = [ref(x) for x in n.args]
-        if n.op == "mul":
-            return f"__fmul_rn({a[0]}, {a[1]})"
-        if n.op in BINARY:
-            return f"{a[0]} {BINARY[n.op]} {a[1]}"
-        if n.op in COMPARE:
-            return f"{a[0]} {COMPARE[n.op]} {a[1]}"
-        if n.op == "neg":
-            return f"-{a[0]}"
-        if n.op == "sqrt":
-            return f"sqrtf({a[0]})"
-        if n.op == "max":
-            return f"np_max({a[0]}, {a[1]})"
-        if n.op == "where":
-            return f"{a[0]} ? {a[1]} : {a[2]}"
-        raise ValueError(n.op)
+        return render(n, ref, _SPELLING, literal)
 
     decl = []
     for p in params:

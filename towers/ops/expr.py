@@ -144,6 +144,28 @@ def nodes(outputs) -> list:
     return [seen[i] for i in sorted(seen)]
 
 
+def render(node: Expr, ref, spelling: dict, const) -> str:
+    """One operation of a traced definition as an expression of a target language (the forms' one writer).
+
+    ``ref(arg_node)``: an operand's text; ``const(value)``: a constant's;
+    ``spelling``: the language's format, over the operands' texts ``{0}``,
+    ``{1}``, ``{2}``, of each operation not written infix (``sqrt``, ``max``,
+    ``where``; ``mul`` or others where the language wants a call).
+    Arithmetic, comparisons and ``neg`` are infix unless spelled.
+    """
+    if node.op == "const":
+        return const(node.value)
+    fmt = spelling.get(node.op)
+    if fmt is None:
+        if node.op == "neg":
+            fmt = "-{0}"
+        elif node.op in BINARY or node.op in COMPARE:
+            fmt = "{0} " + (BINARY.get(node.op) or COMPARE[node.op]) + " {1}"
+        else:
+            raise ValueError(f"no spelling of {node.op!r}")
+    return fmt.format(*(ref(a) for a in node.args))
+
+
 def text(node: Expr) -> str:
     """A node as one fully parenthesized expression over the argument names (for messages and cache keys)."""
     if node.op == "arg":

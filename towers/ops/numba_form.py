@@ -20,7 +20,11 @@ one pass over memory instead of one per operation, with the same roundings:
 """
 from __future__ import annotations
 
-from towers.ops.expr import BINARY, COMPARE, Traced
+from towers.ops.expr import Traced, render
+
+# maximum as NumPy's: NaN wins, else the larger (the first on ties)
+_SPELLING = {"sqrt": "numpy.sqrt({0})", "max": "{0} if ({0} > {1} or {0} != {0}) else {1}",
+             "where": "{1} if {0} else {2}"}
 
 
 def source(traced: Traced, params: tuple, name: str) -> str:
@@ -34,22 +38,7 @@ def source(traced: Traced, params: tuple, name: str) -> str:
         return f"t{number[a.id]}"
 
     def expr(n) -> str:
-        if n.op == "const":
-            return f"{lead}.dtype.type({n.value!r})"
-        a = [ref(x) for x in n.args]
-        if n.op in BINARY:
-            return f"{a[0]} {BINARY[n.op]} {a[1]}"
-        if n.op in COMPARE:
-            return f"{a[0]} {COMPARE[n.op]} {a[1]}"
-        if n.op == "neg":
-            return f"-{a[0]}"
-        if n.op == "sqrt":
-            return f"numpy.sqrt({a[0]})"
-        if n.op == "max":
-            return f"{a[0]} if ({a[0]} > {a[1]} or {a[0]} != {a[0]}) else {a[1]}"
-        if n.op == "where":
-            return f"{a[1]} if {a[0]} else {a[2]}"
-        raise ValueError(n.op)
+        return render(n, ref, _SPELLING, lambda v: f"{lead}.dtype.type({v!r})")
 
     lines = [f"def {name}({', '.join(params)}{', cols' if traced.rows else ''}):"]
     for n in traced.nodes:  # constants and values of scalars alone: once, before the loop

@@ -42,7 +42,7 @@ import threading
 
 import numpy
 
-from towers.ops.expr import BINARY, COMPARE, Traced
+from towers.ops.expr import Traced, render
 
 # Bytes of each buffer in one block of a blocked host pass.  Several in-place
 # NumPy passes over one block (Adam + EMA: 15 passes over 6 buffers) then run in
@@ -214,27 +214,12 @@ def _at(loc: str) -> str:
     return loc[4:] if loc.startswith("buf:") else loc
 
 
+_SCALAR_SPELLING = {"sqrt": "numpy.sqrt({0})", "max": "numpy.maximum({0}, {1})", "where": "({1} if {0} else {2})"}
+
+
 def _scalar_text(n, name) -> str:
     """A scalar-only node on NumPy scalars of the arrays' dtype ``dt`` (``name``: a node's local)."""
-    def ref(a):
-        return a.value if a.op == "arg" else name(a)
-
-    if n.op == "const":
-        return f"dt({n.value!r})"
-    a = [ref(x) for x in n.args]
-    if n.op in BINARY:
-        return f"{a[0]} {BINARY[n.op]} {a[1]}"
-    if n.op in COMPARE:
-        return f"{a[0]} {COMPARE[n.op]} {a[1]}"
-    if n.op == "neg":
-        return f"-{a[0]}"
-    if n.op == "sqrt":
-        return f"numpy.sqrt({a[0]})"
-    if n.op == "max":
-        return f"numpy.maximum({a[0]}, {a[1]})"
-    if n.op == "where":
-        return f"({a[1]} if {a[0]} else {a[2]})"
-    raise ValueError(n.op)
+    return render(n, lambda a: a.value if a.op == "arg" else name(a), _SCALAR_SPELLING, lambda v: f"dt({v!r})")
 
 
 _CONSTANTS: dict = {}  # (value, dtype) -> a read-only host array of it, grown as needed (shared by all threads)
