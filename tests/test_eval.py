@@ -196,7 +196,7 @@ def test_eval_labels_a_test_folder_by_the_checkpoints_class_names_and_needs_no_t
     """Before: `--data T --test-data T`, T without the class folder 0, numbered every class one lower (accuracy
     0.11 instead of 0.26); and with the training folder gone eval refused to run."""
     from test_image_inputs_issue28 import _numbered_folder
-    from test_images import _images
+    from tests.data.image.test_images import _images
 
     x, y = _images(60)
     train = _numbered_folder(tmp_path / "train", x, y)  # classes 0, 1, 2

@@ -17,7 +17,7 @@ import time
 import numpy
 import pytest
 
-from conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli
 from towers.cluster.watchdog import children_of
 
 pytest.importorskip("ray")

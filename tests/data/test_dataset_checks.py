@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DIGITS
+from tests.conftest import DIGITS
 from towers import Dataset, UserError
 from towers.data.tfrecord import from_npz
 from towers.eval import main as eval_main

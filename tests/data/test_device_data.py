@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from conftest import DIGITS
+from tests.conftest import DIGITS
 from towers import Config, Trainer
 from towers.data.batches import BatchSource
 from towers.data.dataset import input_scale

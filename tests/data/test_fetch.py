@@ -21,7 +21,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import REPO
+from tests.conftest import REPO
 from towers.data.fetch import FetchError, fetch, read_idx
 
 IDX_NAMES = {"x": "train-images-idx3-ubyte.gz", "y": "train-labels-idx1-ubyte.gz",

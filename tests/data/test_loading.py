@@ -13,7 +13,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from tests.conftest import run_cli
 from towers import Config, Trainer
 from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset

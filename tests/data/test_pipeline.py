@@ -12,8 +12,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import run_cli
-from test_images import DECODE, FLAGS, _images, _records
+from tests.conftest import run_cli
+from tests.data.image.test_images import DECODE, FLAGS, _images, _records
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.index import SPOT_CHECKS, file_index, index_cache_paths
 from towers.errors import TrainingError
@@ -105,7 +105,7 @@ def test_raw_records_run_on_the_image_workers_pool_and_a_dead_worker_is_its_one_
     import multiprocessing
     import signal
 
-    from conftest import shared_file
+    from tests.conftest import shared_file
     from towers.data.workers import Workers
     from towers.data.tfrecord.records import load_split
 
@@ -132,7 +132,7 @@ def test_raw_records_run_on_the_image_workers_pool_and_a_dead_worker_is_its_one_
 @pytest.mark.filterwarnings("ignore:.*encountered in cast:RuntimeWarning")  # pixels read as float64: garbage
 @pytest.mark.parametrize("decode", ["image_raw:uint8:28,28", "image_raw:float64:98"])
 def test_raw_examples_made_in_a_worker_equal_those_made_in_the_input_thread(decode):
-    from conftest import shared_file
+    from tests.conftest import shared_file
     from towers.data.tfrecord.records import load_split
 
     path = str(shared_file("tfrecord-samples", "mnist_t10k_head1000.tfrecords"))

@@ -2,7 +2,7 @@
 
 Its text is assembled from the parts other modules register (the layers') and
 the devices' own kernels; these tests check that text and the registry's rules.
-The kernels' arithmetic is checked on a GPU, in ``tests/test_gpu.py``.
+The kernels' arithmetic is checked on a GPU, in ``tests/gpu/test_gpu.py``.
 """
 import re
 

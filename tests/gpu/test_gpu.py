@@ -6,7 +6,7 @@ access) is an error here.
 import numpy as np
 import pytest
 
-from conftest import DIGITS, cuda_count, cupy_performance_warnings_fail, run_cli
+from tests.conftest import DIGITS, cuda_count, cupy_performance_warnings_fail, run_cli
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset
 from towers.devices.placement import resolve, to_host

@@ -6,15 +6,15 @@ loss): one replica on the device under test and one on the CPU
 loss, every gradient, the buffers a training forward moves (batch norm's
 moving statistics) and the evaluation logits must agree within ``TOL``
 (relative; GEMMs sum in another order on cuBLAS than in OpenBLAS).  Kernels
-that give NumPy's bits are checked exactly in ``tests/test_gpu.py``.
+that give NumPy's bits are checked exactly in ``tests/gpu/test_gpu.py``.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from conftest import cupy_performance_warnings_fail
-from gpu_compare import DRY, record, rel, xp
+from tests.conftest import cupy_performance_warnings_fail
+from tests.gpu_compare import DRY, record, rel, xp
 from towers.devices.placement import to_host
 from towers.nn.conv import Conv2D
 from towers.nn.dropout import Dropout

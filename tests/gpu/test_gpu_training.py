@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import DIGITS, cuda_count, cupy_performance_warnings_fail, run_cli
-from gpu_compare import DEVICE, DRY, compare, flat, images, record, rel, train
+from tests.conftest import DIGITS, cuda_count, cupy_performance_warnings_fail, run_cli
+from tests.gpu_compare import DEVICE, DRY, compare, flat, images, record, rel, train
 from towers import Config, Trainer
 from towers.data.loading import load_dataset
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy
 import pytest
 
-from conftest import cpu_form
+from tests.conftest import cpu_form
 from towers.errors import UserError
 from towers.nn.conv import Conv2D, MaxPool2D
 from towers.nn.layers import Dense, Flatten, ReLU, Sequential

@@ -17,7 +17,7 @@ import numpy
 from towers.nn.conv import Conv2D
 from towers.nn.models import lenet5
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--model", "lenet5", "--n-gpu", "2", "--batch-size", "16", "--quiet", "--summary-every", "0",
           "--checkpoint-every", "5", "--log-every", "5"]
 # The code before the change: every Conv2D of lenet5 built with algorithm="whole".

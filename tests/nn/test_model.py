@@ -95,12 +95,12 @@ def test_loss_is_log_sum_exp_stable_and_includes_l2():
 
 
 def my_model(input_shape, num_classes):
-    """A user model, loaded by --model tests.test_model:my_model."""
+    """A user model, loaded by --model tests.nn.test_model:my_model."""
     return [Flatten(), Dense("hidden", 7), ReLU(), Dense("out", num_classes)]
 
 
 def test_user_model_by_module_path_and_errors():
-    model = build_model("test_model:my_model", (2, 2), 3)
+    model = build_model("tests.nn.test_model:my_model", (2, 2), 3)
     assert [n for _, n, _ in model.params] == ["hidden/weights", "hidden/biases", "out/weights", "out/biases"]
     with pytest.raises(UserError, match="unknown"):
         build_model("resnet", (2,), 2)
@@ -109,7 +109,7 @@ def test_user_model_by_module_path_and_errors():
     with pytest.raises(UserError, match="Flatten"):
         Sequential([Dense("a", 3)]).build((2, 2))
     with pytest.raises(UserError, match="outputs per-example shape"):
-        build_model("test_model:wrong_classes", (2,), 3)
+        build_model("tests.nn.test_model:wrong_classes", (2,), 3)
 
 
 def wrong_classes(input_shape, num_classes):
@@ -122,11 +122,11 @@ def failing(input_shape, num_classes):
 
 @pytest.mark.parametrize("spec, raised", [
     ("json:loads", "raised TypeError: "),  # (the rest is Python's wording)
-    ("tests.test_model:failing", "raised ValueError: no width fits 8x8"),
+    ("tests.nn.test_model:failing", "raised ValueError: no width fits 8x8"),
 ])
 def test_a_callable_that_is_no_model_factory_is_one_line_exit_2(tmp_path, spec, raised):
     """Before: a traceback of the call, exit 1."""
-    from conftest import run_cli
+    from tests.conftest import run_cli
 
     p = run_cli("--model", spec, "--devices", "cpu", "--steps", "1", "--quiet", "--logdir", str(tmp_path / "run"))
     err = p.stderr.strip().splitlines()

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy
 import pytest
 
-from conftest import cpu_form
+from tests.conftest import cpu_form
 from towers.ops import activation
 from towers.nn.context import TowerSync
 from towers.nn.conv import Conv2D

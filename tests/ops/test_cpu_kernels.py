@@ -6,14 +6,14 @@ window's gradient goes to its FIRST maximal element in row-major order (ties,
 frequent in real activations, pass it to exactly one input).  The products are
 ``dy * 1`` and ``dy * 0``, so the comparison is exact, not within a tolerance.
 The float64 finite-difference checks of the layer's gradient are in
-``tests/test_conv.py`` (``test_conv_pool_gradients``), which runs this kernel.
+``tests/nn/test_conv.py`` (``test_conv_pool_gradients``), which runs this kernel.
 """
 from __future__ import annotations
 
 import numpy
 import pytest
 
-from conftest import cpu_form
+from tests.conftest import cpu_form
 from towers.nn.layers import Workspace
 from towers.ops.activation import add_relu, relu_backward
 from towers.ops.l2 import add_scaled

@@ -3,7 +3,7 @@
 Before the kernels were generated from one definition per op
 (``towers.ops.cuda_form``), each op's CUDA was written by hand, and those
 kernels were checked bit for bit against NumPy on an H100 (2026-11-26,
-``tests/test_gpu.py``).  No GPU is at hand to check the generated ones, so
+``tests/gpu/test_gpu.py``).  No GPU is at hand to check the generated ones, so
 this test holds them to the validated text instead: ``VALIDATED`` is that text
 (commit ece5eed: each optimizer's ``GPU_BODY`` as ``Optimizer._gpu_kernel``
 composed it with the EMA's, and the layers' and the reducer's kernels of
@@ -15,7 +15,7 @@ element ``x[i]``, ``x_[i]`` or ``x[i % cols]`` is the input ``x``), then
 compared node for node: the same float32 operations, on the same operands, in
 the same order (``__fmul_rn(a, b)`` is ``a * b``, ``sqrtf`` is ``sqrt``, a
 literal is its float32 value).  Generated products are all ``__fmul_rn`` and
-never contract into a fused multiply-add (``tests/test_kernels_compile.py``
+never contract into a fused multiply-add (``tests/devices/test_kernels_compile.py``
 checks the machine code); the validated update kernels were compiled with
 ``--fmad=false`` for the same reason.  The trees are also evaluated in float32
 on random inputs, as a second look.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy
 import pytest
 
-from conftest import cpu_form
+from tests.conftest import cpu_form
 from towers.ops.elementwise import Elementwise
 from towers.ops.expr import maximum, sqrt, trace, where
 from towers.ops.numpy_form import HOST_BLOCK_BYTES

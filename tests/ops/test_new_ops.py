@@ -22,7 +22,7 @@ import sys
 import numpy
 import pytest
 
-from conftest import DIGITS, REPO
+from tests.conftest import DIGITS, REPO
 
 FIXTURES = REPO / "tests" / "fixtures"
 
@@ -37,7 +37,7 @@ def _load(name: str):
 def _nvrtc_compiles(kernel) -> None:
     """The generated kernel through NVRTC for sm_80 and sm_90, its machine code free of FMA (skips without NVRTC)."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed")
-    import test_kernels_compile as compile_test  # skips this test where NVRTC does not load
+    from tests.devices import test_kernels_compile as compile_test  # skips this test where NVRTC does not load
     from towers.ops.cuda_form import OPTIONS
 
     for arch in compile_test.ARCHS:
@@ -102,7 +102,7 @@ def test_lions_update_is_the_papers():
     for form in ("numpy", "numba"):
         if form == "numba":
             pytest.importorskip("numba", reason="numba is not installed")
-        from conftest import cpu_form
+        from tests.conftest import cpu_form
 
         opt = lion.Lion(p0.copy())
         opt.state["lion_m"][...] = m0
@@ -140,7 +140,7 @@ def test_a_new_activation_in_one_file_trains_to_the_same_bits_through_both_cpu_f
 
 def test_the_new_activations_forms_agree_with_its_definition():
     """Both CPU forms against the definition run directly by NumPy, negative zeros, NaN and infinities too."""
-    from conftest import cpu_form
+    from tests.conftest import cpu_form
 
     leaky = _load("leaky_relu")
     x = numpy.concatenate([numpy.array([-0.0, 0.0, numpy.nan, numpy.inf, -numpy.inf, -2.0, 3.0], numpy.float32),

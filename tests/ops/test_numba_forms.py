@@ -1,7 +1,7 @@
 """numba's compiled CPU forms of the ops (``towers.ops.backend``, ``towers.ops.numba_jit``) against NumPy's passes.
 
 Batch norm: the NumPy passes are the reference (their precision is checked
-against float64 in ``tests/test_sync_bn.py``); its compiled loops sum in
+against float64 in ``tests/nn/test_sync_bn.py``); its compiled loops sum in
 another order (float64 sums), so the two agree within float32 rounding, not
 bit for bit.  The other ops' compiled forms give NumPy's bits.  Also: the
 ``cpu_kernels`` setting, numba missing or broken, its disk cache, and runs.
@@ -15,7 +15,7 @@ import sys
 import numpy
 import pytest
 
-from conftest import cpu_form
+from tests.conftest import cpu_form
 from towers import Config
 from towers.errors import UserError
 from towers.nn.context import StepContext
@@ -236,7 +236,7 @@ def test_the_default_run_does_not_import_numba(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from tests.conftest import REPO
 
     code = ("import sys\nfrom towers.train import main\n"
             "rc = main(['--devices', 'cpu', '--n-gpu', '2', '--steps', '3', '--quiet', '--logdir', sys.argv[1]])\n"

@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import cpu_form
+from tests.conftest import cpu_form
 from towers.ops.numpy_form import HOST_BLOCK_BYTES, host_blocks
 from towers.optim.ema import EMA, ema, ema_decay
 from towers.optim.optimizers import OPTIMIZERS

@@ -21,7 +21,7 @@ import pytest
 
 from towers.output.checkpoint import list_checkpoints, load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--hidden", "16", "--batch-size", "50", "--quiet", "--summary-every", "0"]
 
 
@@ -166,7 +166,7 @@ def test_resume_refusals_and_notes(tmp_path):
 def test_a_resume_whose_class_names_changed_is_refused_naming_both_lists(tmp_path):
     """Before: `train/emu` renamed `ant` resumed with exit 0 and no note, and every label meant another class."""
     import towers
-    from test_images import _folder, _images
+    from tests.data.image.test_images import _folder, _images
 
     x, y = _images(60)
     data = tmp_path / "photos"
@@ -220,7 +220,7 @@ def test_a_resume_on_other_data_of_the_same_shape_says_so_and_a_moved_copy_does_
     # A checkpoint written before fingerprints were recorded resumes on any data of its shape without the note.
     old = tmp_path / "old"
     old.mkdir()
-    shutil.copy(ROOT / "tests" / "data" / "ckpt-format1-step10.npz", old / "ckpt-00000010.npz")
+    shutil.copy(ROOT / "tests" / "files" / "ckpt-format1-step10.npz", old / "ckpt-00000010.npz")
     cfg = towers.Config(devices="cpu", n_gpu=2, hidden=8, batch_size=20, steps=12, logdir=str(old), resume=True,
                         data=str(tmp_path / "permuted.npz"))
     with towers.Trainer(cfg) as t:

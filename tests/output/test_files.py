@@ -14,7 +14,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from test_reliability import tmpfs, train
+from tests.test_reliability import tmpfs, train
 from towers.errors import TrainingError
 from towers.output import files
 from towers.output.files import atomic_save_npz

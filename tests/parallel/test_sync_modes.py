@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import DIGITS, run_cli
+from tests.conftest import DIGITS, run_cli
 from towers.errors import TrainingError
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset

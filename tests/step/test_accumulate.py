@@ -20,7 +20,7 @@ import towers
 from towers.nn.replica import Replica
 from towers.settings import BATCH, resume_changes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(devices="cpu", hidden=32, quiet=True, summary_every=0, log_every=1000, checkpoint_every=0)
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO, cuda_count
+from tests.conftest import REPO, cuda_count
 from tools import gpu_check
 
 TINY_TESTS = '''
@@ -177,8 +177,8 @@ def test_bench_json_rows_ratios_and_the_summary(tmp_path):
     facts = {"gpus": ["NVIDIA H200"], "device_count": 1, "cupy": "14.2.0", "nccl": 22703, "cuda_runtime": 13000,
              "cuda_driver": 13000, "nvrtc": [13, 0], "numpy": "2.5.0", "python": "3.12.3", "no_gpu": None}
     suite = gpu_check.SuiteResult(passed=61, failed=1, skipped=3, xfailed=1, seconds=143.2, source="junit xml",
-                                  failures=[("tests/test_gpu.py::test_x", "AssertionError: " + "y" * 300),
-                                            ("tests/test_gpu.py::test_y (error)", "failed on setup")])
+                                  failures=[("tests/gpu/test_gpu.py::test_x", "AssertionError: " + "y" * 300),
+                                            ("tests/gpu/test_gpu.py::test_y (error)", "failed on setup")])
     tests = gpu_check.Step("GPU tests", rc=1, seconds=150.0, status="exit 1")
     bench = gpu_check.Step("benchmark", rc=0, seconds=200.0, status="ok")
     text = gpu_check.render_summary(facts, suite, tests, b, bench, [tests, bench], "LOGS")
@@ -186,9 +186,9 @@ def test_bench_json_rows_ratios_and_the_summary(tmp_path):
     assert ("machine: 1 x NVIDIA H200; CuPy 14.2.0, NCCL 2.27.3, CUDA runtime 13.0, driver 13.0, NVRTC 13.0, "
             "NumPy 2.5.0, torch absent, Python 3.12.3") in lines
     assert "GPU tests: 61 passed, 1 failed, 0 errors, 3 skipped, 1 xfailed in 143 s" in lines
-    failed = [line for line in lines if line.startswith("- FAILED tests/test_gpu.py::test_x: AssertionError: yyy")]
+    failed = [line for line in lines if line.startswith("- FAILED tests/gpu/test_gpu.py::test_x: AssertionError: yyy")]
     assert len(failed) == 1 and failed[0].endswith("...") and len(failed[0]) < 200
-    assert "- ERROR tests/test_gpu.py::test_y: failed on setup" in lines
+    assert "- ERROR tests/gpu/test_gpu.py::test_y: failed on setup" in lines
     for row in ("| MLP towers 1 tower, GPU 0, b100 | 453,121 |",
                 "| MLP PyTorch eager, GPU 0, b100 | FAILED: CUDA OOM |",
                 "| MLP towers N towers on N GPUs | skipped: only one GPU |", "| LeNet-5 some new row | 162,086 |",
@@ -230,7 +230,7 @@ def test_the_gpu_tests_dry_run_on_the_cpu():
     env = dict(os.environ, TOWERS_TEST_GPU_AS="cpu")
     env.pop("TOWERS_GPU_REPORT", None)
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                          "tests/test_gpu_layers.py", "tests/test_gpu_training.py"],
+                          "tests/gpu/test_gpu_layers.py", "tests/gpu/test_gpu_training.py"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", res.stdout).group(1))

@@ -11,9 +11,9 @@ import os
 import numpy as np
 import pytest
 
-from conftest import run_cli
-from test_data_pipeline import _rewrite_in_place, _stale, _swappable
-from test_images import DECODE, FLAGS, _folder, _images, _md5, _records
+from tests.conftest import run_cli
+from tests.data.test_pipeline import _rewrite_in_place, _stale, _swappable
+from tests.data.image.test_images import DECODE, FLAGS, _folder, _images, _md5, _records
 from towers import Config, Trainer
 from towers.data.image.cache import CachedSource
 from towers.data.loading import load_dataset
@@ -142,7 +142,7 @@ def test_a_cache_the_process_has_no_memory_for_streams_with_a_notice(tmp_path, l
     import subprocess
     import sys
 
-    from conftest import REPO
+    from tests.conftest import REPO
 
     x, y = _images(300)
     root = _folder(tmp_path / "imgs", x, y)  # decoded at 768 x 768 x 3: 506 MiB, under the 2048 MiB budget

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import run_cli
-from test_images import DECODE, _folder, _images, _records
+from tests.conftest import run_cli
+from tests.data.image.test_images import DECODE, _folder, _images, _records
 from towers.data.image import codec
 from towers.data.loading import load_dataset
 from towers.errors import UserError
@@ -185,8 +185,8 @@ def test_a_killed_driver_leaves_no_shared_memory_and_no_tracker_warning(tmp_path
     import subprocess
     import sys
 
-    from conftest import REPO
-    from test_images import _DRIVER
+    from tests.conftest import REPO
+    from tests.data.image.test_images import _DRIVER
 
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm to look at")
@@ -242,7 +242,7 @@ def test_a_script_that_starts_workers_outside_the_main_guard_is_told_so(tmp_path
     import subprocess
     import sys
 
-    from conftest import REPO
+    from tests.conftest import REPO
 
     x, y = _images(12)
     root = _folder(tmp_path / "f", x, y)

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, run_cli, shared_file
+from tests.conftest import REPO, run_cli, shared_file
 from towers import Config, Trainer
 from towers.data.image import codec, folder
 from towers.data.image.augment import Transform, uniforms

@@ -21,7 +21,7 @@ from towers.data.tfrecord import convert as converter
 from towers.data.tfrecord.framing import TFRecordReader, TFRecordWriter, detect_compression, frame, masked_crc
 from towers.data.tfrecord.proto import Example, SequenceExample
 
-SAMPLES = Path(__file__).resolve().parents[1].parent / "shared" / "tfrecord-samples"
+SAMPLES = Path(__file__).resolve().parents[3].parent / "shared" / "tfrecord-samples"
 NAMES = ["mnist_t10k_head1000", "mixed_features", "sequence_examples"]
 MNIST_RECORD = 860  # bytes per record in the MNIST sample, so record 500 starts at 430000
 

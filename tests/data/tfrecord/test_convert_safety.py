@@ -27,7 +27,7 @@ import pytest
 
 from tools import npz_to_tfrecord, tfrecord_to_npz
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SAMPLES = REPO.parent / "shared" / "tfrecord-samples"
 DEADLINE = 60  # seconds a subprocess may take to reach the pipe on a loaded machine
 

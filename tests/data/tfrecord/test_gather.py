@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.conftest import REPO
 from towers.data.tfrecord import gather as gather_module
 from towers.data.tfrecord.framing import TFRecordError, TFRecordWriter, check_record, frame, framed_intact
 from towers.data.tfrecord.gather import Gatherer, Layouts
@@ -156,8 +157,8 @@ def test_damage_after_the_layout_is_known_is_still_reported(tmp_path, where, mes
 _SHRINK = """
 import os, sys
 import numpy as np
-sys.path[:0] = [sys.argv[3], sys.argv[4]]
-from test_tfrecord_gather import gatherer, positions
+sys.path[:0] = [sys.argv[3]]
+from tests.data.tfrecord.test_gather import gatherer, positions
 from towers.data.tfrecord.framing import TFRecordError
 paths = sys.argv[1:3]
 images = np.load(paths[0] + ".npy")
@@ -181,8 +182,7 @@ def test_a_file_that_shrank_while_mapped_is_an_error_not_a_crash(tmp_path):
     payloads = [example(("image_raw", image(v)), ("label", label(0))) for v in images]
     paths = [write(tmp_path / "t0.tfrecords", payloads[:200]), write(tmp_path / "t1.tfrecords", payloads[200:])]
     np.save(paths[0] + ".npy", images)
-    here = os.path.dirname(os.path.abspath(__file__))
-    p = subprocess.run([sys.executable, "-c", _SHRINK, *paths, here, os.path.dirname(here)], capture_output=True,
+    p = subprocess.run([sys.executable, "-c", _SHRINK, *paths, str(REPO)], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
     lines = p.stdout.splitlines()

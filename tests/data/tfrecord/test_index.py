@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import DIGITS
+from tests.conftest import DIGITS
 from towers import TrainingError, UserError
 from towers.data.tfrecord import from_npz
 from towers.data.tfrecord.framing import frame
