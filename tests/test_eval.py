@@ -195,7 +195,7 @@ def test_a_user_models_shape_mismatch_cites_only_the_settings_it_reads(tmp_path)
 def test_eval_labels_a_test_folder_by_the_checkpoints_class_names_and_needs_no_training_data(tmp_path):
     """Before: `--data T --test-data T`, T without the class folder 0, numbered every class one lower (accuracy
     0.11 instead of 0.26); and with the training folder gone eval refused to run."""
-    from test_image_inputs_issue28 import _numbered_folder
+    from tests.data.image.test_image_checks import _numbered_folder
     from tests.data.image.test_images import _images
 
     x, y = _images(60)
