@@ -13,7 +13,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 DIGITS = REPO / "data" / "digits.npz"
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # for nccl_standin
 
 
 def shared_file(*parts: str) -> Path:
@@ -91,7 +90,7 @@ def notices():
 
 @pytest.fixture
 def standin():
-    import nccl_standin
+    from tests import nccl_standin
 
     nccl_standin.reset()
     yield nccl_standin

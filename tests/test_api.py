@@ -8,7 +8,7 @@ import pytest
 from threadpoolctl import threadpool_info
 
 import towers
-from conftest import DIGITS, run_cli
+from tests.conftest import DIGITS, run_cli
 from towers import Config, Dataset, Dense, Flatten, ReLU, Trainer, TrainingError, UserError
 
 SMALL = dict(n_gpu=2, devices="cpu", hidden=16, batch_size=50, quiet=True, summary_every=0)

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import DIGITS, REPO
+from tests.conftest import DIGITS, REPO
 from towers import Config, Dataset, Trainer
 from towers.export import main as export_main
 from towers.output.checkpoint import latest_checkpoint, list_checkpoints

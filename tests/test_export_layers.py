@@ -98,7 +98,7 @@ def trained(tmp_path, data, model):
 def towers_logits(checkpoint, x):
     with np.load(checkpoint) as z:
         named = {k[len("params/"):]: z[k] for k in z.files if k.startswith("params/")}
-    model = build_model("test_export_layers:packed", SHAPE, CLASSES)
+    model = build_model("tests.test_export_layers:packed", SHAPE, CLASSES)
     flat = np.zeros(model.size, np.float32)
     for name, shape, off, size in model.layout():
         flat[off: off + size] = named[name].ravel()
@@ -109,7 +109,7 @@ def towers_logits(checkpoint, x):
 
 def test_a_layer_of_its_own_layout_exports_by_its_declaration(tmp_path, capsys, data):
     """Before: ``export.py`` refused ``packed/w`` (it knew Dense, Conv2D and BatchNorm names only)."""
-    checkpoint = trained(tmp_path / "run", data, "test_export_layers:packed")
+    checkpoint = trained(tmp_path / "run", data, "tests.test_export_layers:packed")
     x = data[1]["x_test"].astype(np.float32) / 255
     relu = lambda v: np.maximum(v, 0)  # noqa: E731
 
@@ -137,7 +137,7 @@ def test_a_layer_of_its_own_layout_exports_by_its_declaration(tmp_path, capsys, 
 
 
 def test_a_weight_no_layer_declares_is_one_line_exit_2_and_no_file(tmp_path, capsys, data):
-    checkpoint = trained(tmp_path / "run", data, "test_export_layers:undeclared")
+    checkpoint = trained(tmp_path / "run", data, "tests.test_export_layers:undeclared")
     capsys.readouterr()
     for layout in ("torch", "keras"):
         out = tmp_path / f"{layout}.safetensors"
@@ -151,7 +151,7 @@ def test_a_weight_no_layer_declares_is_one_line_exit_2_and_no_file(tmp_path, cap
 @pytest.mark.parametrize("model", ["mlp", "lenet5", "resnet20"])
 def test_the_keras_layout_is_the_towers_one_under_keras_names(tmp_path, capsys, model):
     """Keras keeps towers' shapes (Dense (in, out), Conv2D HWIO, NHWC flattening): only the names differ."""
-    from conftest import DIGITS
+    from tests.conftest import DIGITS
 
     logdir = tmp_path / "run"
     assert train_main(["--devices", "cpu", "--n-gpu", "1", "--batch-size", "10", "--quiet", "--summary-every", "0",

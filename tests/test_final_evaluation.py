@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from conftest import REPO
+from tests.conftest import REPO
 from towers import Config, Dataset, Trainer
 
 DONE = re.compile(r"done: (\d+) steps \(to step \d+\) in ([\d.]+) s \(building ([\d.]+) s, training ([\d.]+) s, "

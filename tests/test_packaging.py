@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from conftest import REPO
+from tests.conftest import REPO
 
 
 def test_pyproject_lists_every_subpackage_and_the_data():
@@ -154,20 +154,6 @@ def test_the_quick_start_installs_towers_itself_with_what_the_tests_need():
     assert quick in readme  # still two commands
 
 
-def test_the_readme_api_example_runs_from_any_folder(tmp_path):
-    # Before: its data="data/digits.npz" was a path into the checkout: elsewhere, "data file ... does not exist".
-    # PYTHONPATH stands for the installed package here (the quick start installs the checkout, editable).
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("```python\n", readme.index("## Python API")) + len("```python\n")
-    (tmp_path / "example.py").write_text(readme[start:readme.index("```", start)])
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert "'accuracy': 0.9" in p.stdout, p.stdout
-    assert len(list((tmp_path / "runs").iterdir())) == 1  # its run's folder, in the folder it ran in
-
-
 # CuPy hidden as an uninstalled package is: `import cupy` raises ModuleNotFoundError, importlib finds no spec.
 NO_CUPY = "import sys; sys.modules['cupy'] = None; "
 
@@ -215,8 +201,8 @@ def test_every_module_imports_without_cupy():
 def test_the_gpu_test_modules_skip_without_cupy():
     # Before: their filterwarnings mark resolved cupy._util.PerformanceWarning by importing CuPy, and without it
     # pytest stopped the whole session with an INTERNALERROR.
-    code = ("import pytest; sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', 'tests/test_gpu.py', "
-            "'tests/test_gpu_layers.py', 'tests/test_gpu_training.py']))")
+    code = ("import pytest; sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', 'tests/gpu/test_gpu.py', "
+            "'tests/gpu/test_gpu_layers.py', 'tests/gpu/test_gpu_training.py']))")
     p = _without_cupy(code, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:]
     assert " skipped" in p.stdout.splitlines()[-1] and "passed" not in p.stdout.splitlines()[-1], p.stdout[-500:]

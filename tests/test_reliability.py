@@ -19,7 +19,7 @@ import types
 import numpy
 import pytest
 
-from conftest import DIGITS, REPO, cuda_count
+from tests.conftest import DIGITS, REPO, cuda_count
 from towers import Config, Dataset, Trainer, TrainingError, UserError
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset

@@ -1,4 +1,5 @@
-"""Each setting is declared once (towers/settings.py): the flags, the README's table and the resume rules agree."""
+"""Each setting is declared once (towers/settings.py): the flags, the command-line reference's table (docs/cli.md) and
+the resume rules agree."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,16 +18,16 @@ from towers.train import build_parser, main, parse_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_flag_table() -> str:
-    text = (ROOT / "README.md").read_text()
+def reference_flag_table() -> str:
+    text = (ROOT / "docs" / "cli.md").read_text()
     m = re.search(r"<!-- flag table:[^\n]*-->\n(.*?)\n<!-- end of flag table -->", text, re.S)
-    assert m, "README.md has no generated flag table between its markers"
+    assert m, "docs/cli.md has no generated flag table between its markers"
     return m.group(1)
 
 
-def test_the_readmes_flag_table_is_the_declarations():
+def test_the_command_line_references_flag_table_is_the_declarations():
     want = flag_table(Config)
-    assert readme_flag_table() == want, "README.md's flag table is out of date; paste this:\n" + want
+    assert reference_flag_table() == want, "docs/cli.md's flag table is out of date; paste this:\n" + want
 
 
 def test_every_setting_is_declared_with_a_help_a_check_and_a_resume_rule():

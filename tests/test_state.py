@@ -17,7 +17,7 @@ from towers.state import Layout
 from towers.output.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parent.parent
-OLD = REPO / "tests" / "data" / "ckpt-format1-step10.npz"  # written by towers 41a9acc (format 1)
+OLD = REPO / "tests" / "files" / "ckpt-format1-step10.npz"  # written by towers 41a9acc (format 1)
 SMALL = dict(devices="cpu", n_gpu=2, hidden=8, batch_size=20, summary_every=0, quiet=True)
 
 
@@ -114,7 +114,7 @@ def buffered_model(input_shape, num_classes):
 
 
 def test_a_buffer_is_state_but_not_a_weight_everywhere(tmp_path):
-    cfg = Config(**SMALL, model="test_state:buffered_model", steps=6, sync="weights", average_every=3,
+    cfg = Config(**SMALL, model="tests.test_state:buffered_model", steps=6, sync="weights", average_every=3,
                  logdir=str(tmp_path / "a"))
     with Trainer(cfg) as t:
         assert t.model.size == 64 * 8 + 8 + 8 * 10 + 10  # the buffer is no trainable parameter
@@ -145,8 +145,7 @@ def test_a_buffer_is_state_but_not_a_weight_everywhere(tmp_path):
 
 
 def test_a_buffer_survives_checkpoint_and_resume_exactly(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    base = dict(**SMALL, model="test_state:buffered_model", checkpoint_every=4)
+    base = dict(**SMALL, model="tests.test_state:buffered_model", checkpoint_every=4)
     with Trainer(Config(**base, steps=8, logdir=str(tmp_path / "whole"))) as t:
         t.fit()
     with Trainer(Config(**base, steps=4, logdir=str(tmp_path / "split"))) as t:
@@ -168,7 +167,7 @@ def test_a_checkpoint_written_before_the_redesign_resumes_as_one_written_now_and
     fresh run here matches them to float32 rounding, not to the bit.  So the exact check compares
     code with code on this machine: the old file resumed, and a checkpoint written now from the
     state it loads, resumed (that a checkpoint written now resumes to an uninterrupted run's
-    weights, bit for bit, is tests/test_checkpoint.py's).  The fresh run is compared with a
+    weights, bit for bit, is tests/output/test_checkpoint.py's).  The fresh run is compared with a
     tolerance far above rounding (about 1e-7 here) and far below a lost step or input position."""
     cfg = dict(**SMALL, checkpoint_every=10)
     logdir, loaded, now = tmp_path / "old", tmp_path / "loaded", tmp_path / "now"
@@ -226,7 +225,7 @@ def bn_model(input_shape, num_classes):
 
 @pytest.mark.parametrize("cpu_towers", ["threads", "serial"])
 def test_sync_bn_towers_through_the_engine_train_like_one_tower_with_their_whole_batch(cpu_towers):
-    base = dict(devices="cpu", model="test_state:bn_model", summary_every=0, quiet=True, momentum=0.9)
+    base = dict(devices="cpu", model="tests.test_state:bn_model", summary_every=0, quiet=True, momentum=0.9)
     two = Trainer(Config(**base, n_gpu=2, batch_size=20, sync_bn=True, cpu_towers=cpu_towers))
     one = Trainer(Config(**base, n_gpu=1, batch_size=40))
     with two, one:

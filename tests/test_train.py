@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import DIGITS, cuda_count, run_cli
+from tests.conftest import DIGITS, cuda_count, run_cli
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset
 from towers.devices.placement import cupy_installed

@@ -9,7 +9,7 @@ so a bad setting is a ``UserError`` naming it, whatever the caller.
 Each setting is declared once, as a field whose metadata carries its help, its
 group, its check and what a change does on ``--resume`` (``towers.settings``);
 the optimizers' hyperparameters are declared in their own files and added here.
-The command line, the README's flag table, the per-field checks and the resume
+The command line, the flag table of docs/cli.md, the per-field checks and the resume
 policy are derived from the declarations; the rules between settings are below.
 
 Defaults, in order: what the user set; else the model's settings for the chosen

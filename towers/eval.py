@@ -33,7 +33,7 @@ from towers.output.files import check_new_output, write_npz, write_new_output
 MAX_INTERVAL = 86400  # seconds between --watch polls; a longer wait is a typo, not a schedule
 
 
-NAME = "towers.eval"  # in its error lines (the README's)
+NAME = "towers.eval"  # in its error lines (docs/errors.md's)
 
 
 def build_parser(prog: str = "python -m towers.eval") -> argparse.ArgumentParser:

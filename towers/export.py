@@ -4,7 +4,7 @@
 
 (``towers-export`` when installed.)  The raw weights by default, the EMA's with ``--ema``.
 
-Layouts (the README's table has the names of the built-in models):
+Layouts (docs/export.md's table has the names of the built-in models):
 
 * ``towers`` (the default): every weight under its towers name and shape, as the checkpoint holds it
   (``layer1/weights`` (in, out), a Conv2D's ``weights`` (kh, kw, in, out)).
@@ -170,7 +170,7 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
     return {k: tuple(v.shape) for k, v in tensors.items()}
 
 
-NAME = "towers.export"  # in its error lines (the README's)
+NAME = "towers.export"  # in its error lines (docs/errors.md's)
 
 
 def build_parser(prog: str = "python -m towers.export") -> Parser:
@@ -181,7 +181,7 @@ def build_parser(prog: str = "python -m towers.export") -> Parser:
     ap.add_argument("--ema", action="store_true", help="the EMA weights (default: the raw ones)")
     ap.add_argument("--layout", choices=LAYOUTS, default="towers",
                     help="towers: names and shapes as towers (and Keras) keep them; torch: PyTorch's names and "
-                         "shapes (see the README)")
+                         "shapes (see docs/export.md)")
     return ap
 
 

@@ -3,7 +3,7 @@
 A setting of ``towers.Config`` is declared once, with ``setting(...)``: its
 default, its help text, its group (one of ``GROUPS``), its check and its resume
 rule.  From that one declaration are derived the command line's flags and
-``--help``, by group (``towers.train``), the README's flag table (``flag_table``; a test compares
+``--help``, by group (``towers.train``), the flag table of docs/cli.md (``flag_table``; a test compares
 them), the per-field checks of ``Config.resolved()`` (``check_fields``) and what
 a changed setting does on ``--resume`` (``resume_changes``).  An optimizer
 declares its hyperparameters the same way in its own file
@@ -304,7 +304,7 @@ def shown_default(f: dataclasses.Field) -> str:
 
 
 def flag_table(cls) -> str:
-    """The README's table of command-line flags, generated from the declarations."""
+    """The table of command-line flags of docs/cli.md, generated from the declarations."""
     rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
     for f in dataclasses.fields(cls):
         mv = metavar(f)

@@ -28,7 +28,7 @@ def _number(kind):
     return parse
 
 
-NAME = "towers.train"  # in its error lines (the README's)
+NAME = "towers.train"  # in its error lines (docs/errors.md's)
 
 
 def build_parser(prog: str = "python -m towers.train") -> argparse.ArgumentParser:

@@ -70,7 +70,7 @@ def core_shares(host_info: list[dict]) -> list[int]:
     another thread count (the MNIST MLP's 784 x 500 layer, LeNet-5's; not the
     digits MLP's), so such a run's weights move by rounding from the releases
     before, and now equal 1 host x N towers' bit for bit (one BLAS thread a
-    tower on either; README's Several hosts).
+    tower on either; docs/hosts.md).
     """
     crowd: dict = {}
     for info in host_info:

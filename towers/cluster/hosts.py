@@ -76,7 +76,7 @@ class Host(Answering):
         cfg, rank, towers = self.cfg, self.rank, keeping.towers
         self.keeping = keeping
         one = dataclasses.replace(cfg, hosts=1, ray_address=None, sync=keeping.host_sync, logdir=None, resume=False,
-                                  cache_images=False)  # the decoded-image cache is one host's (README)
+                                  cache_images=False)  # the decoded-image cache is one host's (docs/data.md)
         share = Share(first_tower=sum(towers[:rank]), draw_towers=sum(towers),
                       update_towers=keeping.towers_per_update(), cores=cores)
         self.trainer = trainer_class(one, model=model, dataset=dataset, reducer=keeping.reducer(rank, self.nccl),

@@ -68,7 +68,7 @@ def blas_threads(towers: int, serial: bool = False, share: int = 0) -> int:
     core from one of them at a time, and every product waits for it: one
     LeNet-5 tower with 2 threads on 2 cores ran 20 steps in 3.5x the time of
     one thread beside a busy process, against 1.2x faster on a quiet machine
-    (README, Performance on the CPU).  A spare core also keeps the input thread
+    (docs/performance.md, CPU towers).  A spare core also keeps the input thread
     and the main thread off the towers' cores.  OpenBLAS's own waiting policy
     (``OPENBLAS_THREAD_TIMEOUT``) is read only when it loads, before towers
     runs, and shortening it did not stop the wait for the slowest thread.

@@ -22,7 +22,7 @@ every generated kernel is launched through it.
 This module's own kernel, ``gather_batch``: a batch of device-resident data,
 ``xo = xd[idx] * scale`` and ``yo = yd[idx]`` (NumPy's fancy index and scale on
 the host, one launch on a GPU, the CPU's values on the same inputs;
-``tests/test_gpu.py`` checks it).  No atomics: results are deterministic.
+``tests/gpu/test_gpu.py`` checks it).  No atomics: results are deterministic.
 
 Limits: float32 (``gather_batch`` also reads uint8), C-contiguous arrays, at
 most ``MAX_ELEMENTS`` elements per array (index arithmetic is 32-bit for

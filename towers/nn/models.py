@@ -143,7 +143,7 @@ MODELS: dict[str, BuiltinModel] = {
     "mlp": BuiltinModel(mlp, "sgd"),
     "lenet5": BuiltinModel(lenet5, "adam", {
         "adam": {"lr": 0.001, "lr_decay": 1.0, "momentum": 0.0},
-        # Measured on MNIST: 98.6% EMA accuracy in 3,000 steps (README).
+        # Measured on MNIST: 98.6% EMA accuracy in 3,000 steps (docs/models.md).
         "sgd": {"lr": 0.01, "lr_decay": 0.99, "momentum": 0.9},
     }),
     # The tutorial: plain SGD, lr 0.1 decayed by 10x every 350 epochs (here per

@@ -56,7 +56,7 @@ L2.
 
 Precision: one float32 step of ResNet-20 (2 towers x 8, sync-BN, nearly
 flat images) lands about 2.5e-6 of the update from the same step in
-float64, against 1e-4 with ``E[x^2] - E[x]^2`` (``tests/test_sync_bn.py``).
+float64, against 1e-4 with ``E[x^2] - E[x]^2`` (``tests/nn/test_sync_bn.py``).
 
 LRN (TensorFlow's ``local_response_normalization``, defaults depth_radius 5,
 bias 1, alpha 1, beta 0.5): ``s = bias + alpha * sum(x^2 over channels c - r

@@ -15,7 +15,7 @@ Exactness, so that the kernel gives the CPU forms' bits on the same inputs:
   following add into a fused multiply-add (it would by default:
   ``--fmad=true``), so each product and sum rounds on its own, as NumPy's
   passes do; ``Kernel`` also compiles with ``--fmad=false``
-  (``OPTIONS``), and ``tests/test_kernels_compile.py`` checks the machine
+  (``OPTIONS``), and ``tests/devices/test_kernels_compile.py`` checks the machine
   code of every generated kernel for ``fma.``;
 * ``/`` and ``sqrtf`` are IEEE-rounded (NVRTC's defaults ``-prec-div`` and
   ``-prec-sqrt``; no ``--use_fast_math``);

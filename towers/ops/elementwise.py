@@ -17,8 +17,8 @@ made, and derives:
 
 Every form performs the definition's operations in its order, each rounded to
 the arrays' dtype, so they give the same bits on the same inputs
-(``tests/test_elementwise.py``; the GPU's kernel text is compared with the
-validated one in ``tests/test_kernel_text.py``).
+(``tests/ops/test_elementwise.py``; the GPU's kernel text is compared with the
+validated one in ``tests/ops/test_cuda_form.py``).
 
 ``op(*args)`` takes the definition's arguments in its order (arrays and
 scalars), then the output-only arrays, and writes the outputs in place.  It
