@@ -29,4 +29,4 @@ process chose once when the ``Trainer`` was built (``towers.ops.backend``).
 The GPU forms of the modules' ops are registered, in the order imported
 here, into the one CUDA module of ``towers.devices.kernels``.
 """
-from towers.ops import bias, activation, l2, softmax_xent, im2col, maxpool, mean2  # noqa: F401  (this order)
+from towers.ops import bias, activation, l2, softmax_xent, im2col, maxpool, mean2, precision  # noqa: F401  (this order)
