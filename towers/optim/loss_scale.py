@@ -40,6 +40,7 @@ resumes at the initial scale.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy
@@ -65,22 +66,26 @@ class LossScaler:
         self.growth_every = int(growth_every)
         self.scale, self.clean_steps, self.skipped = float(scale), 0, 0
 
-    def unscale(self, grads: list) -> bool:
+    def unscale(self, grads: list, scopes: list | None = None) -> bool:
         """After the all-reduce: whether the step may update (module doc); if so every buffer of ``grads`` (the
-        averaged gradients, host or device, each on its device's current stream) is multiplied by 1/S.
+        averaged gradients, host or device) is multiplied by 1/S, each inside its ``scopes`` entry (a context
+        factory: its tower's device and stream, so the pass is ordered after the all-reduce on that stream).
 
         Moves the scale either way.  Sync point: the finite check of ``grads[0]`` is read back to the host.
         """
+        scopes = scopes or [contextlib.nullcontext] * len(grads)
         first = grads[0]
-        finite = bool(array_module(first).isfinite(first).all())
+        with scopes[0]():
+            finite = bool(array_module(first).isfinite(first).all())
         if not finite:
             self.skipped += 1
             self.clean_steps = 0
             self.scale = max(self.scale * BACKOFF, LOWEST)
             return False
         inverse = first.dtype.type(1.0 / self.scale)
-        for g in grads:
-            g *= inverse
+        for g, scope in zip(grads, scopes):
+            with scope():
+                g *= inverse
         self.clean_steps += 1
         if self.clean_steps >= self.growth_every:
             self.clean_steps = 0

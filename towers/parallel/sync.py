@@ -211,8 +211,9 @@ class GradientAveraging(Keeping):
     def update(self, towers, part, lr, step, on) -> None:
         self.reduce(towers, part, on)
         # fp16: the averaged gradient decides, the same on every replica (part is None: ``splits``).
-        if self.scaler is not None and not self.scaler.unscale(
-                [t.replica.grads for t in towers if not t.shares_params]):
+        updating = [t for t in towers if not t.shares_params]
+        if self.scaler is not None and not self.scaler.unscale([t.replica.grads for t in updating],
+                                                               [t.scope for t in updating]):
             return  # skipped: no update, no EMA
         self.apply(towers, part, lr, step, on)
 
