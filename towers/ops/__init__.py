@@ -15,6 +15,7 @@ module              ops                             forms
                     ``bias_grad``, ``col_sum``
 ``l2``              ``add_scaled`` (L2's gradient)  derived
 ``mean2``           ``mean2`` (two towers' mean)    derived
+``precision``       ``round_to`` (bf16, fp16)       NumPy integer passes or a cast, CUDA (bits)
 ``softmax_xent``    the loss and its gradient       NumPy passes, one CUDA kernel (rows)
 ``im2col``          ``im2col``, ``col2im``          NumPy views and strided adds, numba gather, CUDA
 ``maxpool``         ``maxpool``, backward           NumPy passes, numba loops, CUDA (windows)
