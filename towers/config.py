@@ -26,6 +26,7 @@ from pathlib import Path
 from towers.data.image.augment import AUGMENTS, parse_image_size, parse_normalize
 from towers.errors import UserError
 from towers.nn.models import model_defaults
+from towers.ops.precision import ALLREDUCE_DTYPES, PRECISIONS
 from towers.optim.optimizers import OPTIMIZERS, check_given, check_settings as check_optimizer_settings
 from towers.optim.optimizers import settings as optimizer_settings
 from towers.optim.schedule import SCHEDULES, parse_list, piecewise_values
@@ -262,6 +263,19 @@ class Config:
         group="performance", check=Choice(("auto", "numba", "numpy")), resume=SILENT, type="str", metavar="MODE")
     tf32: bool = switch("GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 "
         "relative error (off: plain float32)", group="performance", resume=NOTE)
+    precision: str = setting(
+        "fp32", "the format forward and backward compute in: `fp32`, or `bf16` / `fp16` on low-precision copies of "
+        "the float32 master weights with float32 accumulation (on the CPU emulated by rounding; the optimizer's slots "
+        "and the EMA stay float32); fp16 scales the loss dynamically (--loss-scale-growth; --sync grads on one host; "
+        "see Low precision)", group="performance", check=Choice(PRECISIONS), resume=NOTE, type="str", metavar="P")
+    allreduce_dtype: str = setting(
+        "fp32", "the gradients' format in the all-reduce: `bf16` rounds each tower's gradient to bfloat16 before it "
+        "(half of NCCL's bytes on GPUs), the mean stays float32 (--sync grads; see Low precision)", group="performance",
+        check=Choice(ALLREDUCE_DTYPES), resume=NOTE, type="str", metavar="D")
+    loss_scale_growth: int = setting(
+        2000, "--precision fp16: clean steps in a row after which the loss scale doubles (it starts at 2**16 and halves "
+        "at each step skipped for an inf or NaN gradient)", group="performance", check=Integer(1), resume=NOTE,
+        type="int", metavar="N", used_when=lambda cfg: cfg.precision == "fp16")
 
     def resolved(self, model=None) -> "Config":
         """A copy with every unset setting filled in, after checking every setting.
@@ -333,6 +347,7 @@ def _check(cfg: Config) -> None:
         raise UserError(f"`steps` {cfg.steps} and `epochs` {cfg.epochs} are both given: give one of them (`epochs` "
                         "sets the step count from the training set's size and the examples of a step)")
     MODES[cfg.sync].check(cfg.sync, cfg)
+    _check_precision(cfg)
     if cfg.hosts == 1 and cfg.ray_address is not None:
         raise UserError("`ray_address` joins a Ray cluster for several hosts: set `hosts` 2 or more, or drop it")
     if cfg.hosts > 1 and (cfg.augment != "none" or cfg.normalize is not None or cfg.image_size is not None):
@@ -348,6 +363,23 @@ def _check(cfg: Config) -> None:
     if not isinstance(cfg.model, str):
         raise UserError(f"`model` is a name such as mlp, lenet5 or package.module:function, "
                         f"got {type(cfg.model).__name__}: hand a model object to Trainer(model=...)")
+
+
+def _check_precision(cfg: Config) -> None:
+    """What ``precision`` and ``allreduce_dtype`` are made for so far: refused elsewhere, not run wrong."""
+    if cfg.precision != "fp16" and cfg.loss_scale_growth != 2000:
+        raise UserError("`loss_scale_growth` applies to `precision` fp16 (its loss scaling); set it or drop "
+                        "`loss_scale_growth`")
+    if cfg.precision == "fp16" and cfg.sync != "grads":
+        raise UserError(f"`precision` fp16 scales the loss and skips a step all replicas agree on after the "
+                        f"gradients' all-reduce: `sync` grads only, not {cfg.sync} (or use `precision` bf16, "
+                        "which needs no loss scaling)")
+    if cfg.precision == "fp16" and cfg.hosts > 1:
+        raise UserError("`precision` fp16 (loss scaling) is for one host so far: set `hosts` 1, or use "
+                        "`precision` bf16")
+    if cfg.allreduce_dtype != "fp32" and cfg.sync != "grads":
+        raise UserError(f"`allreduce_dtype` {cfg.allreduce_dtype} rounds the gradients before their all-reduce: "
+                        f"`sync` grads only (`sync` {cfg.sync} averages weights or pushes gradients to a server)")
 
 
 def _check_optimization(cfg: Config) -> None:

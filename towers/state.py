@@ -12,6 +12,8 @@ EMA                ``ema/<name>``                              ``towers.optim.em
 input position     ``data/epoch``, ``data/index``              ``towers.data.batches``
 step engine        ``step``                                    ``towers.step.engine``
 replica keeper     ``sync/n_averages``                         ``towers.parallel.sync``
+loss scale (fp16)  ``loss_scale/`` ``scale``, ``clean_steps``,  ``towers.optim.loss_scale``
+                   ``skipped``
 checkpoint format  ``format``, ``config``, ``data/shape``, ...  ``towers.output.checkpoint``
 =================  ==========================================  ===========================
 

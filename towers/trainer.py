@@ -351,7 +351,7 @@ class Trainer:
         self._open()
         if not isinstance(state, dict):
             raise UserError(f"{where}: give a dict of name -> array, got {type(state).__name__}")
-        known = ("params", "buffers", "ema", "data", "sync") + SLOTS
+        known = ("params", "buffers", "ema", "data", "sync", "loss_scale") + SLOTS
         for key in state:
             if key not in checkpoint.META + ("step",) and key.split("/", 1)[0] not in known:
                 raise UserError(f"{where}: {key!r} is not part of a towers state dict")

@@ -16,7 +16,8 @@ def test_the_module_defines_every_kernel_once_the_layers_first():
     text = kernels.source()
     defined = re.findall(r"__global__ void towers_(\w+)\(", text)
     assert sorted(defined) == sorted(kernels.kernel_names()) and len(set(defined)) == len(defined)
-    assert defined[:2] == ["bias_add", "relu"] and defined[-3:] == ["mean2", "gather_u8", "gather_f32"]
+    assert defined[:2] == ["bias_add", "relu"] and defined[-5:] == ["mean2", "round_bf16", "round_fp16", "gather_u8",
+                                                                    "gather_f32"]
     # One extern "C" block, after the helpers every part uses.
     assert text.count('extern "C" {') == 1 and text.index("np_max(float a") < text.index('extern "C" {')
     assert text.rstrip().endswith('}  // extern "C"')

@@ -15,8 +15,8 @@ from towers import Config, Trainer
 pytestmark = [pytest.mark.gpu, *cupy_performance_warnings_fail()]
 
 
-def train(n, devices, steps=20, momentum=0.9):
-    cfg = Config(n_gpu=n, devices=devices, hidden=64, batch_size=60, momentum=momentum)
+def train(n, devices, steps=20, momentum=0.9, **settings):
+    cfg = Config(n_gpu=n, devices=devices, hidden=64, batch_size=60, momentum=momentum, **settings)
     ds = load_dataset(str(DIGITS))
     tr = Trainer(cfg, dataset=ds)
     src = BatchSource(ds, cfg.batch_size * n, cfg.seed)
@@ -449,3 +449,39 @@ def test_an_update_of_buffers_of_another_dtype_takes_cupys_passes():
         out.append(to_host(opt.params))
     assert out[0].dtype == np.float64
     np.testing.assert_array_equal(out[1], out[0])
+
+
+# -- low precision (--precision, --allreduce-dtype): prepared without a GPU, not yet run on one ------------
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_precision_rounding_kernels_give_numpys_bits(precision):
+    """The CUDA kernel of ``round_to`` and CuPy's run of its array passes round as the NumPy form does (NaN: a
+    NaN), on special values (zeros, NaN payloads, infinities, subnormals, ties, overflow) and random bits."""
+    import cupy
+
+    from tests.optim.test_precision import same_rounding, special_bits
+    from towers.ops.precision import round_bf16, round_to
+
+    x = special_bits().view(np.float32)
+    want = x.copy()
+    round_to(want, precision)  # the NumPy form
+    on_device = cupy.asarray(x)
+    round_to(on_device, precision)  # the kernel (float32, contiguous)
+    same_rounding(to_host(on_device), want)
+    strided = cupy.asarray(x)[::2]  # not contiguous: CuPy runs the array passes
+    round_to(strided, precision)
+    same_rounding(to_host(strided), want[::2])
+    if precision == "bf16":
+        passes = cupy.asarray(x)
+        round_bf16(cupy, passes)
+        same_rounding(to_host(passes), want)
+
+
+@pytest.mark.parametrize("settings", [dict(precision="bf16"), dict(precision="fp16"), dict(allreduce_dtype="bf16"),
+                                      dict(precision="bf16", allreduce_dtype="bf16")])
+def test_low_precision_on_a_shared_gpu_stays_close_to_the_cpu(settings):
+    """Two towers sharing the GPU in low precision: replicas bit-identical, close to the CPU's run of the same
+    rounding (cuBLAS sums in another order, and a value that lands on the other side of a bf16 rounding boundary
+    moves by a bf16 ulp, so the tolerance is bf16's, not float32's)."""
+    close_to_cpu(train(2, "0", **settings), train(2, "cpu", **settings), tol=2e-2)

@@ -12,6 +12,20 @@ statistics; often empty), which layers update in place while training.
 train, the step, the tower, the seed and the sync-BN callable;
 ``loss_and_grads`` runs in training mode, ``forward`` (by default),
 ``evaluate`` and ``predict`` in evaluation mode.
+
+Low precision (``precision`` bf16 or fp16, ``--precision``): the float32
+parameter buffer stays the master copy the optimizer and the EMA update; a
+training step computes on a copy of it rounded to the format (a fourth flat
+buffer, rounded once per step), on its input rounded, with every top-level
+layer's output and every gradient passed between layers in backward rounded
+in place, and with the parameter gradients rounded as backward leaves them
+(``towers.ops.precision``); sums and products run in float32 between those
+roundings, as tensor cores accumulate.  So on the CPU the step computes what a
+GPU holding those values in bf16/fp16 computes, up to the order of its float32
+sums.  The loss and its gradient (softmax cross-entropy) are float32 from the
+rounded logits; L2's gradient is added in float32 from the masters.  Layers
+inside a residual block compute in float32 between the block's rounded input
+and output.  Evaluation and prediction use the float32 masters.
 """
 from __future__ import annotations
 
@@ -25,6 +39,7 @@ from towers.nn.context import StepContext
 from towers.nn.layers import Sequential, Workspace
 from towers.nn.loss import accuracy_count, softmax_cross_entropy
 from towers.ops.l2 import add_scaled
+from towers.ops.precision import PRECISIONS, round_to
 
 
 class Replica:
@@ -37,11 +52,18 @@ class Replica:
     current).  ``label_smoothing`` applies to the training loss only.
     ``params``, when given, is the parameter buffer to use (another
     replica's: the two then share their weights); gradients and buffers are
-    always the replica's own.
+    always the replica's own.  ``precision``: the format a training step
+    computes in (module doc; ``fp32``: the masters themselves).
     """
 
-    def __init__(self, model: Sequential, xp, dtype=numpy.float32, label_smoothing: float = 0.0, params=None):
+    def __init__(self, model: Sequential, xp, dtype=numpy.float32, label_smoothing: float = 0.0, params=None,
+                 precision: str = "fp32"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+        if precision != "fp32" and numpy.dtype(dtype) != numpy.float32:
+            raise ValueError(f"precision {precision} rounds float32 masters, not {numpy.dtype(dtype)}")
         self.model, self.xp, self.dtype = model, xp, numpy.dtype(dtype)
+        self.precision = precision
         self.label_smoothing = float(label_smoothing)
         self.context = StepContext()
         if params is not None and (params.shape != (model.size,) or params.dtype != self.dtype
@@ -66,6 +88,10 @@ class Replica:
         for li, name, prm in model.params:
             by_layer.setdefault(li, []).append((prm.name, name, prm.trainable))
         views = {**self.param, **self.buffer}
+        # Low precision: the rounded copy of the weights the training step's layers read (module doc).
+        self._low = None if precision == "fp32" else xp.zeros(model.size, dtype=self.dtype)
+        low_views = views if self._low is None else {**self._views(self._low), **self.buffer}
+        self._train_params = []  # per layer: the parameters and buffers a training step reads
         self._grad_names = []  # per layer: (its name of a gradient, the model's name)
         for li in range(len(model.layers)):
             names = by_layer.get(li, [])
@@ -77,6 +103,8 @@ class Replica:
                     Workspace(xp, self.context, (li,)),
                 )
             )
+            self._train_params.append({k: low_views[n] for k, n, _ in names})
+        self._input = None  # low precision: the rounded copy of a micro-batch's input
         self._loss_ws = Workspace(xp, self.context)
         self._scratch = None  # (flat buffer, per-layer views): where micro-batches after the first write
 
@@ -97,11 +125,35 @@ class Replica:
         """Copy a flat host or device array into the buffers (``model.buffer_layout()`` order)."""
         self.buffers[...] = self.xp.asarray(flat, dtype=self.dtype)
 
+    def _views(self, flat) -> dict:
+        """{name: view} of the model's weights in a flat buffer laid out as ``params``."""
+        return {name: flat[off: off + size].reshape(shape, copy=False) for name, shape, off, size in self.model.layout()}
+
     def forward(self, x, training: bool = False):
-        """The logits of ``x``: evaluation mode (moving statistics, no dropout) unless ``training``."""
+        """The logits of ``x``: evaluation mode (moving statistics, no dropout) unless ``training``.
+
+        Always on the float32 masters: a training step's low-precision forward is ``_train_forward``.
+        """
         self.context.training = training
         for layer, (p, _, ws) in zip(self.model.layers, self._local):
             x = layer.forward(p, x, ws)
+        return x
+
+    def _train_forward(self, x):
+        """A training step's forward: ``forward`` in fp32; in low precision on the rounded weights' copy, the
+        input rounded into a copy and every layer's output rounded in place (module doc).  A layer that returns
+        a view of its input (a reshape) hands on values rounded already: rounding again changes nothing."""
+        if self._low is None:
+            return self.forward(x, training=True)
+        self.context.training = True
+        if self._input is None or self._input.shape != x.shape:
+            self._input = self.xp.empty(x.shape, dtype=self.dtype)
+        self._input[...] = x
+        x = self._input
+        round_to(x, self.precision)
+        for layer, p, (_, _, ws) in zip(self.model.layers, self._train_params, self._local):
+            x = layer.forward(p, x, ws)
+            round_to(x, self.precision)
         return x
 
     def loss_and_grads(self, x, labels, l2: float, want_loss: bool = True, timer=None):
@@ -123,7 +175,8 @@ class Replica:
         w = self.params[: self._nreg]
         return self.dtype.type(l2 / 2) * self.xp.dot(w, w) if self._nreg and l2 else self.dtype.type(0)
 
-    def mean_loss_and_grads(self, batches, count: int, l2: float, want_loss: bool = True, timer=None):
+    def mean_loss_and_grads(self, batches, count: int, l2: float, want_loss: bool = True, timer=None,
+                            loss_scale: float = 1.0):
         """Forward and backward over ``count`` micro-batches: their mean data loss and mean gradient, + L2's once.
 
         ``batches`` yields ``count`` (x, labels) pairs of equal size, taken one
@@ -137,6 +190,13 @@ class Replica:
         over the flat buffer.  L2's gradient and loss term are added once, after
         the mean.  Layers see each micro-batch as a batch of its own (batch
         norm: its statistics; sync-BN: one pair of syncs per micro-batch).
+        ``loss_scale`` S (fp16's dynamic loss scaling, a power of two:
+        ``towers.optim.loss_scale``) multiplies the logits' gradient before
+        backward, and L2's coefficient with it, so ``grads`` ends as S times
+        the mean gradient (exactly, barring overflow: a power of two scales
+        without rounding); the keeper unscales it after the all-reduce.  In low
+        precision the weights' copy is rounded first, and each micro-batch's
+        parameter gradients as backward leaves them (module doc).
         The loss returned is the data loss (mean cross-entropy, with label
         smoothing in training) without the L2 term: what a run logs, the
         quantity evaluation reports too, so a run at 100% accuracy does not log
@@ -146,14 +206,22 @@ class Replica:
         timer = timer or _no_timer
         scale = self.dtype.type(1 / count)
         loss, seen = None, 0
+        if self._low is not None:
+            with timer("forward"):
+                self._low[...] = self.params  # this step's copy of the weights, in the compute format
+                round_to(self._low, self.precision)
         for k, (x, labels) in enumerate(batches):
             with timer("forward"):
-                logits = self.forward(x, training=True)
+                logits = self._train_forward(x)
                 part, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss, self.label_smoothing)
             with timer("backward"):
                 if count > 1:
                     dy *= scale  # the loss workspace's array: safe in place
+                if loss_scale != 1.0:
+                    dy *= self.dtype.type(loss_scale)
                 self._backward(dy, None if k == 0 else self._scratch_grads())
+                # Low precision: the parameter gradients as backward hands them over, rounded.
+                round_to(self.grads if k == 0 else self._scratch[0], self.precision)
                 if k:
                     self.grads += self._scratch[0]
             if want_loss:
@@ -165,25 +233,30 @@ class Replica:
         with timer("backward"):
             if self._nreg and l2:
                 w = self.params[: self._nreg]
-                # grads += l2 * w: one kernel on a GPU, one pass or two on the CPU (towers.ops.l2).
-                add_scaled(self.grads[: self._nreg], w, l2)
+                # grads += l2 * w: one kernel on a GPU, one pass or two on the CPU (towers.ops.l2); scaled
+                # with the loss (a power of two: l2 * S * w is S * (l2 * w) exactly).
+                add_scaled(self.grads[: self._nreg], w, l2 * loss_scale)
         return loss
 
     def _backward(self, dy, grads) -> None:
         """Backward from ``dy`` (the logits' gradient) into ``grads`` (per layer; None: the replica's own)."""
         layers = self.model.layers
+        # Low precision: the loss's gradient and each layer's input gradient, as the next layer reads them, rounded.
+        round_to(dy, self.precision)
         # Backward stops at the first layer with parameters, which needs no
         # input gradient (for the MLP that saves a third of the step's FLOPs).
         for i in range(len(layers) - 1, self._first_param_layer - 1, -1):
-            p, g, ws = self._local[i]
-            dy = layers[i].backward(p, g if grads is None else grads[i], dy, ws, need_dx=i > self._first_param_layer)
+            _, g, ws = self._local[i]
+            dy = layers[i].backward(self._train_params[i], g if grads is None else grads[i], dy, ws,
+                                    need_dx=i > self._first_param_layer)
+            if i > self._first_param_layer:
+                round_to(dy, self.precision)
 
     def _scratch_grads(self) -> list[dict]:
         """Per layer, its gradient views into the scratch buffer (made on the first call)."""
         if self._scratch is None:
             flat = self.xp.zeros_like(self.grads)
-            views = {name: flat[off: off + size].reshape(shape, copy=False)
-                     for name, shape, off, size in self.model.layout()}
+            views = self._views(flat)
             self._scratch = (flat, [{k: views[n] for k, n in names} for names in self._grad_names])
         return self._scratch[1]
 

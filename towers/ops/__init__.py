@@ -15,6 +15,7 @@ module              ops                             forms
                     ``bias_grad``, ``col_sum``
 ``l2``              ``add_scaled`` (L2's gradient)  derived
 ``mean2``           ``mean2`` (two towers' mean)    derived
+``precision``       ``round_to`` (bf16, fp16)       NumPy integer passes or a cast, CUDA (bits)
 ``softmax_xent``    the loss and its gradient       NumPy passes, one CUDA kernel (rows)
 ``im2col``          ``im2col``, ``col2im``          NumPy views and strided adds, numba gather, CUDA
 ``maxpool``         ``maxpool``, backward           NumPy passes, numba loops, CUDA (windows)
@@ -29,4 +30,4 @@ process chose once when the ``Trainer`` was built (``towers.ops.backend``).
 The GPU forms of the modules' ops are registered, in the order imported
 here, into the one CUDA module of ``towers.devices.kernels``.
 """
-from towers.ops import bias, activation, l2, softmax_xent, im2col, maxpool, mean2  # noqa: F401  (this order)
+from towers.ops import bias, activation, l2, softmax_xent, im2col, maxpool, mean2, precision  # noqa: F401  (this order)

@@ -58,6 +58,8 @@ import numpy
 
 from towers.errors import TrainingError, UserError
 from towers.devices.placement import to_host
+from towers.ops.precision import ALLREDUCE_DTYPES, round_to
+from towers.optim.loss_scale import LossScaler
 from towers.parallel.reducers import Counted
 from towers.state import count
 
@@ -110,6 +112,11 @@ class Keeping:
     #: the settings this keeper reads, each with the value that means "not used" (any other value given
     #: to another mode's run is refused: ``Mode.check``)
     settings: dict = {}
+    #: whether tower threads may each reduce and update a slice of the buffers (else tower 0's thread does
+    #: whole buffers: a decision over the whole gradient, fp16's finite check, needs them whole)
+    splits = True
+    #: what the loss's gradient is multiplied by at the next step (fp16's loss scale; 1: none)
+    loss_scale = 1.0
 
     def __init__(self, reducer, timer):
         self.reducer, self.timer = Counted(reducer), timer
@@ -169,18 +176,69 @@ class Keeping:
 
 
 class GradientAveraging(Keeping):
-    """Grads mode: reduce the gradients, then every replica applies the same update."""
+    """Grads mode: reduce the gradients, then every replica applies the same update.
+
+    ``allreduce_dtype`` bf16: each tower's gradient (or its slice) is rounded
+    to bfloat16 (``towers.ops.precision``) before the reducer averages it;
+    the mean itself stays float32, so every replica holds the float32 mean of
+    the rounded gradients, the same bytes everywhere.  ``scaler`` (fp16's
+    ``towers.optim.loss_scale.LossScaler``): after the all-reduce it unscales
+    the averaged gradients and decides whether the step updates; a skipped
+    step runs no optimizer update and so no EMA update (fused into it).  Its
+    decision needs the whole gradient, so with it tower threads do not split
+    the update (``splits``), and its state is saved under ``loss_scale/``.
+    """
 
     same_updates = True
     fuses_ema = True
 
+    def __init__(self, reducer, timer, allreduce_dtype: str = "fp32", scaler=None):
+        super().__init__(reducer, timer)
+        if allreduce_dtype not in ALLREDUCE_DTYPES:
+            raise ValueError(f"allreduce_dtype {allreduce_dtype!r}: use one of {', '.join(ALLREDUCE_DTYPES)}")
+        self.allreduce_dtype, self.scaler = allreduce_dtype, scaler
+        self.splits = scaler is None
+
+    @classmethod
+    def build(cls, reducer, timer, ema, cfg) -> "GradientAveraging":
+        scaler = LossScaler(cfg.loss_scale_growth) if cfg.precision == "fp16" else None
+        return cls(reducer, timer, cfg.allreduce_dtype, scaler)
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 if self.scaler is None else self.scaler.scale
+
     def update(self, towers, part, lr, step, on) -> None:
         self.reduce(towers, part, on)
+        # fp16: the averaged gradient decides, the same on every replica (part is None: ``splits``).
+        updating = [t for t in towers if not t.shares_params]
+        if self.scaler is not None and not self.scaler.unscale([t.replica.grads for t in updating],
+                                                               [t.scope for t in updating]):
+            return  # skipped: no update, no EMA
         self.apply(towers, part, lr, step, on)
 
     def reduce(self, towers: list, part: slice | None = None, on: int = 0) -> None:
-        """Every tower's gradient buffer (or its slice ``part``) becomes the mean over all towers."""
-        self._mean([t.replica.grads if part is None else t.replica.grads[part] for t in towers], on, part)
+        """Every tower's gradient buffer (or its slice ``part``) becomes the mean over all towers (of the
+        gradients rounded to ``allreduce_dtype``, each on its tower's device and stream)."""
+        buffers = [t.replica.grads if part is None else t.replica.grads[part] for t in towers]
+        if self.allreduce_dtype != "fp32" and not self.reducer.noop:  # one tower alone has no all-reduce
+            for t, g in zip(towers, buffers):
+                with t.scope():
+                    round_to(g, self.allreduce_dtype)
+        self._mean(buffers, on, part)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), **(self.scaler.state_dict() if self.scaler is not None else {})}
+
+    def prepare(self, state: dict, where: str):
+        set_averages = super().prepare(state, where)
+        # Checked whatever the run: a checkpoint's keys of another precision are allowed, not wrong ones.
+        set_scale = (self.scaler or LossScaler()).prepare(state, where)
+
+        def apply(step):
+            set_averages(step)
+            set_scale()
+        return apply
 
     @staticmethod
     def apply(towers: list, part: slice | None, lr: float, step: int, on: int = 0) -> None:

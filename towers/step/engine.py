@@ -80,8 +80,9 @@ class Step:
     ``x``, ``y``: the host batch (None with ``staged``, the handle of the
     step's rows on the devices, ``DeviceData.upload``); ``lr``: its learning
     rate; ``step``: updates done before it; ``want_loss``: whether the towers'
-    losses are kept.  Made per call: a tower thread of the last step still
-    running holds its own.
+    losses are kept; ``loss_scale``: the keeper's loss scale when the step
+    began (fp16: ``towers.optim.loss_scale``; else 1).  Made per call: a tower
+    thread of the last step still running holds its own.
     """
 
     x: object
@@ -90,6 +91,7 @@ class Step:
     want_loss: bool
     lr: float
     step: int
+    loss_scale: float = 1.0
 
 
 class StepEngine:
@@ -113,8 +115,8 @@ class StepEngine:
             # A reducer that takes slices splits the all-reduce and the update
             # among the threads; else (NCCL, GPUs, across hosts) tower 0's thread
             # does both over whole buffers once every tower has its gradients.
-            self._parts = (chunks(towers[0].replica.params.size, n) if keeper.reducer.splittable and threads
-                           else [None] * n)
+            self._parts = (chunks(towers[0].replica.params.size, n)
+                           if keeper.reducer.splittable and keeper.splits and threads else [None] * n)
         if sync_bn and n > 1:
             # The wrapped reducer: batch statistics are not counted as all-reduces.
             mean = SyncMean(n, keeper.reducer.reducer, self._pool.barrier)
@@ -151,7 +153,8 @@ class StepEngine:
         # (GPU towers on threads too: sync-BN runs them on the pool).  ``staged``
         # names this step's index buffers: a tower thread of the last step that
         # is still running reads its own step's, not these.
-        s = Step(x, y, self._stage_indices(indices), want_loss, self.schedule(self.step), self.step)
+        s = Step(x, y, self._stage_indices(indices), want_loss, self.schedule(self.step), self.step,
+                 self.keeper.loss_scale)
         if self._pool is None:
             self._work(range(len(self.towers)), s)
         else:
@@ -201,9 +204,10 @@ class StepEngine:
         t = self.towers[i]
         if s.staged is not None:
             return t.compute(None, None, self.l2, s.want_loss, s.step,
-                             stage=lambda k: self.device_data.stage(i, k, s.staged))
+                             stage=lambda k: self.device_data.stage(i, k, s.staged), loss_scale=s.loss_scale)
         r = t.rows
-        return t.compute(s.x[i * r: (i + 1) * r], s.y[i * r: (i + 1) * r], self.l2, s.want_loss, s.step)
+        return t.compute(s.x[i * r: (i + 1) * r], s.y[i * r: (i + 1) * r], self.l2, s.want_loss, s.step,
+                         loss_scale=s.loss_scale)
 
     def _step_done(self, losses):
         self.step += 1

@@ -55,7 +55,7 @@ class Tower:
         with self.device.scope(), on_stream(self.stream), numpy.errstate(**QUIET):
             yield
 
-    def compute(self, x, y, l2: float, want_loss: bool, step: int, stage=None):
+    def compute(self, x, y, l2: float, want_loss: bool, step: int, stage=None, loss_scale: float = 1.0):
         """Stages 1-2 over the tower's ``accumulate`` micro-batches: each onto the device, forward, backward.
 
         ``x``, ``y``: the tower's ``rows`` host examples, micro-batch k being
@@ -64,13 +64,14 @@ class Tower:
         (``Replica.mean_loss_and_grads``).  Dropout draws each micro-batch's
         masks as a tower of its own (draw index ``tower * K + k``, which is
         the tower's index when K = 1).  ``step``: updates done so far (the
-        layers' step context).  Returns the mean loss as a device scalar when
-        ``want_loss``, else None.
+        layers' step context).  ``loss_scale``: what the loss's gradient is
+        multiplied by (fp16's loss scaling; the gradient comes out scaled).
+        Returns the mean loss as a device scalar when ``want_loss``, else None.
         """
         self.replica.context.step = step
         with self.scope():
             return self.replica.mean_loss_and_grads(self._micro_batches(x, y, stage), self.accumulate, l2,
-                                                    want_loss, self.timer)
+                                                    want_loss, self.timer, loss_scale)
 
     def _micro_batches(self, x, y, stage):
         b, k_all, ctx = self.stager.x.shape[0], self.accumulate, self.replica.context
@@ -127,7 +128,8 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
                 stream = streams.get(dev.index) or dev.xp.cuda.Stream(non_blocking=True)
                 streams[dev.index] = stream
             shares = share and not dev.is_gpu and cpu_params is not None
-            replica = Replica(model, dev.xp, label_smoothing=cfg.label_smoothing, params=cpu_params if shares else None)
+            replica = Replica(model, dev.xp, label_smoothing=cfg.label_smoothing, params=cpu_params if shares else None,
+                              precision=cfg.precision)
             if share and not dev.is_gpu and cpu_params is None:
                 cpu_params = replica.params
             replica.set_params(init)
