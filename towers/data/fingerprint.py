@@ -46,6 +46,8 @@ import hashlib
 
 import numpy
 
+from towers.data.dataset import OnDemand
+
 SAMPLE = 64  # examples hashed from a large array or an image folder
 WHOLE_BYTES = 16 << 20  # arrays up to this size are hashed whole (about 20 ms)
 
@@ -72,14 +74,13 @@ def hash_rows(h, array) -> None:
 def fingerprint(dataset) -> dict:
     """The fingerprint of ``dataset``'s training split (see the module docstring)."""
     x = dataset.x
-    source = getattr(x, "stored", None)  # on-demand examples: the source they are made from
     examples = new_hash()
-    if source is None:
+    if isinstance(x, OnDemand):  # made on demand: the source they are made from
+        x.stored.fingerprint(examples)
+        dtype = x.stored.dtype
+    else:
         hash_rows(examples, x)
         dtype = x.dtype
-    else:
-        source.fingerprint(examples)
-        dtype = source.dtype
     labels = new_hash()
     labels.update(memoryview(numpy.ascontiguousarray(dataset.y, "<i4")).cast("B"))
     return {"count": int(len(x)), "dtype": numpy.dtype(dtype).name, "labels": labels.hexdigest(),

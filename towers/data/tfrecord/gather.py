@@ -1,6 +1,6 @@
 """Record positions to one examples array: mapped files, batch-wise checks, and no parse where none is needed.
 
-Training from TFRecord files (``towers.data.tfrecord.records.RecordArray``)
+Training from TFRecord files (``towers.data.tfrecord.records.record_examples``)
 asks for a global batch of records at random positions; a :class:`Gatherer`
 (one per process: the input thread's, or a worker process's) turns them into the examples array.
 The example is the content of one bytes field (or one packed float list),
