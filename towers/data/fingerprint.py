@@ -46,8 +46,6 @@ import hashlib
 
 import numpy
 
-from towers.data.dataset import OnDemand
-
 SAMPLE = 64  # examples hashed from a large array or an image folder
 WHOLE_BYTES = 16 << 20  # arrays up to this size are hashed whole (about 20 ms)
 
@@ -75,12 +73,12 @@ def fingerprint(dataset) -> dict:
     """The fingerprint of ``dataset``'s training split (see the module docstring)."""
     x = dataset.x
     examples = new_hash()
-    if isinstance(x, OnDemand):  # made on demand: the source they are made from
-        x.stored.fingerprint(examples)
-        dtype = x.stored.dtype
-    else:
+    if isinstance(x, numpy.ndarray):  # in memory or mapped
         hash_rows(examples, x)
         dtype = x.dtype
+    else:  # made on demand (towers.data.examples.Examples): the source they are made from
+        x.stored.fingerprint(examples)
+        dtype = x.stored.dtype
     labels = new_hash()
     labels.update(memoryview(numpy.ascontiguousarray(dataset.y, "<i4")).cast("B"))
     return {"count": int(len(x)), "dtype": numpy.dtype(dtype).name, "labels": labels.hexdigest(),

@@ -121,10 +121,9 @@ class Records(Kind):
         return load_split(path, spec.x_key, spec.y_key, spec.stored, spec.on_error, workers, say=say)
 
     def images(self, spec, path, say, test=False, own=False) -> Split:
-        from towers.data.pipeline import Images
         from towers.data.tfrecord.records import encoded_images, load_split
 
-        feature = spec.op(Images).feature
+        feature = spec.image_feature
         if feature is not None:
             return Split(*encoded_images(path, spec.x_key, spec.y_key, feature, spec.on_error, say))
         x, y = load_split(path, spec.x_key, spec.y_key, None, spec.on_error, workers=0, say=say)
@@ -151,9 +150,8 @@ class Npz(Kind):
 
     def images(self, spec, path, say, test=False, own=False) -> Split:
         from towers.data.dataset import load_npz
-        from towers.data.pipeline import Images
 
-        feature = spec.op(Images).feature
+        feature = spec.image_feature
         if feature is not None:
             raise UserError(f"`decode` {feature}:image reads TFRecord files; `{_setting(test)}` {path} is not one")
         if test:

@@ -94,6 +94,12 @@ class DataSpec:
         return 0 if a is None else a.seed
 
     @property
+    def image_feature(self) -> str | None:
+        """The TFRecord bytes feature the ``Images`` op decodes (None: no such op, or not a feature)."""
+        images = self.op(Images)
+        return None if images is None else images.feature
+
+    @property
     def normalize(self) -> str | None:
         n = self.op(Normalize)
         return None if n is None else n.text
