@@ -75,7 +75,7 @@ from pathlib import Path
 import numpy as np
 
 from towers.config import Config
-from towers.data.batches import BatchSource, Prefetcher
+from towers.data.batches import BatchSource, Prefetcher, workers_of
 from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.from_npz import write_examples
