@@ -87,7 +87,7 @@ class Examples(OnDemand):
     def submit(self, rows, epochs=None, y=None) -> Batch:
         """Start making ``rows`` (``epochs``: each row's, for its draws); the batch carries the labels ``y``."""
         rows = np.asarray(rows, np.int64)
-        epochs = None if epochs is None else np.asarray(epochs, np.int64)
+        epochs = None if epochs is None or not self.stage.draws else np.asarray(epochs, np.int64)
         with self._lock:
             workers, sid = self._workers, self._sid
         try:

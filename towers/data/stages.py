@@ -4,7 +4,8 @@ A stage is what the worker pool (``towers.data.workers``) registers and
 runs: ``make(refs, epochs, indices, out)`` writes the rows ``refs`` (what
 ``refs(rows)`` picked to travel) into ``out`` and returns the ``(k,
 message)`` of those that cannot be made; ``shape`` and ``dtype`` are one
-row's.  Two kinds, chosen once by the loader (``towers.data.loading``):
+row's; ``draws``: whether its rows draw random numbers (else their epochs
+are not sent).  Two kinds, chosen once by the loader (``towers.data.loading``):
 
 - :class:`Gather`: the source makes the whole chunk at once
   (``source.read_rows``): raw TFRecord examples, gathered and parsed a batch
@@ -31,6 +32,8 @@ from towers.data.sources import SourceError
 class Gather:
     """Rows the source makes a chunk at a time (``read_rows``), as they are stored."""
 
+    draws = False  # nothing random: the rows' epochs need not travel
+
     def __init__(self, source):
         self.source = source
         self.shape, self.dtype = tuple(source.example_shape), np.dtype(source.dtype)
@@ -51,6 +54,7 @@ class Transformed:
     def __init__(self, source, transform):
         self.source, self.transform = source, transform
         self.shape, self.dtype = tuple(transform.shape), np.dtype(transform.dtype)
+        self.draws = bool(transform.draws)  # training draws: each row's epoch travels with its chunk
 
     def refs(self, rows):
         return self.source.refs(rows)
