@@ -12,8 +12,9 @@ op            what it does to one example                                      s
 ============  ===============================================================  ==================================
 ``Images``    the example becomes a uint8 H x W x C image: encoded bytes       ``feature`` (a TFRecord bytes
               decoded (a TFRecord feature, an image folder's files), stored     feature of encoded images),
-              pixels kept; resized (shorter side) and center-cropped to H x W   ``size`` (H,W,C text, or None:
-                                                                                the images' own)
+              pixels kept; resized (shorter side) and center-cropped to H x W   ``size`` ((H, W, C) of the decode,
+                                                                                ``image_size`` text, or None: the
+                                                                                images' own)
 ``Augment``   the named augmentation's random draws (training only)             ``name``, ``seed``
 ``Normalize`` ``(x / 255 - mean) / std`` per channel, float32                   ``text`` (MEAN,STD ...)
 ============  ===============================================================  ==================================
@@ -29,10 +30,10 @@ thread or the workers by its cost.
 :func:`describe` builds a description from a path and the named settings of
 the command line and ``Config`` (``decode``, ``augment``, ``normalize``,
 ``image_size``, ``seed``); a description can also be written directly.  Only
-the parsing of the ``decode`` syntax happens here (a malformed
-``NAME:image:...`` is a ``UserError``); every other check of the settings is
-the loader's, when it reads the data.  Importing this module loads no image
-or TFRecord code.
+the ``decode`` syntax is checked here (a malformed ``NAME:image:...``, or an
+``image_size`` that disagrees with it, is a ``UserError``); every other check
+of the settings is the loader's, when it reads the data.  Importing this
+module loads no decoder or TFRecord reader (Pillow, simplejpeg, protobuf).
 """
 from __future__ import annotations
 
