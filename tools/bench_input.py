@@ -75,7 +75,7 @@ from pathlib import Path
 import numpy as np
 
 from towers.config import Config
-from towers.data.batches import BatchSource, Prefetcher
+from towers.data.batches import BatchSource, Prefetcher, workers_of
 from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.from_npz import write_examples
@@ -98,7 +98,7 @@ def _data(n):
 def pipeline_rate(dataset, batches):
     source = BatchSource(dataset, 2 * BATCH, seed=0)
     dataset.x[np.arange(2)]  # start the workers outside the timing
-    prefetch = Prefetcher(source, batches + 5)
+    prefetch = Prefetcher(source, batches + 5, workers=workers_of(dataset.x))
     try:
         for _ in range(5):
             prefetch.get()
@@ -250,11 +250,11 @@ def _decode_alone(path, kind, start, seconds):
     ds = _image_dataset(path, kind, 0)
     try:
         rows, epochs = np.arange(2 * BATCH), np.zeros(2 * BATCH, np.int64)
-        ds.x.submit(rows, epochs).result()
+        ds.x.submit(rows, epochs).examples()
         time.sleep(max(0.0, start - time.time()))
         n, began, t0 = 0, time.time(), time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            ds.x.submit((rows + n) % len(ds.x), epochs).result()
+            ds.x.submit((rows + n) % len(ds.x), epochs).examples()
             n += len(rows)
         return n / (time.perf_counter() - t0), began, time.time()
     finally:

@@ -15,8 +15,9 @@ to it: its own ``towers``, whatever is installed), with ``--quiet
 loops alike, for models whose ``auto`` leaves numba out).  The jobs: the
 default job with each optimizer, weights mode, 2 hosts in grads and ps,
 LeNet-5, ResNet-20 on the digits and on 32x32x3 synthetic images (made here,
-seeded), and the JPEG TFRecord with ``--augment cifar`` at 0 and 2 input
-workers (``../shared/image-samples``; skipped without it).  Jobs on 2 hosts
+seeded), the JPEG TFRecord with ``--augment cifar`` at 0 and 2 input workers
+with the decoded-image cache on and off (``../shared/image-samples``; skipped
+without it), and an image folder of PNGs (made here, seeded).  Jobs on 2 hosts
 need Ray (skipped without it) and start a local Ray each (10-20 s on 2
 cores).
 
@@ -63,6 +64,11 @@ JOBS = {
     "resnet20 32x32x3": BASE + ["--model", "resnet20", "--steps", "8", "--batch-size", "16", "--data", "{cifar}"],
     "jpeg augment, 0 input workers": BASE + JPEG + ["--input-workers", "0"],
     "jpeg augment, 2 input workers": BASE + JPEG + ["--input-workers", "2"],
+    "jpeg augment, no image cache, 0 input workers": BASE + JPEG + ["--input-workers", "0", "--no-cache-images"],
+    "jpeg augment, no image cache, 2 input workers": BASE + JPEG + ["--input-workers", "2", "--no-cache-images"],
+    "image folder, 2 input workers": BASE + ["--data", "{folder}", "--steps", "60", "--input-workers", "2"],
+    "image folder, augment, no image cache, 0 input workers": BASE + [
+        "--data", "{folder}", "--steps", "60", "--augment", "cifar", "--input-workers", "0", "--no-cache-images"],
 }
 ASYNC_ONE = HOSTS + ["--sync", "async", "--steps", "1"]
 ASYNC_LONG = HOSTS + ["--sync", "async"]
@@ -76,6 +82,19 @@ def synthetic_cifar(path: Path) -> None:
     proj = rng.standard_normal((32 * 32 * 3, 10)).astype(numpy.float32)
     y = (x.reshape(640, -1).astype(numpy.float32) @ proj).argmax(1).astype(numpy.int64)
     numpy.savez(path, x=x[:512], y=y[:512], x_test=x[512:], y_test=y[512:])
+
+
+def synthetic_folder(path: Path) -> None:
+    """An image folder: 10 class folders of 24 PNGs each, 28x28 grey, seeded (a class is a brighter band)."""
+    from PIL import Image
+
+    rng = numpy.random.default_rng(21)
+    for k in range(10):
+        (path / f"class{k}").mkdir(parents=True)
+        for j in range(24):
+            a = rng.integers(0, 120, (28, 28), dtype=numpy.uint8)
+            a[2 * k + 4: 2 * k + 8] += 120
+            Image.fromarray(a).save(path / f"class{k}" / f"{j:03d}.png")
 
 
 def train(checkout: str, args: list[str]) -> tuple[str, str]:
@@ -103,15 +122,16 @@ def runnable(name: str) -> bool:
 def run(checkout: str, out: str, names: list[str], modes: list[str]) -> None:
     record = {}
     with tempfile.TemporaryDirectory(prefix="compare-results-") as tmp:
-        cifar = Path(tmp) / "cifar32.npz"
+        cifar, folder = Path(tmp) / "cifar32.npz", Path(tmp) / "folder"
         synthetic_cifar(cifar)
+        synthetic_folder(folder)
         for name in (n for n in names if n != "async"):
             if not runnable(name):
                 print(f"{name:34s} skipped (needs Ray or ../shared/image-samples)", flush=True)
                 continue
             for mode in modes:
                 key = name if len(modes) == 1 else f"{name} / {mode}"
-                args = [a.format(cifar=cifar) for a in JOBS[name]] + ["--cpu-kernels", mode]
+                args = [a.format(cifar=cifar, folder=folder) for a in JOBS[name]] + ["--cpu-kernels", mode]
                 record[key] = train(checkout, args)[0]
                 print(f"{key:34s} {record[key]}", flush=True)
     if "async" in names and runnable("async"):

@@ -72,3 +72,9 @@ class TrainingError(_Message, RuntimeError):
 
     Printed as one line by the entry points, with exit status 1.
     """
+
+
+class InputError(Exception):
+    """The input failed while a batch was being made (a record damaged since it was indexed, an input worker
+    that died); ``str()`` is the one-line report.  A batch raises it as a :class:`TrainingError`
+    (``towers.data.batches.Batch``); the decoded-image cache tells the kinds apart."""

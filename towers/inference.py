@@ -37,7 +37,8 @@ import numpy
 from towers.config import MODEL_OBJECT
 from towers.data.dataset import TestSet
 from towers.data.inputs import is_tfrecord
-from towers.data.loading import load_test_data, uses_images
+from towers.data.loading import load_test_data
+from towers.data.pipeline import describe
 from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import Device, resolve
 from towers.errors import UserError, notice
@@ -252,14 +253,15 @@ class TestSets:
         key = (path, test is None, x_key, y_key, shape, int(arrays["data/num_classes"]),
                tuple(classes) if classes else None, stored.get("dtype"))
         if key not in self._sets:
+            settings = dict(on_error=ck.get("on_error", "stop"), augment=ck.get("augment", "none"),
+                            normalize=ck.get("normalize"), image_size=ck.get("image_size"))
+            spec = describe(path, x_key, y_key, decode=decode or (ck.get("decode") if is_tfrecord(path) else None),
+                            **settings)
             # Trained from images (a folder: it recorded its classes): the test split is made as images too.
-            images = classes is not None or uses_images(None, ck.get("decode"), ck.get("augment", "none"),
-                                                        ck.get("normalize"), ck.get("image_size"))
-            ds = load_test_data(path, shape, key[5], classes, stored.get("dtype"), x_key, y_key,
-                                decode=decode or (ck.get("decode") if is_tfrecord(path) else None),
-                                on_error=ck.get("on_error", "stop"), workers=input_workers(ck.get("input_workers"), 0),
-                                augment=ck.get("augment", "none"), normalize=ck.get("normalize"),
-                                image_size=ck.get("image_size"), own=test is None, images=images)
+            if classes is not None or describe(None, decode=ck.get("decode"), **settings).ops:
+                spec = spec.as_images()
+            ds = load_test_data(spec, shape, key[5], classes, stored.get("dtype"),
+                                workers=input_workers(ck.get("input_workers"), 0), own=test is None)
             if self.loaded is not None:
                 self.loaded(ds)
             self._sets[key] = ds

@@ -27,7 +27,7 @@ import dataclasses
 import numpy
 
 from towers.config import steps_of_epochs
-from towers.data.batches import BatchSource, InputPosition, Prefetcher, start_batch
+from towers.data.batches import BatchSource, InputPosition, Prefetcher, start_batch, workers_of
 from towers.data.device_data import DeviceData, fits_on
 from towers.devices import kernels, matmul
 from towers.devices.cpu_threads import blas_threads, set_blas_threads
@@ -233,7 +233,7 @@ class LocalExecutor(Executor):
         if self.device_data is not None:  # rows are drawn (cheaply) at each step and gathered on the devices
             yield
             return
-        self._prefetch = Prefetcher(self.rows, max(last_step - self.step, 0))
+        self._prefetch = Prefetcher(self.rows, max(last_step - self.step, 0), workers=workers_of(self.rows.x))
         try:
             yield
         finally:

@@ -34,6 +34,7 @@ import numpy
 from towers.config import Config
 from towers.data.dataset import Dataset, check_examples, check_test_split
 from towers.data.loading import load_dataset
+from towers.data.pipeline import describe
 from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import Placement, check_host, resolve
 from towers.errors import TrainingError, UserError, notice
@@ -142,10 +143,10 @@ class Trainer:
             cpu_towers = 0 if cluster else sum(not d.is_gpu for d in self.placement.towers)
             # The decoded-image cache is for one host: a cluster's data set travels to its hosts.
             cache = cfg.cache_images_mib if cfg.cache_images and not cluster else None
-            dataset = load_dataset(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode,
-                                   on_error=cfg.on_error, workers=input_workers(cfg.input_workers, cpu_towers),
-                                   augment=cfg.augment, normalize=cfg.normalize, image_size=cfg.image_size,
-                                   seed=cfg.seed, cache_mib=cache, progress=not cfg.quiet)
+            spec = describe(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode, on_error=cfg.on_error,
+                            augment=cfg.augment, normalize=cfg.normalize, image_size=cfg.image_size, seed=cfg.seed)
+            dataset = load_dataset(spec, workers=input_workers(cfg.input_workers, cpu_towers), cache_mib=cache,
+                                   progress=not cfg.quiet)
             self._owned_data = dataset  # its TFRecord workers end with this trainer
         elif not isinstance(dataset, Dataset):
             raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "

@@ -55,11 +55,11 @@ def test_an_image_tfrecord_rewritten_in_place_mid_run_is_noticed_as_the_raw_read
     ds = load_dataset(path, "image/encoded", "image/class/label", decode=DECODE, workers=2, augment="cifar")
     try:
         others = np.setdiff1d(np.arange(len(y)), [i, j])[:40]
-        ds.x.submit(others, np.zeros(40, np.int64)).result()
+        ds.x.submit(others, np.zeros(40, np.int64)).examples()
         _rewrite_in_place(path, x, y, order)
         # Before: record i's bytes (record j's image) came back for record i's label, silently.
         with pytest.raises(TrainingError) as info:
-            ds.x.submit(np.array([0, i, 1]), np.zeros(3, np.int64)).result()
+            ds.x.submit(np.array([0, i, 1]), np.zeros(3, np.int64)).examples()
         assert str(info.value) == _stale(path, index, i)
     finally:
         ds.close()

@@ -11,9 +11,11 @@ short slice.
 ``default_rng([seed, e])``, so the position (epoch, index in epoch) is the
 pipeline's whole state, counted from the steps taken, and serialized as
 ``data/epoch``, ``data/index``; resuming from it is exact.  :class:`BatchSource`
-is a cursor over a Sampler that reads the examples of each batch (``submit``:
-the worker pool for examples made on demand); ``Prefetcher`` runs it on a
-background thread into a bounded queue, ahead of the trainer.
+is a cursor over a Sampler that starts each batch (:func:`start_batch`: a
+gather from arrays in memory, or the examples array's pipeline for examples
+made on demand); :class:`Batch` is the one batch type, whatever made it;
+``Prefetcher`` runs the cursor on a background thread into a bounded queue,
+ahead of the trainer.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ import threading
 
 import numpy
 
-from towers.data.dataset import Dataset
-from towers.errors import UserError
+from towers.data.dataset import Dataset, OnDemand
+from towers.errors import InputError, TrainingError, UserError
 
 
 class Sampler:
@@ -119,45 +121,79 @@ class BatchSource:
     def next_batch(self):
         return self.submit_batch().result()
 
-    def submit_batch(self) -> "_Batch":
+    def submit_batch(self) -> "Batch":
         """The next global batch, started: ``result()`` gives (x, y)."""
         return start_batch(self.x, self.y, *self.next_positions())
 
 
-def start_batch(x, y, idx, epochs) -> "_Batch":
+def start_batch(x, y, idx, epochs) -> "Batch":
     """The examples ``idx`` (drawn in ``epochs``) of ``x`` and ``y``, started: ``result()`` gives (x, y).
 
-    Examples with a ``submit`` method (TFRecord records,
-    ``towers.data.tfrecord.records``; images, ``towers.data.image.array``)
-    are made by the input workers meanwhile; arrays in memory are
-    gathered here and now.  Arrays that augment (``augments``) also get each
-    example's epoch: its random draws come from (seed, epoch, index).
+    Examples made on demand (``OnDemand``: ``towers.data.examples.Examples``)
+    are made by their pipeline meanwhile, with each example's epoch (its
+    random draws come from (seed, epoch, index); a pipeline without draws
+    ignores it); arrays in memory are gathered here and now.
     """
-    submit = getattr(x, "submit", None)
-    if submit is None:
-        return _Batch(x[idx], y[idx])
-    return _Batch(submit(idx, epochs) if getattr(x, "augments", False) else submit(idx), y[idx])
+    if isinstance(x, OnDemand):
+        return x.submit(idx, epochs, y[idx])
+    return Batch(x[idx], y[idx])
 
 
-class _Batch:
-    def __init__(self, x, y):
+def workers_of(x) -> int:
+    """The input worker processes that make the examples ``x`` (0: arrays in memory, or made in the thread)."""
+    return x.workers if isinstance(x, OnDemand) else 0
+
+
+class Batch:
+    """One batch: its examples and labels (``y``; None for a read of examples alone).
+
+    The examples are here already (gathered in the input thread), or being
+    written by the input workers into ``x`` (``towers.data.workers``: shared
+    memory) with one ticket per chunk of rows (``bounds``, its rows).
+    ``repair(x, failed)`` answers the rows that could not be made (replaced, or
+    a ``TrainingError``: ``towers.data.examples``).
+
+    Sync point: :meth:`examples` (and :meth:`result`) waits for the chunks, once;
+    an ``InputError`` (a damaged record, a dead worker) is raised as a ``TrainingError``.
+    """
+
+    def __init__(self, x, y=None, tickets=(), bounds=(), repair=None):
         self.x, self.y = x, y
+        self._tickets, self._bounds, self._repair = tickets, bounds, repair
+        self._done = not tickets
+
+    def wait(self):
+        """(the examples, the rows that could not be made as (row, message)); an ``InputError`` as raised."""
+        failed = []
+        for (start, _), ticket in zip(self._bounds, self._tickets):
+            failed += [(start + k, message) for k, message in ticket.result()]
+        return self.x, failed
+
+    def examples(self):
+        if not self._done:
+            try:
+                x, failed = self.wait()
+            except InputError as e:
+                raise TrainingError(str(e)) from None
+            if failed:
+                self._repair(x, failed)
+            self._done = True
+        return self.x
 
     def result(self):
-        x = self.x.result() if hasattr(self.x, "result") else self.x
-        return x, self.y
+        return self.examples(), self.y
 
 
 class Prefetcher:
     """Starts ``BatchSource.submit_batch`` on a background thread, ``depth`` batches ahead.
 
-    With examples read by worker processes, up to ``depth`` (at least twice
-    the workers) batches are in flight at once, and ``get`` waits for the
+    With examples read by ``workers`` worker processes (``workers_of``), up to
+    ``depth`` (at least twice the workers) batches are in flight at once, and ``get`` waits for the
     oldest: batches come in order, and memory is bounded by ``depth`` batches.
     """
 
-    def __init__(self, source: BatchSource, steps: int, depth: int = 4):
-        depth = max(depth, 2 * getattr(getattr(source, "x", None), "workers", 0))
+    def __init__(self, source: BatchSource, steps: int, depth: int = 4, workers: int = 0):
+        depth = max(depth, 2 * workers)
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(source, steps), daemon=True, name="towers-input")

@@ -79,8 +79,9 @@ def input_scale(dtype) -> numpy.float32 | None:
 
 class OnDemand:
     """NumPy-style reads of examples made on demand (TFRecord records, decoded images): ``x[i]``,
-    ``x[a:b]`` and ``x[rows]`` through the subclass's ``submit(rows).result()``; ``rows`` names them in
-    an IndexError.  ``Dataset.close`` stops what such arrays run."""
+    ``x[a:b]`` and ``x[rows]`` through the subclass's ``submit(rows).examples()``; ``rows`` names them in
+    an IndexError.  ``Dataset.close`` stops what such arrays run.  The one subclass is
+    ``towers.data.examples.Examples``; the batch code tells such arrays from arrays in memory by this class."""
 
     rows = "examples"
 
@@ -89,12 +90,12 @@ class OnDemand:
 
     def __getitem__(self, key):
         if isinstance(key, slice):
-            return self.submit(numpy.arange(len(self))[key]).result()
+            return self.submit(numpy.arange(len(self))[key]).examples()
         if numpy.ndim(key) == 0:
             if not -len(self) <= key < len(self):
                 raise IndexError(f"index {key} is out of range for {len(self)} {self.rows}")
-            return self.submit(numpy.array([key]) % len(self)).result()[0]
-        return self.submit(numpy.asarray(key)).result()
+            return self.submit(numpy.array([key]) % len(self)).examples()[0]
+        return self.submit(numpy.asarray(key)).examples()
 
 
 @dataclass
@@ -126,7 +127,7 @@ class Dataset:
         A no-op for arrays in memory or mapped from an npz file.
         """
         for array in (self.x, self.x_test):
-            if isinstance(array, OnDemand):  # RecordArray, towers.data.image.array.ImageArray
+            if isinstance(array, OnDemand):  # towers.data.examples.Examples
                 array.close()
 
     @property

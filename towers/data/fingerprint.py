@@ -72,14 +72,13 @@ def hash_rows(h, array) -> None:
 def fingerprint(dataset) -> dict:
     """The fingerprint of ``dataset``'s training split (see the module docstring)."""
     x = dataset.x
-    source = getattr(x, "stored", None)  # on-demand examples: the source they are made from
     examples = new_hash()
-    if source is None:
+    if isinstance(x, numpy.ndarray):  # in memory or mapped
         hash_rows(examples, x)
         dtype = x.dtype
-    else:
-        source.fingerprint(examples)
-        dtype = source.dtype
+    else:  # made on demand (towers.data.examples.Examples): the source they are made from
+        x.stored.fingerprint(examples)
+        dtype = x.stored.dtype
     labels = new_hash()
     labels.update(memoryview(numpy.ascontiguousarray(dataset.y, "<i4")).cast("B"))
     return {"count": int(len(x)), "dtype": numpy.dtype(dtype).name, "labels": labels.hexdigest(),

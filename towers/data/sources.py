@@ -4,8 +4,12 @@ A source is small and picklable (paths and per-row positions, no open
 files), so the input workers (``towers.data.workers``) rebuild it once
 and then read rows themselves.  ``refs(rows)`` picks what a chunk of rows
 needs to travel to a worker, ``read(ref)`` turns one of them into the
-example, ``where(ref)`` names it in a message.  The transforms
-(``towers.data.image.augment``) run on what ``read`` returns.
+example, ``where(ref)`` names it in a message; a source of rows made a chunk
+at a time has ``read_rows(refs, out)`` and ``example_shape`` instead.  A stage
+(``towers.data.stages``) runs the transforms (``towers.data.image.augment``)
+on what ``read`` returns, or gathers with ``read_rows``.  ``encoded`` says
+whether rows are encoded images (the decoded-image cache applies).  Which
+source a path gets is its kind's choice (``towers.data.kinds``).
 
 - :class:`RecordSource`: one bytes feature of TFRecord records (``image/encoded``),
   located by the record index (``towers.data.tfrecord.index``): each read goes

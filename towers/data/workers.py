@@ -1,12 +1,12 @@
 """Input worker processes, the one pool of the data pipeline: rows made in parallel, batches in shared memory.
 
-A :class:`Workers` pool serves the arrays of a data set made on demand
-(training and test share it): images (``towers.data.image.array``) and raw
-TFRecord examples (``towers.data.tfrecord.records``).  ``start(sid, rows...)``
-hands a batch to the workers as chunks of rows; a worker makes its rows
-(:func:`make_rows`: read from the source and transformed by
-``towers.data.image.augment.Transform``, or, for raw records, gathered whole
-by the source) and writes the results straight into
+A :class:`Workers` pool serves the stages (``towers.data.stages``) of a data
+set's examples made on demand (``towers.data.examples.Examples``: training
+and test share the pool) and of the converter's decode
+(``towers.data.image.convert``).  ``start(sid, rows...)`` hands a batch to
+the workers as chunks of rows; a worker makes its rows with the stage
+(``make``: each example read and transformed, or a raw TFRecord chunk
+gathered whole by its source) and writes the results straight into
 a shared-memory block that the main process allocated for the whole batch, so
 only row numbers travel to the workers (the rows themselves from an array in
 memory) and only a list of failures comes back (no pickled arrays).
@@ -48,8 +48,8 @@ the parent's blocks by their name.  The blocks are kept off
 multiprocessing's resource tracker, which would unlink them too but print a
 warning about "leaked" objects after every killed run.
 
-Sync points: ``_Chunks.wait`` waits for a batch's chunks (the caller's only
-wait); ``start`` blocks while a worker's pipe is full (chunks that carry their
+Sync points: ``towers.data.batches.Batch`` waits for a batch's chunks (the
+caller's only wait); ``start`` blocks while a worker's pipe is full (chunks that carry their
 pixels: an npz to augment).  Limits: workers are spawned (not forked: the
 trainer's threads must not be forked mid-flight), which costs about a second
 when the first batch is read; a worker keeps at most ``ATTACHED`` blocks
@@ -68,58 +68,18 @@ from collections import OrderedDict
 
 import numpy as np
 
-from towers.data.image.augment import uniforms
-from towers.data.image.codec import ImageError
-from towers.data.sources import SourceError
+from towers.data.batches import Batch
 from towers.data.orphans import block_prefix, exit_if_orphaned, unlink, untracked_block, watch_parent
 from towers.data.spawning import UNGUARDED_EXIT, spawn_context, unguarded_error
-from towers.errors import UserError
+from towers.errors import InputError, UserError
 
 ATTACHED = 16  # blocks a worker keeps mapped (batch and test-chunk sizes)
 STOP_SECONDS = 5  # how long a worker has to end on SIGTERM before SIGKILL
 
 
-def make_rows(source, transform, refs, epochs, indices, out) -> list[tuple[int, str]]:
-    """A chunk's work: ``out[k]`` made from ``refs[k]``; returns (k, message) of those that cannot be made.
-
-    ``transform`` None: the source makes the whole chunk at once
-    (``source.read_rows``: raw TFRecord examples, gathered and parsed a batch
-    at a time; decoded images gathered from their cache, which returns the rows
-    that failed); else each example is read and transformed (:func:`transform_rows`).
-    """
-    if transform is None:
-        return source.read_rows(refs, out) or []
-    return transform_rows(source, transform, refs, epochs, indices, out)
-
-
-def layout(source, transform) -> tuple[tuple, np.dtype]:
-    """(example shape, dtype) of the rows ``make_rows`` writes for ``source`` and ``transform``."""
-    return (source.example_shape, source.dtype) if transform is None else (transform.shape, transform.dtype)
-
-
-def transform_rows(source, transform, refs, epochs, indices, out) -> list[tuple[int, str]]:
-    """``out[k]`` = the transformed example of ``refs[k]``; returns (k, message) of those that cannot be made.
-
-    ``epochs`` None: the deterministic (evaluation) path; else each example
-    draws its randomness from (seed, epoch, index).
-    """
-    u = None
-    if epochs is not None and transform.draws:
-        u = uniforms(transform.seed, epochs, indices, transform.draws)
-    failed = []
-    for k, ref in enumerate(refs):
-        try:
-            out[k] = transform(source.read(ref), None if u is None else u[k])
-        except ImageError as e:
-            failed.append((k, f"{source.where(ref)}: not a decodable image: {e}"))
-        except SourceError as e:
-            failed.append((k, str(e)))
-    return failed
-
-
 # -- in the worker processes --------------------------------------------------------------------------------
 
-_SOURCES: list = []  # (source, transform) by id, in this worker
+_STAGES: list = []  # the stages by id, in this worker
 _BLOCKS: OrderedDict = OrderedDict()  # shared-memory blocks attached, by name, least recently used first
 
 
@@ -136,10 +96,10 @@ def _keep_heap() -> None:
         pass  # not glibc: its allocator's defaults
 
 
-def _serve(conn, sources, parent: int) -> None:
+def _serve(conn, stages, parent: int) -> None:
     """A worker's life: chunks from ``conn``, each answered in turn with ("ok", failures) or ("error", exception)."""
     _keep_heap()
-    _SOURCES[:] = sources
+    _STAGES[:] = stages
     # Ctrl-C reaches the whole process group: the main process stops the run and then these workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A worker spawned while the run handles SIGTERM would inherit SIG_IGN: stop() must still end it.
@@ -173,10 +133,9 @@ def _block(name: str):
 
 
 def _run_chunk(sid, name, offset, shape, dtype, refs, epochs, indices):
-    source, transform = _SOURCES[sid]
     out = np.ndarray((len(refs),) + tuple(shape), dtype, buffer=_block(name).buf, offset=offset)
     try:
-        return make_rows(source, transform, refs, epochs, indices, out)
+        return _STAGES[sid].make(refs, epochs, indices, out)
     finally:
         del out  # the block may be closed later: no view may outlive this call
 
@@ -184,20 +143,7 @@ def _run_chunk(sid, name, offset, shape, dtype, refs, epochs, indices):
 # -- in the main process ------------------------------------------------------------------------------------
 
 
-class _Chunks:
-    """A batch being made: ``wait()`` returns (the batch array, failures as (row, message))."""
-
-    def __init__(self, out, tickets, bounds):
-        self.out, self._tickets, self._bounds = out, tickets, bounds
-
-    def wait(self):
-        failed = []
-        for (start, _), ticket in zip(self._bounds, self._tickets):
-            failed += [(start + k, message) for k, message in ticket.result()]
-        return self.out, failed
-
-
-class WorkerDied(Exception):
+class WorkerDied(InputError):
     """The pool lost a worker."""
 
 
@@ -235,9 +181,9 @@ class _Worker:
     be waited for from different threads).
     """
 
-    def __init__(self, context, sources, parent: int):
+    def __init__(self, context, stages, parent: int):
         self._conn, theirs = context.Pipe()
-        self.process = context.Process(target=_serve, args=(theirs, sources, parent), daemon=True,
+        self.process = context.Process(target=_serve, args=(theirs, stages, parent), daemon=True,
                                        name="towers-input-worker")
         self.process.start()
         theirs.close()  # the worker's exit then reads here as the end of the pipe
@@ -305,11 +251,11 @@ def _closed() -> UserError:
 
 
 class Workers:
-    """``n`` worker processes shared by the arrays registered with ``add`` (0: run in the calling thread)."""
+    """``n`` worker processes shared by the stages registered with ``add`` (0: run in the calling thread)."""
 
     def __init__(self, n: int):
         self.n = int(n)
-        self._sources: list = []
+        self._stages: list = []
         self._pool = None  # a _Worker per process, once started
         self._turn = 0  # the worker that gets the next chunk
         self._free: dict[int, list] = {}  # block size -> (block, its last batch's tickets) not in use
@@ -321,23 +267,23 @@ class Workers:
         self._finalizer = None
 
     def __getstate__(self):
-        # Pickled to other processes (Ray hosts): the sources and the count travel; the pool and blocks do not.
-        return {"n": self.n, "sources": self._sources}
+        # Pickled to other processes (Ray hosts): the stages and the count travel; the pool and blocks do not.
+        return {"n": self.n, "stages": self._stages}
 
     def __setstate__(self, state):
         self.__init__(state["n"])
-        self._sources = state["sources"]
+        self._stages = state["stages"]
 
-    def add(self, source, transform=None) -> int:
-        """Register an array's source and transform (before the first batch); its id.  Without a transform
-        the source makes whole chunks itself (see :func:`make_rows`)."""
+    def add(self, stage) -> int:
+        """Register a stage (``towers.data.stages``) before the first batch; its id."""
         if self._pool is not None:
             raise RuntimeError("Workers.add after the workers started")
-        self._sources.append((source, transform))
-        return len(self._sources) - 1
+        self._stages.append(stage)
+        return len(self._stages) - 1
 
-    def start(self, sid: int, rows, epochs=None) -> _Chunks:
-        """Start making the examples ``rows`` (row numbers of source ``sid``; ``epochs``: training draws).
+    def start(self, sid: int, rows, epochs=None, y=None, repair=None) -> Batch:
+        """Start making the examples ``rows`` (row numbers of stage ``sid``; ``epochs``: training draws); the
+        batch carries the labels ``y`` and answers rows that cannot be made with ``repair`` (``Batch``).
 
         One chunk for the next worker in turn while at least as many chunks
         are pending as there are workers (the batch thread keeps them busy);
@@ -347,14 +293,14 @@ class Workers:
         """
         if self._closed:
             raise _closed()
-        source, transform = self._sources[sid]
+        stage = self._stages[sid]
         rows = np.asarray(rows, np.int64)
-        example, dtype = layout(source, transform)
+        example, dtype = stage.shape, stage.dtype
         shape = (len(rows),) + tuple(example)
         if self.n == 0 or len(rows) == 0:
             out = np.empty(shape, dtype)
-            failures = make_rows(source, transform, source.refs(rows), epochs, rows, out)
-            return _Chunks(out, [_Ticket(failures=failures)], [(0, len(rows))])
+            failures = stage.make(stage.refs(rows), epochs, rows, out)
+            return Batch(out, y, [_Ticket(failures=failures)], [(0, len(rows))], repair)
         row_bytes = int(np.prod(example)) * dtype.itemsize
         tickets: list = []  # filled below; the block goes back to the free list with them
         with self._lock:
@@ -374,8 +320,8 @@ class Workers:
         # Sent outside the lock: a full pipe must not hold up the other thread's batches or a block's return.
         for worker, (a, b) in zip(turns, bounds):
             tickets.append(worker.send((sid, block.name, a * row_bytes, example, dtype.str,
-                                        source.refs(rows[a:b]), None if epochs is None else epochs[a:b], rows[a:b])))
-        return _Chunks(out, tickets, bounds)
+                                        stage.refs(rows[a:b]), None if epochs is None else epochs[a:b], rows[a:b])))
+        return Batch(out, y, tickets, bounds, repair)
 
     def _take(self, nbytes: int):
         """A block of ``nbytes``: a free one whose chunks are all answered (a batch dropped unread may still
@@ -402,7 +348,7 @@ class Workers:
         """The workers, started on first use."""
         if self._pool is None:
             context = spawn_context()
-            self._pool = [_Worker(context, self._sources, os.getpid()) for _ in range(self.n)]
+            self._pool = [_Worker(context, self._stages, os.getpid()) for _ in range(self.n)]
             # Workers never closed (a Python user without close()) still end, and their blocks are unlinked,
             # when this object is collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, _release, self._pool, self._blocks)
@@ -422,8 +368,8 @@ class Workers:
         _release(pool, self._blocks)
         for block in free:
             block.close()
-        for source, _ in self._sources:
-            source.close()
+        for stage in self._stages:
+            stage.close()
 
 
 def _release(pool, blocks) -> None:

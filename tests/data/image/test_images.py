@@ -294,7 +294,7 @@ def test_an_image_that_does_not_decode_mid_run_stops_or_is_skipped(tmp_path):
     try:
         with pytest.raises(TrainingError, match="record 17"):
             load_dataset(path, "image/encoded", "image/class/label", decode=DECODE, workers=0).x[15:20]
-        batch = ds.x.submit(np.array([17, 20]), np.array([0, 0])).result()
+        batch = ds.x.submit(np.array([17, 20]), np.array([0, 0])).examples()
         assert batch.shape == (2, 12, 12, 1) and ds.x.skipped == 1  # 17 replaced by 20, the next of its class
     finally:
         ds.close()
@@ -417,7 +417,7 @@ def test_a_damaged_record_or_a_dead_worker_mid_run_is_one_line(tmp_path):
 
     def opened():
         ds = load_dataset(path, "image/encoded", "image/class/label", decode=DECODE, workers=2, augment="cifar")
-        ds.x.submit(rows, epochs).result()
+        ds.x.submit(rows, epochs).examples()
         return ds, multiprocessing.active_children()
 
     ds, workers = opened()
@@ -429,7 +429,7 @@ def test_a_damaged_record_or_a_dead_worker_mid_run_is_one_line(tmp_path):
             os.kill(worker.pid, signal.SIGKILL)
             worker.join()
         with pytest.raises(TrainingError, match="an input worker process died.*resume"):
-            started.result()
+            started.examples()
     finally:
         ds.close()
     ds, workers = opened()
@@ -448,7 +448,7 @@ def test_a_damaged_record_or_a_dead_worker_mid_run_is_one_line(tmp_path):
         data[len(data) // 2] ^= 0xFF  # a record's payload no longer matches its CRC
         open(path, "wb").write(bytes(data))
         with pytest.raises(TrainingError, match=f"{path}: record [0-9]+ at byte offset"):
-            ds.x.submit(np.arange(60), np.zeros(60, np.int64)).result()
+            ds.x.submit(np.arange(60), np.zeros(60, np.int64)).examples()
     finally:
         ds.close()
 
@@ -468,12 +468,12 @@ def test_a_batch_dropped_unread_does_not_write_into_a_later_one(tmp_path):
         dropped = ds.x.submit(small + 40, zero[:20])  # whole, for worker 0, after `second`
         del dropped  # its block is free, but worker 0 will write into it
         kept = ds.x.submit(small, zero[:20])  # whole, for worker 1: made before `dropped` is
-        got = kept.result().copy()
+        got = kept.examples().copy()
         for batch in (first, second, third):
-            batch.result()
-        ds.x.submit(small, zero[:20]).result()  # one chunk each: worker 0 has now made `dropped`
-        assert np.array_equal(kept.result(), got)
-        assert np.array_equal(got, reference.x.submit(small, zero[:20]).result())
+            batch.examples()
+        ds.x.submit(small, zero[:20]).examples()  # one chunk each: worker 0 has now made `dropped`
+        assert np.array_equal(kept.examples(), got)
+        assert np.array_equal(got, reference.x.submit(small, zero[:20]).examples())
     finally:
         ds.close()
         reference.close()
@@ -507,10 +507,11 @@ class _OddSource:
 def test_an_answer_that_cannot_be_read_does_not_shift_the_next():
     import concurrent.futures
 
+    from towers.data.stages import Transformed
     from towers.data.workers import Workers
 
     workers = Workers(1)
-    sid = workers.add(_OddSource(), Transform((2, 2, 1), "none", encoded=False))
+    sid = workers.add(Transformed(_OddSource(), Transform((2, 2, 1), "none", encoded=False)))
     waiter = concurrent.futures.ThreadPoolExecutor(1)
     try:
         bad, good = workers.start(sid, [0, 1]), workers.start(sid, [1, 2])
@@ -548,8 +549,8 @@ if sys.argv[2] == "raw":  # raw TFRecord examples, read by the same workers (tow
 else:
     ds = load_dataset(sys.argv[1], "image/encoded", "image/class/label", decode=sys.argv[2], workers=2,
                       augment="cifar")
-batch = ds.x.submit(np.arange(40), np.zeros(40, np.int64)).result() if sys.argv[2] != "raw" else \\
-    [b.result() for b in [ds.x.submit(np.arange(k, 1000, 2)) for k in range(2)]]  # both workers started
+batch = ds.x.submit(np.arange(40), np.zeros(40, np.int64)).examples() if sys.argv[2] != "raw" else \\
+    [b.examples() for b in [ds.x.submit(np.arange(k, 1000, 2)) for k in range(2)]]  # both workers started
 import multiprocessing
 from multiprocessing import resource_tracker
 pids = [p.pid for p in multiprocessing.active_children()] + [resource_tracker._resource_tracker._pid]

@@ -15,7 +15,7 @@ from tests.conftest import DIGITS
 from towers import TrainingError, UserError
 from towers.data.tfrecord import from_npz
 from towers.data.tfrecord.framing import frame
-from towers.data.tfrecord.records import RecordArray, file_index, index_cache_paths, load_split
+from towers.data.tfrecord.records import file_index, index_cache_paths, load_split, record_examples
 
 FEATURES = dict(x_key="image_raw", y_key="label", decode="image_raw:uint8:8,8", workers=0)
 
@@ -75,7 +75,7 @@ def test_a_record_replaced_after_indexing_stops_the_read_and_the_next_index_is_b
     order[[i, j]] = [j, i]
     rewrite_keeping_size_and_mtime(path, x[order], y[order])  # two records swap places, nothing else moves
     assert any(os.path.exists(c) for c in index_cache_paths(str(path)))
-    array = RecordArray(str(path), [index], "image_raw", index.columns["image_raw"].kind, np.uint8, (8, 8), 0)
+    array = record_examples(str(path), [index], "image_raw", index.columns["image_raw"].kind, np.uint8, (8, 8), 0)
     # Before: record i's bytes (now j's image) came back with record i's label, silently.
     with pytest.raises(TrainingError) as info:
         array[np.array([i])]

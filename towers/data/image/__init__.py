@@ -7,10 +7,11 @@ Modules, in data-flow order:
     folder    DIR/<class>/*.jpg|jpeg|png: classes, files, labels, the images' common size
     augment   per-example transforms: decode, the named augmentations, normalize; draws from (seed, epoch, index)
     cache     the decoded-image cache: a training set that fits the budget decoded once, before augmentation
-    array     ImageArray: a source (``towers.data.sources``), a transform and the worker pool
-              (``towers.data.workers``) as the examples array of a Dataset
-    load      image data sets from paths and settings; the TensorFlow ImageNet layout proposed
-    convert   the converter's --decode NAME:image:H,W,C (``tools.tfrecord_to_npz``), decoded in worker processes
+    load      the loader of a description with per-example operations (``towers.data.pipeline``): each split's
+              source, one Transform, what is cached and where each operation runs, as ``Examples`` arrays
+              (``towers.data.examples``); the TensorFlow ImageNet layout proposed
+    convert   the converter's --decode NAME:image:H,W,C (``tools.tfrecord_to_npz``), decoded through the one
+              worker pool (``towers.data.workers``) and the cache's fill loop
     to_tfrecord  npz or image folder -> TFRecord shards in the ImageNet layout (its command line:
                  ``towers.images_to_tfrecord``)
 """

@@ -5,7 +5,7 @@ TFRecord records, an image folder), and without a cache every epoch decodes
 every image again.  When the decoded training set fits under the budget
 (``cache_images_mib``), :func:`fill` decodes it once, before the first
 step, into one uint8 (N, H, W, C) array, and the training array
-(``towers.data.image.array.ImageArray``) then reads a :class:`CachedSource`
+(``towers.data.examples.Examples``) then reads a :class:`CachedSource`
 over that array instead of the files.
 
 **What is cached.**  The decode stage only: each image decoded and fitted to
@@ -62,8 +62,8 @@ import numpy as np
 
 from towers.data.sources import ArraySource, SourceError
 from towers.data.tfrecord.framing import TFRecordError
-from towers.data.workers import WorkerDied, transform_rows
-from towers.errors import TrainingError
+from towers.data.workers import WorkerDied
+from towers.errors import InputError, TrainingError
 
 MIB = 1 << 20
 FILL_ROWS = 512  # rows per fill batch and worker: large enough that the hand-offs do not show
@@ -198,7 +198,7 @@ def not_cached(need: int, budget_mib: int, room: list[tuple[str, int]], filling:
 
 def cacheable(source, augment: str) -> bool:
     """Whether decoding ``source`` once leaves the results unchanged: encoded images, not ``augment`` imagenet."""
-    return bool(getattr(source, "encoded", False)) and augment != "imagenet"
+    return source.encoded and augment != "imagenet"
 
 
 class CachedSource(ArraySource):
@@ -239,14 +239,16 @@ class CachedSource(ArraySource):
         return tuple(self.array.shape[1:])
 
 
-def fill(cache: CachedSource, source, decode, pool, sid: int, progress: bool = False) -> None:
-    """Decode every row of ``source`` (``decode``: registered with ``pool`` as ``sid``) into ``cache.array``,
-    recording what fails in ``cache.bad``.  A chunk that raised (a record that failed its checks) is decoded
-    again row by row here, so that only its failing rows carry the error."""
+def fill(cache: CachedSource, stage, pool, sid: int, progress: bool = False) -> None:
+    """Make every row of ``stage`` (a ``towers.data.stages.Transformed`` decode, registered with ``pool`` as
+    ``sid``) into ``cache.array``, recording what fails in ``cache.bad``; two batches in flight keep the
+    workers busy.  A chunk that raised (a record that failed its checks) is made again row by row here, so
+    that only its failing rows carry the error.  The converter's ``--decode NAME:image`` decodes through
+    here too (``towers.data.image.convert``), into a mapped file."""
     from towers.output.summaries import progress_bar
 
-    n = len(source)
-    step = fill_rows(cache.array[0].nbytes, pool.n)
+    n = len(stage.source)
+    step = fill_rows(cache.array[0].nbytes if n else 1, pool.n)
     starts = list(range(0, n, step))
     with progress_bar(progress, total=n, desc="decoding images", unit="img", leave=False) as bar:
         pending = []
@@ -255,29 +257,29 @@ def fill(cache: CachedSource, source, decode, pool, sid: int, progress: bool = F
                 rows = np.arange(a, min(a + step, n), dtype=np.int64)
                 pending.append((rows, _start(pool, sid, rows)))
             if len(pending) > 1 or (a is None and pending):  # two batches in flight keep the workers busy
-                rows, chunks = pending.pop(0)
-                _take(cache, source, decode, rows, chunks)
+                rows, batch = pending.pop(0)
+                _take(cache, stage, rows, batch)
                 bar.update(len(rows))
 
 
 def _start(pool, sid, rows):
     try:
         return pool.start(sid, rows)
-    except (TFRecordError, WorkerDied) as e:
+    except InputError as e:
         return e
 
 
-def _take(cache, source, decode, rows, chunks) -> None:
+def _take(cache, stage, rows, batch) -> None:
     try:
-        if isinstance(chunks, Exception):
-            raise chunks
-        out, failed = chunks.wait()
+        if isinstance(batch, Exception):
+            raise batch
+        out, failed = batch.wait()
     except WorkerDied as e:
         raise TrainingError(str(e)) from None
     except TFRecordError:
         for r in rows.tolist():
             try:
-                failed = transform_rows(source, decode, source.refs([r]), None, [r], cache.array[r:r + 1])
+                failed = stage.make(stage.refs([r]), None, [r], cache.array[r:r + 1])
             except TFRecordError as e:
                 cache.bad[r] = e
                 continue

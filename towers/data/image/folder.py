@@ -11,7 +11,7 @@ Every problem is one ``UserError``: a folder that does not exist, holds no
 class folders or no images, a class folder with no images, a file whose header
 cannot be read, images of several sizes without ``image_size``.  Files that
 become unreadable later are found when a batch reads them
-(``towers.data.image.array``).
+(``towers.data.examples``).  The kind of path it is: ``towers.data.kinds.ImageFolder``.
 """
 from __future__ import annotations
 

@@ -1,29 +1,38 @@
-"""Image data sets: a source per split, one transform, one worker pool, as a validated ``Dataset``.
+"""Image data sets: the loader of a description with per-example operations (``towers.data.pipeline``).
 
-``load_images`` is what ``towers.data.loading.load_dataset`` calls when the
-data holds images to decode or to augment:
+``load_images`` is what ``towers.data.loading.load_dataset`` runs when the
+description (``DataSpec``) has operations: an ``Images`` op, then
+``Augment`` and ``Normalize``.  Each split becomes a source, as its kind
+(``towers.data.kinds``) opens it for images:
 
 ============================  ================================================================
 split given as                source (``towers.data.sources``)
 ============================  ================================================================
 a folder ``DIR/<class>/*``    ``FileSource`` (``towers.data.image.folder``), labels by sorted
                               class name, the class names kept
-TFRecord + ``decode``         ``RecordSource``: the ``NAME:image:H,W,C`` bytes feature of
-``NAME:image:H,W,C``          each record, labels from ``y_key`` (int64, one a record)
+TFRecord + ``Images`` op      ``RecordSource``: the op's bytes feature (``decode``
+reading a feature             ``NAME:image:H,W,C``), labels from ``y_key`` (int64, one a record)
 an npz, or raw TFRecord       ``ArraySource`` over its uint8 (N, H, W[, C]) examples, to augment
+another kind                  its own (``Kind.open``)
 ============================  ================================================================
 
-The example shape is ``decode``'s, else ``image_size``, else (folders) the
-images' own when they all agree, else (arrays) the stored one.  The training
-split is augmented (``augment``), the test split takes the deterministic path,
-and both share the ``Workers`` (``towers.data.workers``).  With ``cache_mib``, an
-encoded training split whose decoded pixels fit the budget, and the memory the
-process may take, is decoded once (``towers.data.image.cache``) and its array
-reads them from memory; else, or when its memory cannot be had after all, it
-streams after a notice.  Training and
-test labels mean the same classes or the data is refused: a test folder's
-classes match the training folder's by name, and class folders named by
-numbers (``0`` .. ``C-1``) match numbered labels (npz, TFRecord).
+and the operations one ``Transform`` (``towers.data.image.augment``), run by
+a ``Transformed`` stage (``towers.data.stages``) in the input workers
+(``towers.data.workers``), behind one ``Examples`` array a split
+(``towers.data.examples``).  The example shape is the ``Images`` op's size
+(``decode``'s, else ``image_size``), else (folders) the images' own when they
+all agree, else (arrays) the stored one.  The training split is augmented,
+the test split takes the deterministic path, and both share the pool.
+
+What is cached and where each operation runs is decided here: with
+``cache_mib``, an encoded training split whose decoded pixels fit the budget,
+and the memory the process may take, is decoded once (the ``Images`` op
+alone, ``towers.data.image.cache``), and the operations after it run on the
+cached pixels, in the input thread when they are cheap (see ``_cache``);
+else, or when its memory cannot be had after all, it streams after a notice.
+Training and test labels mean the same classes or the data is refused: a
+test folder's classes match the training folder's by name, and class folders
+named by numbers (``0`` .. ``C-1``) match numbered labels (npz, TFRecord).
 
 :func:`propose` looks at a TFRecord file's first record for an encoded image
 (the TensorFlow ImageNet layout: ``image/encoded``, ``image/class/label``) and
@@ -33,165 +42,118 @@ from __future__ import annotations
 
 import numpy as np
 
-from towers.data.dataset import Dataset, check_test_split, load_npz, match_test_labels, read_npz_pair, test_keys
+from towers.data.dataset import Dataset, check_test_split, match_test_labels
+from towers.data.examples import Examples
 from towers.data.image import cache, codec, folder
-from towers.data.image.array import ImageArray
 from towers.data.image.augment import Transform, parse_image_size
-from towers.data.sources import ArraySource, FileSource, RecordSource
-from towers.data.workers import Workers
+from towers.data.inputs import expand_inputs
+from towers.data.kinds import kind_of
+from towers.data.pipeline import DataSpec, Images
+from towers.data.stages import Gather, Transformed
 from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
-from towers.data.tfrecord.proto import KIND_BYTES, SequenceExample
-from towers.data.inputs import expand_inputs, is_tfrecord
-from towers.data.tfrecord.records import _choose, index_split, load_split
-from towers.data.tfrecord.schema import UsageError, parse_image_decode
+from towers.data.tfrecord.proto import SequenceExample
+from towers.data.workers import Workers
 from towers.errors import UserError
 
 
-class _Split:
-    """One split before it becomes an array: its source, labels, class names and example size."""
-
-    def __init__(self, source, labels, classes=None, size=None):
-        self.source, self.labels, self.classes, self.size = source, labels, classes, size
-        self.test = None  # an npz's own x_test/y_test
-
-
-def _folder(path, setting):
-    classes, paths, labels = folder.scan(path, setting)
-    return _Split(FileSource(paths), labels, classes)
-
-
-def _records(path, x_key, y_key, feature, on_error, say):
-    """The encoded-image feature ``feature`` and the labels ``y_key`` of the TFRecord file or glob ``path``."""
-    indexes, n, columns = index_split(path, on_error, say)
-    if x_key not in ("x", feature):
-        raise UsageError(f"`decode` names {feature!r} but `x_key` is {x_key!r}: drop `x_key`, or make them agree")
-    column = columns.get(feature)
-    if column is None or column.kind != KIND_BYTES or column.is_list or column.present_count != n \
-            or column.min_count != 1 or column.max_count != 1:
-        what = "no such feature" if column is None else column.describe(n)
-        raise UsageError(f"{path}: `decode` {feature}:image needs one encoded image (bytes) in every record, but "
-                         f"{feature!r} is {what}; the features: " + "; ".join(
-                             f"{k} ({c.describe(n)})" for k, c in sorted(columns.items())))
-    labels = [k for k in columns if all(k in i.scalars for i in indexes) and k != feature]
-    yname = _choose(path, columns, n, y_key, "y", labels, "labels", "y_key")
-    if not all(yname in i.scalars for i in indexes):
-        raise UsageError(f"{path}: feature {yname!r} ({columns[yname].describe(n)}) cannot be labels: "
-                         "labels are one int64 per record")
-    y = np.concatenate([i.scalars[yname] for i in indexes])
-    if y.min() < 0 or y.max() > np.iinfo(np.int32).max:
-        raise UsageError(f"{path}: labels in {yname!r} run from {int(y.min())} to {int(y.max())}; labels are 0..C-1")
-    positions = [np.concatenate([np.full(len(i.offsets), k, np.int64) for k, i in enumerate(indexes)])]
-    positions += [np.concatenate([getattr(i, a) for i in indexes]) for a in ("offsets", "lengths", "numbers", "crcs")]
-    return _Split(RecordSource([i.path for i in indexes], feature, *positions), y.astype(np.int32))
+def _size(split, size):
+    """(H, W, C): the ``Images`` op's ``size`` (the decode's, or ``image_size`` text), else the split's stored
+    size, else (folders) the images' common size."""
+    if isinstance(size, tuple):
+        return size
+    if size is not None:
+        return parse_image_size(size)
+    if split.size is not None:
+        return split.size
+    return folder.common_size(split.source.paths)
 
 
-def _arrays(x, y, name):
-    """Stored uint8 images (N, H, W) or (N, H, W, C) to augment."""
-    if x.dtype != np.uint8 or x.ndim not in (3, 4) or (x.ndim == 4 and x.shape[3] not in (1, 3)):
-        raise UserError(f"{name}: `augment` and `normalize` work on uint8 images (N, H, W) or (N, H, W, 1 or 3), "
-                        f"got {x.dtype} {tuple(x.shape[1:])} per example")
-    if x.ndim == 3:
-        x = x.reshape(x.shape + (1,))
-    return _Split(ArraySource(x, name), np.asarray(y, np.int32), size=tuple(x.shape[1:]))
+def _images(spec: DataSpec) -> Images:
+    """The ``Images`` op of ``spec``, which must not read its feature raw."""
+    if spec.stored:
+        raise UserError(f"`decode` {spec.stored} reads raw bytes; with an image folder, `augment` or `normalize` "
+                        "give encoded images as NAME:image:H,W,C, or convert the data first")
+    return spec.op(Images)
 
 
-def _split(path, x_key, y_key, spec, on_error, say, setting, test=False, own=False):
-    if folder.is_image_folder(path):
-        return _folder(path, setting)
-    if is_tfrecord(path):
-        if spec is not None:
-            return _records(path, x_key, y_key, spec[0], on_error, say)
-        x, y = load_split(path, x_key, y_key, None, on_error, workers=0, say=say)
-        return _arrays(x, y, str(path))
-    if spec is not None:
-        raise UserError(f"`decode` {spec[0]}:image reads TFRecord files; `{setting}` {path} is not one")
-    if test:  # its own test split first, then its training keys (`own`: its test split only)
-        what = ("data", "data") if own else ("test data", "test_data")
-        return _arrays(*read_npz_pair(path, *test_keys(path, x_key, y_key, own, *what), *what), str(path))
-    ds = load_npz(path, x_key, y_key)
-    train = _arrays(ds.x, ds.y, str(path))
-    train.test = None if ds.x_test is None else _arrays(ds.x_test, ds.y_test, f"{path} (x_test)")
-    return train
+def _transform(spec: DataSpec, size, encoded: bool, decode_only: bool = False) -> Transform:
+    """The ``Transform`` that runs the operations of ``spec`` on images of ``size`` (``decode_only``: the
+    ``Images`` op alone, what the decoded-image cache keeps)."""
+    if decode_only:
+        return Transform(size, "none", None, spec.seed, encoded)
+    return Transform(size, spec.augment, spec.normalize, spec.seed, encoded)
 
 
-def _size(train, spec, image_size):
-    if spec is not None:
-        if image_size is not None and parse_image_size(image_size) != spec[1]:
-            raise UserError(f"`image_size` {image_size} and `decode` {':'.join(map(str, spec[1]))} disagree: "
-                            "`decode` gives the shape; drop `image_size`")
-        return spec[1]
-    if image_size is not None:
-        return parse_image_size(image_size)
-    if train.size is not None:
-        return train.size
-    return folder.common_size(train.source.paths)
+def _made(name, split, transform, pool, spec, say, labels=None) -> Examples:
+    """The examples of ``split`` made by ``transform`` in ``pool``."""
+    return Examples(str(name), Transformed(split.source, transform), pool,
+                    split.labels if labels is None else labels, spec.on_error, say)
 
 
-def _cache(train, size, augment, normalize, seed, pool):
-    """The cache of ``train`` (empty), the transform that reads it (None: a gather), the pool that serves it,
-    and the decode stage with its id in ``pool`` (registered before the pool starts).
+def _cache(spec, train, size, pool):
+    """The cache of ``train`` (empty), the stage that reads it, the pool that serves it, and the decode stage
+    with its id in ``pool`` (registered before the pool starts).
 
-    A crop and flip (``cifar``) of cached pixels is cheaper than sending the pixels to a worker: in the input
-    thread (``Workers(0)``) 148,000-152,000 32x32 images/s against 92,000-118,000 with 1 or 2 workers
-    (2 cores); the float work of ``tf-cifar10`` or ``normalize`` goes to the workers (26,000 in the thread,
-    41,000-44,000 with 2).
+    Which operations run where: with no augmentation or normalization the
+    cached rows are gathered (``Gather``, no transform); a crop and flip
+    (``cifar``) of cached pixels is cheaper than sending the pixels to a
+    worker, so it runs in the input thread (``Workers(0)``) too: 148,000-152,000
+    32x32 images/s against 92,000-118,000 with 1 or 2 workers (2 cores); the float
+    work of ``tf-cifar10`` or ``normalize`` goes to the workers (26,000 in the
+    thread, 41,000-44,000 with 2).
     """
     cached = cache.CachedSource(np.zeros((len(train.source),) + tuple(size), np.uint8), "decoded images")
-    decode = Transform(size, "none", None, seed, True)
-    light = augment in ("none", "cifar") and normalize is None
-    transform = None if augment == "none" and normalize is None else Transform(size, augment, normalize, seed, False)
-    return cached, transform, Workers(0) if light else pool, decode, pool.add(train.source, decode)
+    decode = Transformed(train.source, _transform(spec, size, True, decode_only=True))
+    light = spec.augment in ("none", "cifar") and spec.normalize is None
+    stage = Gather(cached) if spec.augment == "none" and spec.normalize is None else \
+        Transformed(cached, _transform(spec, size, False))
+    return cached, stage, Workers(0) if light else pool, decode, pool.add(decode)
 
 
-def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_error="stop", workers=2,
-                augment="none", normalize=None, image_size=None, seed=0, say=None, cache_mib=None,
-                progress=False) -> Dataset:
-    """A ``Dataset`` of ``ImageArray`` examples (see the module docstring); every problem is a UserError.
+def load_images(spec: DataSpec, workers=2, cache_mib=None, progress=False, say=None) -> Dataset:
+    """A ``Dataset`` of the images ``spec`` describes (see the module docstring); every problem is a UserError.
 
-    ``cache_mib``: the decoded-image cache's budget in MiB (``towers.data.image.cache``; None or 0: off);
-    ``progress``: show its decoding as a progress bar.
+    ``workers``: the input worker processes (0: the input thread); ``cache_mib``: the decoded-image
+    cache's budget in MiB (``towers.data.image.cache``; None or 0: off); ``progress``: show its decoding
+    as a progress bar; ``say``: where notices go.
     """
-    spec = parse_image_decode(decode) if decode else None
-    if decode and spec is None:
-        raise UserError(f"`decode` {decode} reads raw bytes; with an image folder, `augment` or `normalize` give "
-                        "encoded images as NAME:image:H,W,C, or convert the data first")
-    train = _split(path, x_key, y_key, spec, on_error, say, "data")
+    images = _images(spec)
+    path, test_path = spec.path, spec.test_path
+    train = kind_of(path).images(spec, path, say)
     test = train.test
     if test_path is not None:
-        test = _split(test_path, x_key, y_key, spec, on_error, say, "test_data", test=True)
-    size = _size(train, spec, image_size)
+        test = kind_of(test_path).images(spec.split(test_path), test_path, say, test=True)
+    size = _size(train, images.size)
     pool = Workers(workers)
     n_classes = len(train.classes) if train.classes else int(train.labels.max()) + 1
-    transform = Transform(size, augment, normalize, seed, train.source.encoded)
+    transform = _transform(spec, size, train.source.encoded)
     # Streamed (decoded every epoch); with a cache, still registered before the pool starts: the fallback of
     # a cache whose memory cannot be had.
-    x = ImageArray(str(path), train.source, transform, train.labels, pool, on_error, say)
+    x = _made(path, train, transform, pool, spec, say)
     fill = None
     need = cache.nbytes(len(train.source), size)
     streams = f"{path}: the {len(train.source)} decoded training images need {need / cache.MIB:.1f} MiB, "
-    if cache_mib and cache.cacheable(train.source, augment):
+    if cache_mib and cache.cacheable(train.source, spec.augment):
         why = cache.not_cached(need, cache_mib, cache.memory_room(), cache.fill_bytes(len(train.source), size,
                                                                                    pool.n))
         if why is None:
             try:
-                fill = _cache(train, size, augment, normalize, seed, pool)
+                fill = _cache(spec, train, size, pool)
             except MemoryError:  # limits that could not be read, or memory taken meanwhile: stream all the same
                 why = cache.ALLOCATION_FAILED
         if why is not None and say:
             say(streams + why)
     if fill is not None:
-        cached, cached_transform, served_by, decode, decode_sid = fill
-        cached_x = ImageArray(str(path), cached, cached_transform, train.labels, served_by, on_error, say,
-                              train.source)
+        cached, stage, served_by, decode, decode_sid = fill
+        cached_x = Examples(str(path), stage, served_by, train.labels, spec.on_error, say, train.source)
     tx = ty = None
     if test is not None:
         ty = match_test_labels(train.classes, test.classes, test.labels, test_path, n_classes)
         check_test_split(None, ty, f"{test_path}: ", num_classes=n_classes)
-        tx = ImageArray(str(test_path or path), test.source,
-                        Transform(size, augment, normalize, seed, test.source.encoded), ty, pool, on_error, say)
+        tx = _made(test_path or path, test, _transform(spec, size, test.source.encoded), pool, spec, say, ty)
     if fill is not None:
         try:
-            cache.fill(cached, train.source, decode, pool, decode_sid, progress)
+            cache.fill(cached, decode, pool, decode_sid, progress)
         except MemoryError:  # a batch of the fill could not be allocated: stream, the cache goes
             fill = cached = cached_x = None
             if say:
@@ -209,26 +171,22 @@ def load_images(path, x_key="x", y_key="y", test_path=None, decode=None, on_erro
     return Dataset(x, train.labels, n_classes, tx, ty, class_names=train.classes)
 
 
-def load_image_test(path, example_shape, x_key="x", y_key="y", decode=None, on_error="stop", workers=0,
-                    augment="none", normalize=None, image_size=None, seed=0, own=False, say=None):
-    """(examples, labels, class names or None) of the test split ``path`` alone, made as a training run of
-    ``example_shape`` makes its test split (the deterministic path of ``augment``, ``normalize``), for
+def load_image_test(spec: DataSpec, example_shape, workers=0, own=False, say=None):
+    """(examples, labels, class names or None) of the test split ``spec.path`` alone, made as a training run of
+    ``example_shape`` makes its test split (the deterministic path of its operations), for
     ``towers.data.loading.load_test_data``, which matches the labels to the training classes.
 
-    The example shape is ``decode``'s, else ``image_size``, else the training examples' (H, W, C) (images
-    of another size are fitted to it as the training images were), else the test images' own.
+    The example shape is the ``Images`` op's size (the decode's, else ``image_size``), else the training
+    examples' (H, W, C) (images of another size are fitted to it as the training images were), else the
+    test images' own.
     """
-    spec = parse_image_decode(decode) if decode else None
-    if decode and spec is None:
-        raise UserError(f"`decode` {decode} reads raw bytes; with an image folder, `augment` or `normalize` give "
-                        "encoded images as NAME:image:H,W,C, or convert the data first")
-    test = _split(path, x_key, y_key, spec, on_error, say, "test_data", test=True, own=own)
-    if spec is None and image_size is None and len(example_shape) == 3:
+    images = _images(spec)
+    test = kind_of(spec.path).images(spec, spec.path, say, test=True, own=own)
+    if images.size is None and len(example_shape) == 3:
         size = tuple(example_shape)
     else:
-        size = _size(test, spec, image_size)
-    x = ImageArray(str(path), test.source, Transform(size, augment, normalize, seed, test.source.encoded),
-                   test.labels, Workers(workers), on_error, say)
+        size = _size(test, images.size)
+    x = _made(spec.path, test, _transform(spec, size, test.source.encoded), Workers(workers), spec, say)
     return x, test.labels, test.classes
 
 

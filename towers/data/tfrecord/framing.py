@@ -31,6 +31,8 @@ import zlib
 import google_crc32c
 import numpy as np
 
+from towers.errors import InputError
+
 COMPRESSIONS = ("auto", "none", "gzip", "zlib")
 HEADER = 12  # uint64 length + uint32 length CRC
 FOOTER = 4  # uint32 payload CRC
@@ -45,7 +47,7 @@ PAYLOAD_CRC = ("payload CRC mismatch: the record is corrupted; re-copy the file,
                "such records")
 
 
-class TFRecordError(Exception):
+class TFRecordError(InputError):
     """Damaged or unreadable TFRecord input; ``str()`` is the one-line report."""
 
     def __init__(self, path, index, offset, what, compressed=False):

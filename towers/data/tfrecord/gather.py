@@ -1,6 +1,6 @@
 """Record positions to one examples array: mapped files, batch-wise checks, and no parse where none is needed.
 
-Training from TFRecord files (``towers.data.tfrecord.records.RecordArray``)
+Training from TFRecord files (``towers.data.tfrecord.records.record_examples``)
 asks for a global batch of records at random positions; a :class:`Gatherer`
 (one per process: the input thread's, or a worker process's) turns them into the examples array.
 The example is the content of one bytes field (or one packed float list),
@@ -76,7 +76,7 @@ PROOF_WORTH = 16  # candidates a proved frame pays for: learning goes on while 1
 OFF_AFTER = 1024  # rows of one length gathered before a low share of known frames stops its gathers
 BATCH_MIN = 32  # fewer records of one length than this are read one by one (a gather costs ~50 us)
 CHUNK_BYTES = 8 << 20  # whole records copied at once by one gather
-# What Python takes besides the frame's bytes (measured with tracemalloc, tests/test_tfrecord_gather.py):
+# What Python takes besides the frame's bytes (measured with tracemalloc, tests/data/tfrecord/test_gather.py):
 _FRAME_OVERHEAD = 96  # a frame proved: a bytes object and its set slot
 _CANDIDATE_OVERHEAD = 320  # a candidate: the bytes, its key and record tuples, their ints, a dict slot
 _FAILED = object()  # a candidate whose proof failed

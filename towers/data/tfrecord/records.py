@@ -11,11 +11,12 @@ training from the file's ``tools.tfrecord_to_npz`` conversion.
    feature read as ``decode``'s dtype and shape, or a dense bytes/float
    feature), the labels ``y_key`` (int64, one per record); a missing or
    ambiguous choice is a one-line error listing the features.
-3. **Reading** (:class:`RecordArray`): an array-like (``shape``, ``dtype``,
-   ``len``, ``x[index array]``, ``x[a:b]``) whose ``submit(indices)`` reads one
-   global batch, in the calling thread (``workers=0``, the input thread) or in
-   the input workers (``towers.data.workers``: the one pool, which
-   decodes and augments images too).  Either way its source
+3. **Reading** (:func:`record_examples`): the one examples array
+   (``towers.data.examples.Examples``) over a ``Gather`` stage, whose
+   ``submit(indices)`` reads one global batch, in the calling thread
+   (``workers=0``, the input thread) or in the input workers
+   (``towers.data.workers``: the one pool, which decodes and augments images
+   too).  Either way its source
    (``towers.data.sources.RawRecordSource``) has a
    :class:`~towers.data.tfrecord.gather.Gatherer` turn the positions into the
    examples, written straight into the batch's shared memory: one gather from
@@ -36,19 +37,16 @@ Each worker holds the record positions (36 bytes a record).
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
-from towers.data.dataset import OnDemand
-from towers.data.sources import RawRecordSource
-from towers.data.workers import WorkerDied, Workers
-from towers.data.tfrecord.framing import TFRecordError
+from towers.data.examples import Examples
+from towers.data.sources import RawRecordSource, RecordSource
+from towers.data.stages import Gather
+from towers.data.workers import Workers
 from towers.data.tfrecord.index import (  # noqa: F401  (file_index, index_cache_paths: the index's API, here too)
     file_index, index_cache_paths, index_split, positions)
-from towers.data.tfrecord.proto import KIND_FLOAT
+from towers.data.tfrecord.proto import KIND_BYTES, KIND_FLOAT
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode
-from towers.errors import TrainingError
 
 
 # -- choosing the features ----------------------------------------------------------------------------------
@@ -72,7 +70,7 @@ def _choose(where, columns, n, key, default, candidates, what, setting):
 
 
 def load_split(path, x_key="x", y_key="y", decode=None, on_error="stop", workers=2, say=None):
-    """(RecordArray of examples, int32 labels) of the TFRecord file or glob ``path``."""
+    """(examples read on demand, ``record_examples``; int32 labels) of the TFRecord file or glob ``path``."""
     indexes, n, columns = index_split(path, on_error, say)
     spec = parse_decode(decode) if decode else None
     x_candidates = [spec[0]] if spec and spec[0] in columns else [
@@ -95,6 +93,31 @@ def load_split(path, x_key="x", y_key="y", decode=None, on_error="stop", workers
     else:
         raise UsageError(f"{path}: feature {xname!r} ({x_column.describe(n)}) cannot be examples: give one "
                          "string of fixed length per record with `decode`, or a fixed-length float feature")
+    y = _labels(path, indexes, columns, n, yname)
+    return record_examples(path, indexes, xname, x_column.kind, dtype, shape, workers, y), y
+
+
+def encoded_images(path, x_key, y_key, feature, on_error, say=None):
+    """(``RecordSource`` of the encoded-image feature ``feature``, int32 labels ``y_key``) of the TFRecord file
+    or glob ``path``: what the ``Images`` op decodes (``towers.data.kinds``)."""
+    indexes, n, columns = index_split(path, on_error, say)
+    if x_key not in ("x", feature):
+        raise UsageError(f"`decode` names {feature!r} but `x_key` is {x_key!r}: drop `x_key`, or make them agree")
+    column = columns.get(feature)
+    if column is None or column.kind != KIND_BYTES or column.is_list or column.present_count != n \
+            or column.min_count != 1 or column.max_count != 1:
+        what = "no such feature" if column is None else column.describe(n)
+        raise UsageError(f"{path}: `decode` {feature}:image needs one encoded image (bytes) in every record, but "
+                         f"{feature!r} is {what}; the features: " + "; ".join(
+                             f"{k} ({c.describe(n)})" for k, c in sorted(columns.items())))
+    labels = [k for k in columns if all(k in i.scalars for i in indexes) and k != feature]
+    yname = _choose(path, columns, n, y_key, "y", labels, "labels", "y_key")
+    return RecordSource([i.path for i in indexes], feature, *positions(indexes)), \
+        _labels(path, indexes, columns, n, yname)
+
+
+def _labels(path, indexes, columns, n, yname) -> np.ndarray:
+    """The int32 labels of feature ``yname``: one int64 per record, 0 .. 2**31 - 1."""
     if not all(yname in i.scalars for i in indexes):
         raise UsageError(f"{path}: feature {yname!r} ({columns[yname].describe(n)}) cannot be labels: "
                          "labels are one int64 per record")
@@ -102,82 +125,16 @@ def load_split(path, x_key="x", y_key="y", decode=None, on_error="stop", workers
     if y.min() < 0 or y.max() > np.iinfo(np.int32).max:
         raise UsageError(f"{path}: labels in {yname!r} run from {int(y.min())} to {int(y.max())}; "
                          "labels are 0..C-1")
-    x = RecordArray(path, indexes, xname, x_column.kind, dtype, shape, workers)
-    return x, y.astype(np.int32)
+    return y.astype(np.int32)
 
 
-# -- reading batches -----------------------------------------------------------------------------------------
+# -- the examples array ------------------------------------------------------------------------------------
 
 
-class _Batch:
-    """A batch of examples being read: ``result()`` waits for it and reports damage as a TrainingError."""
-
-    def __init__(self, chunks):
-        self._chunks = chunks
-
-    def result(self):
-        try:
-            return self._chunks.wait()[0]  # no failures: a raw record is read whole or raises
-        except (TFRecordError, WorkerDied) as e:
-            raise TrainingError(f"{e}") from None
-
-
-class RecordArray(OnDemand):
-    """The examples of TFRecord files, read on demand: ``shape``, ``dtype``, ``len``, ``x[indices]``, ``x[a:b]``.
-
-    ``submit(indices)`` starts reading those records (global row numbers, any
-    order) in the input workers (``towers.data.workers``, the one pool)
-    and returns an object whose ``result()`` is the ``(len(indices), *shape)``
-    array.  ``workers=0`` reads in the calling thread.  The workers start on
-    the first read and end with :meth:`close` (or when the array is
-    collected); a read after ``close`` starts them again.
-    """
-
-    rows = "records"
-
-    def __init__(self, name, indexes, feature, kind, dtype, shape, workers=2):
-        self.name = name
-        self._source = RawRecordSource([i.path for i in indexes], feature, kind, dtype, shape, *positions(indexes))
-        self.dtype = self._source.dtype
-        self.shape = (len(self._source),) + tuple(shape)
-        self.ndim = len(self.shape)
-        self._lock = threading.Lock()  # the input thread and the main thread both read; close swaps the pool
-        self._open(int(workers))
-
-    def _open(self, n: int) -> None:
-        self._workers = Workers(n)
-        self._sid = self._workers.add(self._source)
-
-    @property
-    def workers(self) -> int:
-        return self._workers.n
-
-    @property
-    def stored(self):
-        """The records' source (``towers.data.fingerprint``)."""
-        return self._source
-
-    def __len__(self):
-        return self.shape[0]
-
-    def __getstate__(self):
-        return dict(self.__dict__, _lock=None)  # the pool travels as its count and source (Workers.__getstate__)
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    def submit(self, indices):
-        with self._lock:
-            workers = self._workers
-        try:
-            return _Batch(workers.start(self._sid, np.asarray(indices, np.int64)))
-        except (TFRecordError, WorkerDied) as e:  # read in the calling thread; a worker gone before the send
-            raise TrainingError(f"{e}") from None
-
-    def close(self) -> None:
-        """Stop the worker processes and close the files read in this process (a later read reopens)."""
-        with self._lock:
-            workers = self._workers
-            self._open(workers.n)
-        workers.close()
+def record_examples(name, indexes, feature, kind, dtype, shape, workers=2, labels=None) -> Examples:
+    """The examples stored raw in feature ``feature`` of the records of ``indexes``, read on demand: an
+    ``Examples`` array over a ``Gather`` of a ``RawRecordSource``, with a pool of its own (``workers``; 0:
+    read in the calling thread) that starts on the first read, ends with ``close`` (or when the array is
+    collected) and starts again on a read after ``close``."""
+    source = RawRecordSource([i.path for i in indexes], feature, kind, dtype, shape, *positions(indexes))
+    return Examples(name, Gather(source), Workers(int(workers)), labels, rows="records", own_workers=True)
