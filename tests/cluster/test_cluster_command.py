@@ -65,10 +65,12 @@ def host_actors(pid: int) -> list[int]:
 
 
 def test_command_and_library_give_the_same_weights(tmp_path, local_ray):
-    """``towers.Trainer(Config(hosts=2))`` runs on Ray and trains what ``--hosts 2`` trains."""
+    """``towers.Trainer(Config(hosts=2))`` runs on Ray and trains what ``--hosts 2 --ray-address`` trains,
+    the command joining a running Ray (the other tests here start their own)."""
     import towers
 
-    p = run_cli("--hosts", "2", *SMALL, "--steps", "12", "--logdir", str(tmp_path / "cli"))
+    address = local_ray.get_runtime_context().gcs_address
+    p = run_cli("--hosts", "2", *SMALL, "--steps", "12", "--ray-address", address, "--logdir", str(tmp_path / "cli"))
     assert p.returncode == 0, p.stderr
     assert "blas" not in p.stderr.lower(), p.stderr  # each host's BLAS takes its share by default: no notice
     cfg = towers.Config(hosts=2, devices="cpu", hidden=16, quiet=True, summary_every=0, steps=12,
