@@ -182,7 +182,7 @@ def test_a_checkpoint_written_before_the_redesign_resumes_as_one_written_now_and
         Checkpointer(str(now), keep=1).write(t.step, t.state_dict())
         ran = t.cpu_kernels
     with np.load(OLD) as before, np.load(now / "ckpt-00000010.npz") as written:
-        # Metadata keys that came later: what ran the CPU towers' fused kernels (issue 31; the old file ran
+        # Metadata keys that came later: what ran the CPU towers' fused kernels (the old file ran
         # NumPy's) and the training data's fingerprint.
         assert sorted(before.files) == sorted(set(written.files) - {"cpu_kernels", "data/fingerprint"})
         assert str(written["cpu_kernels"]) == ran

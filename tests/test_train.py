@@ -128,7 +128,7 @@ def test_no_soft_placement_is_a_clear_error_and_writes_nothing(tmp_path):
         (["--batch-size", "5000"], ["larger than the dataset"]),
         (["--model", "nope"], ["--model 'nope' is unknown"]),
         (["--steps", "0"], ["--steps must be an integer >= 1"]),
-        # Per-image standardization, then (x/255 - mean) / std on top: mean -2, std 0.016 (issue 28).
+        # Per-image standardization, then (x/255 - mean) / std on top: mean -2, std 0.016.
         (["--augment", "tf-cifar10", "--normalize", "0.5,0.25"], ["--augment tf-cifar10", "drop --normalize"]),
     ],
 )

@@ -47,7 +47,7 @@ training (target >= 0.9).
 Ratios: 2 workers / 1 worker (target >= 1.7), towers / tf.data (>= 1.0),
 towers / DataLoader (>= 1.5), JPEG training / npz training (>= 0.9).
 
-``--jpeg-epochs [--rounds 3]`` measures issue 31's row instead: ``python -m
+``--jpeg-epochs [--rounds 3]`` measures the JPEG row instead: ``python -m
 towers.train`` with default flags (MLP, 2 towers) for 50 epochs of the first
 6,000 MNIST digits, written as a JPEG TFRecord by ``tools.images_to_tfrecord``,
 against the same run from the npz of the same decoded pixels
@@ -151,7 +151,7 @@ def main(argv=None):
     p.add_argument("--reference-python", metavar="PYTHON",
                    help="an interpreter with TensorFlow and PyTorch/torchvision for the reference image rows")
     p.add_argument("--jpeg-epochs", action="store_true",
-                   help="issue 31's row instead: MLP from a JPEG TFRecord of 6,000 digits, 50 epochs, against the npz")
+                   help="the JPEG row instead: MLP from a JPEG TFRecord of 6,000 digits, 50 epochs, against the npz")
     p.add_argument("--rounds", type=int, default=3, help="--jpeg-epochs: alternating rounds (median)")
     args = p.parse_args(argv)
     if args.jpeg_epochs:
@@ -429,7 +429,7 @@ def image_main(args):
 
 
 
-# -- issue 31's row: MLP from a JPEG TFRecord, 50 epochs, default flags, against the decoded npz ----------------
+# -- the JPEG row: MLP from a JPEG TFRecord, 50 epochs, default flags, against the decoded npz -------------------
 
 JPEG_DIGITS, JPEG_EPOCHS = 6000, 50
 JPEG_FLAGS = ("--x-key", "image/encoded", "--y-key", "image/class/label", "--decode", "image/encoded:image:28,28,1")

@@ -22,12 +22,12 @@ What is timed (samples/s, MNIST-shaped uint8 data, float32, SGD, L2 1e-4):
   network (same initialization scheme, batch norm momentum and epsilon, L2 on
   weights only, SGD momentum 0.9, EMA) at batch 128 on 2 threads.
 
-``--load-rows`` measures only issue 41's rows: one CPU tower (``python -m
+``--load-rows`` measures only the load rows: one CPU tower (``python -m
 towers.train --model lenet5 --steps 20``, the whole command) with every core
 in BLAS, with the default BLAS threads and with OpenBLAS's shorter thread
 timeout, on the machine as it is and beside one busy process.
 
-``--kernel-rows`` measures only issue 31's rows (ResNet-20 2 x 32, LeNet-5
+``--kernel-rows`` measures only the kernel rows (ResNet-20 2 x 32, LeNet-5
 2 x 50 with Adam, MLP 2 x 100; 2 CPU towers against PyTorch eager on 2
 threads), the median of alternating rounds, each printed with its target and
 the BLAS setup each Python found, then its fourth row, the MLP from a JPEG
@@ -345,7 +345,7 @@ def _measure_all(data: str, repeats: int, plan: dict, median: bool = False) -> d
     return {name: pick(v) if v else None for name, v in runs.items()}
 
 
-# The kernel rows of issue 31: (model, towers' per-tower batch, optimizer, lr, data, target towers / PyTorch).
+# The kernel rows: (model, towers' per-tower batch, optimizer, lr, data, target towers / PyTorch).
 KERNEL_ROWS = (("ResNet-20, 32x32x3, 2 x 32, SGD momentum", "resnet20", 32, "sgd", 0.05, "cifar", 1.2),
                ("LeNet-5, MNIST 28x28, 2 x 50, Adam", "lenet5", 50, "adam", 0.001, "mnist", 1.0),
                ("MLP 784-500-10, MNIST, 2 x 100", "mlp", 100, "sgd", 0.1, "mnist", 1.3))
@@ -419,7 +419,7 @@ def _command_time(args: list, env: dict) -> tuple[float, float]:
 
 
 def load_rows(a) -> int:
-    """Issue 41's rows: one CPU tower (``--model lenet5 --steps 20``, ``--load-data``) with each BLAS setting,
+    """The load rows: one CPU tower (``--model lenet5 --steps 20``, ``--load-data``) with each BLAS setting,
     on the machine as it is and beside one busy process (a Python spinning on a core), ``a.repeats`` rounds
     alternating the settings; the median of the whole command's wall time and of the training time its done
     line reports.  Rounds alternate quiet and busy, so that load from elsewhere falls on both."""
@@ -467,7 +467,7 @@ def main(argv=None) -> int:
     ap.add_argument("--resnet-steps", type=int, default=8)
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--load-rows", action="store_true",
-                    help="only issue 41's rows: one LeNet-5 tower's BLAS threads, quiet and beside a busy process")
+                    help="only the load rows: one LeNet-5 tower's BLAS threads, quiet and beside a busy process")
     ap.add_argument("--load-data", help="--load-rows: the training data (default: towers' own, the digits)")
     # worker mode (internal)
     ap.add_argument("--worker", choices=sorted(WORKERS))
@@ -517,7 +517,7 @@ def main(argv=None) -> int:
         "towers 1 tower, batch 100 (bare step)": ("towers-bare", dict(towers=1, steps=s)),
         "input pipeline alone, global 200": ("pipeline", dict(towers=2)),
     }
-    if a.only_resnet:  # the ResNet-20 rows alone (issue 18's target), without the MLP's and LeNet-5's
+    if a.only_resnet:  # the ResNet-20 rows alone (their own target), without the MLP's and LeNet-5's
         plan, a.no_tf, a.no_lenet = {}, True, True
     if not a.no_torch and have_torch and plan:
         plan["PyTorch eager, batch 100"] = ("torch", dict(global_batch=100, steps=s, python=ref))

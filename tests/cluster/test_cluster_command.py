@@ -1,6 +1,6 @@
 """``python -m towers.train --hosts 2`` as a user runs it: each test starts the command (and its own Ray).
 
-Issue 19's cluster items: an address where no Ray listens, SIGTERM, a dead
+The cluster's failure cases: an address where no Ray listens, SIGTERM, a dead
 host, a killed driver; and the command and the library giving the same weights.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The layers of issue 18: float64 finite-difference checks of every gradient, and what each layer computes.
+"""The layers: float64 finite-difference checks of every gradient, and what each layer computes.
 
 Batch norm, residual blocks (identity, option A, projection), global and
 windowed average pooling, max-pooling at a stride, dropout, LRN, strided and

@@ -1,6 +1,6 @@
-"""LeNet-5 left the whole-batch convolution (issue 31): checkpoints written before still resume.
+"""LeNet-5 left the whole-batch convolution: checkpoints written before still resume.
 
-Up to issue 31 ``lenet5`` built its two convolutions with ``algorithm="whole"``
+Before, ``lenet5`` built its two convolutions with ``algorithm="whole"``
 so that published runs kept their bits; it now takes the default (chunked)
 algorithm, which is faster and sums in another order.  A checkpoint holds the
 weights, buffers and optimizer state, whose layout does not depend on the

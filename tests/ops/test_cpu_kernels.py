@@ -1,4 +1,4 @@
-"""The CPU kernels rewritten for speed (issue 31) against plain references on NumPy.
+"""The CPU kernels rewritten for speed against plain references on NumPy.
 
 ``towers.ops.maxpool.maxpool_backward`` walks the window taps with bool masks and
 fewer passes; the reference here is the definition, window by window: each

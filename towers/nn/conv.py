@@ -45,7 +45,7 @@ Two algorithms, ``algorithm=``:
 * ``"whole"``: the batch's ``cols`` in one piece, kept for backward; the input
   gradient by ``dcols = dy @ W.T`` and col2im (kh*kw strided adds into a padded
   buffer on the CPU, one gathering kernel on a GPU).  No built-in model uses
-  it (``lenet5`` did until issue 31: it is slower).  ``cols`` costs N*Ho*Wo*kh*kw*C floats (63 MB
+  it (it is slower).  ``cols`` costs N*Ho*Wo*kh*kw*C floats (63 MB
   for LeNet's second convolution at batch 100), which is why evaluation runs
   in chunks.
 

@@ -1,4 +1,4 @@
-"""Image input, issue 28: test labels that mean the training labels' classes, crops clipped to the decoded
+"""Image input checks: test labels that mean the training labels' classes, crops clipped to the decoded
 image, damaged PNGs and oversized JPEGs refused, scripts without the ``__main__`` guard, and the small ones
 (worker count, the resource tracker's warning, a closed data set, a file that is no TFRecord)."""
 from __future__ import annotations

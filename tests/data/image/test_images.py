@@ -599,7 +599,7 @@ def test_workers_and_shared_memory_end_with_a_killed_driver(tmp_path, kind):
     assert not blocks & set(os.listdir("/dev/shm")), "shared memory left behind"
 
 
-# -- issue 19: float features, flat bytes -----------------------------------------------------------------
+# -- float features, flat bytes --------------------------------------------------------------------------
 
 
 def test_decode_reshapes_a_float_feature(tmp_path):
