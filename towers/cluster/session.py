@@ -176,10 +176,8 @@ def disconnect(ray) -> None:
 
 
 def _package() -> str:
-    """The folder of the towers package this process imported."""
-    import towers
-
-    return os.path.dirname(os.path.abspath(towers.__file__))
+    """The folder of the towers package this process imported (this module's package's)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _this_machine() -> dict:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 
 from towers.errors import UserError, notice
-from towers.ops import numba_jit
+from towers.ops.numba_jit import numba_module, warm_up
 
 MODES = ("auto", "numba", "numpy")
 
@@ -79,7 +79,7 @@ def available(mode: str) -> bool:
     if mode == "numpy":
         return False
     try:
-        numba_jit.numba_module()
+        numba_module()
         return True
     except ImportError as e:
         missing = isinstance(e, ModuleNotFoundError) and e.name == "numba"
@@ -104,7 +104,7 @@ def choose(mode: str, model, cpu_towers: bool) -> str:
     on = cpu_towers and (mode != "auto" or worth_loading(model)) and available(mode)
     use(on)
     if on:
-        numba_jit.warm_up()
+        warm_up()
     return name()
 
 

@@ -37,7 +37,8 @@ import functools
 import numpy
 
 from towers.devices.kernels import on_host
-from towers.ops import backend, numba_jit
+from towers.ops.backend import compiled as host_loops_chosen
+from towers.ops.numba_jit import kernel as numba_kernel
 from towers.ops.bias import col_sum
 
 _ROW = 1024  # values per row of the wide views: long enough for NumPy's inner loop
@@ -59,7 +60,7 @@ def wide(*arrays):
 def compiled_for(ws, a) -> bool:
     """Whether this step's array ``a`` takes the compiled loops: a C-contiguous host array, where the process
     chose them, and no ``sync`` (sync-BN gathers the NumPy passes' moments across towers)."""
-    return backend.compiled() and ws.ctx.sync is None and on_host(a) and a.flags.c_contiguous
+    return host_loops_chosen() and ws.ctx.sync is None and on_host(a) and a.flags.c_contiguous
 
 
 # -- the NumPy passes
@@ -122,7 +123,7 @@ def _f32(*shape):
 
 
 
-@numba_jit.kernel(warm=lambda: (_f32(2, 2),))
+@numba_kernel(warm=lambda: (_f32(2, 2),))
 def moments_loop(x):  # pragma: no cover - compiled; tested through the layer
     """(shift, off, var) per channel of (M, C) ``x`` (module doc): two passes that only read.
 
@@ -146,7 +147,7 @@ def moments_loop(x):  # pragma: no cover - compiled; tested through the layer
     return shift, off.astype(x.dtype), (s2 / m - off * off).astype(x.dtype)
 
 
-@numba_jit.kernel(warm=lambda: (_f32(2, 2), _f32(2), _f32(2), _f32(2), _f32(2, 2), _f32(2, 2)))
+@numba_kernel(warm=lambda: (_f32(2, 2), _f32(2), _f32(2), _f32(2), _f32(2, 2), _f32(2, 2)))
 def center_scale_loop(x, shift, a, b, xc, y):  # pragma: no cover - compiled
     """``xc = x - shift`` and ``y = xc * a + b`` over (M, C) arrays, per-channel ``shift``, ``a``, ``b``."""
     m, c = x.shape
@@ -157,7 +158,7 @@ def center_scale_loop(x, shift, a, b, xc, y):  # pragma: no cover - compiled
             y[i, j] = d * a[j] + b[j]
 
 
-@numba_jit.kernel(warm=lambda: (_f32(2, 2), _f32(2, 2)))
+@numba_kernel(warm=lambda: (_f32(2, 2), _f32(2, 2)))
 def backward_sums_loop(dy, xc):  # pragma: no cover - compiled
     """(sum(dy), sum(dy * xc)) per channel of (M, C) arrays, in float64."""
     m, c = dy.shape
@@ -171,7 +172,7 @@ def backward_sums_loop(dy, xc):  # pragma: no cover - compiled
     return s0, s1
 
 
-@numba_jit.kernel(warm=lambda: (_f32(2, 2), _f32(2, 2), _f32(2), _f32(2), _f32(2), _f32(2, 2)))
+@numba_kernel(warm=lambda: (_f32(2, 2), _f32(2, 2), _f32(2), _f32(2), _f32(2), _f32(2, 2)))
 def backward_dx_loop(dy, xc, k, c0, a, dx):  # pragma: no cover - compiled
     """``dx = (xc * k + dy + c0) * a`` over (M, C) arrays, per-channel ``k``, ``c0``, ``a``."""
     m, c = dy.shape

@@ -40,7 +40,11 @@ import numpy
 
 from towers.devices import kernels as device
 from towers.devices.placement import array_module
-from towers.ops import backend, cuda_form, numba_form, numba_jit
+from towers.ops.backend import compiled as host_loops_chosen
+from towers.ops.cuda_form import Kernel as CudaKernel
+from towers.ops.cuda_form import source as cuda_text
+from towers.ops.numba_form import source as numba_text
+from towers.ops.numba_jit import from_source, on_warm_up
 from towers.ops.expr import trace
 from towers.ops.numpy_form import NumpyForm
 
@@ -98,12 +102,12 @@ class Elementwise:
         self._lead = self.params.index(outputs[0])
         self._rows = bool(rows)
         self.numpy_form = NumpyForm(self.traced, self.params, name)
-        self.numba_source = numba_form.source(self.traced, self.params, "towers_" + name)
+        self.numba_source = numba_text(self.traced, self.params, "towers_" + name)
         self._loop = None
         self.compiled = compiled
         if compiled:
-            numba_jit.on_warm_up(lambda: self.loop().warm())
-        self.cuda_source = cuda_form.source(self.traced, self.params, "towers_" + name, restrict=distinct)
+            on_warm_up(lambda: self.loop().warm())
+        self.cuda_source = cuda_text(self.traced, self.params, "towers_" + name, restrict=distinct)
         self.in_module = module and device.open_for_parts()
         self._kernel = None
         if self.in_module:
@@ -117,7 +121,7 @@ class Elementwise:
         if self._loop is None:
             with _LOCK:
                 if self._loop is None:
-                    self._loop = numba_jit.from_source(self.numba_source, "towers_" + self.name, self._warm_args)
+                    self._loop = from_source(self.numba_source, "towers_" + self.name, self._warm_args)
         return self._loop
 
     def kernel(self):
@@ -125,7 +129,7 @@ class Elementwise:
         if self._kernel is None:
             with _LOCK:
                 if self._kernel is None:
-                    self._kernel = cuda_form.Kernel(self.cuda_source, "towers_" + self.name)
+                    self._kernel = CudaKernel(self.cuda_source, "towers_" + self.name)
         return self._kernel
 
     def _warm_args(self) -> tuple:
@@ -135,7 +139,7 @@ class Elementwise:
 
     def warm_up(self) -> None:
         """Load (or compile) the compiled CPU form now, when the process chose it: not inside a timed step."""
-        if self.compiled and backend.compiled():
+        if self.compiled and host_loops_chosen():
             self.loop().warm()
 
     # -- a call
@@ -148,7 +152,7 @@ class Elementwise:
             for i in self._scalar_at:
                 args[i] = dt(args[i])
         if isinstance(lead, numpy.ndarray):
-            if self.compiled and backend.compiled() and self._flat(args, lead):
+            if self.compiled and host_loops_chosen() and self._flat(args, lead):
                 cols = self._cols(args)
                 self._check(args, lead, cols)
                 self.loop()(*self._flatten(args), *cols)

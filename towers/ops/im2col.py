@@ -31,7 +31,8 @@ from __future__ import annotations
 import numpy
 
 from towers.devices.kernels import check_contiguous, launch_named, on_host, register, takes
-from towers.ops import backend, numba_jit
+from towers.ops.backend import compiled as host_loops_chosen
+from towers.ops.numba_jit import kernel as numba_kernel
 
 _i = numpy.int32  # a kernel's int argument
 
@@ -73,7 +74,7 @@ __global__ void towers_col2im(const float* dcols, float* dx, int total, int h, i
 """, ("im2col", "col2im"))
 
 
-@numba_jit.kernel(warm=lambda: (numpy.zeros((1, 1, 1, 2, 2, 2), numpy.float32), numpy.zeros((1, 2, 2, 2), numpy.float32),
+@numba_kernel(warm=lambda: (numpy.zeros((1, 1, 1, 2, 2, 2), numpy.float32), numpy.zeros((1, 2, 2, 2), numpy.float32),
                                 0, 0, 1))
 def col2im_loop(dcols, dx, top, left, stride):  # pragma: no cover - compiled
     """``dx (n, h, w, c)`` from ``dcols (n, ho, wo, k, k, c)``: each element the sum of the taps that read it,
@@ -180,7 +181,7 @@ def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1, out=None):
     """
     n, ho, wo, k, _, c = dcols.shape
     h, w = in_hw
-    if on_host(dcols) and backend.compiled() and dcols.flags.c_contiguous:
+    if on_host(dcols) and host_loops_chosen() and dcols.flags.c_contiguous:
         fits = out is not None and out.flags.c_contiguous and out.shape == (n, h, w, c) and out.dtype == dcols.dtype
         dx = out if fits else ws.array("dx", (n, h, w, c), dcols.dtype)
         col2im_loop(dcols, dx, pad[0], pad[1], stride)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy
 
 from towers.devices.kernels import check_contiguous, launch_named, on_host, register, takes
-from towers.ops import backend, numba_jit
+from towers.ops.backend import compiled as host_loops_chosen
+from towers.ops.numba_jit import kernel as numba_kernel
 
 _i = numpy.int32  # a kernel's int argument
 
@@ -76,10 +77,10 @@ __global__ void towers_maxpool_backward(const float* x, const float* y, const fl
 
 def _compiled(*arrays) -> bool:
     """Whether these arrays take the compiled loops: host arrays, C-contiguous, where the process chose them."""
-    return backend.compiled() and all(on_host(a) and a.flags.c_contiguous for a in arrays)
+    return host_loops_chosen() and all(on_host(a) and a.flags.c_contiguous for a in arrays)
 
 
-@numba_jit.kernel(warm=lambda: (numpy.zeros((1, 2, 2, 2), numpy.float32), 2, numpy.zeros((1, 1, 1, 2), numpy.float32)))
+@numba_kernel(warm=lambda: (numpy.zeros((1, 2, 2, 2), numpy.float32), 2, numpy.zeros((1, 1, 1, 2), numpy.float32)))
 def maxpool_loop(x, k, y):  # pragma: no cover - compiled
     """``y (n, ho, wo, c)``: the max of each k x k window of ``x (n, h, w, c)``, stride k, windows cut at the
     bottom and right edges (SAME).  A NaN wins its window, as in ``numpy.maximum``."""
@@ -98,7 +99,7 @@ def maxpool_loop(x, k, y):  # pragma: no cover - compiled
                         if v > m or (v != v and m == m):
                             y[b, i, j, ch] = v
 
-@numba_jit.kernel(warm=lambda: (numpy.zeros((1, 2, 2, 2), numpy.float32), numpy.zeros((1, 1, 1, 2), numpy.float32),
+@numba_kernel(warm=lambda: (numpy.zeros((1, 2, 2, 2), numpy.float32), numpy.zeros((1, 1, 1, 2), numpy.float32),
                                 numpy.zeros((1, 1, 1, 2), numpy.float32), 2, numpy.zeros((1, 2, 2, 2), numpy.float32)))
 def maxpool_backward_loop(x, y, dy, k, dx):  # pragma: no cover - compiled
     """``dx``: each window's ``dy`` at its FIRST element equal to its max (row-major), ``dy * 0`` elsewhere.

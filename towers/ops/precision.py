@@ -36,7 +36,7 @@ side here instead.
 Forms: the array form (the NumPy passes above; CuPy runs the same ones on a
 device array the kernel does not take), and on a GPU one CUDA kernel per
 format, registered into the one CUDA module (``towers.devices.kernels``), so
-``tests/test_kernels_compile.py`` compiles them.  No compiled-CPU form: the
+``tests/devices/test_kernels_compile.py`` compiles them.  No compiled-CPU form: the
 integer passes are a few streaming passes per call.  A launch goes on the
 current stream; nothing synchronizes.
 """
