@@ -310,7 +310,7 @@ def _towers_worker(spec) -> dict:
     ds = load_dataset(spec["data"])
     name, lr, momentum, batch = MODELS[spec["model"]][:4]
     cfg = Config(n_gpu=spec["towers"], devices=spec["devices"], model=name, batch_size=batch,
-                 optimizer="sgd", lr=lr, momentum=momentum, quiet=True)
+                 optimizer="sgd", lr=lr, momentum=momentum, quiet=True, gpu_conv=spec.get("gpu_conv", "im2col"))
     trainer = Trainer(cfg, dataset=ds)
     marks["trainer built"] = _since(t_launch)
     gpus = [] if spec["devices"] == "cpu" else [int(d) for d in spec["devices"].split(",")]
@@ -350,6 +350,10 @@ def _towers_worker(spec) -> dict:
     finally:
         trainer.close()
     on_device = trainer.executor.device_data is not None
+    if spec.get("gpu_conv", "im2col") != "im2col":
+        from towers.devices import cudnn
+
+        t["cudnn"] = dict(calls=dict(cudnn.calls), refused=[str(k) for k in cudnn.refused])
     return dict(t, global_batch=trainer.global_batch, loss=loss, startup=marks, launches=launches,
                 data_on_device=on_device, peak_bytes=max(peaks) if peaks else None,
                 peak_source="cupy memory pool high-water (total_bytes), largest GPU" if peaks else None,
@@ -598,17 +602,24 @@ def _fmt(v, spec="{:.0f}", na="n/a"):
     return na if v is None else spec.format(v)
 
 
-def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool) -> list[dict]:
-    """The rows: towers configurations and PyTorch references, model by model."""
+def towers_label(form: str) -> str:
+    """The towers rows' label for a ``gpu_conv`` form: "towers" (im2col), "towers cudnn"."""
+    return "towers" if form == "im2col" else f"towers {form}"
+
+
+def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool, forms=("im2col",)) -> list[dict]:
+    """The rows: towers configurations (the conv nets once per ``gpu_conv`` form) and PyTorch references."""
     dev = "0" if gpus else "cpu"
     where = "GPU 0" if gpus else "CPU"
     rows = []
     for model in models:
         b = MODELS[model][3]
-        rows.append(dict(name=f"{model} towers 1 tower, {where}, b{b}", kind="towers", model=model, towers=1,
-                         devices=dev))
-        rows.append(dict(name=f"{model} towers 2 towers sharing {where}, global {2 * b}", kind="towers", model=model,
-                         towers=2, devices=dev))
+        for form in forms if model in CONV and gpus else ("im2col",):
+            t = towers_label(form)
+            rows.append(dict(name=f"{model} {t} 1 tower, {where}, b{b}", kind="towers", model=model, towers=1,
+                             devices=dev, gpu_conv=form))
+            rows.append(dict(name=f"{model} {t} 2 towers sharing {where}, global {2 * b}", kind="towers",
+                             model=model, towers=2, devices=dev, gpu_conv=form))
         if gpus >= 2:
             rows.append(dict(name=f"{model} towers {gpus} towers on {gpus} GPUs, global {b * gpus}",
                              kind="towers", model=model, towers=gpus, devices=",".join(map(str, range(gpus)))))
@@ -738,6 +749,9 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-compile", action="store_true",
                     help="add torch.compile float32 rows for the conv nets (each compiles for a minute or more; "
                          "the compile time is reported apart from the timed steps)")
+    ap.add_argument("--gpu-conv", default="im2col,cudnn",
+                    help="comma-separated gpu_conv forms the conv nets' towers rows run in, among im2col, cudnn "
+                         "(default both; on a machine without a GPU only im2col)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, on the CPU when there is no GPU")
     ap.add_argument("--no-main-job", action="store_true", help="skip the default main job comparison")
     ap.add_argument("--verbose", action="store_true", help="print the kernel names counted for each row, with their time per step")
@@ -755,6 +769,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(f"--models {a.models!r}: {e}; use names among {', '.join(MODELS)} (or towers' "
                  f"{', '.join(m[0] for m in MODELS.values())}), comma-separated")
+    a.gpu_conv = [f.strip() for f in a.gpu_conv.split(",") if f.strip()]
+    if not a.gpu_conv or set(a.gpu_conv) - {"im2col", "cudnn"}:
+        ap.error(f"--gpu-conv {','.join(a.gpu_conv)!r}: use im2col, cudnn or both, comma-separated")
     q = a.quick
     steps = a.steps if a.steps is not None else (10 if q else 1000)
     lenet_steps = a.lenet_steps if a.lenet_steps is not None else (2 if q else 200)
@@ -812,7 +829,7 @@ def _bench(a, tmp, sizes: dict, rounds: int) -> int:
           "batch per tower: " + "; ".join(f"{m} {s[0]}, {s[1]}, {s[2]}, {MODELS[m][3]}" for m, s in sizes.items()),
           flush=True)
 
-    rows = _plan(gpus, torch_ok, a.models, a.torch_compile)
+    rows = _plan(gpus, torch_ok, a.models, a.torch_compile, a.gpu_conv)
     failed = False
     try:
         _measure(a, tmp, rows, sizes, rounds, data)
@@ -846,7 +863,7 @@ def _measure(a, tmp, rows, sizes: dict, rounds: int, data: dict) -> None:
             continue
         model = r["model"]
         steps, warmup, profile_steps = sizes[model]
-        spec = {k: r[k] for k in ("model", "devices") if k in r}
+        spec = {k: r[k] for k in ("model", "devices", "gpu_conv") if k in r}
         spec.update(data=data[model], steps=steps, warmup=warmup, rounds=rounds, profile_steps=profile_steps)
         t0 = time.perf_counter()
         if r["kind"] == "towers":
@@ -894,6 +911,9 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
                     print(f"  {c:6.2f}  {us:8.1f} us  {name[:100]}")
             elif ln.get("na"):
                 print(f"kernels of {r['name']}: n/a ({ln['na']})")
+            cu = (r.get("result") or {}).get("cudnn")
+            if cu:
+                print(f"cuDNN in {r['name']}: calls {cu['calls']}; shapes left to im2col: {cu['refused'] or 'none'}")
     if main_job:
         print("\nthe default main job (python -m towers.train --n-gpu 2), wall time of the whole command:")
         for k, v in main_job.items():
@@ -918,17 +938,17 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
         _ratio(ratios, f"{model} towers 2 sharing / PyTorch b200",
                g.get(f"{model} towers 2 towers sharing {where}, global 200"),
                g.get(f"{model} PyTorch eager, {where}, b200"), target)
-    for model in (m for m in a.models if m in CONV):
-        b = MODELS[model][3]
-        one, two = g.get(f"{model} towers 1 tower, {where}, b{b}"), g.get(f"{model} towers 2 towers sharing {where}, "
-                                                                           f"global {2 * b}")
+    for model, form in ((m, f) for m in a.models if m in CONV for f in (a.gpu_conv if gpus else ["im2col"])):
+        b, t = MODELS[model][3], towers_label(form)
+        one, two = g.get(f"{model} {t} 1 tower, {where}, b{b}"), g.get(f"{model} {t} 2 towers sharing {where}, "
+                                                                        f"global {2 * b}")
         for variant, target in (("fp32", 1.0), ("amp", None), ("compile", None)):
             label = TORCH_VARIANTS[variant] + (" fp32" if variant == "fp32" else "")
             if variant == "compile" and not a.torch_compile:
                 continue
-            _ratio(ratios, f"{model} towers 1 tower / {label} b{b}", one, g.get(f"{model} {label}, {where}, b{b}"),
+            _ratio(ratios, f"{model} {t} 1 tower / {label} b{b}", one, g.get(f"{model} {label}, {where}, b{b}"),
                    target)
-            _ratio(ratios, f"{model} towers 2 sharing / {label} b{2 * b}", two,
+            _ratio(ratios, f"{model} {t} 2 sharing / {label} b{2 * b}", two,
                    g.get(f"{model} {label}, {where}, b{2 * b}"), target)
     warm = main_job.get("GPU, warm kernel cache", {}).get("wall_s")
     _ratio(ratios, "main job GPU warm wall / CPU wall", warm, main_job.get("CPU, 2 cores", {}).get("wall_s"),

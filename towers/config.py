@@ -26,6 +26,7 @@ from pathlib import Path
 from towers.data.image.augment import AUGMENTS, parse_image_size, parse_normalize
 from towers.errors import UserError
 from towers.nn.models import model_defaults
+from towers.ops.backend import GPU_CONVS
 from towers.ops.precision import ALLREDUCE_DTYPES, PRECISIONS
 from towers.optim.optimizers import OPTIMIZERS, check_given, check_settings as check_optimizer_settings
 from towers.optim.optimizers import settings as optimizer_settings
@@ -263,6 +264,11 @@ class Config:
         group="performance", check=Choice(("auto", "numba", "numpy")), resume=SILENT, type="str", metavar="MODE")
     tf32: bool = switch("GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 "
         "relative error (off: plain float32)", group="performance", resume=NOTE)
+    gpu_conv: str = setting(
+        "im2col", "how GPU towers run convolutions: `im2col` (an im2col kernel and cuBLAS GEMMs), `cudnn` (NVIDIA's "
+        "cuDNN through its frontend, pip install nvidia-cudnn-frontend; float32 as --tf32 says, deterministic "
+        "engines) or `auto` (cuDNN where it starts); the two agree to float32 rounding (see Performance)",
+        group="performance", check=Choice(GPU_CONVS), resume=NOTE, type="str", metavar="FORM")
     precision: str = setting(
         "fp32", "the format forward and backward compute in: `fp32`, or `bf16` / `fp16` on low-precision copies of "
         "the float32 master weights with float32 accumulation (on the CPU emulated by rounding; the optimizer's slots "

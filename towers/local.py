@@ -113,11 +113,11 @@ class LocalExecutor(Executor):
         # them) reduces every tower's own buffers, so its towers keep their own.
         self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self.share.first_tower,
                                    share=keeping.same_updates and reducer is None)
-        # Which form of the ops the CPU towers run, chosen by build_towers (a checkpoint records it); the
+        # Which forms of the ops the towers run, chosen by build_towers (a checkpoint records the CPU's); the
         # choice is the process's, so each step makes it this executor's again (another Trainer may have chosen
         # since).
         self.cpu_kernels = backend.name()
-        self._compiled = backend.compiled()
+        self._forms = backend.current()
         streams = [t.stream for t in self.towers]
         self.timer.syncs = [s.synchronize if s is not None else None for s in streams]
         # GPU towers: a training set that fits stays on the devices (steps then
@@ -241,7 +241,7 @@ class LocalExecutor(Executor):
             self._prefetch = None
 
     def run_steps(self, n: int, want_loss: bool = False):
-        backend.use(self._compiled)
+        backend.restore(self._forms)
         losses = x = None
         for k in range(n):
             want = want_loss and k == n - 1
@@ -260,7 +260,7 @@ class LocalExecutor(Executor):
         return losses, x
 
     def train_step(self, x, y, want_loss: bool = False):
-        backend.use(self._compiled)
+        backend.restore(self._forms)
         return self.engine.run(x, y, want_loss)
 
     def train_step_at(self, indices, want_loss: bool = False):
@@ -271,13 +271,13 @@ class LocalExecutor(Executor):
         same float32 batch reaches each tower.
         """
         indices = check_indices(indices, self.local_batch, len(self.dataset.x))
-        backend.use(self._compiled)
+        backend.restore(self._forms)
         if self.device_data is None:
             return self.engine.run(self.dataset.x[indices], self.dataset.y[indices], want_loss)
         return self.engine.run(None, None, want_loss, indices)
 
     def next_gradients(self, want_loss: bool = False):
-        backend.use(self._compiled)
+        backend.restore(self._forms)
         losses = self.engine.gradients(*self.rows.next_batch(), want_loss)
         self.synchronize()
         reps = self.replicas
@@ -355,7 +355,7 @@ class LocalExecutor(Executor):
         """A replica of the first tower's weights (or the EMA's) and buffers, on its device, made current."""
         dev, first = self.towers[0].device, self.towers[0].replica
         self.synchronize()
-        backend.use(self._compiled)
+        backend.restore(self._forms)
         with dev.scope():
             yield Replica.holding(self.model, dev.xp, self.ema.shadow if ema else first.params, first.buffers)
 

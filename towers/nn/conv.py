@@ -52,10 +52,18 @@ Two algorithms, ``algorithm=``:
 Both give the same sums in other orders.  Strides above 1 take array
 operations on a GPU (no dedicated kernel).
 
+On a GPU with ``gpu_conv`` cudnn (``towers.ops.backend``) the three
+products run on cuDNN instead (``towers.devices.cudnn``: forward, the weight
+gradient written straight into its view of the flat buffer, the input
+gradient; no im2col, no copies), with the same layouts and padding; a shape
+cuDNN refuses runs the im2col form above.  The two agree to float32
+rounding (other sums).
+
 Output shapes and padding follow ``towers.nn.windows``.
 """
 from __future__ import annotations
 
+from towers.devices import cudnn
 from towers.devices.kernels import on_host
 from towers.errors import UserError
 from towers.nn.layers import Exported, Layer, Param
@@ -100,6 +108,8 @@ class Conv2D(Layer):
         h, w, c = self.in_hwc = nhwc(tuple(in_shape), self.scope)
         k, s = self.k, self.stride
         self.out_hw, self.pad = window_geometry((h, w), k, s, self.padding, self.scope)
+        # The padding after the image (bottom, right) that makes exactly out_hw windows: cuDNN's post-padding.
+        self.post_pad = tuple(max(0, (o - 1) * s + k - n - p) for o, n, p in zip(self.out_hw, (h, w), self.pad))
         # The input gradient as a convolution of dy reads dy padded by k-1-pad
         # on top; only at stride 1, and while that padding is not negative.
         self._dx_conv = self.algorithm == "chunked" and s == 1 and max(self.pad) <= k - 1
@@ -179,9 +189,11 @@ class Conv2D(Layer):
         n, f = x.shape[0], self.filters
         ho, wo = self.out_hw
         y = ws.array("y", (n, ho, wo, f), x.dtype)
-        w2, y2, rows = p["weights"].reshape(-1, f), y.reshape(-1, f), ho * wo
-        for (b0, b1), cols in self._im2col_chunks(x, ws):
-            gemm(cols, w2, y2[b0 * rows: b1 * rows])
+        ws.saved["cudnn"] = self._cudnn(cudnn.conv_forward, x.reshape((n,) + self.in_hwc), p["weights"], y)
+        if not ws.saved["cudnn"]:
+            w2, y2, rows = p["weights"].reshape(-1, f), y.reshape(-1, f), ho * wo
+            for (b0, b1), cols in self._im2col_chunks(x, ws):
+                gemm(cols, w2, y2[b0 * rows: b1 * rows])
         if self.bias is not None:
             bias_add(y.reshape(-1, f), p["biases"])
         # "whole" keeps the batch's im2col for backward (one chunk); "chunked" recomputes it there.
@@ -193,6 +205,18 @@ class Conv2D(Layer):
         dy2 = dy.reshape(-1, f)  # dy is a contiguous NHWC buffer: a view
         if self.bias is not None:
             bias_grad(dy2, g["biases"], ws)
+        n = dy.shape[0]
+        x4, dy4 = x.reshape((n,) + self.in_hwc), dy.reshape((n,) + self.out_hw + (f,))
+        if self._cudnn(cudnn.conv_weight_grad, x4, dy4, g["weights"]):
+            if not need_dx:
+                return None
+            dx = ws.array("dx", x4.shape, dy.dtype)
+            if not self._cudnn(cudnn.conv_data_grad, dy4, p["weights"], dx):
+                dx = self._dx(p["weights"], dy4, ws)
+            return dx.reshape(ws.saved["x_shape"])
+        if ws.saved.get("cudnn"):  # the forward ran on cuDNN: the im2col of x that backward reads is made here
+            for _ in self._im2col_chunks(x, ws):
+                pass
         gw = g["weights"].reshape(-1, f)
         # F > C on CPU towers with the compiled forms: dW from x's im2col and dx by col2im, one compiled gather
         # (LeNet-5's conv2: dx 10.6 -> 8.1 ms at batch 50); without them NumPy's col2im is slower than dy's im2col.
@@ -205,7 +229,6 @@ class Conv2D(Layer):
         chunks = self._weight_grad(x, dy2, gw, ws)
         if not need_dx:
             return None
-        n = dy.shape[0]
         dx = ws.array("dx_batch", (n,) + self.in_hwc, dy.dtype) if len(chunks) > 1 else None
         for b0, b1 in chunks:
             view = dx[b0:b1] if dx is not None else None
@@ -215,6 +238,18 @@ class Conv2D(Layer):
             elif part is not view:  # the compiled col2im writes the chunk's rows in place
                 view[...] = part
         return dx.reshape(ws.saved["x_shape"])
+
+    def _cudnn(self, run, a, b, out) -> bool:
+        """``run(a, b, out, ...)``, a ``towers.devices.cudnn`` convolution, when device arrays take cuDNN
+        (``backend.cudnn_conv``); False when the im2col form must run (host arrays, im2col chosen, a shape cuDNN
+        refuses)."""
+        if on_host(a) or not backend.cudnn_conv():
+            return False
+        try:
+            run(a, b, out, self.pad, self.post_pad, self.stride)
+        except cudnn.Unsupported:
+            return False
+        return True
 
     def compiled_rounding(self, input_grad: bool = True) -> bool:
         """With more filters than input channels the compiled CPU forms take dx by col2im, NumPy by dy's im2col:

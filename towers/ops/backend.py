@@ -1,8 +1,11 @@
-"""Which form of the ops runs on host arrays, NumPy's passes or numba's compiled loops: one choice per process.
+"""Which form of the ops runs: on host arrays NumPy's passes or numba's compiled loops, and on device arrays
+how a convolution runs (im2col or cuDNN): one choice per process.
 
-Every op has a form per backend (``towers.ops``); device (CuPy) arrays always
-take the GPU form, so an op tells its form from the arrays it gets and, for
-host arrays, from this module's choice.  The choice is made once, when a
+Every op has a form per backend (``towers.ops``); device (CuPy) arrays take
+the GPU form, so an op tells its form from the arrays it gets and, for host
+arrays, from this module's choice.  A convolution on device arrays has two
+GPU forms, im2col + cuBLAS or cuDNN (``gpu_conv``, ``GPU_CONVS``), chosen
+here too.  The choice is made once, when a
 ``Trainer`` builds its towers (``towers.step.tower.build_towers`` calls
 ``choose`` with the ``cpu_kernels`` setting, the model and whether any tower
 is on the CPU), and holds for the process until the next ``choose``; the ops,
@@ -36,6 +39,8 @@ from towers.errors import UserError, notice
 from towers.ops.numba_jit import numba_module, warm_up
 
 MODES = ("auto", "numba", "numpy")
+#: The values of ``gpu_conv``: ``cudnn`` requires the cuDNN frontend, ``auto`` takes it where it starts.
+GPU_CONVS = ("im2col", "cudnn", "auto")
 
 #: ``auto`` loads the compiled loops for models of this many parameters or more: the update, L2 and all-reduce
 #: passes they fuse grow with the model (the MLP 784-500-10, 0.4 M: 0.4-0.5 ms of a 3.4 ms step saved; the
@@ -43,11 +48,17 @@ MODES = ("auto", "numba", "numpy")
 WORTH_PARAMS = 100_000
 
 _COMPILED = [False]  # the choice: whether host arrays take the compiled loops
+_CUDNN = [False]  # and whether device convolutions run on cuDNN (towers.devices.cudnn)
 
 
 def compiled() -> bool:
     """Whether ops on host arrays run their compiled (numba) form."""
     return _COMPILED[0]
+
+
+def cudnn_conv() -> bool:
+    """Whether convolutions on device arrays run on cuDNN (else im2col and cuBLAS)."""
+    return _CUDNN[0]
 
 
 def name() -> str:
@@ -92,20 +103,45 @@ def available(mode: str) -> bool:
         return False
 
 
-def choose(mode: str, model, cpu_towers: bool) -> str:
+def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=None) -> str:
     """Make the process's choice for a run (module doc) and return it as ``name`` does.
 
     With the compiled loops, every kernel is loaded from numba's disk cache
     (or compiled: about a second a kernel, once per machine) now, not in the
-    first step.
+    first step.  ``gpu``: a GPU device of the run (None: no GPU towers), on
+    which ``gpu_conv`` ``cudnn`` or ``auto`` starts cuDNN now: ``cudnn``
+    without it is a ``UserError``, ``auto`` then runs im2col.
     """
     if mode not in MODES:
         raise UserError(f"`cpu_kernels` {mode!r} is unknown: use one of {', '.join(MODES)}")
+    if gpu_conv not in GPU_CONVS:
+        raise UserError(f"`gpu_conv` {gpu_conv!r} is unknown: use one of {', '.join(GPU_CONVS)}")
     on = cpu_towers and (mode != "auto" or worth_loading(model)) and available(mode)
     use(on)
     if on:
         warm_up()
+    _CUDNN[0] = gpu is not None and gpu_conv != "im2col" and _cudnn_starts(gpu_conv, gpu)
     return name()
+
+
+def _cudnn_starts(gpu_conv: str, gpu) -> bool:
+    from towers.devices import cudnn
+
+    with gpu.scope():
+        why = cudnn.available()
+    if why is not None and gpu_conv == "cudnn":
+        raise UserError(f"`gpu_conv` cudnn: {why}; or set `gpu_conv` to auto or im2col")
+    return why is None
+
+
+def current() -> tuple:
+    """The whole choice, for ``restore``."""
+    return _COMPILED[0], _CUDNN[0]
+
+
+def restore(choice: tuple) -> None:
+    """Make ``choice`` (from ``current``) the process's again."""
+    _COMPILED[0], _CUDNN[0] = choice
 
 
 def use(on: bool) -> None:

@@ -107,9 +107,11 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
     batch_size, seed = cfg.batch_size, cfg.seed
     init = model.init_params(seed)
     streams: dict[int, object] = {}
-    # The process's form of the ops on host arrays (towers.ops.backend), chosen once here; with numba its
-    # kernels are loaded now, not inside the first step.
-    backend.choose(cfg.cpu_kernels, model, any(not d.is_gpu for d in placement.towers))
+    # The process's forms of the ops (towers.ops.backend): on host arrays, and the GPU towers' convolutions;
+    # chosen once here.  numba's kernels are loaded and cuDNN started now, not inside the first step.
+    gpus = [d for d in placement.towers if d.is_gpu]
+    backend.choose(cfg.cpu_kernels, model, len(gpus) < len(placement.towers), cfg.gpu_conv,
+                   gpus[0] if gpus else None)
     # ``share`` (a keeper whose replicas apply the same update to the same
     # weights: grads mode): CPU towers (one process's memory) share the first
     # CPU tower's parameter buffer, and its optimizer step is the only one: the

@@ -1,0 +1,243 @@
+"""Convolutions by cuDNN on CuPy arrays: forward, data gradient, weight gradient, through NVIDIA's cuDNN frontend.
+
+The layers keep their layouts: activations NHWC, a kernel HWIO ((kh, kw, C, F),
+TensorFlow's), both C-contiguous CuPy arrays; the kernel and its gradient are
+views into a replica's flat buffers.  cuDNN describes every tensor by
+dimensions in NCHW order and strides, so no copy or transpose is made:
+
+* an NHWC activation (n, h, w, c): dims ``[n, c, h, w]``, strides ``[h*w*c, 1, w*c, c]``;
+* an HWIO kernel (kh, kw, c, f): dims ``[f, c, kh, kw]``, strides ``[1, f, kw*c*f, c*f]``.
+
+Each operation is one cuDNN graph (``cudnn.pygraph``: ``conv_fprop``,
+``conv_dgrad``, ``conv_wgrad``), built once per shape, padding, stride, data
+type, TF32 setting and pointer alignment, and cached per device; the first
+step of each shape pays for the build (heuristics, then the first plan that
+builds, ``heur_mode.A`` then ``FALLBACK``).  A call then is one ``execute``:
+a dict of the operands' device pointers and the workspace.  ``tf32`` off (the
+default, ``towers.devices.matmul``) deselects the engines that round inputs to
+TF32 (``TENSOR_CORE``, ``DOWN_CONVERT_INPUTS``): float32 in, float32 products;
+non-deterministic engines (atomics, ``NONDETERMINISTIC``) are always
+deselected, so a run repeats its bits.  Padding is ``pre``/``post`` per side,
+so TensorFlow's asymmetric SAME padding is expressed as it is.
+
+Handles and workspaces: one cuDNN handle per CUDA stream (towers sharing a
+GPU run on their own streams; a handle is bound to its stream once), and one
+workspace per handle, grown to the largest graph's need and kept (the first
+step allocates it: nothing is allocated in later steps).  Graphs are built with
+the device's first handle and run with the calling stream's.
+
+Limits: float32 and bfloat16 operands (``dtype`` of the arrays); dilation 1;
+a shape cuDNN refuses raises ``Unsupported``, and the caller (``Conv2D``) runs
+its im2col form for that shape instead (``refused`` lists them).  Nothing
+here synchronizes: every call is queued on the current stream.
+
+The frontend (``pip install nvidia-cudnn-frontend``, with the cuDNN library
+of CUDA's major version, ``nvidia-cudnn-cu12``/``-cu13``) is imported on the
+first call only: towers never imports it on the CPU.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy
+
+_LOCK = threading.RLock()  # graph builds and the caches (tower threads run layers concurrently with sync-BN)
+_MOD: dict = {}  # the imported frontend, once
+_HANDLES: dict = {}  # (device, stream pointer) -> _Handle
+_GRAPHS: dict = {}  # key (device, op, shapes, ...) -> _Graph, or the reason it was refused
+refused: dict = {}  # key -> cuDNN's message, for the shapes left to im2col (tests, the benchmark's notes)
+calls = {"fprop": 0, "dgrad": 0, "wgrad": 0}  # executions so far: tests check cuDNN really ran
+
+
+class Unsupported(RuntimeError):
+    """cuDNN has no engine for this operation as asked: the caller runs another form."""
+
+
+def frontend():
+    """The ``cudnn`` module (ImportError when the frontend or cuDNN is missing)."""
+    mod = _MOD.get("cudnn")
+    if mod is None:
+        import cudnn  # noqa: PLC0415 - optional, GPU only
+
+        mod = _MOD["cudnn"] = cudnn
+    return mod
+
+
+def available() -> str | None:
+    """None when the frontend imports and a handle can be made on the current device; else why not."""
+    try:
+        frontend()
+    except Exception as e:  # ImportError, or a cuDNN library that does not load
+        return f"the cuDNN frontend does not import ({type(e).__name__}: {e}); pip install nvidia-cudnn-frontend"
+    try:
+        _handle()
+    except Exception as e:
+        return f"cuDNN does not start on this GPU ({type(e).__name__}: {e})"
+    return None
+
+
+class _Handle:
+    """A cuDNN handle bound to one stream, and its workspace."""
+
+    def __init__(self, stream_ptr: int):
+        import cupy
+
+        cudnn = frontend()
+        self.handle = cudnn.create_handle()
+        cudnn.set_stream(handle=self.handle, stream=stream_ptr)
+        self.workspace = cupy.empty(1 << 20, dtype=numpy.uint8)  # grown by ``room``
+
+    def room(self, nbytes: int) -> int:
+        """The workspace's pointer, at least ``nbytes`` long (grown once; in the first step of a shape)."""
+        if nbytes > self.workspace.size:
+            import cupy
+
+            self.workspace = cupy.empty(int(nbytes), dtype=numpy.uint8)
+        return self.workspace.data.ptr
+
+
+def _handle() -> _Handle:
+    import cupy
+
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    h = _HANDLES.get(key)
+    if h is None:
+        with _LOCK:
+            h = _HANDLES.get(key)
+            if h is None:
+                h = _HANDLES[key] = _Handle(key[1])
+    return h
+
+
+class _Graph:
+    """One built cuDNN graph: its operands' uids in call order and its workspace size."""
+
+    def __init__(self, graph, uids: tuple, workspace: int):
+        self.graph, self.uids, self.workspace = graph, uids, workspace
+
+    def run(self, *arrays) -> None:
+        h = _handle()
+        ptrs = {uid: a.data.ptr for uid, a in zip(self.uids, arrays)}
+        self.graph._execute(ptrs, h.room(self.workspace), h.handle)
+
+
+def _alignment(*arrays) -> tuple:
+    """Each operand's byte alignment (16 at most): views into the flat buffers may sit at any float."""
+    out = []
+    for a in arrays:
+        p, b = a.data.ptr, 16
+        while p % b:
+            b //= 2
+        out.append(b)
+    return tuple(out)
+
+
+def _act(n, h, w, c):
+    """An NHWC activation as cuDNN's (dims, strides)."""
+    return [n, c, h, w], [h * w * c, 1, w * c, c]
+
+
+def _kernel(kh, kw, c, f):
+    """An HWIO kernel as cuDNN's (dims, strides)."""
+    return [f, c, kh, kw], [1, f, kw * c * f, c * f]
+
+
+def _dtype(cudnn, dtype):
+    if dtype == numpy.float32:
+        return cudnn.data_type.FLOAT
+    if str(dtype) == "bfloat16":
+        return cudnn.data_type.BFLOAT16
+    raise Unsupported(f"cuDNN convolutions here take float32 or bfloat16, not {dtype}")
+
+
+def _tf32() -> bool:
+    from cupy._core import _routines_linalg as linalg
+
+    return linalg.get_compute_type(numpy.float32) == linalg.COMPUTE_TYPE_TF32
+
+
+def _build(key, op: str, x, w, y, pre, post, stride, align) -> _Graph:
+    """Build the graph of ``op`` for operands shaped as ``x`` (NHWC), ``w`` (HWIO), ``y`` (NHWC)."""
+    cudnn = frontend()
+    io = _dtype(cudnn, x.dtype)
+    g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT, handle=_handle().handle)
+    dims = {"x": _act(*x), "w": _kernel(*w), "y": _act(*y)}
+    # The operands in call order (fprop: x, w -> y; dgrad: dy, w -> dx; wgrad: x, dy -> dw) and their uids.
+    names = {"fprop": ("x", "w", "y"), "dgrad": ("y", "w", "x"), "wgrad": ("x", "y", "w")}[op]
+    t = {}
+    for uid, (name, a) in enumerate(zip(names[:2], align[:2]), start=1):
+        t[name] = g.tensor(name=name, dim=dims[name][0], stride=dims[name][1], data_type=io, uid=uid)
+        t[name].set_alignment(a)
+    conv = dict(pre_padding=list(pre), post_padding=list(post), stride=[stride, stride], dilation=[1, 1],
+                compute_data_type=cudnn.data_type.FLOAT)
+    if op == "fprop":
+        out = g.conv_fprop(image=t["x"], weight=t["w"], **conv)
+    elif op == "dgrad":
+        out = g.conv_dgrad(loss=t["y"], filter=t["w"], **conv)
+    else:
+        out = g.conv_wgrad(image=t["x"], loss=t["y"], **conv)
+    name = names[2]
+    out.set_output(True).set_dim(dims[name][0]).set_stride(dims[name][1]).set_data_type(io).set_uid(3)
+    out.set_alignment(align[2])
+    notes = [cudnn.numerical_note.NONDETERMINISTIC]
+    if io == cudnn.data_type.FLOAT and not _tf32():
+        notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
+    try:
+        g.validate()
+        g.build_operation_graph()
+        g.deselect_numeric_notes(notes)
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+    except Exception as e:  # cudnnGraphNotSupportedError, or a RuntimeError from a step above
+        raise Unsupported(f"cuDNN {op} {key[2:]}: {type(e).__name__}: {e}") from None
+    return _Graph(g, (1, 2, 3), int(g.get_workspace_size()))
+
+
+def _run(op: str, x_shape, w_shape, y_shape, pre, post, stride, a, b, out) -> None:
+    import cupy
+
+    align = _alignment(a, b, out)
+    key = (cupy.cuda.Device().id, op, tuple(x_shape), tuple(w_shape), tuple(y_shape), tuple(pre), tuple(post),
+           stride, str(a.dtype), _tf32(), align)
+    g = _GRAPHS.get(key)
+    if g is None:
+        with _LOCK:
+            g = _GRAPHS.get(key)
+            if g is None:
+                try:
+                    g = _build(key, op, x_shape, w_shape, y_shape, pre, post, stride, align)
+                except Unsupported as e:
+                    g = refused[key] = str(e)
+                _GRAPHS[key] = g
+    if isinstance(g, str):
+        raise Unsupported(g)
+    for arr in (a, b, out):
+        if not arr.flags.c_contiguous:
+            raise Unsupported(f"cuDNN {op}: operands must be C-contiguous")
+    g.run(a, b, out)
+    calls[op] += 1
+
+
+def conv_forward(x, w, y, pre, post, stride: int) -> None:
+    """``y = conv(x, w)``: ``x`` (n, h, w, c) NHWC, ``w`` (kh, kw, c, f) HWIO, ``y`` (n, ho, wo, f), written whole."""
+    _run("fprop", x.shape, w.shape, y.shape, pre, post, stride, x, w, y)
+
+
+def conv_data_grad(dy, w, dx, pre, post, stride: int) -> None:
+    """``dx``, the input gradient of ``y = conv(x, w)`` for ``dy`` (same layouts as ``conv_forward``), written whole."""
+    _run("dgrad", dx.shape, w.shape, dy.shape, pre, post, stride, dy, w, dx)
+
+
+def conv_weight_grad(x, dy, dw, pre, post, stride: int) -> None:
+    """``dw`` (kh, kw, c, f), the kernel's gradient of ``y = conv(x, w)`` for ``dy``, written whole (not added)."""
+    _run("wgrad", x.shape, dw.shape, dy.shape, pre, post, stride, x, dy, dw)
+
+
+def clear() -> None:
+    """Forget every graph, handle and workspace (tests; a process that changes devices)."""
+    with _LOCK:
+        _GRAPHS.clear()
+        refused.clear()
+        _HANDLES.clear()
