@@ -32,7 +32,7 @@ def train(n, devices, steps=20, momentum=0.9, **settings):
     return params, ema, losses, acc
 
 
-def close_to_cpu(gpu, cpu, tol=1e-4):
+def close_to_cpu(gpu, cpu, tol=1e-4, loss_tol=1e-3):
     g_params, g_ema, g_loss, g_acc = gpu
     c_params, c_ema, c_loss, c_acc = cpu
     for p in g_params:
@@ -40,7 +40,7 @@ def close_to_cpu(gpu, cpu, tol=1e-4):
     rel = np.linalg.norm(g_params[0] - c_params[0]) / np.linalg.norm(c_params[0])
     assert rel < tol, rel
     assert np.linalg.norm(g_ema - c_ema) / np.linalg.norm(c_ema) < tol
-    assert abs(np.mean(g_loss) - np.mean(c_loss)) < 1e-3
+    assert abs(np.mean(g_loss) - np.mean(c_loss)) < loss_tol
     assert abs(g_acc - c_acc) < 0.02
 
 
@@ -437,7 +437,8 @@ def test_kernels_give_other_dtypes_to_cupys_array_operations():
 
 def test_an_update_of_buffers_of_another_dtype_takes_cupys_passes():
     """float64 device buffers are not read as float32 by the update's kernel: CuPy runs the update's passes, which
-    give NumPy's float64 bits."""
+    agree with NumPy's float64 to float64 rounding (CuPy's compiled passes may contract a product and a sum to one
+    FMA: 2 of 10 elements 1 ulp apart on an H200, 1e-14 relative)."""
     import cupy
 
     from towers.optim.optimizers.adam import Adam
@@ -447,11 +448,11 @@ def test_an_update_of_buffers_of_another_dtype_takes_cupys_passes():
         opt = Adam(xp.linspace(-1, 1, 10))
         opt.step(xp.linspace(1, 2, 10), 0.1, 0)
         out.append(to_host(opt.params))
-    assert out[0].dtype == np.float64
-    np.testing.assert_array_equal(out[1], out[0])
+    assert out[0].dtype == out[1].dtype == np.float64
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-13)  # read as float32, they would be off by 1e-7 or garbage
 
 
-# -- low precision (--precision, --allreduce-dtype): prepared without a GPU, not yet run on one ------------
+# -- low precision (--precision, --allreduce-dtype): the rounding in float32 buffers, run on an H200 -----------
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -483,5 +484,6 @@ def test_precision_rounding_kernels_give_numpys_bits(precision):
 def test_low_precision_on_a_shared_gpu_stays_close_to_the_cpu(settings):
     """Two towers sharing the GPU in low precision: replicas bit-identical, close to the CPU's run of the same
     rounding (cuBLAS sums in another order, and a value that lands on the other side of a bf16 rounding boundary
-    moves by a bf16 ulp, so the tolerance is bf16's, not float32's)."""
-    close_to_cpu(train(2, "0", **settings), train(2, "cpu", **settings), tol=2e-2)
+    moves by a bf16 ulp, so the tolerance is bf16's, not float32's: on an H200 the mean loss of fp16 was 0.010 off
+    the CPU's and that of a bf16 all-reduce 0.016, of about 0.7, with the weights within 2e-2)."""
+    close_to_cpu(train(2, "0", **settings), train(2, "cpu", **settings), tol=2e-2, loss_tol=3e-2)

@@ -146,3 +146,44 @@ def test_host_labels_with_device_logits_are_taken():
     host = float(dev.loss_and_grads(m.asarray(x), y, l2=0.0))  # NumPy int64 labels
     ref = float(cpu.loss_and_grads(x, y, l2=0.0))
     assert rel(host, ref) < TOL
+
+
+@pytest.mark.skipif(DRY, reason="needs CuPy arrays")
+@pytest.mark.parametrize("shape,scale,center", [((16, 16, 16), True, True), ((8, 8, 64), False, True),
+                                                ((5, 7, 3), True, False), ((40,), True, True)])
+def test_batch_norm_kernels_match_the_array_passes_on_the_gpu(shape, scale, center):
+    """Batch norm's GPU kernels (three launches a way) against its array passes on the same GPU: output, moving
+    statistics, gamma's and beta's gradients and dx within float32 rounding (the kernels sum in float64); the
+    kernels really ran (``ws.saved["kernels"]``)."""
+    from towers.ops import batch_norm
+
+    m = xp()
+    layer = BatchNorm("bn", scale=scale, center=center)
+    params, _ = layer.build(shape)
+    rng = np.random.default_rng(3)
+    x = m.asarray((rng.standard_normal((64,) + shape) * 3 + 5).astype(np.float32))  # off-centre: a shift matters
+    dy = m.asarray(rng.standard_normal((64,) + shape).astype(np.float32))
+    start = {q.name: (rng.standard_normal(q.shape) * 0.1 + (q.name in ("gamma", "moving_variance"))).astype(
+        np.float32) for q in params}
+    out = {}
+    for on in (True, False):
+        batch_norm.DEVICE_KERNELS[0] = on
+        try:
+            p = {k: m.asarray(v) for k, v in start.items()}
+            g = {q.name: m.zeros(q.shape, np.float32) for q in params if q.trainable}
+            ws = layers_ws(m)
+            y = layer.forward(p, x, ws)
+            assert ws.saved["kernels"] is on
+            dx = layer.backward(p, g, dy, ws, True)
+            out[on] = {"y": to_host(y), "dx": to_host(dx), **{k: to_host(v) for k, v in p.items()},
+                       **{"g " + k: to_host(v) for k, v in g.items()}}
+        finally:
+            batch_norm.DEVICE_KERNELS[0] = True
+    for k in out[False]:
+        assert rel(out[True][k], out[False][k]) < 1e-5, f"{k}: {rel(out[True][k], out[False][k])}"
+
+
+def layers_ws(m):
+    from towers.nn.layers import Workspace
+
+    return Workspace(m)

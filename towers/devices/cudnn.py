@@ -156,10 +156,10 @@ def _tf32() -> bool:
     return linalg.get_compute_type(numpy.float32) == linalg.COMPUTE_TYPE_TF32
 
 
-def _build(key, op: str, x, w, y, pre, post, stride, align) -> _Graph:
-    """Build the graph of ``op`` for operands shaped as ``x`` (NHWC), ``w`` (HWIO), ``y`` (NHWC)."""
+def _build(key, op: str, x, w, y, pre, post, stride, align, dtype) -> _Graph:
+    """Build the graph of ``op`` for operands of ``dtype`` shaped as ``x`` (NHWC), ``w`` (HWIO), ``y`` (NHWC)."""
     cudnn = frontend()
-    io = _dtype(cudnn, x.dtype)
+    io = _dtype(cudnn, dtype)
     g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                       compute_data_type=cudnn.data_type.FLOAT, handle=_handle().handle)
     dims = {"x": _act(*x), "w": _kernel(*w), "y": _act(*y)}
@@ -207,7 +207,7 @@ def _run(op: str, x_shape, w_shape, y_shape, pre, post, stride, a, b, out) -> No
             g = _GRAPHS.get(key)
             if g is None:
                 try:
-                    g = _build(key, op, x_shape, w_shape, y_shape, pre, post, stride, align)
+                    g = _build(key, op, x_shape, w_shape, y_shape, pre, post, stride, align, a.dtype)
                 except Unsupported as e:
                     g = refused[key] = str(e)
                 _GRAPHS[key] = g

@@ -174,6 +174,14 @@ class BatchNorm(Layer):
             if self.center:
                 yw += xp.tile(p["beta"], r)
             return y
+        ws.saved["kernels"] = batch_norm.device_kernels_for(ws, x2)
+        if ws.saved["kernels"]:  # on a GPU: three launches, the per-channel arithmetic inside them
+            stats = batch_norm.forward_kernels(x2, p["gamma"] if self.scale else None,
+                                               p["beta"] if self.center else None, p["moving_mean"],
+                                               p["moving_variance"], 1.0 - ema_decay(self.momentum, ctx.step),
+                                               self.epsilon, y.reshape(x2.shape), ws)
+            ws.saved.update(x=x2, stats=stats, x_shape=x.shape)
+            return y
         xc = ws.array("xc", x2.shape, x2.dtype)
         compiled = batch_norm.compiled_for(ws, x2)
         if compiled:  # the same moments in two passes that only read
@@ -209,6 +217,12 @@ class BatchNorm(Layer):
     def backward(self, p, g, dy, ws, need_dx):
         xp, ctx, c = ws.xp, ws.ctx, self.c
         s = ws.saved
+        if s["kernels"]:
+            dx = ws.array("dx", dy.shape, dy.dtype) if need_dx else None
+            batch_norm.backward_kernels(dy.reshape(-1, c), s["x"], s["stats"], g["gamma"] if self.scale else None,
+                                        g["beta"] if self.center else None,
+                                        None if dx is None else dx.reshape(-1, c), ws)
+            return None if dx is None else dx.reshape(s["x_shape"])
         xc, off, inv_std, a = s["xc"], s["off"], s["inv_std"], s["a"]
         dy2 = dy.reshape(-1, c)
         m = dy2.shape[0]

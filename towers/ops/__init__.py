@@ -19,7 +19,7 @@ module              ops                             forms
 ``softmax_xent``    the loss and its gradient       NumPy passes, one CUDA kernel (rows)
 ``im2col``          ``im2col``, ``col2im``          NumPy views and strided adds, numba gather, CUDA
 ``maxpool``         ``maxpool``, backward           NumPy passes, numba loops, CUDA (windows)
-``batch_norm``      batch norm's passes             NumPy passes and GEMVs, numba loops (channels)
+``batch_norm``      batch norm's passes             NumPy passes and GEMVs, numba loops, CUDA (channels)
 ``gemm``            ``gemm``                        ``numpy.matmul``, one cuBLAS call
 ==================  ==============================  ==================================================
 
@@ -30,4 +30,4 @@ process chose once when the ``Trainer`` was built (``towers.ops.backend``).
 The GPU forms of the modules' ops are registered, in the order imported
 here, into the one CUDA module of ``towers.devices.kernels``.
 """
-from towers.ops import bias, activation, l2, softmax_xent, im2col, maxpool, mean2, precision  # noqa: F401  (this order)
+from towers.ops import bias, activation, l2, softmax_xent, im2col, maxpool, batch_norm, mean2, precision  # noqa: F401  (this order)

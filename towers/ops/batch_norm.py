@@ -29,6 +29,26 @@ with C = 16 that is 4x slower than the same pass over rows of ~1,000 values,
 so the passes view (M, C) arrays as (M / r, r * C) (``wide``) and tile the
 per-channel vectors r times.  Limits: C-contiguous (M, C) arrays of one float
 dtype; the compiled loops take host arrays only.
+
+On a GPU (``device_kernels_for``: float32 device arrays, at most 256
+channels, no sync-BN) a training forward is three launches and a backward
+three, the per-channel arithmetic of the layer done in the kernels instead
+of a dozen array operations on (C,) vectors:
+
+* ``bn_partial``: per block of rows, the sums of ``x - x[0]`` and of its
+  square (forward), or of ``dy`` and ``dy * xc`` (backward), in float64, into
+  a (blocks, 2, C) buffer: no atomics, a fixed order, the same bits every run;
+* ``bn_stats`` / ``bn_grad_stats``: one thread per channel adds the blocks'
+  sums in order and computes the layer's quantities as the passes do:
+  ``shift`` (the mean rounded to float32), ``off``, ``var``, the moving
+  statistics' EMA step, ``inv_std``, ``a``, ``b`` (forward); gamma's and
+  beta's gradients, ``k`` and ``c0`` (backward);
+* ``bn_apply`` / ``bn_dx``: ``y = xc * a + b`` and ``dx = (xc * k + dy + c0) *
+  a`` per element, with ``xc = x - shift`` recomputed from the input (not
+  stored), every product rounded apart (``__fmul_rn``: no FMA contraction).
+
+The sums are float64 as in the compiled loops, so the results agree with the
+NumPy passes to float32 rounding.
 """
 from __future__ import annotations
 
@@ -36,7 +56,7 @@ import functools
 
 import numpy
 
-from towers.devices.kernels import on_host
+from towers.devices.kernels import launch_named, on_host, register, takes
 from towers.ops.backend import compiled as host_loops_chosen
 from towers.ops.numba_jit import kernel as numba_kernel
 from towers.ops.bias import col_sum
@@ -179,3 +199,164 @@ def backward_dx_loop(dy, xc, k, c0, a, dx):  # pragma: no cover - compiled
     for i in range(m):
         for j in range(c):
             dx[i, j] = (xc[i, j] * k[j] + dy[i, j] + c0[j]) * a[j]
+
+
+# -- the CUDA form (module doc): registered into the one CUDA module
+
+register(r"""// Batch norm over (m, c) rows: per block of rows, float64 sums per channel into part (blocks, 2, c).
+// grad 0: sums of d = x - x[0, ch] and d * d; grad 1: sums of dy and dy * (x - shift[ch]).
+// 256 threads: lanes = 256 / c rows at a time, thread t on channel t % c; lane sums added in order.
+__global__ void towers_bn_partial(const float* x, const float* dy, const float* shift, double* part, int m, int c,
+                                  int rows, int grad) {
+    __shared__ double s1[256], s2[256];
+    int t = threadIdx.x, lanes = 256 / c, lane = t / c, ch = t - lane * c;
+    double a1 = 0.0, a2 = 0.0;
+    if (lane < lanes) {
+        int r0 = blockIdx.x * rows, r1 = min(r0 + rows, m);
+        for (int r = r0 + lane; r < r1; r += lanes) {
+            long long i = (long long)r * c + ch;
+            if (grad) {
+                double g = (double)dy[i];
+                a1 += g;
+                a2 += g * (double)(x[i] - shift[ch]);
+            } else {
+                double d = (double)x[i] - (double)x[ch];
+                a1 += d;
+                a2 += d * d;
+            }
+        }
+    }
+    s1[t] = a1;
+    s2[t] = a2;
+    __syncthreads();
+    if (t < c) {
+        double u1 = 0.0, u2 = 0.0;
+        for (int l = 0; l < lanes; ++l) {
+            u1 += s1[l * c + t];
+            u2 += s2[l * c + t];
+        }
+        part[(long long)blockIdx.x * 2 * c + t] = u1;
+        part[(long long)blockIdx.x * 2 * c + c + t] = u2;
+    }
+}
+
+// Per channel, from the blocks' sums around x[0, ch]: shift (the mean as float32), off = mean - shift, the biased
+// variance (at least 0), the moving statistics' step mv - (mv - batch) * (1 - d), inv_std, a = gamma * inv_std and
+// b = beta - off * a (the layer's quantities: stats[0..4] = shift, off, inv_std, a, b).
+__global__ void towers_bn_stats(const double* part, int blocks, int m, int c, const float* x, const float* gamma,
+                                int has_gamma, const float* beta, int has_beta, float* moving_mean, float* moving_var,
+                                float one_minus_d, float eps, float* stats) {
+    LOOP(ch, c) {
+        double u1 = 0.0, u2 = 0.0;
+        for (int b = 0; b < blocks; ++b) {
+            u1 += part[(long long)b * 2 * c + ch];
+            u2 += part[(long long)b * 2 * c + c + ch];
+        }
+        double d1 = u1 / m, ref = (double)x[ch];
+        float shift = (float)(ref + d1);
+        float off = (float)((ref - (double)shift) + d1);
+        double var64 = u2 / m - d1 * d1;
+        float var = var64 > 0.0 ? (float)var64 : 0.0f;
+        float mean = shift + off;
+        moving_mean[ch] = moving_mean[ch] - __fmul_rn(moving_mean[ch] - mean, one_minus_d);
+        moving_var[ch] = moving_var[ch] - __fmul_rn(moving_var[ch] - var, one_minus_d);
+        float inv_std = 1.0f / sqrtf(var + eps);
+        float a = has_gamma ? __fmul_rn(gamma[ch], inv_std) : inv_std;
+        float b = __fmul_rn(-off, a);
+        if (has_beta) b += beta[ch];
+        stats[ch] = shift;
+        stats[c + ch] = off;
+        stats[2 * c + ch] = inv_std;
+        stats[3 * c + ch] = a;
+        stats[4 * c + ch] = b;
+    }
+}
+
+// y = (x - shift) * a + b, per element.
+__global__ void towers_bn_apply(const float* x, const float* stats, float* y, int n, int c) {
+    LOOP(i, n) {
+        int ch = i % c;
+        y[i] = __fmul_rn(x[i] - stats[ch], stats[3 * c + ch]) + stats[4 * c + ch];
+    }
+}
+
+// Per channel, from the blocks' sums of dy and dy * xc: s1 = (sum(dy xc) - off sum(dy)) * inv_std, gamma's and
+// beta's gradients (s1, sum(dy)), and dx's coefficients k = -inv_std * s1 / m, c0 = off * inv_std * s1 / m - s0 / m
+// (grads[0..1] = k, c0).
+__global__ void towers_bn_grad_stats(const double* part, int blocks, int m, int c, const float* stats,
+                                     float* g_gamma, int has_gamma, float* g_beta, int has_beta, float* grads) {
+    LOOP(ch, c) {
+        double u0 = 0.0, u1 = 0.0;
+        for (int b = 0; b < blocks; ++b) {
+            u0 += part[(long long)b * 2 * c + ch];
+            u1 += part[(long long)b * 2 * c + c + ch];
+        }
+        float off = stats[c + ch], inv_std = stats[2 * c + ch];
+        float s0 = (float)u0;
+        float s1 = __fmul_rn((float)u1 - __fmul_rn(off, s0), inv_std);
+        if (has_gamma) g_gamma[ch] = s1;
+        if (has_beta) g_beta[ch] = s0;
+        float mean0 = __fmul_rn(s0, 1.0f / m), mean1 = __fmul_rn(s1, 1.0f / m);
+        grads[ch] = __fmul_rn(-inv_std, mean1);
+        grads[c + ch] = __fmul_rn(__fmul_rn(off, inv_std), mean1) - mean0;
+    }
+}
+
+// dx = ((x - shift) * k + dy + c0) * a, per element.
+__global__ void towers_bn_dx(const float* dy, const float* x, const float* stats, const float* grads, float* dx,
+                             int n, int c) {
+    LOOP(i, n) {
+        int ch = i % c;
+        dx[i] = __fmul_rn(__fmul_rn(x[i] - stats[ch], grads[ch]) + dy[i] + grads[c + ch], stats[3 * c + ch]);
+    }
+}
+""", ("bn_partial", "bn_stats", "bn_apply", "bn_grad_stats", "bn_dx"))
+
+#: The GPU kernels run batch norm (``device_kernels_for``); False: the array passes on the device too.
+DEVICE_KERNELS = [True]
+_BLOCK_ROWS = 256  # rows per block of ``bn_partial`` (at most _MAX_BLOCKS blocks: more rows each then)
+_MAX_BLOCKS = 1024
+_i = numpy.int32
+
+
+def device_kernels_for(ws, a) -> bool:
+    """Whether this step's (M, C) array ``a`` takes the GPU kernels (module doc): float32 on a device, C-contiguous,
+    at most 256 channels, no ``sync`` (sync-BN gathers the passes' moments across towers)."""
+    return (DEVICE_KERNELS[0] and not on_host(a) and ws.ctx.sync is None and takes(a) and a.flags.c_contiguous
+            and a.shape[1] <= 256)
+
+
+def _partial(x2, dy2, stats, ws):
+    m, c = x2.shape
+    blocks = min(-(-m // _BLOCK_ROWS), _MAX_BLOCKS)
+    rows = -(-m // blocks)
+    part = ws.array("bn_part", (blocks, 2, c), numpy.float64)
+    grad = dy2 is not None
+    launch_named("bn_partial", blocks * 256, x2, dy2 if grad else x2, stats if grad else x2, part, _i(m), _i(c),
+                 _i(rows), _i(grad))
+    return part, blocks
+
+
+def forward_kernels(x2, gamma, beta, moving_mean, moving_var, one_minus_d, eps, y2, ws):
+    """Training forward of (M, C) ``x2`` into ``y2`` on the GPU; the moving statistics stepped in place; returns
+    ``stats`` (5, C): shift, off, inv_std, a, b (kept for backward)."""
+    m, c = x2.shape
+    part, blocks = _partial(x2, None, None, ws)
+    stats = ws.array("bn_stats", (5, c), numpy.float32)
+    launch_named("bn_stats", c, part, _i(blocks), _i(m), _i(c), x2, x2 if gamma is None else gamma,
+                 _i(gamma is not None), x2 if beta is None else beta, _i(beta is not None), moving_mean, moving_var,
+                 numpy.float32(one_minus_d), numpy.float32(eps), stats)
+    launch_named("bn_apply", x2.size, x2, stats, y2, _i(x2.size), _i(c))
+    return stats
+
+
+def backward_kernels(dy2, x2, stats, g_gamma, g_beta, dx2, ws) -> None:
+    """Backward of ``forward_kernels`` on the GPU: gamma's and beta's gradients (None: the layer has none) and,
+    with ``dx2`` (else None), the input gradient."""
+    m, c = x2.shape
+    part, blocks = _partial(x2, dy2, stats, ws)
+    grads = ws.array("bn_grads", (2, c), numpy.float32)
+    launch_named("bn_grad_stats", c, part, _i(blocks), _i(m), _i(c), stats, stats if g_gamma is None else g_gamma,
+                 _i(g_gamma is not None), stats if g_beta is None else g_beta, _i(g_beta is not None), grads)
+    if dx2 is not None:
+        launch_named("bn_dx", dx2.size, dy2, x2, stats, grads, dx2, _i(dx2.size), _i(c))
