@@ -10,7 +10,8 @@ gradient, side by side in one process on GPU 0:
   (an im2col kernel and cuBLAS GEMMs; backward's split is not separable, so
   its row gives forward and forward + backward);
 * ``cudnn fp32``/``cudnn bf16``: ``towers.devices.cudnn`` on float32 or bfloat16
-  operands (NHWC activations, HWIO kernels, float32 accumulation);
+  operands (NHWC activations, KRSC kernels, float32 accumulation; the layer's
+  copies between its HWIO kernel and KRSC are not in these figures);
 * ``torch fp32``/``torch bf16``: ``torch.nn.functional.conv2d`` and its two
   gradients (``torch.ops.aten.convolution_backward``) on channels-last tensors,
   cuDNN with ``benchmark=True`` (a reference, imported only here; rows skipped
@@ -75,7 +76,7 @@ def towers_rows(cupy, shape, batch: int, iters: int) -> dict:
         if dt is None:
             continue
         try:
-            xx, ww, dd = x.astype(dt), wt.astype(dt), dy.astype(dt)
+            xx, ww, dd = x.astype(dt), cupy.ascontiguousarray(wt.transpose(3, 0, 1, 2)).astype(dt), dy.astype(dt)
         except Exception as e:  # noqa: BLE001 - a CuPy without bfloat16
             out[f"cudnn {name}"] = f"no {name} arrays in CuPy: {type(e).__name__}: {e}"
             continue

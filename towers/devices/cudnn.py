@@ -1,12 +1,17 @@
 """Convolutions by cuDNN on CuPy arrays: forward, data gradient, weight gradient, through NVIDIA's cuDNN frontend.
 
-The layers keep their layouts: activations NHWC, a kernel HWIO ((kh, kw, C, F),
-TensorFlow's), both C-contiguous CuPy arrays; the kernel and its gradient are
-views into a replica's flat buffers.  cuDNN describes every tensor by
-dimensions in NCHW order and strides, so no copy or transpose is made:
+Operands are C-contiguous CuPy arrays in cuDNN's channels-last layouts:
+activations NHWC, kernels KRSC ((F, kh, kw, C): filter-major, channels
+innermost).  cuDNN describes every tensor by dimensions in NCHW order and
+strides:
 
 * an NHWC activation (n, h, w, c): dims ``[n, c, h, w]``, strides ``[h*w*c, 1, w*c, c]``;
-* an HWIO kernel (kh, kw, c, f): dims ``[f, c, kh, kw]``, strides ``[1, f, kw*c*f, c*f]``.
+* a KRSC kernel (f, kh, kw, c): dims ``[f, c, kh, kw]``, strides ``[kh*kw*c, 1, kw*c, c]``.
+
+A kernel described by other strides (TensorFlow's HWIO as it is, strides
+``[1, f, kw*c*f, c*f]``) is accepted by cuDNN's graph API but read as if it
+were packed: wrong results (measured on an H200), so the layer hands its HWIO
+kernel over as a KRSC copy (``Conv2D``).
 
 Each operation is one cuDNN graph (``cudnn.pygraph``: ``conv_fprop``,
 ``conv_dgrad``, ``conv_wgrad``), built once per shape, padding, stride, data
@@ -137,9 +142,9 @@ def _act(n, h, w, c):
     return [n, c, h, w], [h * w * c, 1, w * c, c]
 
 
-def _kernel(kh, kw, c, f):
-    """An HWIO kernel as cuDNN's (dims, strides)."""
-    return [f, c, kh, kw], [1, f, kw * c * f, c * f]
+def _kernel(f, kh, kw, c):
+    """A KRSC kernel as cuDNN's (dims, strides)."""
+    return [f, c, kh, kw], [kh * kw * c, 1, kw * c, c]
 
 
 def _dtype(cudnn, dtype):
@@ -157,7 +162,7 @@ def _tf32() -> bool:
 
 
 def _build(key, op: str, x, w, y, pre, post, stride, align, dtype) -> _Graph:
-    """Build the graph of ``op`` for operands of ``dtype`` shaped as ``x`` (NHWC), ``w`` (HWIO), ``y`` (NHWC)."""
+    """Build the graph of ``op`` for operands of ``dtype`` shaped as ``x`` (NHWC), ``w`` (KRSC), ``y`` (NHWC)."""
     cudnn = frontend()
     io = _dtype(cudnn, dtype)
     g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
@@ -221,7 +226,7 @@ def _run(op: str, x_shape, w_shape, y_shape, pre, post, stride, a, b, out) -> No
 
 
 def conv_forward(x, w, y, pre, post, stride: int) -> None:
-    """``y = conv(x, w)``: ``x`` (n, h, w, c) NHWC, ``w`` (kh, kw, c, f) HWIO, ``y`` (n, ho, wo, f), written whole."""
+    """``y = conv(x, w)``: ``x`` (n, h, w, c) NHWC, ``w`` (f, kh, kw, c) KRSC, ``y`` (n, ho, wo, f), written whole."""
     _run("fprop", x.shape, w.shape, y.shape, pre, post, stride, x, w, y)
 
 
@@ -231,7 +236,7 @@ def conv_data_grad(dy, w, dx, pre, post, stride: int) -> None:
 
 
 def conv_weight_grad(x, dy, dw, pre, post, stride: int) -> None:
-    """``dw`` (kh, kw, c, f), the kernel's gradient of ``y = conv(x, w)`` for ``dy``, written whole (not added)."""
+    """``dw`` (f, kh, kw, c), the kernel's gradient of ``y = conv(x, w)`` for ``dy``, written whole (not added)."""
     _run("wgrad", x.shape, dw.shape, dy.shape, pre, post, stride, x, dy, dw)
 
 

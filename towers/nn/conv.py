@@ -53,11 +53,13 @@ Both give the same sums in other orders.  Strides above 1 take array
 operations on a GPU (no dedicated kernel).
 
 On a GPU with ``gpu_conv`` cudnn (``towers.ops.backend``) the three
-products run on cuDNN instead (``towers.devices.cudnn``: forward, the weight
-gradient written straight into its view of the flat buffer, the input
-gradient; no im2col, no copies), with the same layouts and padding; a shape
-cuDNN refuses runs the im2col form above.  The two agree to float32
-rounding (other sums).
+products run on cuDNN instead (``towers.devices.cudnn``: forward, weight
+gradient, input gradient; no im2col), on the NHWC activations as they are and
+a KRSC copy of the kernel (F, kh, kw, C: cuDNN's channels-last filter), made
+in forward and read again by backward's input gradient; the weight gradient
+comes out KRSC and is turned into its HWIO view of the flat buffer (one copy
+each way per step).  A shape cuDNN refuses runs the im2col form above.  The
+two agree to float32 rounding (other sums).
 
 Output shapes and padding follow ``towers.nn.windows``.
 """
@@ -189,7 +191,7 @@ class Conv2D(Layer):
         n, f = x.shape[0], self.filters
         ho, wo = self.out_hw
         y = ws.array("y", (n, ho, wo, f), x.dtype)
-        ws.saved["cudnn"] = self._cudnn(cudnn.conv_forward, x.reshape((n,) + self.in_hwc), p["weights"], y)
+        ws.saved["cudnn"] = self._cudnn(cudnn.conv_forward, x.reshape((n,) + self.in_hwc), self._krsc(p, ws), y)
         if not ws.saved["cudnn"]:
             w2, y2, rows = p["weights"].reshape(-1, f), y.reshape(-1, f), ho * wo
             for (b0, b1), cols in self._im2col_chunks(x, ws):
@@ -207,11 +209,13 @@ class Conv2D(Layer):
             bias_grad(dy2, g["biases"], ws)
         n = dy.shape[0]
         x4, dy4 = x.reshape((n,) + self.in_hwc), dy.reshape((n,) + self.out_hw + (f,))
-        if self._cudnn(cudnn.conv_weight_grad, x4, dy4, g["weights"]):
+        dw = ws.array("dw_krsc", (f, self.k, self.k, self.in_hwc[2]), dy.dtype) if ws.saved.get("cudnn") else None
+        if dw is not None and self._cudnn(cudnn.conv_weight_grad, x4, dy4, dw):
+            g["weights"][...] = dw.transpose(1, 2, 3, 0)
             if not need_dx:
                 return None
             dx = ws.array("dx", x4.shape, dy.dtype)
-            if not self._cudnn(cudnn.conv_data_grad, dy4, p["weights"], dx):
+            if not self._cudnn(cudnn.conv_data_grad, dy4, ws.saved["w_krsc"], dx):
                 dx = self._dx(p["weights"], dy4, ws)
             return dx.reshape(ws.saved["x_shape"])
         if ws.saved.get("cudnn"):  # the forward ran on cuDNN: the im2col of x that backward reads is made here
@@ -238,6 +242,16 @@ class Conv2D(Layer):
             elif part is not view:  # the compiled col2im writes the chunk's rows in place
                 view[...] = part
         return dx.reshape(ws.saved["x_shape"])
+
+    def _krsc(self, p, ws):
+        """The kernel as cuDNN's KRSC (F, kh, kw, C) copy, kept for backward, on device arrays taking cuDNN; else
+        the HWIO kernel (``_cudnn`` then declines)."""
+        w = p["weights"]
+        if on_host(w) or not backend.cudnn_conv():
+            return w
+        k = ws.saved["w_krsc"] = ws.array("w_krsc", (self.filters, self.k, self.k, self.in_hwc[2]), w.dtype)
+        k[...] = w.transpose(3, 0, 1, 2)
+        return k
 
     def _cudnn(self, run, a, b, out) -> bool:
         """``run(a, b, out, ...)``, a ``towers.devices.cudnn`` convolution, when device arrays take cuDNN
