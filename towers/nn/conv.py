@@ -243,6 +243,9 @@ class Conv2D(Layer):
                 view[...] = part
         return dx.reshape(ws.saved["x_shape"])
 
+    def convolves(self) -> bool:
+        return True
+
     def _krsc(self, p, ws):
         """The kernel as cuDNN's KRSC (F, kh, kw, C) copy, kept for backward, on device arrays taking cuDNN; else
         the HWIO kernel (``_cudnn`` then declines)."""

@@ -140,6 +140,11 @@ class Layer:
         layer's)."""
         return False
 
+    def convolves(self) -> bool:
+        """Whether it (or a layer inside it) is a convolution, whose GPU form ``gpu_conv`` chooses
+        (``towers.ops.backend``)."""
+        return False
+
     def build(self, in_shape: tuple) -> tuple[list[Param], tuple]:
         return [], tuple(in_shape)
 

@@ -95,6 +95,9 @@ class Residual(Layer):
         forms (``Layer``); built first."""
         return any(layer.compiled_rounding() for layer in self.layers)
 
+    def convolves(self) -> bool:
+        return any(layer.convolves() for layer in self.layers)
+
     def exports(self, framework):
         """Its layers' declarations, under their names inside the block (``conv1/weights``).  Each is handed
         the block's input order (``Layer.export_order``): none for image blocks, the only kind towers builds."""

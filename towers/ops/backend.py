@@ -109,8 +109,9 @@ def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=Non
     With the compiled loops, every kernel is loaded from numba's disk cache
     (or compiled: about a second a kernel, once per machine) now, not in the
     first step.  ``gpu``: a GPU device of the run (None: no GPU towers), on
-    which ``gpu_conv`` ``cudnn`` or ``auto`` starts cuDNN now: ``cudnn``
-    without it is a ``UserError``, ``auto`` then runs im2col.
+    which ``gpu_conv`` ``cudnn`` or ``auto`` starts cuDNN now, for a model
+    with convolutions (others never import it): ``cudnn`` without it is a
+    ``UserError``, ``auto`` then runs im2col.
     """
     if mode not in MODES:
         raise UserError(f"`cpu_kernels` {mode!r} is unknown: use one of {', '.join(MODES)}")
@@ -120,7 +121,8 @@ def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=Non
     use(on)
     if on:
         warm_up()
-    _CUDNN[0] = gpu is not None and gpu_conv != "im2col" and _cudnn_starts(gpu_conv, gpu)
+    convolves = any(layer.convolves() for layer in model.layers)
+    _CUDNN[0] = gpu is not None and gpu_conv != "im2col" and convolves and _cudnn_starts(gpu_conv, gpu)
     return name()
 
 
