@@ -265,9 +265,9 @@ class Config:
     tf32: bool = switch("GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 "
         "relative error (off: plain float32)", group="performance", resume=NOTE)
     gpu_conv: str = setting(
-        "auto", "how GPU towers run convolutions: `cudnn` (NVIDIA's cuDNN through its frontend, pip install "
-        "nvidia-cudnn-frontend; float32 as --tf32 says, deterministic engines), `im2col` (an im2col kernel and cuBLAS "
-        "GEMMs) or `auto` (cuDNN where it starts, else im2col); the two agree to float32 rounding (see Performance)",
+        "im2col", "how GPU towers run convolutions: `im2col` (an im2col kernel and cuBLAS GEMMs), `cudnn` (NVIDIA's "
+        "cuDNN through its frontend, pip install nvidia-cudnn-frontend; float32 as --tf32 says, deterministic engines; "
+        "not yet checked on a GPU, see Performance) or `auto` (cuDNN where it starts, else im2col)",
         group="performance", check=Choice(GPU_CONVS), resume=NOTE, type="str", metavar="FORM")
     precision: str = setting(
         "fp32", "the format forward and backward compute in: `fp32`, or `bf16` / `fp16` on low-precision copies of "
