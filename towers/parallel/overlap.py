@@ -64,7 +64,9 @@ class Overlap:
     of every tower's gradient (``buffers``), each tower's preparation queued
     in its ``scopes[i]()``, timed on worker ``on``.  On GPUs the all-reduce
     streams are made here, one per compute stream (towers sharing a GPU share
-    both), and ``reducer`` is used on them (``on_streams``).
+    both), and ``reducer`` is used on them (``on_streams``); so are the events,
+    one per tower and bucket, recorded again each step (a stream's wait takes
+    the event's latest record at the time of the call).
     """
 
     def __init__(self, plan: list, towers: list, reducer, average):
@@ -82,15 +84,28 @@ class Overlap:
         self.streams = [made[id(t.stream)] for t in towers]
         self.reducer = reducer.on_streams(self.streams)
         self.scopes = [functools.partial(_on, t.device, s) for t, s in zip(towers, self.streams)]
+        self.events, self.joined = [], []  # per tower: after each bucket's layers; after the last all-reduce
+        for t in towers:
+            with t.device.scope():
+                self.events.append([_event(t.device) for _ in plan])
+                self.joined.append(_event(t.device))
 
     def step(self) -> "BucketedStep":
         """A new step's progress (made before its towers compute)."""
         return BucketedStep(self)
 
-    def issue(self, b: int, events: list, on: int) -> None:
-        """Bucket ``b``'s ranges averaged (CPU) or queued on the all-reduce streams after ``events[i][b]``."""
+    def finished(self, i: int, buckets: range) -> None:
+        """Tower ``i``'s backward has queued the layers of ``buckets`` (GPU: their events recorded now)."""
         if self.gpu:
-            for t, comm, mine in zip(self.towers, self.streams, events):
+            t = self.towers[i]
+            with t.device.scope():
+                for b in buckets:
+                    self.events[i][b].record(t.stream)
+
+    def issue(self, b: int, on: int) -> None:
+        """Bucket ``b``'s ranges averaged (CPU) or queued on the all-reduce streams after its events."""
+        if self.gpu:
+            for t, comm, mine in zip(self.towers, self.streams, self.events):
                 with t.device.scope():
                     comm.wait_event(mine[b])
         for lo, hi in self.plan[b].ranges:
@@ -99,9 +114,10 @@ class Overlap:
     def join(self) -> None:
         """Every compute stream waits for its all-reduce stream (GPU; the CPU's buckets are done)."""
         if self.gpu:
-            for t, comm in zip(self.towers, self.streams):
+            for t, comm, done in zip(self.towers, self.streams, self.joined):
                 with t.device.scope():
-                    t.stream.wait_event(comm.record())
+                    done.record(comm)
+                    t.stream.wait_event(done)
 
 
 class BucketedStep:
@@ -109,9 +125,8 @@ class BucketedStep:
 
     def __init__(self, overlap: Overlap):
         self.overlap = overlap
-        n, buckets = len(overlap.towers), len(overlap.plan)
+        n = len(overlap.towers)
         self.passed = [0] * n  # buckets each tower's backward has finished
-        self.events = [[None] * buckets for _ in range(n)] if overlap.gpu else None
         self.claimed = 0  # buckets a thread has taken to issue
         self.issued = 0  # buckets issued; -1 once an issue failed
         self._order = threading.Condition()
@@ -127,11 +142,7 @@ class BucketedStep:
             b += 1
         if b == done:
             return
-        stream = self.overlap.towers[i].stream
-        if stream is not None:  # the bucket's last layer is queued on this tower's stream
-            event = stream.record()
-            for k in range(done, b):
-                self.events[i][k] = event
+        self.overlap.finished(i, range(done, b))
         with self._order:
             self.passed[i] = b
             first, last = self.claimed, min(self.passed)
@@ -145,7 +156,7 @@ class BucketedStep:
         ok = False
         try:
             for k in range(first, last):
-                self.overlap.issue(k, self.events, i)
+                self.overlap.issue(k, i)
             ok = True
         finally:
             with self._order:
@@ -158,6 +169,11 @@ class BucketedStep:
             raise RuntimeError(f"{self.issued} of {len(self.overlap.plan)} gradient buckets were averaged: "
                                "a tower's backward did not report every layer")
         self.overlap.join()
+
+
+def _event(device):
+    """A CUDA event on ``device`` (current) for ordering streams only: no timing."""
+    return device.xp.cuda.Event(disable_timing=True)
 
 
 @contextlib.contextmanager
