@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from towers.devices.placement import on_stream
 
@@ -72,9 +73,12 @@ class Overlap:
     def __init__(self, plan: list, towers: list, reducer, average):
         self.plan, self.towers, self.average = plan, list(towers), average
         self.gpu = any(t.stream is not None for t in towers)
+        self._thread = None
         if not self.gpu:
             self.streams = [None] * len(towers)
             self.reducer, self.scopes = reducer, [t.scope for t in towers]
+            if reducer.waits:  # the host's side of a cross-host mean: waits there, not in backward
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="towers-buckets")
             return
         made: dict[int, object] = {}
         for t in towers:
@@ -102,14 +106,27 @@ class Overlap:
                 for b in buckets:
                     self.events[i][b].record(t.stream)
 
-    def issue(self, b: int, on: int) -> None:
-        """Bucket ``b``'s ranges averaged (CPU) or queued on the all-reduce streams after its events."""
+    def issue(self, b: int, on: int):
+        """Bucket ``b``'s ranges averaged (CPU), handed to the bucket thread (its future), or queued on the
+        all-reduce streams after its events (GPU)."""
+        if self._thread is not None:
+            return self._thread.submit(self._average, b, on)
         if self.gpu:
             for t, comm, mine in zip(self.towers, self.streams, self.events):
                 with t.device.scope():
                     comm.wait_event(mine[b])
+        self._average(b, on)
+        return None
+
+    def _average(self, b: int, on: int) -> None:
         for lo, hi in self.plan[b].ranges:
             self.average([t.replica.grads[lo:hi] for t in self.towers], self.scopes, self.reducer, on)
+
+    def close(self) -> None:
+        """Stop the bucket thread, if any (idempotent)."""
+        if self._thread is not None:
+            thread, self._thread = self._thread, None
+            thread.shutdown(wait=True)
 
     def join(self) -> None:
         """Every compute stream waits for its all-reduce stream (GPU; the CPU's buckets are done)."""
@@ -129,6 +146,7 @@ class BucketedStep:
         self.passed = [0] * n  # buckets each tower's backward has finished
         self.claimed = 0  # buckets a thread has taken to issue
         self.issued = 0  # buckets issued; -1 once an issue failed
+        self.pending = []  # the bucket thread's futures, in bucket order
         self._order = threading.Condition()
 
     def hook(self, i: int):
@@ -156,7 +174,9 @@ class BucketedStep:
         ok = False
         try:
             for k in range(first, last):
-                self.overlap.issue(k, i)
+                future = self.overlap.issue(k, i)
+                if future is not None:
+                    self.pending.append(future)
             ok = True
         finally:
             with self._order:
@@ -168,6 +188,8 @@ class BucketedStep:
         if self.issued != len(self.overlap.plan):
             raise RuntimeError(f"{self.issued} of {len(self.overlap.plan)} gradient buckets were averaged: "
                                "a tower's backward did not report every layer")
+        for future in self.pending:
+            future.result()  # the bucket thread's averages are done (its error, if any, raised here)
         self.overlap.join()
 
 

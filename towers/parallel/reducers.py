@@ -59,6 +59,9 @@ class Reducer:
     splittable = False
     #: whether ``average`` does nothing (one tower on one host)
     noop = False
+    #: whether ``average`` waits on the host for other processes (the cross-host mean of CPU hosts): the gradient
+    #: buckets then run it on a thread of their own (``towers.parallel.overlap``)
+    waits = False
 
     def average(self, buffers: list) -> None:  # pragma: no cover - interface
         raise NotImplementedError
@@ -160,6 +163,7 @@ class Hierarchical(Reducer):
 
     def __init__(self, local: DeviceMean, across: Reducer):
         self.local, self.across = local, across
+        self.waits = across.waits
 
     def average(self, buffers: list) -> None:
         self.local.gather(buffers)
@@ -192,7 +196,7 @@ class Counted(Reducer):
     def __init__(self, reducer: Reducer, tally: list | None = None):
         self.reducer = reducer
         self._tally = tally if tally is not None else [0]  # shared with the views of on_streams
-        self.splittable, self.noop = reducer.splittable, reducer.noop
+        self.splittable, self.noop, self.waits = reducer.splittable, reducer.noop, reducer.waits
 
     @property
     def count(self) -> int:

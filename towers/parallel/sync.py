@@ -141,6 +141,9 @@ class Keeping:
         gradients are not averaged while backward runs."""
         return None
 
+    def close(self) -> None:
+        """Stop what ``bind`` started (idempotent)."""
+
     def update(self, towers: list, part: slice | None, lr: float, step: int, on: int, averaged=None) -> None:
         """After compute: update ``towers`` (all of them when ``shared``, slice ``part`` of their
         buffers or whole buffers; else the worker's own towers, whole), on worker ``on``'s timer.
@@ -237,6 +240,10 @@ class GradientAveraging(Keeping):
 
     def buckets(self):
         return None if self.overlap is None else self.overlap.step()
+
+    def close(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
 
     @property
     def loss_scale(self) -> float:

@@ -287,10 +287,13 @@ class StepEngine:
         return apply
 
     def close(self) -> None:
-        """Stop the tower threads (idempotent)."""
-        if self._pool is not None:
-            pool, self._pool = self._pool, None
-            pool.close()
+        """Stop the tower threads and the keeper's (idempotent)."""
+        try:
+            if self._pool is not None:
+                pool, self._pool = self._pool, None
+                pool.close()
+        finally:
+            self.keeper.close()
 
 
 class SyncMean:
