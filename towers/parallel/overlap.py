@@ -17,13 +17,17 @@ i's ``ready`` (``Replica.mean_loss_and_grads``):
    the bucket is averaged over every tower's buffer through the keeper's
    reducer (its rounding to ``allreduce_dtype`` first).  CPU towers average it
    there and then, in that thread: serial towers during the last tower's
-   backward, tower threads while the other towers' backward goes on.  GPU
+   backward, tower threads while the other towers' backward goes on; a
+   reducer that ``waits`` for other hosts (the cross-host mean of CPU hosts)
+   gets the bucket on a thread of its own, the bucket thread, so the host's
+   wait for the others runs beside its backward.  GPU
    towers queue it on a second stream per GPU, the all-reduce stream, which
    first waits for bucket b's event on every tower's compute stream, so the
    all-reduce of bucket b runs while the compute streams go on with the earlier
    layers (the reducer's ``on_streams``: the same NCCL communicators);
 3. before the update (``finish``) every compute stream waits for its GPU's
-   all-reduce stream; that every bucket was issued is checked.
+   all-reduce stream, the bucket thread's averages are joined (an error there
+   is raised here); that every bucket was issued is checked.
 
 Counting (``Counted``): each range of a bucket is one reducer call and counts
 as one all-reduce; a bucket holds two ranges in general (the buffer keeps the
@@ -41,7 +45,9 @@ in the last bits.
 
 Sync points: none on a GPU (events between streams).  CPU tower threads
 wait for one another only when a thread's bucket must follow an earlier one
-still being issued by another thread.
+still being issued by another thread; ``finish`` waits for the bucket thread.
+Measured on 2 cores, neither CPU towers nor 2 CPU hosts gained from buckets
+(docs/performance.md, Several hosts): there the cores are busy with backward.
 
 Limits: GPU towers on threads (``sync_bn``) are refused: sync-BN's
 statistics and the buckets would call the same NCCL communicators from two

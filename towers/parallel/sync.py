@@ -25,7 +25,10 @@ count, ``towers.parallel.reducers``):
   gradients, so on tower threads the engine puts its barrier between compute
   and update; then ``reduce`` averages the gradient buffers (whole, or slice
   ``part`` of every tower's by each thread) and ``apply`` runs every replica's
-  optimizer step on them (one step for towers sharing a buffer: ``Tower.update``);
+  optimizer step on them (one step for towers sharing a buffer: ``Tower.update``).
+  With ``allreduce_bucket_mib`` the average runs during backward instead,
+  bucket by bucket (``bind`` plans them once, ``buckets`` gives each step's
+  hooks; ``towers.parallel.overlap``), and the update waits for the last;
 * ``PeriodicAveraging(every)`` (weights mode, like PyTorch's
   ``PeriodicModelAverager``): not shared -- each tower updates alone, with no
   barrier; every ``every`` steps ``step_done`` joins the tower threads and

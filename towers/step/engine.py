@@ -10,7 +10,11 @@ named stages per tower:
                of ``batch_size`` rows and the buffer ends as their mean
                gradient (``Replica.mean_loss_and_grads``);
 3. all-reduce: in grads mode, ``reducer.average`` over every tower's
-               gradient buffer (``towers.parallel.reducers``);
+               gradient buffer (``towers.parallel.reducers``); with
+               gradient buckets it runs inside stage 2, each bucket once
+               every tower's backward has finished its layers (the keeper's
+               ``buckets()``, whose hooks each tower's backward is given:
+               ``towers.parallel.overlap``);
 4. update:     the optimizer update (``towers.optim``); in grads mode every
                replica applies the same one and the first also updates the
                EMA in the same pass.
@@ -56,8 +60,9 @@ them at once).  The loss leaves the device only when asked for
 
 All-reduces are counted once, by the keeper's ``Counted`` reducer
 (``all_reduces``): one per step in grads mode, whatever ``accumulate`` (a
-sliced all-reduce counts at slice 0); one per averaged buffer in weights
-mode; sync-BN's statistic averages are not counted.
+sliced all-reduce counts at slice 0), or with gradient buckets one per range
+of each bucket; one per averaged buffer in weights mode; sync-BN's statistic
+averages are not counted.
 """
 from __future__ import annotations
 
