@@ -13,7 +13,14 @@ towers' own default) each host's BLAS gets its share, cores / hosts, as 1 host
 x 2 towers gives each tower thread one BLAS thread; each row says how many
 BLAS threads its hosts ran.  ``--blas-threads N`` sets every host's.
 
-    python tools/bench_cluster.py [--data ../shared/datasets/mnist24k.npz] [--steps 150]
+``--allreduce-bucket-mib MIB`` (repeatable) adds a grads row per size whose
+gradients are averaged in buckets during backward (each host's side of the
+cross-host mean on a thread of its own, ``towers.parallel.overlap``), to
+compare with the plain grads row.  ``--model`` trains another built-in model,
+``--modes`` picks the sync modes' rows.
+
+    python tools/bench_cluster.py [--data ../shared/datasets/mnist24k.npz] [--steps 150] [--model lenet5]
+                                  [--modes grads] [--allreduce-bucket-mib 0.01 ...]
 """
 from __future__ import annotations
 
@@ -140,19 +147,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--blas-threads", type=int, default=0,
                     help="every host's BLAS threads (default 0: towers' own, each host's share of the cores)")
+    ap.add_argument("--model", default="mlp", help="a built-in model (default mlp)")
+    ap.add_argument("--modes", default="grads,weights,ps,async", help="the sync modes' rows (default all four)")
+    ap.add_argument("--allreduce-bucket-mib", type=float, action="append", default=[], metavar="MIB",
+                    help="add a grads row with the gradients averaged in buckets of MIB during backward (repeatable)")
     args = ap.parse_args()
     import ray
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    base = dict(devices="cpu", data=args.data, quiet=True, summary_every=0)
+    base = dict(devices="cpu", data=args.data, model=args.model, quiet=True, summary_every=0)
     one = timed_one_host(towers.Config(n_gpu=2, **base), args.steps)
-    print(f"{'1 host x 2 towers':28s} {one:10.0f} samples/s  1.00")
+    print(f"{'1 host x 2 towers':36s} {one:10.0f} samples/s  1.00")
     hosts = dict(hosts=2, n_gpu=1, blas_threads=args.blas_threads, **base)
-    for sync, extra in (("grads", {}), ("weights", {"average_every": 10}), ("ps", {}), ("async", {})):
+    extras = {"grads": {}, "weights": {"average_every": 10}, "ps": {}, "async": {}}
+    rows = [(sync, sync, extras[sync]) for sync in args.modes.split(",")]
+    rows += [(f"grads, buckets {mib:g} MiB", "grads", {"allreduce_bucket_mib": mib}) for mib in args.allreduce_bucket_mib]
+    for name, sync, extra in rows:
         rate, cross, blas = timed_cluster(towers.Config(sync=sync, **hosts, **extra), args.steps)
         note = f"  BLAS threads {'+'.join(map(str, blas))}"
         note += f"  cross-host mean {cross:.3f} ms/step" if cross == cross else ""
-        print(f"{'2 hosts x 1 tower, ' + sync:28s} {rate:10.0f} samples/s  {rate / one:.2f}{note}", flush=True)
+        print(f"{'2 hosts x 1 tower, ' + name:36s} {rate:10.0f} samples/s  {rate / one:.2f}{note}", flush=True)
     with towers.Trainer(towers.Config(**base)) as t:
         n = t.model.size
     print(f"cross-host mean alone, {n:,} floats, 2 actors: {board_mean_ms(ray, n):.3f} ms; "

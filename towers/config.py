@@ -278,6 +278,12 @@ class Config:
         "fp32", "the gradients' format in the all-reduce: `bf16` rounds each tower's gradient to bfloat16 before it "
         "(half of NCCL's bytes on GPUs), the mean stays float32 (--sync grads; see Low precision)", group="performance",
         check=Choice(ALLREDUCE_DTYPES), resume=NOTE, type="str", metavar="D")
+    allreduce_bucket_mib: float = setting(
+        0.0, "--sync grads: average the gradients in buckets of about this many MiB, cut at layer boundaries from the "
+        "last layer, each as soon as every tower's backward has finished its layers, so the all-reduce overlaps "
+        "backward (on GPUs on a second stream); the same mean as one all-reduce (bit for bit on the CPU); 0: one "
+        "all-reduce after backward (see Gradient buckets)", group="performance", check=Number(0), resume=SILENT,
+        type="float", metavar="MIB", shown="0")
     loss_scale_growth: int = setting(
         2000, "--precision fp16: clean steps in a row after which the loss scale doubles (it starts at 2**16 and halves "
         "at each step skipped for an inf or NaN gradient)", group="performance", check=Integer(1), resume=NOTE,

@@ -349,3 +349,15 @@ def test_a_sync_mode_of_ones_own_is_one_registry_entry(local_ray, monkeypatch):
     assert_same(got[:1], want[:1], rtol=1e-6)
     differ = one_host(6)[0]
     assert not numpy.allclose(got[0]["layer1/weights"], differ["layer1/weights"], rtol=1e-4, atol=0)
+
+
+def test_two_hosts_average_gradient_buckets_during_backward_with_the_same_bits(local_ray):
+    """Each host's side of the cross-host mean runs bucket by bucket on a thread of its own while backward goes
+    on (``towers.parallel.overlap``); the hosts meet on every bucket in the same order and end with the bits of
+    one call."""
+    want = one_host(3)
+    with cluster(hosts=2, n_gpu=1, steps=3, allreduce_bucket_mib=1e-9) as t:
+        got = weights_after(t, 3) + (t.get_gradients(),)
+        assert t.check_replicas()
+        assert t.all_reduces == 3 * 4  # two buckets (a layer each) of two ranges (weights, biases), 3 steps
+    assert_same(got, want)

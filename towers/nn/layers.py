@@ -292,6 +292,25 @@ class Sequential:
         """(name, shape, offset, size) of the buffers (``trainable=False``), in declaration order."""
         return _offsets([e for e in self.params if not e[2].trainable])
 
+    def layer_spans(self) -> list[list[tuple[int, int]]]:
+        """Per layer, the (start, stop) ranges of the flat parameter buffer its trainable parameters fill.
+
+        At most two per layer: ``layout`` puts every regularized parameter
+        first, layer by layer, then the others, so a layer's regularized
+        parameters are one contiguous range and its others a second one
+        (empty ranges are left out; a layer without parameters has none).
+        Consecutive layers' ranges in each part are adjacent.
+        """
+        spans: list[list[tuple[int, int]]] = [[] for _ in self.layers]
+        layer_of = {name: li for li, name, _ in self.params}
+        for name, _, off, size in self.layout():  # in buffer order: a layer's next range starts where one ended
+            mine = spans[layer_of[name]]
+            if mine and mine[-1][1] == off:
+                mine[-1] = (mine[-1][0], off + size)
+            elif size:
+                mine.append((off, off + size))
+        return spans
+
     @property
     def n_regularized(self) -> int:
         return sum(_count(p) for _, _, p in self.params if p.regularize)

@@ -30,6 +30,7 @@ and output.  Evaluation and prediction use the float32 masters.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy
 
@@ -83,6 +84,7 @@ class Replica:
             self.buffer[name] = self.buffers[off : off + size].reshape(shape, copy=False)
         self._nreg = model.n_regularized
         self._first_param_layer = min((li for li, _, prm in model.params if prm.trainable), default=0)
+        self._spans = model.layer_spans()  # per layer, its ranges of the flat buffers
         self._local = []  # per layer: (params and buffers dict, grads dict, workspace)
         by_layer: dict[int, list[tuple[str, str, bool]]] = {}
         for li, name, prm in model.params:
@@ -176,7 +178,7 @@ class Replica:
         return self.dtype.type(l2 / 2) * self.xp.dot(w, w) if self._nreg and l2 else self.dtype.type(0)
 
     def mean_loss_and_grads(self, batches, count: int, l2: float, want_loss: bool = True, timer=None,
-                            loss_scale: float = 1.0):
+                            loss_scale: float = 1.0, ready=None):
         """Forward and backward over ``count`` micro-batches: their mean data loss and mean gradient, + L2's once.
 
         ``batches`` yields ``count`` (x, labels) pairs of equal size, taken one
@@ -202,6 +204,17 @@ class Replica:
         quantity evaluation reports too, so a run at 100% accuracy does not log
         its weights' norm (``l2_term`` gives it).  With one micro-batch the
         gradient is exactly ``loss_and_grads``'.
+
+        ``ready(layer)``, when given, is called during the last micro-batch's
+        backward, right after layer ``layer``'s backward, once the gradients
+        of that layer and of every later one are final (rounded, added to the
+        earlier micro-batches', L2's added): the caller may average their
+        ranges of ``grads`` (``Sequential.layer_spans``) while backward goes on
+        (``towers.parallel.overlap``).  Those finishing operations then run per
+        layer instead of once over the buffer; being elementwise, they give the
+        same bits.  Layers before the first one with parameters are not
+        walked, and not reported.  On a GPU "final" means queued on the
+        current stream.
         """
         timer = timer or _no_timer
         scale = self.dtype.type(1 / count)
@@ -219,11 +232,16 @@ class Replica:
                     dy *= scale  # the loss workspace's array: safe in place
                 if loss_scale != 1.0:
                     dy *= self.dtype.type(loss_scale)
-                self._backward(dy, None if k == 0 else self._scratch_grads())
-                # Low precision: the parameter gradients as backward hands them over, rounded.
-                round_to(self.grads if k == 0 else self._scratch[0], self.precision)
-                if k:
-                    self.grads += self._scratch[0]
+                if ready is not None and k == count - 1:
+                    # Each layer's gradient finished and reported as backward leaves it.
+                    done = functools.partial(self._finish_layer, k=k, l2=l2 * loss_scale, ready=ready)
+                    self._backward(dy, None if k == 0 else self._scratch_grads(), done)
+                else:
+                    self._backward(dy, None if k == 0 else self._scratch_grads())
+                    # Low precision: the parameter gradients as backward hands them over, rounded.
+                    round_to(self.grads if k == 0 else self._scratch[0], self.precision)
+                    if k:
+                        self.grads += self._scratch[0]
             if want_loss:
                 part = part * scale if count > 1 else part
                 loss = part if k == 0 else loss + part
@@ -231,15 +249,16 @@ class Replica:
         if seen != count:
             raise ValueError(f"mean_loss_and_grads: {seen} micro-batches, {count} announced")
         with timer("backward"):
-            if self._nreg and l2:
+            if self._nreg and l2 and ready is None:  # (with ``ready``, added layer by layer)
                 w = self.params[: self._nreg]
                 # grads += l2 * w: one kernel on a GPU, one pass or two on the CPU (towers.ops.l2); scaled
                 # with the loss (a power of two: l2 * S * w is S * (l2 * w) exactly).
                 add_scaled(self.grads[: self._nreg], w, l2 * loss_scale)
         return loss
 
-    def _backward(self, dy, grads) -> None:
-        """Backward from ``dy`` (the logits' gradient) into ``grads`` (per layer; None: the replica's own)."""
+    def _backward(self, dy, grads, done=None) -> None:
+        """Backward from ``dy`` (the logits' gradient) into ``grads`` (per layer; None: the replica's own);
+        ``done(i)`` after layer i's."""
         layers = self.model.layers
         # Low precision: the loss's gradient and each layer's input gradient, as the next layer reads them, rounded.
         round_to(dy, self.precision)
@@ -251,6 +270,22 @@ class Replica:
                                     need_dx=i > self._first_param_layer)
             if i > self._first_param_layer:
                 round_to(dy, self.precision)
+            if done is not None:
+                done(i)
+
+    def _finish_layer(self, i: int, k: int, l2: float, ready) -> None:
+        """Micro-batch ``k``'s gradients of layer ``i`` as the rest of the step leaves them, then ``ready(i)``:
+        rounded (low precision), added to ``grads`` (k > 0: they are in the scratch buffer), and L2's
+        ``l2 * w`` added where regularized; the whole buffer's operations, restricted to the layer's ranges."""
+        for lo, hi in self._spans[i]:
+            src = self.grads if k == 0 else self._scratch[0]
+            round_to(src[lo:hi], self.precision)
+            if k:
+                self.grads[lo:hi] += src[lo:hi]
+            top = min(hi, self._nreg)
+            if l2 and lo < top:
+                add_scaled(self.grads[lo:top], self.params[lo:top], l2)
+        ready(i)
 
     def _scratch_grads(self) -> list[dict]:
         """Per layer, its gradient views into the scratch buffer (made on the first call)."""

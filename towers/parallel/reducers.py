@@ -33,12 +33,19 @@ communication report's ``all_reduces``): the step engine's replica keeper
 (``towers.parallel.sync``) reduces through it; sync-BN's small statistic
 averages go to the wrapped reducer and are not counted.
 
+``reducer.on_streams(streams)`` is the same reducer (the same communicators,
+the same count) queuing its work on other streams, one per tower: the
+gradient buckets' all-reduce streams (``towers.parallel.overlap``).  On the
+CPU, where there are no streams, it is the reducer itself.
+
 Limits: only ``DeviceMean`` on the host (``splittable``) may be called on
 slices of the buffers from several threads at once (concurrent CPU tower
 threads each reduce their share); NCCL and cross-host reducers take whole
 buffers from one thread.
 """
 from __future__ import annotations
+
+import copy
 
 from towers.devices.placement import on_stream
 from towers.ops.mean2 import mean2
@@ -52,9 +59,17 @@ class Reducer:
     splittable = False
     #: whether ``average`` does nothing (one tower on one host)
     noop = False
+    #: whether ``average`` waits on the host for other processes (the cross-host mean of CPU hosts): the gradient
+    #: buckets then run it on a thread of their own (``towers.parallel.overlap``)
+    waits = False
 
     def average(self, buffers: list) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def on_streams(self, streams: list) -> "Reducer":
+        """This reducer with its work queued on ``streams`` (one per tower); the default, a reducer that
+        queues nothing on streams (a host mean), is itself."""
+        return self
 
     def close(self) -> None:
         """Release communicators (idempotent)."""
@@ -79,6 +94,9 @@ class DeviceMean(Reducer):
     @property
     def leaders(self) -> list[int]:
         return [g[0] for g in self.groups]
+
+    def on_streams(self, streams: list) -> "DeviceMean":
+        return DeviceMean(self.groups, self.devices, streams, self.scale)
 
     def average(self, buffers: list) -> None:
         if len(self.groups) == 1 and len(buffers) == 2 and self.devices[0].is_gpu:
@@ -130,6 +148,12 @@ class NcclMean(Reducer):
     def average(self, buffers: list) -> None:
         self.comm.average(buffers, self.stream_ptrs)
 
+    def on_streams(self, streams: list) -> "NcclMean":
+        """The same communicators on ``streams`` (one per rank); closing either closes them."""
+        view = copy.copy(self)
+        view.stream_ptrs = [int(s.ptr) if s is not None else 0 for s in streams]
+        return view
+
     def close(self) -> None:
         self.comm.close()
 
@@ -139,11 +163,16 @@ class Hierarchical(Reducer):
 
     def __init__(self, local: DeviceMean, across: Reducer):
         self.local, self.across = local, across
+        self.waits = across.waits
 
     def average(self, buffers: list) -> None:
         self.local.gather(buffers)
         self.across.average([buffers[i] for i in self.local.leaders])
         self.local.scatter(buffers)
+
+    def on_streams(self, streams: list) -> "Hierarchical":
+        return Hierarchical(self.local.on_streams(streams),
+                            self.across.on_streams([streams[i] for i in self.local.leaders]))
 
     def close(self) -> None:
         try:
@@ -159,11 +188,19 @@ class Counted(Reducer):
     them; threads reducing the other slices of the same buffers at the same
     time add nothing, so a sliced all-reduce counts once.  A ``noop`` reducer
     is not called and counts nothing.  Only the thread of slice 0 counts.
+    A gradient bucket's range is a call of its own (``part`` None): each
+    counts one (``towers.parallel.overlap``).  ``on_streams`` gives a view
+    that adds to the same count.
     """
 
-    def __init__(self, reducer: Reducer):
-        self.reducer, self.count = reducer, 0
-        self.splittable, self.noop = reducer.splittable, reducer.noop
+    def __init__(self, reducer: Reducer, tally: list | None = None):
+        self.reducer = reducer
+        self._tally = tally if tally is not None else [0]  # shared with the views of on_streams
+        self.splittable, self.noop, self.waits = reducer.splittable, reducer.noop, reducer.waits
+
+    @property
+    def count(self) -> int:
+        return self._tally[0]
 
     def average(self, buffers: list, part: slice | None = None) -> None:
         """Average ``buffers`` (``part``: the slice of the whole buffers they are, or None)."""
@@ -171,7 +208,10 @@ class Counted(Reducer):
             return
         self.reducer.average(buffers)
         if part is None or part.start == 0:
-            self.count += 1
+            self._tally[0] += 1
+
+    def on_streams(self, streams: list) -> "Counted":
+        return Counted(self.reducer.on_streams(streams), self._tally)
 
     def close(self) -> None:
         self.reducer.close()

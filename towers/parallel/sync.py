@@ -25,7 +25,10 @@ count, ``towers.parallel.reducers``):
   gradients, so on tower threads the engine puts its barrier between compute
   and update; then ``reduce`` averages the gradient buffers (whole, or slice
   ``part`` of every tower's by each thread) and ``apply`` runs every replica's
-  optimizer step on them (one step for towers sharing a buffer: ``Tower.update``);
+  optimizer step on them (one step for towers sharing a buffer: ``Tower.update``).
+  With ``allreduce_bucket_mib`` the average runs during backward instead,
+  bucket by bucket (``bind`` plans them once, ``buckets`` gives each step's
+  hooks; ``towers.parallel.overlap``), and the update waits for the last;
 * ``PeriodicAveraging(every)`` (weights mode, like PyTorch's
   ``PeriodicModelAverager``): not shared -- each tower updates alone, with no
   barrier; every ``every`` steps ``step_done`` joins the tower threads and
@@ -60,6 +63,8 @@ from towers.errors import TrainingError, UserError
 from towers.devices.placement import to_host
 from towers.ops.precision import ALLREDUCE_DTYPES, round_to
 from towers.optim.loss_scale import LossScaler
+from towers.parallel.buckets import plan_buckets
+from towers.parallel.overlap import Overlap
 from towers.parallel.reducers import Counted
 from towers.state import count
 
@@ -131,9 +136,22 @@ class Keeping:
         """Steps between the moments the replicas agree (checkpoints fall on them): 1, every step."""
         return 1
 
-    def update(self, towers: list, part: slice | None, lr: float, step: int, on: int) -> None:
+    def bind(self, towers: list, threads: bool) -> None:
+        """The step engine's ``towers`` (on threads when ``threads``), once, before its first step."""
+
+    def buckets(self):
+        """A new step's ``towers.parallel.overlap.BucketedStep`` (its towers' backward hooks), or None: the
+        gradients are not averaged while backward runs."""
+        return None
+
+    def close(self) -> None:
+        """Stop what ``bind`` started (idempotent)."""
+
+    def update(self, towers: list, part: slice | None, lr: float, step: int, on: int, averaged=None) -> None:
         """After compute: update ``towers`` (all of them when ``shared``, slice ``part`` of their
-        buffers or whole buffers; else the worker's own towers, whole), on worker ``on``'s timer."""
+        buffers or whole buffers; else the worker's own towers, whole), on worker ``on``'s timer.
+        ``averaged``: the step's ``buckets()``, whose hooks the towers' backward was given (passed only
+        when ``buckets()`` gave one)."""
         raise NotImplementedError  # pragma: no cover - interface
 
     def step_done(self, towers: list, step: int, wait) -> None:
@@ -178,6 +196,11 @@ class Keeping:
 class GradientAveraging(Keeping):
     """Grads mode: reduce the gradients, then every replica applies the same update.
 
+    ``bucket_mib`` > 0 (``allreduce_bucket_mib``): the gradients are averaged
+    in buckets of about that many MiB while the towers' backward runs
+    (``towers.parallel.overlap``, ``bind``), not after compute; the update
+    waits for the last bucket.  Rounding and counting are the same per range.
+
     ``allreduce_dtype`` bf16: each tower's gradient (or its slice) is rounded
     to bfloat16 (``towers.ops.precision``) before the reducer averages it;
     the mean itself stays float32, so every replica holds the float32 mean of
@@ -191,25 +214,49 @@ class GradientAveraging(Keeping):
 
     same_updates = True
     fuses_ema = True
+    settings = {"allreduce_bucket_mib": 0.0}
 
-    def __init__(self, reducer, timer, allreduce_dtype: str = "fp32", scaler=None):
+    def __init__(self, reducer, timer, allreduce_dtype: str = "fp32", scaler=None, bucket_mib: float = 0.0):
         super().__init__(reducer, timer)
         if allreduce_dtype not in ALLREDUCE_DTYPES:
             raise ValueError(f"allreduce_dtype {allreduce_dtype!r}: use one of {', '.join(ALLREDUCE_DTYPES)}")
         self.allreduce_dtype, self.scaler = allreduce_dtype, scaler
         self.splits = scaler is None
+        self.bucket_mib = bucket_mib
+        self.overlap = None  # the buckets, once bound to towers
 
     @classmethod
     def build(cls, reducer, timer, ema, cfg) -> "GradientAveraging":
         scaler = LossScaler(cfg.loss_scale_growth) if cfg.precision == "fp16" else None
-        return cls(reducer, timer, cfg.allreduce_dtype, scaler)
+        return cls(reducer, timer, cfg.allreduce_dtype, scaler, cfg.allreduce_bucket_mib)
+
+    def bind(self, towers, threads) -> None:
+        """The buckets of ``towers``' model, planned once (``towers.parallel.buckets``); none for one tower."""
+        if not self.bucket_mib or self.reducer.noop:
+            return
+        if threads and any(t.stream is not None for t in towers):
+            raise UserError("`allreduce_bucket_mib` with `sync_bn` on GPUs: sync-BN runs the towers on threads "
+                            "whose statistics and buckets would share the NCCL communicators; drop one of them")
+        replica = towers[0].replica
+        plan = plan_buckets(replica.model.layer_spans(), self.bucket_mib * 2 ** 20, replica.dtype.itemsize)
+        self.overlap = Overlap(plan, towers, self.reducer, self._average)
+
+    def buckets(self):
+        return None if self.overlap is None else self.overlap.step()
+
+    def close(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
 
     @property
     def loss_scale(self) -> float:
         return 1.0 if self.scaler is None else self.scaler.scale
 
-    def update(self, towers, part, lr, step, on) -> None:
-        self.reduce(towers, part, on)
+    def update(self, towers, part, lr, step, on, averaged=None) -> None:
+        if averaged is None:
+            self.reduce(towers, part, on)
+        else:
+            averaged.finish()  # averaged bucket by bucket during the towers' backward
         # fp16: the averaged gradient decides, the same on every replica (part is None: ``splits``).
         updating = [t for t in towers if not t.shares_params]
         if self.scaler is not None and not self.scaler.unscale([t.replica.grads for t in updating],
@@ -221,11 +268,19 @@ class GradientAveraging(Keeping):
         """Every tower's gradient buffer (or its slice ``part``) becomes the mean over all towers (of the
         gradients rounded to ``allreduce_dtype``, each on its tower's device and stream)."""
         buffers = [t.replica.grads if part is None else t.replica.grads[part] for t in towers]
-        if self.allreduce_dtype != "fp32" and not self.reducer.noop:  # one tower alone has no all-reduce
-            for t, g in zip(towers, buffers):
-                with t.scope():
+        self._average(buffers, [t.scope for t in towers], self.reducer, on, part)
+
+    def _average(self, buffers: list, scopes: list, reducer, on: int, part: slice | None = None) -> None:
+        """``buffers`` (one per tower) rounded to ``allreduce_dtype``, each in its tower's ``scopes[i]()``, then
+        averaged through ``reducer`` (the keeper's, or its view on other streams), timed on worker ``on``."""
+        if reducer.noop:  # one tower alone has no all-reduce
+            return
+        if self.allreduce_dtype != "fp32":
+            for scope, g in zip(scopes, buffers):
+                with scope():
                     round_to(g, self.allreduce_dtype)
-        self._mean(buffers, on, part)
+        with self.timer("all-reduce", on):
+            reducer.average(buffers, part)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), **(self.scaler.state_dict() if self.scaler is not None else {})}

@@ -10,7 +10,11 @@ named stages per tower:
                of ``batch_size`` rows and the buffer ends as their mean
                gradient (``Replica.mean_loss_and_grads``);
 3. all-reduce: in grads mode, ``reducer.average`` over every tower's
-               gradient buffer (``towers.parallel.reducers``);
+               gradient buffer (``towers.parallel.reducers``); with
+               gradient buckets it runs inside stage 2, each bucket once
+               every tower's backward has finished its layers (the keeper's
+               ``buckets()``, whose hooks each tower's backward is given:
+               ``towers.parallel.overlap``);
 4. update:     the optimizer update (``towers.optim``); in grads mode every
                replica applies the same one and the first also updates the
                EMA in the same pass.
@@ -56,8 +60,9 @@ them at once).  The loss leaves the device only when asked for
 
 All-reduces are counted once, by the keeper's ``Counted`` reducer
 (``all_reduces``): one per step in grads mode, whatever ``accumulate`` (a
-sliced all-reduce counts at slice 0); one per averaged buffer in weights
-mode; sync-BN's statistic averages are not counted.
+sliced all-reduce counts at slice 0), or with gradient buckets one per range
+of each bucket; one per averaged buffer in weights mode; sync-BN's statistic
+averages are not counted.
 """
 from __future__ import annotations
 
@@ -81,8 +86,10 @@ class Step:
     step's rows on the devices, ``DeviceData.upload``); ``lr``: its learning
     rate; ``step``: updates done before it; ``want_loss``: whether the towers'
     losses are kept; ``loss_scale``: the keeper's loss scale when the step
-    began (fp16: ``towers.optim.loss_scale``; else 1).  Made per call: a tower
-    thread of the last step still running holds its own.
+    began (fp16: ``towers.optim.loss_scale``; else 1); ``buckets``: the
+    keeper's progress of the gradient buckets averaged during this step's
+    backward (``towers.parallel.overlap``; None: averaged after compute).
+    Made per call: a tower thread of the last step still running holds its own.
     """
 
     x: object
@@ -92,6 +99,13 @@ class Step:
     lr: float
     step: int
     loss_scale: float = 1.0
+    buckets: object = None
+
+    @property
+    def averaged(self) -> dict:
+        """The keeper's ``update`` keywords: the step's buckets, when its keeper gave them (a keeper without
+        buckets is not asked to take the keyword)."""
+        return {} if self.buckets is None else {"averaged": self.buckets}
 
 
 class StepEngine:
@@ -110,6 +124,8 @@ class StepEngine:
         self.step = 0
         self._pool = None
         n = len(towers)
+        # The gradient buckets, if the keeper averages them during backward (before any thread starts).
+        keeper.bind(towers, (threads or sync_bn) and n > 1)
         if (threads or sync_bn) and n > 1:
             self._pool = TowerThreads(n)
             # A reducer that takes slices splits the all-reduce and the update
@@ -154,7 +170,7 @@ class StepEngine:
         # names this step's index buffers: a tower thread of the last step that
         # is still running reads its own step's, not these.
         s = Step(x, y, self._stage_indices(indices), want_loss, self.schedule(self.step), self.step,
-                 self.keeper.loss_scale)
+                 self.keeper.loss_scale, self.keeper.buckets())
         if self._pool is None:
             self._work(range(len(self.towers)), s)
         else:
@@ -185,7 +201,7 @@ class StepEngine:
             self._losses[i] = self._compute(i, s)
         on = mine[0]
         if not self.keeper.shared:
-            self.keeper.update([self.towers[i] for i in mine], None, s.lr, s.step, on)
+            self.keeper.update([self.towers[i] for i in mine], None, s.lr, s.step, on, **s.averaged)
             return
         part = None
         if self._pool is not None:  # one worker per tower
@@ -194,7 +210,7 @@ class StepEngine:
             part = self._parts[on]
             if part is None and on != 0:
                 return  # tower 0's thread reduces and updates whole buffers
-        self.keeper.update(self.towers, part, s.lr, s.step, on)
+        self.keeper.update(self.towers, part, s.lr, s.step, on, **s.averaged)
 
     def _compute(self, i: int, s: Step):
         """Tower ``i``'s slice (rows ``i*r .. (i+1)*r`` of the host batch, or of the device rows) through stages 1-2.
@@ -202,12 +218,14 @@ class StepEngine:
         ``r`` is the tower's ``rows``: ``batch_size`` x ``accumulate``, run as that many micro-batches.
         """
         t = self.towers[i]
+        ready = s.buckets.hook(i) if s.buckets is not None else None
         if s.staged is not None:
             return t.compute(None, None, self.l2, s.want_loss, s.step,
-                             stage=lambda k: self.device_data.stage(i, k, s.staged), loss_scale=s.loss_scale)
+                             stage=lambda k: self.device_data.stage(i, k, s.staged), loss_scale=s.loss_scale,
+                             ready=ready)
         r = t.rows
         return t.compute(s.x[i * r: (i + 1) * r], s.y[i * r: (i + 1) * r], self.l2, s.want_loss, s.step,
-                         loss_scale=s.loss_scale)
+                         loss_scale=s.loss_scale, ready=ready)
 
     def _step_done(self, losses):
         self.step += 1
@@ -274,10 +292,13 @@ class StepEngine:
         return apply
 
     def close(self) -> None:
-        """Stop the tower threads (idempotent)."""
-        if self._pool is not None:
-            pool, self._pool = self._pool, None
-            pool.close()
+        """Stop the tower threads and the keeper's (idempotent)."""
+        try:
+            if self._pool is not None:
+                pool, self._pool = self._pool, None
+                pool.close()
+        finally:
+            self.keeper.close()
 
 
 class SyncMean:

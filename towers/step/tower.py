@@ -55,7 +55,8 @@ class Tower:
         with self.device.scope(), on_stream(self.stream), numpy.errstate(**QUIET):
             yield
 
-    def compute(self, x, y, l2: float, want_loss: bool, step: int, stage=None, loss_scale: float = 1.0):
+    def compute(self, x, y, l2: float, want_loss: bool, step: int, stage=None, loss_scale: float = 1.0,
+                ready=None):
         """Stages 1-2 over the tower's ``accumulate`` micro-batches: each onto the device, forward, backward.
 
         ``x``, ``y``: the tower's ``rows`` host examples, micro-batch k being
@@ -66,12 +67,15 @@ class Tower:
         the tower's index when K = 1).  ``step``: updates done so far (the
         layers' step context).  ``loss_scale``: what the loss's gradient is
         multiplied by (fp16's loss scaling; the gradient comes out scaled).
+        ``ready(layer)``: told during the last micro-batch's backward that the
+        gradients of ``layer`` and every later layer are final
+        (``Replica.mean_loss_and_grads``).
         Returns the mean loss as a device scalar when ``want_loss``, else None.
         """
         self.replica.context.step = step
         with self.scope():
             return self.replica.mean_loss_and_grads(self._micro_batches(x, y, stage), self.accumulate, l2,
-                                                    want_loss, self.timer, loss_scale)
+                                                    want_loss, self.timer, loss_scale, ready)
 
     def _micro_batches(self, x, y, stage):
         b, k_all, ctx = self.stager.x.shape[0], self.accumulate, self.replica.context
