@@ -1,4 +1,5 @@
-"""``python -m towers.train --hosts 2`` as a user runs it: each test starts the command (and its own Ray).
+"""``python -m towers.train --hosts 2`` as a user runs it: each test starts the command (with its own Ray, or
+joined to the tests' running one).
 
 The cluster's failure cases: an address where no Ray listens, SIGTERM, a dead
 host, a killed driver; and the command and the library giving the same weights.
@@ -110,8 +111,10 @@ def test_a_real_ray_passes_the_address_probe(local_ray):
     check_ray_address(local_ray.get_runtime_context().gcs_address)
 
 
-def test_sigterm_ends_a_run_of_two_hosts_with_one_line(tmp_path):
-    proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path))
+def test_sigterm_ends_a_run_of_two_hosts_with_one_line(tmp_path, local_ray):
+    """On a Ray the command joined (the tests' own, which saves a Ray start): its hosts end with the driver."""
+    address = local_ray.get_runtime_context().gcs_address
+    proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path), "--ray-address", address)
     wait_for(str(tmp_path / "checkpoint"), proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
@@ -119,10 +122,14 @@ def test_sigterm_ends_a_run_of_two_hosts_with_one_line(tmp_path):
     assert err.strip().splitlines() == ["towers.train: terminated (SIGTERM); the last checkpoint is kept"], err
 
 
-def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path):
-    proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path / "a"))
+def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path, local_ray):
+    # A host dies: on a Ray the command joined (the tests' own: its actors are this process's descendants).
+    address = local_ray.get_runtime_context().gcs_address
+    before = set(host_actors(os.getpid()))
+    proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path / "a"),
+                 "--ray-address", address)
     wait_for(str(tmp_path / "a" / "checkpoint"), proc)
-    hosts = host_actors(proc.pid)
+    hosts = [p for p in host_actors(os.getpid()) if p not in before]
     assert len(hosts) == 2
     os.kill(hosts[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
@@ -133,6 +140,7 @@ def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path):
     # Ray's "(raylet) A worker died or was killed ..." (in colour) came on stdout before: stdout keeps towers' lines
     assert "\x1b" not in err + out and "(raylet)" not in out and "worker died" not in out, out
 
+    # The driver is killed: a Ray it started itself goes with it.
     proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path / "b"))
     wait_for(str(tmp_path / "b" / "checkpoint"), proc)
     ray_processes = children_of({proc.pid})
