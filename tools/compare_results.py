@@ -169,6 +169,18 @@ def compare(a_path: str, b_path: str) -> int:
     return 1 if bad else 0
 
 
+def job_names(text: str) -> list[str]:
+    """The jobs of a comma-separated list, where a job's own name may hold commas ("jpeg augment, 0 input
+    workers"): pieces are joined until they make a known name (an unknown one is left as it is, for the error)."""
+    names, part = [], None
+    for piece in text.split(","):
+        part = piece.strip() if part is None else f"{part}, {piece.strip()}"
+        if part in JOBS or part == "async" or not any(k.startswith(part + ",") for k in JOBS):
+            names.append(part)
+            part = None
+    return names + ([part] if part is not None else [])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -183,7 +195,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.command == "compare":
         return compare(args.a, args.b)
-    names = args.jobs.split(",") if args.jobs else [*JOBS, "async"]
+    names = job_names(args.jobs) if args.jobs else [*JOBS, "async"]
     unknown = [n for n in names if n not in JOBS and n != "async"]
     if unknown:
         ap.error(f"unknown jobs {unknown}: use names of {', '.join([*JOBS, 'async'])}")
