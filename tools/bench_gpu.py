@@ -60,6 +60,13 @@ of each model's shape, 10 learnable classes):
   its first completed step, with an EMPTY CuPy kernel cache (``CUPY_CACHE_DIR``
   a fresh directory: every kernel compiled) and warm (the same directory again);
   the conv nets' cold run stops after its first step (only its start-up is used);
+* the conv nets' towers rows once per ``--gpu-conv`` form (default ``im2col,cudnn``;
+  im2col alone without a GPU): "towers" is im2col and cuBLAS, "towers cudnn" the
+  convolutions on cuDNN (``towers.devices.cudnn``), whose calls and any shape
+  left to im2col the row reports with ``--verbose``;
+* with ``--host-profile``, each towers row's host time by Python function
+  (cProfile over ``--profile-steps`` more steps; printed with ``--verbose``):
+  where a host-bound step spends its time, attributed, not measured;
 * the default main job, ``python -m towers.train --n-gpu 2`` (MLP on
   data/digits.npz, 2000 steps), as a subprocess on the GPU with a cold and a
   warm kernel cache, against ``taskset -c 0,1 ... --devices cpu`` (2 cores, a
@@ -209,6 +216,29 @@ def time_steps(step, sync, steps: int, warmup: int, rounds: int, on_warm=None) -
             "wall_us_per_step_rounds": walls, "next_k": k}
 
 
+def host_profile(step, sync, steps: int, k0: int, top: int = 30) -> list:
+    """Where the host's time of ``steps`` steps goes, by Python function (cProfile), the ``top`` by own time.
+
+    Rows ``(function, calls per step, own us per step, cumulative us per step)``; the profiler's own cost
+    inflates every figure alike, so they attribute the host time, they do not measure it.
+    """
+    import cProfile
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for k in range(k0, k0 + steps):
+        step(k)
+    sync()
+    prof.disable()
+    rows = []
+    for (path, line, func), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+        where = func if path == "~" else f"{Path(path).name}:{line}({func})"
+        rows.append((where, calls / steps, own / steps * 1e6, cum / steps * 1e6))
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
 def count_launches(step, sync, steps: int, k0: int, per: int) -> dict:
     """CUDA kernels, copies and kernel time of ``steps`` steps, seen by torch.profiler.
 
@@ -347,6 +377,9 @@ def _towers_worker(spec) -> dict:
             launches = {"na": "not profiled (cold start-up run)"}
         else:
             launches = count_launches(step, trainer.synchronize, spec["profile_steps"], k, spec["towers"])
+        if spec.get("host_profile") and spec["profile"]:
+            t["host_profile"] = host_profile(step, trainer.synchronize, spec["profile_steps"],
+                                             k + spec["profile_steps"])
     finally:
         trainer.close()
     on_device = trainer.executor.device_data is not None
@@ -752,6 +785,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-conv", default="im2col,cudnn",
                     help="comma-separated gpu_conv forms the conv nets' towers rows run in, among im2col, cudnn "
                          "(default both; on a machine without a GPU only im2col)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also profile the towers rows' host time by Python function (cProfile, over "
+                         "--profile-steps more steps; printed with --verbose, and in --json)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, on the CPU when there is no GPU")
     ap.add_argument("--no-main-job", action="store_true", help="skip the default main job comparison")
     ap.add_argument("--verbose", action="store_true", help="print the kernel names counted for each row, with their time per step")
@@ -873,7 +909,8 @@ def _measure(a, tmp, rows, sizes: dict, rounds: int, data: dict) -> None:
             # the first step alone, as their steps are long).
             cold = dict(spec, rounds=1, profile=False, startup_only=model in CONV)
             r["cold"] = run_worker("towers", cold, a.timeout, cache)
-            r["result"] = run_worker("towers", dict(spec, profile=True), a.timeout, cache)  # the same cache, warm
+            r["result"] = run_worker("towers", dict(spec, profile=True, host_profile=a.host_profile), a.timeout,
+                                     cache)  # the same cache, warm
         else:
             spec.update(batch=r["batch"], variant=r["variant"])
             env = None
@@ -911,6 +948,11 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
                     print(f"  {c:6.2f}  {us:8.1f} us  {name[:100]}")
             elif ln.get("na"):
                 print(f"kernels of {r['name']}: n/a ({ln['na']})")
+            hp = (r.get("result") or {}).get("host_profile")
+            if hp:
+                print(f"\nhost time per step of {r['name']} by function (cProfile: attributes, does not measure):")
+                for where, calls, own, cum in hp:
+                    print(f"  {calls:8.1f} calls  {own:9.1f} us own  {cum:9.1f} us cum  {where[:90]}")
             cu = (r.get("result") or {}).get("cudnn")
             if cu:
                 print(f"cuDNN in {r['name']}: calls {cu['calls']}; shapes left to im2col: {cu['refused'] or 'none'}")
