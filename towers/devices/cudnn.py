@@ -9,9 +9,10 @@ strides:
 * a KRSC kernel (f, kh, kw, c): dims ``[f, c, kh, kw]``, strides ``[kh*kw*c, 1, kw*c, c]``.
 
 A kernel described by other strides (TensorFlow's HWIO as it is, strides
-``[1, f, kw*c*f, c*f]``) is accepted by cuDNN's graph API but read as if it
-were packed: wrong results (measured on an H200), so the layer hands its HWIO
-kernel over as a KRSC copy (``Conv2D``).
+``[1, f, kw*c*f, c*f]``) is accepted by cuDNN's graph API, but the
+convolutions came out wrong on an H200 (every GPU test off by about 100%),
+most likely read as if packed; so the layer hands its HWIO kernel over as a
+KRSC copy (``Conv2D``), which no GPU has run yet.
 
 Each operation is one cuDNN graph (``cudnn.pygraph``: ``conv_fprop``,
 ``conv_dgrad``, ``conv_wgrad``), built once per shape, padding, stride, data
@@ -25,11 +26,13 @@ non-deterministic engines (atomics, ``NONDETERMINISTIC``) are always
 deselected, so a run repeats its bits.  Padding is ``pre``/``post`` per side,
 so TensorFlow's asymmetric SAME padding is expressed as it is.
 
-Handles and workspaces: one cuDNN handle per CUDA stream (towers sharing a
-GPU run on their own streams; a handle is bound to its stream once), and one
-workspace per handle, grown to the largest graph's need and kept (the first
-step allocates it: nothing is allocated in later steps).  Graphs are built with
-the device's first handle and run with the calling stream's.
+Handles and workspaces: one cuDNN handle per CUDA stream and thread (a
+handle is bound to its stream once; towers sharing a GPU share its stream,
+and with sync-BN they run on threads of their own, which must not share a
+handle: cuDNN's are not thread-safe), and one workspace per handle, grown
+to the largest graph's need and kept (the first step allocates it: nothing
+is allocated in later steps).  A graph is built with the handle of the call
+that first needs it and runs with the calling thread's and stream's.
 
 Limits: float32 and bfloat16 operands (``dtype`` of the arrays); dilation 1;
 a shape cuDNN refuses raises ``Unsupported``, and the caller (``Conv2D``) runs
@@ -48,7 +51,7 @@ import numpy
 
 _LOCK = threading.RLock()  # graph builds and the caches (tower threads run layers concurrently with sync-BN)
 _MOD: dict = {}  # the imported frontend, once
-_HANDLES: dict = {}  # (device, stream pointer) -> _Handle
+_HANDLES: dict = {}  # (device, stream pointer, thread) -> _Handle
 _GRAPHS: dict = {}  # key (device, op, shapes, ...) -> _Graph, or the reason it was refused
 refused: dict = {}  # key -> cuDNN's message, for the shapes left to im2col (tests, the benchmark's notes)
 calls = {"fprop": 0, "dgrad": 0, "wgrad": 0}  # executions so far: tests check cuDNN really ran
@@ -104,7 +107,7 @@ class _Handle:
 def _handle() -> _Handle:
     import cupy
 
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, threading.get_ident())
     h = _HANDLES.get(key)
     if h is None:
         with _LOCK:
