@@ -16,7 +16,7 @@ KRSC copy (``Conv2D``), which no GPU has run yet.
 
 Each operation is one cuDNN graph (``cudnn.pygraph``: ``conv_fprop``,
 ``conv_dgrad``, ``conv_wgrad``), built once per shape, padding, stride, data
-type, TF32 setting and pointer alignment, and cached per device; the first
+type, TF32 setting and pointer alignment, and cached per device and thread; the first
 step of each shape pays for the build (heuristics, then the first plan that
 builds, ``heur_mode.A`` then ``FALLBACK``).  A call then is one ``execute``:
 a dict of the operands' device pointers and the workspace.  ``tf32`` off (the
@@ -31,8 +31,10 @@ handle is bound to its stream once; towers sharing a GPU share its stream,
 and with sync-BN they run on threads of their own, which must not share a
 handle: cuDNN's are not thread-safe), and one workspace per handle, grown
 to the largest graph's need and kept (the first step allocates it: nothing
-is allocated in later steps).  A graph is built with the handle of the call
-that first needs it and runs with the calling thread's and stream's.
+is allocated in later steps).  A graph is built by the thread that first
+needs it, with its handle, and runs in that thread only.  Handles, workspaces
+and graphs live as long as the process (a new stream, as a new ``Trainer``
+makes, gets a handle of its own; ``clear`` frees them all).
 
 Limits: float32 and bfloat16 operands (``dtype`` of the arrays); dilation 1;
 a shape cuDNN refuses raises ``Unsupported``, and the caller (``Conv2D``) runs
@@ -194,8 +196,8 @@ def _build(key, op: str, x, w, y, pre, post, stride, align, dtype) -> _Graph:
     try:
         g.validate()
         g.build_operation_graph()
-        g.deselect_numeric_notes(notes)
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.deselect_numeric_notes(notes)  # marks the engine configs just made: before it there are none to mark
         g.check_support()
         g.build_plans()
     except Exception as e:  # cudnnGraphNotSupportedError, or a RuntimeError from a step above
@@ -207,8 +209,10 @@ def _run(op: str, x_shape, w_shape, y_shape, pre, post, stride, a, b, out) -> No
     import cupy
 
     align = _alignment(a, b, out)
+    # Per thread too: sync-BN's tower threads would otherwise execute one plan at once (cuDNN's plans, like its
+    # handles, are not shared across threads).
     key = (cupy.cuda.Device().id, op, tuple(x_shape), tuple(w_shape), tuple(y_shape), tuple(pre), tuple(post),
-           stride, str(a.dtype), _tf32(), align)
+           stride, str(a.dtype), _tf32(), align, threading.get_ident())
     g = _GRAPHS.get(key)
     if g is None:
         with _LOCK:
@@ -220,6 +224,7 @@ def _run(op: str, x_shape, w_shape, y_shape, pre, post, stride, a, b, out) -> No
                     g = refused[key] = str(e)
                 _GRAPHS[key] = g
     if isinstance(g, str):
+        refused[key] = g  # again, after a ``refused.clear()``: each fallback stays visible
         raise Unsupported(g)
     for arr in (a, b, out):
         if not arr.flags.c_contiguous:
@@ -244,8 +249,10 @@ def conv_weight_grad(x, dy, dw, pre, post, stride: int) -> None:
 
 
 def clear() -> None:
-    """Forget every graph, handle and workspace (tests; a process that changes devices)."""
+    """Forget every graph, and destroy every handle (their workspaces are freed with them)."""
     with _LOCK:
         _GRAPHS.clear()
         refused.clear()
+        for h in _HANDLES.values():
+            frontend().destroy_handle(h.handle)
         _HANDLES.clear()

@@ -110,8 +110,11 @@ class Conv2D(Layer):
         h, w, c = self.in_hwc = nhwc(tuple(in_shape), self.scope)
         k, s = self.k, self.stride
         self.out_hw, self.pad = window_geometry((h, w), k, s, self.padding, self.scope)
-        # The padding after the image (bottom, right) that makes exactly out_hw windows: cuDNN's post-padding.
-        self.post_pad = tuple(max(0, (o - 1) * s + k - n - p) for o, n, p in zip(self.out_hw, (h, w), self.pad))
+        # The padding after the image (bottom, right), cuDNN's post-padding: a number of pixels pads both sides
+        # alike (the windows that do not fit are dropped, as cuDNN's division rounds down); SAME's extra row
+        # goes at the bottom (asymmetric only there); VALID none.
+        self.post_pad = (self.pad if isinstance(self.padding, int) else
+                         tuple(max(0, (o - 1) * s + k - n - p) for o, n, p in zip(self.out_hw, (h, w), self.pad)))
         # The input gradient as a convolution of dy reads dy padded by k-1-pad
         # on top; only at stride 1, and while that padding is not negative.
         self._dx_conv = self.algorithm == "chunked" and s == 1 and max(self.pad) <= k - 1

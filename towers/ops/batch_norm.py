@@ -56,7 +56,7 @@ import functools
 
 import numpy
 
-from towers.devices.kernels import launch_named, on_host, register, takes
+from towers.devices.kernels import check_contiguous, launch_named, on_host, register, takes
 from towers.ops.backend import compiled as host_loops_chosen
 from towers.ops.numba_jit import kernel as numba_kernel
 from towers.ops.bias import col_sum
@@ -296,7 +296,8 @@ __global__ void towers_bn_grad_stats(const double* part, int blocks, int m, int 
         float s1 = __fmul_rn((float)u1 - __fmul_rn(off, s0), inv_std);
         if (has_gamma) g_gamma[ch] = s1;
         if (has_beta) g_beta[ch] = s0;
-        float mean0 = __fmul_rn(s0, 1.0f / m), mean1 = __fmul_rn(s1, 1.0f / m);
+        float inv_m = (float)(1.0 / m);  // as the passes' dtype(1.0 / m)
+        float mean0 = __fmul_rn(s0, inv_m), mean1 = __fmul_rn(s1, inv_m);
         grads[ch] = __fmul_rn(-inv_std, mean1);
         grads[c + ch] = __fmul_rn(__fmul_rn(off, inv_std), mean1) - mean0;
     }
@@ -354,6 +355,7 @@ def backward_kernels(dy2, x2, stats, g_gamma, g_beta, dx2, ws) -> None:
     """Backward of ``forward_kernels`` on the GPU: gamma's and beta's gradients (None: the layer has none) and,
     with ``dx2`` (else None), the input gradient."""
     m, c = x2.shape
+    check_contiguous(dy2)
     part, blocks = _partial(x2, dy2, stats, ws)
     grads = ws.array("bn_grads", (2, c), numpy.float32)
     launch_named("bn_grad_stats", c, part, _i(blocks), _i(m), _i(c), stats, stats if g_gamma is None else g_gamma,
