@@ -20,24 +20,14 @@ pytestmark = [pytest.mark.gpu, *cupy_performance_warnings_fail(),
               pytest.mark.skipif(DRY, reason="needs CuPy arrays and cuDNN")]
 
 
-def _frontend_or_skip():
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device visible to CuPy")
-    except Exception as e:  # noqa: BLE001 - no CuPy, or no driver
-        pytest.skip(f"no CUDA device visible to CuPy ({type(e).__name__})")
+@pytest.fixture
+def on_cudnn():
+    """Device convolutions on cuDNN for the test (the process's choice put back after it); the ``gpu`` mark
+    skips without CUDA (tests/conftest.py), this without the frontend."""
     try:
         cudnn.frontend()
     except ImportError as e:
         pytest.skip(f"the cuDNN frontend does not import: {e}")
-
-
-@pytest.fixture
-def on_cudnn():
-    """Device convolutions on cuDNN for the test (the process's choice put back after it)."""
-    _frontend_or_skip()
     before = backend.current()
     backend.restore((False, True))
     cudnn.refused.clear()

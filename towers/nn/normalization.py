@@ -174,12 +174,12 @@ class BatchNorm(Layer):
             if self.center:
                 yw += xp.tile(p["beta"], r)
             return y
+        d = dt(1.0 - ema_decay(self.momentum, ctx.step))  # the moving statistics' step: 1 - the EMA's decay
         ws.saved["kernels"] = batch_norm.device_kernels_for(ws, x2)
         if ws.saved["kernels"]:  # on a GPU: three launches, the per-channel arithmetic inside them
             stats = batch_norm.forward_kernels(x2, p["gamma"] if self.scale else None,
                                                p["beta"] if self.center else None, p["moving_mean"],
-                                               p["moving_variance"], 1.0 - ema_decay(self.momentum, ctx.step),
-                                               self.epsilon, y.reshape(x2.shape), ws)
+                                               p["moving_variance"], d, self.epsilon, y.reshape(x2.shape), ws)
             ws.saved.update(x=x2, stats=stats, x_shape=x.shape)
             return y
         xc = ws.array("xc", x2.shape, x2.dtype)
@@ -197,7 +197,6 @@ class BatchNorm(Layer):
             else:
                 mean, var, off = _combine(ctx.sync, shift, moments, ws)
         var = xp.maximum(var, dt(0))
-        d = dt(1.0 - ema_decay(self.momentum, ctx.step))
         for name, batch in (("moving_mean", mean), ("moving_variance", var)):
             p[name][...] = ema(p[name], batch, d)  # the moving statistics follow the EMA's formula
         inv_std = dt(1) / xp.sqrt(var + dt(self.epsilon))
