@@ -66,13 +66,21 @@ bias 1, alpha 1, beta 0.5): ``s = bias + alpha * sum(x^2 over channels c - r
 """
 from __future__ import annotations
 
+import functools
+
 import numpy
 
+from towers.devices.kernels import on_host
 from towers.errors import UserError
 from towers.nn.layers import Exported, Layer, Param, rows_in
 from towers.ops import batch_norm
 from towers.ops.gemm import gemm
 from towers.optim.ema import ema, ema_decay
+
+
+def _one_minus_decay(momentum: float, step: int) -> float:
+    """The moving statistics' step after ``step`` updates: 1 - the EMA's decay (``towers.optim.ema``)."""
+    return 1.0 - ema_decay(momentum, step)
 
 
 def _channels(in_shape: tuple, who: str) -> int:
@@ -174,7 +182,11 @@ class BatchNorm(Layer):
             if self.center:
                 yw += xp.tile(p["beta"], r)
             return y
-        d = dt(1.0 - ema_decay(self.momentum, ctx.step))  # the moving statistics' step: 1 - the EMA's decay
+        d = dt(_one_minus_decay(self.momentum, ctx.step))  # the moving statistics' step: 1 - the EMA's decay
+        if not on_host(x2) and d.dtype == numpy.float32:
+            # On a GPU from device memory, set before each step: a step replayed as a CUDA graph reads its own.
+            d = ctx.scalars.device(("batch_norm 1-d", self.momentum),
+                                   functools.partial(_one_minus_decay, self.momentum), xp, ctx.step)
         ws.saved["kernels"] = batch_norm.device_kernels_for(ws, x2)
         if ws.saved["kernels"]:  # on a GPU: three launches, the per-channel arithmetic inside them
             stats = batch_norm.forward_kernels(x2, p["gamma"] if self.scale else None,

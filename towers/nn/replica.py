@@ -119,6 +119,12 @@ class Replica:
         r.set_buffers(buffers)
         return r
 
+    def start_step(self, step: int) -> None:
+        """A training step after ``step`` updates begins: the layers' step context, and its per-step numbers on
+        the device (``StepScalars.refresh``: at most one copy, queued on the current stream)."""
+        self.context.step = step
+        self.context.scalars.refresh(step)
+
     def set_params(self, flat) -> None:
         """Copy a flat host or device array into the parameter buffer."""
         self.params[...] = self.xp.asarray(flat, dtype=self.dtype)

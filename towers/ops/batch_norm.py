@@ -245,7 +245,8 @@ __global__ void towers_bn_partial(const float* x, const float* dy, const float* 
 // b = beta - off * a (the layer's quantities: stats[0..4] = shift, off, inv_std, a, b).
 __global__ void towers_bn_stats(const double* part, int blocks, int m, int c, const float* x, const float* gamma,
                                 int has_gamma, const float* beta, int has_beta, float* moving_mean, float* moving_var,
-                                float one_minus_d, float eps, float* stats) {
+                                const float* one_minus_d_at, float eps, float* stats) {
+    const float one_minus_d = one_minus_d_at[0];  // in device memory: a step replayed as a CUDA graph reads its own
     LOOP(ch, c) {
         double u1 = 0.0, u2 = 0.0;
         for (int b = 0; b < blocks; ++b) {
@@ -339,14 +340,15 @@ def _partial(x2, dy2, stats, ws):
 
 
 def forward_kernels(x2, gamma, beta, moving_mean, moving_var, one_minus_d, eps, y2, ws):
-    """Training forward of (M, C) ``x2`` into ``y2`` on the GPU; the moving statistics stepped in place; returns
-    ``stats`` (5, C): shift, off, inv_std, a, b (kept for backward)."""
+    """Training forward of (M, C) ``x2`` into ``y2`` on the GPU; the moving statistics stepped in place by
+    ``one_minus_d``, a 1-element float32 device array (1 - their EMA's decay); returns ``stats`` (5, C): shift,
+    off, inv_std, a, b (kept for backward)."""
     m, c = x2.shape
     part, blocks = _partial(x2, None, None, ws)
     stats = ws.array("bn_stats", (5, c), numpy.float32)
     launch_named("bn_stats", c, part, _i(blocks), _i(m), _i(c), x2, x2 if gamma is None else gamma,
                  _i(gamma is not None), x2 if beta is None else beta, _i(beta is not None), moving_mean, moving_var,
-                 numpy.float32(one_minus_d), numpy.float32(eps), stats)
+                 one_minus_d, numpy.float32(eps), stats)
     launch_named("bn_apply", x2.size, x2, stats, y2, _i(x2.size), _i(c))
     return stats
 
