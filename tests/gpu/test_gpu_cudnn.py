@@ -29,7 +29,7 @@ def on_cudnn():
     except ImportError as e:
         pytest.skip(f"the cuDNN frontend does not import: {e}")
     before = backend.current()
-    backend.restore((False, True))
+    backend.restore((False, True, "cupy"))
     cudnn.refused.clear()
     start = dict(cudnn.calls)
     yield start
@@ -74,7 +74,7 @@ def test_a_convolution_on_cudnn_equals_im2col_on_the_gpu_at_resnet_sizes(on_cudn
         y = cupy.asarray(rng.integers(0, 10, 32).astype(np.int32))
         out = {}
         for form in (False, True):
-            backend.restore((False, form))
+            backend.restore((False, form, "cupy"))
             r = Replica(model, cupy)
             r.set_params(params)
             loss = float(r.loss_and_grads(x, y, l2=0.0))

@@ -3,18 +3,32 @@
 ``sgemm`` is the layers' device GEMM (``towers.ops.gemm``, ``bias_grad``,
 ``col_sum``): ONE ``cublasGemmEx`` call on the current stream, with the compute
 type and algorithm ``cupy.matmul`` picks, without its Python-level dispatch.
+It goes through CuPy's cuBLAS binding and handles, or, where the process
+chose it for CUDA graphs (``towers.ops.backend.gemm_binding`` ``"nvmath"``),
+through nvmath-python's binding (``nvmath.bindings.cublas``; CuPy's refuses
+every call while a stream captures) with handles of our own: one per device
+and thread, each with a 32 MiB workspace of its own set after every change
+of its stream (``cublasSetStream`` puts the default workspace pool back), so
+that nothing is allocated inside a capture, as cuBLAS's notes on CUDA graphs
+advise.  Both bindings call the same cuBLAS with the same arguments.
 ``set_tf32`` switches that compute type, CuPy's process-wide setting, between
 plain float32 and TF32 tensor cores (``tf32``); ``sgemm`` follows it, as
 ``cupy.matmul`` does.  CuPy is imported on the first GPU call only.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy
+
+from towers.ops import backend
 
 INT_MAX = 2**31 - 1  # cuBLAS's sizes and leading dimensions are ints
 _CUBLAS: dict = {}  # what a device GEMM needs, found on the first one (CuPy imported lazily)
 _ONE = numpy.ones(1, dtype=numpy.float32)  # alpha and beta, read by cuBLAS from host memory
 _ZERO = numpy.zeros(1, dtype=numpy.float32)  # (CuPy's handles keep the host pointer mode)
+_NV_HANDLES: dict = {}  # (device, thread) -> _NvHandle
+_NV_WORKSPACE = 32 << 20  # bytes: cuBLAS's recommendation for Hopper
 
 
 def sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> bool:
@@ -33,15 +47,64 @@ def sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> bo
     compute = c["compute"].get(c["compute_type"](numpy.float32))
     if compute is None:  # a compute type set elsewhere (FP16, BF16...): cupy.matmul knows them all
         return False
-    handle = c["handle"]()  # per device and thread; gemmEx sets its stream to the current one
-    algo = c["algos"].get(handle)
-    if algo is None:
-        algo = c["algos"][handle] = c["algo"]()
+    if backend.gemm_binding() == "nvmath":
+        h = _nv_handle()
+        gemm_ex, handle, algo = h.gemm_ex, h.on_current_stream(), h.algo
+    else:
+        gemm_ex, handle = c["gemmEx"], c["handle"]()  # per device and thread; gemmEx sets its stream
+        algo = c["algos"].get(handle)
+        if algo is None:
+            algo = c["algos"][handle] = c["algo"]()
     r32, ops = c["r32"], c["ops"]
-    c["gemmEx"](handle, ops[trans_b], ops[trans_a], n, m, k, c["one"],
-                b.data.ptr, r32, b.shape[-1], a.data.ptr, r32, a.shape[-1],
-                c["zero"], out.data.ptr, r32, n, compute, algo)
+    gemm_ex(handle, ops[trans_b], ops[trans_a], n, m, k, c["one"],
+            b.data.ptr, r32, b.shape[-1], a.data.ptr, r32, a.shape[-1],
+            c["zero"], out.data.ptr, r32, n, compute, algo)
     return True
+
+
+class _NvHandle:
+    """A cuBLAS handle of nvmath-python's binding on the current device, its workspace and its stream."""
+
+    def __init__(self):
+        import cupy
+        from nvmath.bindings import cublas  # noqa: PLC0415 - optional, GPU only (cuda_graphs)
+
+        self.cublas, self.gemm_ex = cublas, cublas.gemm_ex
+        self.handle = cublas.create()
+        self.workspace = cupy.empty(_NV_WORKSPACE, dtype=numpy.uint8)  # kept: a captured graph holds its address
+        self.stream = None
+        self.algo = (_CUBLAS or _cublas())["algo"]()
+
+    def on_current_stream(self) -> int:
+        """The handle, bound to the current stream (and its workspace set again after a change of stream)."""
+        import cupy
+
+        ptr = cupy.cuda.get_current_stream().ptr
+        if ptr != self.stream:
+            self.cublas.set_stream(self.handle, ptr)
+            self.cublas.set_workspace(self.handle, self.workspace.data.ptr, self.workspace.nbytes)
+            self.stream = ptr
+        return self.handle
+
+
+def _nv_handle() -> _NvHandle:
+    import cupy
+
+    key = (cupy.cuda.Device().id, threading.get_ident())
+    h = _NV_HANDLES.get(key)
+    if h is None:
+        h = _NV_HANDLES[key] = _NvHandle()
+    return h
+
+
+def nvmath_available() -> str | None:
+    """None when nvmath-python's cuBLAS binding imports and makes a handle on the current device; else why not."""
+    try:
+        _nv_handle()
+    except Exception as e:  # ImportError, or a cuBLAS library that does not load
+        return (f"nvmath-python's cuBLAS binding does not start ({type(e).__name__}: {e}); "
+                "pip install nvmath-python (with cuda-bindings of the driver's CUDA major version)")
+    return None
 
 
 def _cublas() -> dict:

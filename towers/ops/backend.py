@@ -1,11 +1,12 @@
 """Which form of the ops runs: on host arrays NumPy's passes or numba's compiled loops, and on device arrays
-how a convolution runs (im2col or cuDNN): one choice per process.
+how a convolution runs (im2col or cuDNN) and through which binding cuBLAS runs: one choice per process.
 
 Every op has a form per backend (``towers.ops``); device (CuPy) arrays take
 the GPU form, so an op tells its form from the arrays it gets and, for host
 arrays, from this module's choice.  A convolution on device arrays has two
 GPU forms, im2col + cuBLAS or cuDNN (``gpu_conv``, ``GPU_CONVS``), chosen
-here too.  The choice is made once, when a
+here too, as is the binding of the GPU GEMMs (``gemm_binding``: CuPy's, or
+nvmath-python's for ``cuda_graphs``, whose captures CuPy's refuses).  The choice is made once, when a
 ``Trainer`` builds its towers (``towers.step.tower.build_towers`` calls
 ``choose`` with the ``cpu_kernels`` setting, the model and whether any tower
 is on the CPU), and holds for the process until the next ``choose``; the ops,
@@ -49,6 +50,7 @@ WORTH_PARAMS = 100_000
 
 _COMPILED = [False]  # the choice: whether host arrays take the compiled loops
 _CUDNN = [False]  # and whether device convolutions run on cuDNN (towers.devices.cudnn)
+_GEMM = ["cupy"]  # and whose cuBLAS binding device GEMMs call (towers.devices.matmul)
 
 
 def compiled() -> bool:
@@ -59,6 +61,12 @@ def compiled() -> bool:
 def cudnn_conv() -> bool:
     """Whether convolutions on device arrays run on cuDNN (else im2col and cuBLAS)."""
     return _CUDNN[0]
+
+
+def gemm_binding() -> str:
+    """Whose cuBLAS binding the device GEMMs call: ``"cupy"``, or ``"nvmath"`` (nvmath-python's, which a CUDA graph
+    capture accepts: ``towers.devices.matmul``)."""
+    return _GEMM[0]
 
 
 def name() -> str:
@@ -103,7 +111,7 @@ def available(mode: str) -> bool:
         return False
 
 
-def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=None) -> str:
+def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=None, cuda_graphs: bool = False) -> str:
     """Make the process's choice for a run (module doc) and return it as ``name`` does.
 
     With the compiled loops, every kernel is loaded from numba's disk cache
@@ -111,7 +119,10 @@ def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=Non
     first step.  ``gpu``: a GPU device of the run (None: no GPU towers), on
     which ``gpu_conv`` ``cudnn`` or ``auto`` starts cuDNN now, for a model
     with convolutions (others never import it): ``cudnn`` without it is a
-    ``UserError``, ``auto`` then runs im2col.
+    ``UserError``, ``auto`` then runs im2col; and where ``cuda_graphs`` asks
+    for graphs of GPU towers, every device GEMM goes through nvmath-python's
+    cuBLAS binding (its absence a ``UserError``), in the steps captured and
+    in the eager ones alike, so both run the same GEMMs.
     """
     if mode not in MODES:
         raise UserError(f"`cpu_kernels` {mode!r} is unknown: use one of {', '.join(MODES)}")
@@ -123,7 +134,18 @@ def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=Non
         warm_up()
     convolves = any(layer.convolves() for layer in model.layers)
     _CUDNN[0] = gpu is not None and gpu_conv != "im2col" and convolves and _cudnn_starts(gpu_conv, gpu)
+    _GEMM[0] = "nvmath" if gpu is not None and cuda_graphs and _nvmath_starts(gpu) else "cupy"
     return name()
+
+
+def _nvmath_starts(gpu) -> bool:
+    from towers.devices import matmul
+
+    with gpu.scope():
+        why = matmul.nvmath_available()
+    if why is not None:
+        raise UserError(f"`cuda_graphs`: {why}; or drop `cuda_graphs`")
+    return True
 
 
 def _cudnn_starts(gpu_conv: str, gpu) -> bool:
@@ -138,12 +160,12 @@ def _cudnn_starts(gpu_conv: str, gpu) -> bool:
 
 def current() -> tuple:
     """The whole choice, for ``restore``."""
-    return _COMPILED[0], _CUDNN[0]
+    return _COMPILED[0], _CUDNN[0], _GEMM[0]
 
 
 def restore(choice: tuple) -> None:
     """Make ``choice`` (from ``current``) the process's again."""
-    _COMPILED[0], _CUDNN[0] = choice
+    _COMPILED[0], _CUDNN[0], _GEMM[0] = choice
 
 
 def use(on: bool) -> None:
