@@ -269,6 +269,11 @@ class Config:
         "cuDNN through its frontend, pip install nvidia-cudnn-frontend; float32 as --tf32 says, deterministic engines; "
         "not yet checked on a GPU, see Performance) or `auto` (cuDNN where it starts, else im2col)",
         group="performance", check=Choice(GPU_CONVS), resume=NOTE, type="str", metavar="FORM")
+    cuda_graphs: bool = switch(
+        "GPU towers record their forward and backward as a CUDA graph once and replay it as one launch a step "
+        "(host time per step falls from hundreds of launches to a few); GEMMs through nvmath-python (pip install "
+        "nvmath-python); one micro-batch, no dropout, sync-BN or gradient buckets; not yet checked on a GPU, see "
+        "Performance", group="performance", resume=NOTE)
     precision: str = setting(
         "fp32", "the format forward and backward compute in: `fp32`, or `bf16` / `fp16` on low-precision copies of "
         "the float32 master weights with float32 accumulation (on the CPU emulated by rounding; the optimizer's slots "
@@ -360,6 +365,7 @@ def _check(cfg: Config) -> None:
                         "sets the step count from the training set's size and the examples of a step)")
     MODES[cfg.sync].check(cfg.sync, cfg)
     _check_precision(cfg)
+    _check_graphs(cfg)
     if cfg.hosts == 1 and cfg.ray_address is not None:
         raise UserError("`ray_address` joins a Ray cluster for several hosts: set `hosts` 2 or more, or drop it")
     if cfg.hosts > 1 and (cfg.augment != "none" or cfg.normalize is not None or cfg.image_size is not None):
@@ -392,6 +398,20 @@ def _check_precision(cfg: Config) -> None:
     if cfg.allreduce_dtype != "fp32" and cfg.sync != "grads":
         raise UserError(f"`allreduce_dtype` {cfg.allreduce_dtype} rounds the gradients before their all-reduce: "
                         f"`sync` grads only (`sync` {cfg.sync} averages weights or pushes gradients to a server)")
+
+
+def _check_graphs(cfg: Config) -> None:
+    """What ``cuda_graphs`` cannot capture, refused before anything is built (dropout: by the model, when built)."""
+    if not cfg.cuda_graphs:
+        return
+    for given, why in ((cfg.accumulate > 1, f"`accumulate` {cfg.accumulate} stages each micro-batch from the host "
+                                            "inside the step"),
+                       (cfg.sync_bn, "`sync_bn` meets the other towers at host barriers inside forward and backward"),
+                       (cfg.allreduce_bucket_mib > 0, "`allreduce_bucket_mib` averages gradients on a second stream "
+                                                      "during backward")):
+        if given:
+            raise UserError(f"`cuda_graphs` replays each GPU tower's forward and backward as one captured graph, "
+                            f"but {why}: drop one of them")
 
 
 def _check_optimization(cfg: Config) -> None:

@@ -2,7 +2,8 @@
 
 Phases: ``input wait`` (the loop waiting for the background batch thread),
 ``stage`` (a tower's slice onto its device, uint8 -> float32), ``forward``
-(including the loss), ``backward`` (including the L2 term), ``barrier``
+(including the loss), ``backward`` (including the L2 term), ``graph`` (a GPU
+tower's forward and backward launched as one CUDA graph: ``cuda_graphs``), ``barrier``
 (a CPU tower thread waiting for the slowest tower before the all-reduce),
 ``all-reduce`` and ``update+EMA``.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-PHASES = ("input wait", "stage", "forward", "backward", "barrier", "all-reduce", "update+EMA")
+PHASES = ("input wait", "stage", "forward", "backward", "graph", "barrier", "all-reduce", "update+EMA")
 
 _NULL = contextlib.nullcontext()
 

@@ -96,12 +96,14 @@ class _Handle:
         self.handle = cudnn.create_handle()
         cudnn.set_stream(handle=self.handle, stream=stream_ptr)
         self.workspace = cupy.empty(1 << 20, dtype=numpy.uint8)  # grown by ``room``
+        self.outgrown: list = []  # earlier workspaces, kept: a CUDA graph captured with one still writes it
 
     def room(self, nbytes: int) -> int:
         """The workspace's pointer, at least ``nbytes`` long (grown once; in the first step of a shape)."""
         if nbytes > self.workspace.size:
             import cupy
 
+            self.outgrown.append(self.workspace)
             self.workspace = cupy.empty(int(nbytes), dtype=numpy.uint8)
         return self.workspace.data.ptr
 

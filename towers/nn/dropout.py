@@ -27,6 +27,9 @@ class Dropout(Layer):
             raise UserError(f"Dropout: rate must be in [0, 1), got {rate!r}")
         self.rate = float(rate)
 
+    def draws_on_host(self) -> bool:
+        return self.rate > 0
+
     def forward(self, p, x, ws):
         if not ws.ctx.training or self.rate == 0:
             ws.saved["mask"] = None

@@ -145,6 +145,11 @@ class Layer:
         (``towers.ops.backend``)."""
         return False
 
+    def draws_on_host(self) -> bool:
+        """Whether it (or a layer inside it) draws random values on the host each training step (dropout's
+        masks), which a CUDA graph would replay unchanged (``cuda_graphs`` refuses it)."""
+        return False
+
     def build(self, in_shape: tuple) -> tuple[list[Param], tuple]:
         return [], tuple(in_shape)
 

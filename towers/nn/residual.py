@@ -98,6 +98,9 @@ class Residual(Layer):
     def convolves(self) -> bool:
         return any(layer.convolves() for layer in self.layers)
 
+    def draws_on_host(self) -> bool:
+        return any(layer.draws_on_host() for layer in self.layers)
+
     def exports(self, framework):
         """Its layers' declarations, under their names inside the block (``conv1/weights``).  Each is handed
         the block's input order (``Layer.export_order``): none for image blocks, the only kind towers builds."""

@@ -20,6 +20,7 @@ import contextlib
 import numpy
 
 from towers.data.staging import Stager
+from towers.devices.cuda_graphs import StepGraphs
 from towers.devices.placement import on_stream
 from towers.errors import UserError
 from towers.nn.replica import Replica
@@ -35,8 +36,10 @@ class Tower:
     """One tower: device, stream, replica, stager, optimizer (set by the trainer), timer."""
 
     def __init__(self, index: int, device, stream, replica: Replica, stager: Stager, timer, accumulate: int = 1,
-                 global_index: int | None = None, shares_params: bool = False):
+                 global_index: int | None = None, shares_params: bool = False, graphs=None):
         self.index, self.device, self.stream = index, device, stream
+        # A GPU tower's CUDA graphs of its forward and backward (``cuda_graphs``), or None: eager steps.
+        self.graphs = graphs
         self.replica, self.stager, self.timer = replica, stager, timer
         self.accumulate = accumulate  # micro-batches per step
         self.optimizer = None
@@ -69,13 +72,24 @@ class Tower:
         multiplied by (fp16's loss scaling; the gradient comes out scaled).
         ``ready(layer)``: told during the last micro-batch's backward that the
         gradients of ``layer`` and every later layer are final
-        (``Replica.mean_loss_and_grads``).
+        (``Replica.mean_loss_and_grads``).  With ``graphs`` (one micro-batch,
+        no ``ready``: ``cuda_graphs``' limits) the staged batch runs through
+        them (``towers.devices.cuda_graphs``).
         Returns the mean loss as a device scalar when ``want_loss``, else None.
         """
-        self.replica.context.step = step
         with self.scope():
-            return self.replica.mean_loss_and_grads(self._micro_batches(x, y, stage), self.accumulate, l2,
-                                                    want_loss, self.timer, loss_scale, ready)
+            self.replica.start_step(step)
+            if self.graphs is None:
+                return self.replica.mean_loss_and_grads(self._micro_batches(x, y, stage), self.accumulate, l2,
+                                                        want_loss, self.timer, loss_scale, ready)
+            if self.accumulate != 1 or ready is not None:
+                raise ValueError("CUDA graphs run one micro-batch a step, without gradient buckets")
+            batch = next(self._micro_batches(x, y, stage))
+
+            def forward_backward(xb, yb, timer):
+                return self.replica.mean_loss_and_grads(((xb, yb),), 1, l2, want_loss, timer, loss_scale)
+
+            return self.graphs.run((want_loss, loss_scale, l2), batch, forward_backward, self.timer)
 
     def _micro_batches(self, x, y, stage):
         b, k_all, ctx = self.stager.x.shape[0], self.accumulate, self.replica.context
@@ -107,15 +121,22 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
     are drawn per global tower).  ``share``: the keeper applies the same update
     to every replica (``Keeping.same_updates``), so CPU towers share the first
     CPU tower's parameter buffer and only that tower's optimizer steps.
+    With ``cuda_graphs`` each GPU tower gets its ``StepGraphs``
+    (``towers.devices.cuda_graphs``); a model that draws on the host each
+    step (dropout) is refused.
     """
     batch_size, seed = cfg.batch_size, cfg.seed
     init = model.init_params(seed)
     streams: dict[int, object] = {}
-    # The process's forms of the ops (towers.ops.backend): on host arrays, and the GPU towers' convolutions;
-    # chosen once here.  numba's kernels are loaded and cuDNN started now, not inside the first step.
+    # The process's forms of the ops (towers.ops.backend): on host arrays, the GPU towers' convolutions and
+    # GEMM binding; chosen once here.  numba's kernels are loaded and cuDNN started now, not inside the first step.
     gpus = [d for d in placement.towers if d.is_gpu]
+    graphs = cfg.cuda_graphs and bool(gpus)  # (CPU towers run eagerly: the setting is for GPU towers)
+    if cfg.cuda_graphs and any(layer.draws_on_host() for layer in model.layers):
+        raise UserError("`cuda_graphs` replays each GPU step as it was captured, but dropout draws new masks on the "
+                        "host every step: drop `cuda_graphs` (or the dropout layers)")
     backend.choose(cfg.cpu_kernels, model, len(gpus) < len(placement.towers), cfg.gpu_conv,
-                   gpus[0] if gpus else None)
+                   gpus[0] if gpus else None, cuda_graphs=graphs)
     # ``share`` (a keeper whose replicas apply the same update to the same
     # weights: grads mode): CPU towers (one process's memory) share the first
     # CPU tower's parameter buffer, and its optimizer step is the only one: the
@@ -142,7 +163,9 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
             replica.context.tower, replica.context.seed = first_tower + i, seed
         stager = Stager(dev, stream, batch_size, dataset.example_shape, dataset.x.dtype)
         towers.append(Tower(i, dev, stream, replica, stager, timer.for_tower(i), cfg.accumulate,
-                            first_tower + i, shares_params=shares))
+                            first_tower + i, shares_params=shares,
+                            graphs=StepGraphs(stream, replica.context.scalars, f"tower {i} ({dev})")
+                            if graphs and dev.is_gpu else None))
     return towers
 
 
