@@ -63,7 +63,12 @@ of each model's shape, 10 learnable classes):
 * the conv nets' towers rows once per ``--gpu-conv`` form (default ``im2col,cudnn``;
   im2col alone without a GPU): "towers" is im2col and cuBLAS, "towers cudnn" the
   convolutions on cuDNN (``towers.devices.cudnn``), whose calls and any shape
-  left to im2col the row reports with ``--verbose``;
+  left to im2col the row reports with ``--verbose``; a form ending in
+  ``+graphs`` (``im2col+graphs``, ``cudnn+graphs``) runs with ``cuda_graphs``
+  (``towers.devices.cuda_graphs``), and then the MLP and LeNet-5 get an
+  ``im2col+graphs`` row too; each such row says how many graphs were captured
+  and launched (a failed capture always, with its reason: that row measured
+  eager steps);
 * with ``--host-profile``, each towers row's host time by Python function
   (cProfile over ``--profile-steps`` more steps; printed with ``--verbose``):
   where a host-bound step spends its time, attributed, not measured;
@@ -339,8 +344,9 @@ def _towers_worker(spec) -> dict:
     marks = {"imports": _since(t_launch)}
     ds = load_dataset(spec["data"])
     name, lr, momentum, batch = MODELS[spec["model"]][:4]
+    conv, graphs = split_form(spec.get("gpu_conv", "im2col"))
     cfg = Config(n_gpu=spec["towers"], devices=spec["devices"], model=name, batch_size=batch,
-                 optimizer="sgd", lr=lr, momentum=momentum, quiet=True, gpu_conv=spec.get("gpu_conv", "im2col"))
+                 optimizer="sgd", lr=lr, momentum=momentum, quiet=True, gpu_conv=conv, cuda_graphs=graphs)
     trainer = Trainer(cfg, dataset=ds)
     marks["trainer built"] = _since(t_launch)
     gpus = [] if spec["devices"] == "cpu" else [int(d) for d in spec["devices"].split(",")]
@@ -383,7 +389,10 @@ def _towers_worker(spec) -> dict:
     finally:
         trainer.close()
     on_device = trainer.executor.device_data is not None
-    if spec.get("gpu_conv", "im2col") != "im2col":
+    if graphs:
+        t["graphs"] = [dict(captures=tw.graphs.captures, launches=tw.graphs.launches, refused=tw.graphs.refused)
+                       for tw in trainer.executor.towers if tw.graphs is not None]
+    if conv != "im2col":
         from towers.devices import cudnn
 
         t["cudnn"] = dict(calls=dict(cudnn.calls), refused=[str(k) for k in cudnn.refused])
@@ -636,8 +645,25 @@ def _fmt(v, spec="{:.0f}", na="n/a"):
 
 
 def towers_label(form: str) -> str:
-    """The towers rows' label for a ``gpu_conv`` form: "towers" (im2col), "towers cudnn"."""
+    """The towers rows' label for a form: "towers" (im2col), "towers cudnn", "towers cudnn+graphs"."""
     return "towers" if form == "im2col" else f"towers {form}"
+
+
+FORMS = ("im2col", "cudnn", "im2col+graphs", "cudnn+graphs")
+
+
+def split_form(form: str) -> tuple[str, bool]:
+    """A row's form as settings: (``gpu_conv``, ``cuda_graphs``): "cudnn+graphs" is (cudnn, True)."""
+    conv, _, extra = form.partition("+")
+    return conv, extra == "graphs"
+
+
+def model_forms(model: str, forms) -> list[str]:
+    """The forms of ``model``'s towers rows: every one for a conv net; for the others (no convolution) im2col,
+    and im2col+graphs where a form asks for graphs."""
+    if model in CONV:
+        return list(forms)
+    return ["im2col"] + (["im2col+graphs"] if any(split_form(f)[1] for f in forms) else [])
 
 
 def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool, forms=("im2col",)) -> list[dict]:
@@ -647,7 +673,7 @@ def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool, for
     rows = []
     for model in models:
         b = MODELS[model][3]
-        for form in forms if model in CONV and gpus else ("im2col",):
+        for form in model_forms(model, forms) if gpus else ("im2col",):
             t = towers_label(form)
             rows.append(dict(name=f"{model} {t} 1 tower, {where}, b{b}", kind="towers", model=model, towers=1,
                              devices=dev, gpu_conv=form))
@@ -783,8 +809,10 @@ def main(argv=None) -> int:
                     help="add torch.compile float32 rows for the conv nets (each compiles for a minute or more; "
                          "the compile time is reported apart from the timed steps)")
     ap.add_argument("--gpu-conv", default="im2col,cudnn",
-                    help="comma-separated gpu_conv forms the conv nets' towers rows run in, among im2col, cudnn "
-                         "(default both; on a machine without a GPU only im2col)")
+                    help="comma-separated forms the towers rows run in, among im2col, cudnn, im2col+graphs, "
+                         "cudnn+graphs (gpu_conv, and +graphs for cuda_graphs; default im2col,cudnn; models without "
+                         "convolutions take im2col, and im2col+graphs when a form has +graphs; on a machine "
+                         "without a GPU only im2col)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also profile the towers rows' host time by Python function (cProfile, over "
                          "--profile-steps more steps; printed with --verbose, and in --json)")
@@ -806,8 +834,8 @@ def main(argv=None) -> int:
         ap.error(f"--models {a.models!r}: {e}; use names among {', '.join(MODELS)} (or towers' "
                  f"{', '.join(m[0] for m in MODELS.values())}), comma-separated")
     a.gpu_conv = [f.strip() for f in a.gpu_conv.split(",") if f.strip()]
-    if not a.gpu_conv or set(a.gpu_conv) - {"im2col", "cudnn"}:
-        ap.error(f"--gpu-conv {','.join(a.gpu_conv)!r}: use im2col, cudnn or both, comma-separated")
+    if not a.gpu_conv or set(a.gpu_conv) - set(FORMS):
+        ap.error(f"--gpu-conv {','.join(a.gpu_conv)!r}: use some of {', '.join(FORMS)}, comma-separated")
     q = a.quick
     steps = a.steps if a.steps is not None else (10 if q else 1000)
     lenet_steps = a.lenet_steps if a.lenet_steps is not None else (2 if q else 200)
@@ -956,6 +984,11 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
             cu = (r.get("result") or {}).get("cudnn")
             if cu:
                 print(f"cuDNN in {r['name']}: calls {cu['calls']}; shapes left to im2col: {cu['refused'] or 'none'}")
+    for r in rows:  # always: a row whose capture failed measured eager steps
+        for i, gr in enumerate((r.get("result") or {}).get("graphs") or []):
+            if a.verbose or gr["refused"]:
+                print(f"CUDA graphs of {r['name']}, tower {i}: {gr['captures']} captured, {gr['launches']} launches"
+                      + (f"; CAPTURE FAILED, eager steps measured: {gr['refused']}" if gr["refused"] else ""))
     if main_job:
         print("\nthe default main job (python -m towers.train --n-gpu 2), wall time of the whole command:")
         for k, v in main_job.items():
@@ -975,11 +1008,13 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
     for model, target in (("MLP", 1.0), ("LeNet-5", 0.8)):
         if model not in a.models:
             continue
-        _ratio(ratios, f"{model} towers 1 tower / PyTorch b100", g.get(f"{model} towers 1 tower, {where}, b100"),
-               g.get(f"{model} PyTorch eager, {where}, b100"), target)
-        _ratio(ratios, f"{model} towers 2 sharing / PyTorch b200",
-               g.get(f"{model} towers 2 towers sharing {where}, global 200"),
-               g.get(f"{model} PyTorch eager, {where}, b200"), target)
+        for form in model_forms(model, a.gpu_conv) if gpus else ["im2col"]:
+            t = towers_label(form)
+            _ratio(ratios, f"{model} {t} 1 tower / PyTorch b100", g.get(f"{model} {t} 1 tower, {where}, b100"),
+                   g.get(f"{model} PyTorch eager, {where}, b100"), target)
+            _ratio(ratios, f"{model} {t} 2 sharing / PyTorch b200",
+                   g.get(f"{model} {t} 2 towers sharing {where}, global 200"),
+                   g.get(f"{model} PyTorch eager, {where}, b200"), target)
     for model, form in ((m, f) for m in a.models if m in CONV for f in (a.gpu_conv if gpus else ["im2col"])):
         b, t = MODELS[model][3], towers_label(form)
         one, two = g.get(f"{model} {t} 1 tower, {where}, b{b}"), g.get(f"{model} {t} 2 towers sharing {where}, "
