@@ -128,3 +128,29 @@ def test_batch_norm_steps_its_moving_statistics_by_the_scalar_of_the_step():
             first = batch_mean.copy()
         else:
             np.testing.assert_allclose(batch_mean, first, rtol=1e-5)
+
+
+def _nvmath_starts() -> bool:
+    from towers.devices import matmul
+
+    try:
+        return matmul.nvmath_available() is None
+    except Exception:  # noqa: BLE001 - no CuPy at all
+        return False
+
+
+@pytest.mark.skipif(_nvmath_starts(), reason="nvmath-python starts here: the refusal is for machines where it does not")
+def test_graphs_asked_where_nvmath_does_not_start_is_one_clear_error():
+    """GEMMs inside a capture need nvmath-python's cuBLAS binding: without it, one line naming the package."""
+    from towers.devices.placement import CPU
+
+    before = backend.current()
+    try:
+        model = build_model("lenet5", (28, 28, 1), 10)
+        with pytest.raises(UserError, match=r"cuda_graphs.?: nvmath-python's cuBLAS binding does not start .*"
+                                            r"pip install nvmath-python.*drop .?cuda_graphs"):
+            backend.choose("numpy", model, True, "im2col", gpu=CPU, cuda_graphs=True)
+        backend.choose("numpy", model, True, "im2col", gpu=CPU)
+        assert backend.gemm_binding() == "cupy"
+    finally:
+        backend.restore(before)
