@@ -50,7 +50,8 @@ of each model's shape, 10 learnable classes):
   pool keeps what it once held, and towers never frees it, so this is the
   most the step's arrays held at once, rounded up to the pool's blocks, with
   any freed blocks it keeps cached; it includes the data set, which lives on
-  the device: 29 MiB for the 10,000 32x32x3 images), for PyTorch
+  the device: 29 MiB for the 10,000 32x32x3 images; a ``+graphs`` row adds
+  its towers' graph memory pools, ``StepGraphs.pool_bytes``), for PyTorch
   ``torch.cuda.max_memory_allocated()`` over the steps after the first (the
   first holds cuDNN's algorithm search, whose trial workspaces are no part of
   a step; the caching allocator's reserved peak goes to ``--json``; its
@@ -352,10 +353,11 @@ def _towers_worker(spec) -> dict:
     gpus = [] if spec["devices"] == "cpu" else [int(d) for d in spec["devices"].split(",")]
     peaks = []
 
-    def sample():  # the pool's high-water mark so far (module doc)
+    def sample():  # the pools' high-water mark so far (module doc)
         if gpus:
             trainer.synchronize()
-            peaks.append(_pool_bytes(gpus))
+            graphs = [t.graphs.pool_bytes() for t in trainer.executor.towers if t.graphs is not None]
+            peaks.append(_pool_bytes(gpus) + sum(graphs))  # (one GPU or one tower a GPU: a sum per GPU)
 
     try:
         source = BatchSource(ds, trainer.global_batch, cfg.seed)

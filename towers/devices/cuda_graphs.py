@@ -91,6 +91,10 @@ class StepGraphs:
         self._seen: set = set()
         self._pool = None  # the captures' memory pool (module doc), made with the first
 
+    def pool_bytes(self) -> int:
+        """Device bytes the captures' memory pool holds (on the tower's device; 0 before the first capture)."""
+        return 0 if self._pool is None else int(self._pool.total_bytes())
+
     def run(self, key, inputs: tuple, compute, timer):
         """``compute(*inputs, timer=...)``'s result for this step: eagerly (a key's first call, or after a refused
         capture) or by the key's graph, whose launch ``timer("graph")`` times."""
