@@ -66,7 +66,7 @@ def towers_rows(cupy, shape, batch: int, iters: int) -> dict:
     ho, wo = layer.out_hw
     dy = cupy.asarray(rng.standard_normal((batch, ho, wo, f), dtype=numpy.float32))
     out = {}
-    backend.restore((False, False))
+    backend.restore((False, False, "cupy"))
     ws, g = Workspace(cupy), {"weights": cupy.empty_like(wt)}
     p = {"weights": wt}
     out["im2col fwd"] = timed(cupy, lambda: layer.forward(p, x, ws), iters)

@@ -154,3 +154,24 @@ def test_graphs_asked_where_nvmath_does_not_start_is_one_clear_error():
         assert backend.gemm_binding() == "cupy"
     finally:
         backend.restore(before)
+
+
+@pytest.mark.parametrize("model,shape", [("resnet20", (12, 12, 3)), ("lenet5", (28, 28, 1)), ("cifar10", (24, 24, 3))])
+def test_fresh_workspaces_mid_run_change_nothing(model, shape):
+    """What a failed capture leaves (``Replica.reset_workspaces``): every scratch array made and filled afresh
+    (padding borders, ones, row indices, constants), the run's bits unchanged."""
+    ds = images(48, shape)
+    runs = []
+    for reset in (True, False):
+        tr = Trainer(Config(devices="cpu", model=model, batch_size=8, quiet=True, summary_every=0,
+                            cpu_kernels="numpy"), dataset=ds)
+        try:
+            tr.run_steps(2)
+            if reset:
+                for t in tr.executor.towers:
+                    t.replica.reset_workspaces()
+            tr.run_steps(2)
+            runs.append((flat(tr.get_weights()), tr.evaluate(ema=False)))
+        finally:
+            tr.close()
+    assert np.array_equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]

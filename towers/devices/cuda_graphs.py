@@ -6,38 +6,38 @@ microseconds of Python and CuPy on the one thread that drives every GPU,
 against a few milliseconds of kernels.  ``StepGraphs`` records a tower's
 forward and backward once as a CUDA graph and then runs it as ONE launch.
 
-``StepGraphs.run(key, inputs, compute, timer)``, ``compute(*inputs, timer=)``
-being the tower's eager forward and backward on its staged batch:
+``StepGraphs.run(key, inputs, compute, timer, want)``, ``compute(*inputs,
+timer=)`` being the tower's eager forward and backward on its staged batch
+(which always computes the loss, so that one graph serves the steps that
+want it and those that do not):
 
 1. the first call of a key runs ``compute`` eagerly: the warm-up, in which
    kernels compile, cuDNN builds its plans, workspaces are allocated and
    the step scalars registered (none of which may happen inside a capture);
 2. the second captures ``compute`` on the tower's stream (CuPy's stream
-   capture, relaxed mode), every allocation of the capture drawn from the
-   tower's graph memory pool, then launches the graph;
+   capture, relaxed mode), every allocation of the capture drawn from a
+   memory pool of the graph's own, then launches the graph;
 3. every later call copies the staged inputs into the captured ones (a
    device copy, only when they are other arrays) and launches the graph.
 
 What a capture bakes in is either the key or in device memory: the key is
-the caller's (whether the loss is computed, the loss scale, L2) plus the
-inputs' shapes and dtypes; numbers that change from step to step (batch
+the caller's (the loss scale, L2) plus the inputs' shapes and dtypes; numbers that change from step to step (batch
 norm's moving-statistics step) are ``StepScalars`` in device memory, which
 the replica refreshes before each launch (``Replica.start_step``).  The
 output (the loss, a 0-d array the graph rewrites at each launch) is returned
-as a copy.  At most ``KEEP`` graphs per tower (fp16's loss scale changes now
-and then): the least recently used is dropped, after its stream finishes.
+as a copy when ``want``, else not at all.  At most ``KEEP`` graphs per tower
+(fp16's loss scale changes now and then): the least recently used is
+dropped, with its pool, after its stream finishes.
 
-Memory: what the captures allocate (the step's activations, the layers'
-saved values) comes from one memory pool per tower that nothing else draws
-from, kept with the tower's graphs, so no eager array ever takes it.  Its
-graphs share it: a block one capture freed may be another's scratch, which
-is safe because a tower's launches run one after another on its stream and
-no graph reads at its start what another left there (each reads its inputs,
-which are its own arrays, and the arrays below); a graph's output is held by
-the graph, never freed.  What a graph reads that was allocated before it
-(the flat parameter, gradient and buffer arrays, the layers' workspaces, the
-staging buffers, cuDNN's and cuBLAS's workspaces) lives as long as the
-replica, the process or the handle, and is never reallocated.
+Memory: what a capture allocates (the step's activations, the layers' saved
+values) comes from a memory pool of that graph's own, kept with it, so no
+eager array and no other graph ever takes its blocks (a pool shared by two
+graphs could, short of memory, hand the driver back blocks one of them
+still uses: CuPy's pools free their cached blocks and retry).  What a graph
+reads that was allocated before it (the flat parameter, gradient and buffer
+arrays, the layers' workspaces, the staging buffers, cuDNN's and cuBLAS's
+workspaces) lives as long as the replica, the process or the handle, and is
+never reallocated.
 
 Limits: nothing inside ``compute`` may synchronize with the host or copy
 from it (dropout draws its masks on the host: ``Trainer`` refuses it with
@@ -45,7 +45,9 @@ graphs, as it refuses several micro-batches, sync-BN and gradient buckets);
 GEMMs inside a capture go through nvmath-python's cuBLAS binding, because
 CuPy's refuses any cuBLAS call while a stream captures
 (``towers.devices.matmul``).  A capture that fails leaves the tower eager for
-the rest of the run, the reason in ``refused`` (and said once as a notice).
+the rest of the run, the reason in ``refused`` (and said once as a notice),
+after ``on_failure`` (the replica's ``reset_workspaces``: scratch the
+capture made and marked filled, whose fills never ran, is made afresh).
 Sync points: none (a launch is queued on the tower's stream).
 """
 from __future__ import annotations
@@ -59,10 +61,10 @@ KEEP = 4
 
 
 class _Captured:
-    """One instantiated graph, its inputs and its output."""
+    """One instantiated graph, the memory pool its capture allocated from, its inputs and its output."""
 
-    def __init__(self, graph, inputs: tuple, out):
-        self.graph, self.inputs, self.out = graph, inputs, out
+    def __init__(self, graph, pool, inputs: tuple, out):
+        self.graph, self.pool, self.inputs, self.out = graph, pool, inputs, out
 
     def launch(self, inputs: tuple, stream) -> None:
         for mine, given in zip(self.inputs, inputs):
@@ -70,8 +72,8 @@ class _Captured:
                 mine[...] = given  # a device copy on the tower's stream (the staged arrays may alternate)
         self.graph.launch(stream)
 
-    def output(self):
-        return None if self.out is None else self.out.copy()
+    def pool_bytes(self) -> int:
+        return int(self.pool.total_bytes())
 
 
 class StepGraphs:
@@ -79,42 +81,48 @@ class StepGraphs:
 
     ``stream``: the tower's CuPy stream (non-blocking: the legacy default
     stream cannot capture); ``scalars``: its replica's ``StepScalars``,
-    flagged while a capture runs; ``label``: the tower, for the notice.
+    flagged while a capture runs; ``on_failure()``: called when a capture
+    fails, before the eager step; ``label``: the tower, for the notice.
     ``captures``, ``launches``: counts, for tests and the benchmark.
     """
 
-    def __init__(self, stream, scalars, label: str = "a GPU tower"):
+    def __init__(self, stream, scalars, on_failure=None, label: str = "a GPU tower"):
         self.stream, self.scalars, self.label = stream, scalars, label
+        self.on_failure = on_failure
         self.refused: str | None = None
         self.captures = self.launches = 0
         self._graphs: collections.OrderedDict = collections.OrderedDict()
         self._seen: set = set()
-        self._pool = None  # the captures' memory pool (module doc), made with the first
 
     def pool_bytes(self) -> int:
-        """Device bytes the captures' memory pool holds (on the tower's device; 0 before the first capture)."""
-        return 0 if self._pool is None else int(self._pool.total_bytes())
+        """Device bytes the graphs' memory pools hold (on the tower's device)."""
+        return sum(g.pool_bytes() for g in self._graphs.values())
 
-    def run(self, key, inputs: tuple, compute, timer):
-        """``compute(*inputs, timer=...)``'s result for this step: eagerly (a key's first call, or after a refused
-        capture) or by the key's graph, whose launch ``timer("graph")`` times."""
+    def run(self, key, inputs: tuple, compute, timer, want: bool = True):
+        """This step by ``compute(*inputs, timer=...)``: eagerly (a key's first call, or after a failed capture)
+        or by the key's graph, whose launch ``timer("graph")`` times; its result when ``want``, else None."""
         if self.refused is not None:
-            return compute(*inputs, timer=timer)
+            return self._eager(inputs, compute, timer, want)
         key = (key, tuple((a.shape, a.dtype.str) for a in inputs))
         g = self._graphs.get(key)
         if g is None:
             if key not in self._seen:
                 self._seen.add(key)
-                return compute(*inputs, timer=timer)
+                return self._eager(inputs, compute, timer, want)
             g = self._capture(key, inputs, compute)
             if g is None:
-                return compute(*inputs, timer=timer)
+                return self._eager(inputs, compute, timer, want)
         else:
             self._graphs.move_to_end(key)
         with timer("graph"):
             g.launch(inputs, self.stream)
         self.launches += 1
-        return g.output()
+        return g.out.copy() if want and g.out is not None else None
+
+    @staticmethod
+    def _eager(inputs, compute, timer, want: bool):
+        out = compute(*inputs, timer=timer)
+        return out if want else None
 
     def _capture(self, key, inputs: tuple, compute):
         import cupy
@@ -122,11 +130,10 @@ class StepGraphs:
         if len(self._graphs) >= KEEP:
             self.stream.synchronize()  # the oldest graph's launches have finished before it goes
             self._graphs.popitem(last=False)
-        if self._pool is None:
-            self._pool = cupy.cuda.MemoryPool()
+        pool = cupy.cuda.MemoryPool()
         self.scalars.capturing = True
         try:
-            with cupy.cuda.using_allocator(self._pool.malloc):
+            with cupy.cuda.using_allocator(pool.malloc):
                 self.stream.begin_capture()
                 try:
                     out = compute(*inputs, timer=None)  # a phase timer synchronizes: not inside a capture
@@ -140,9 +147,11 @@ class StepGraphs:
         except Exception as e:
             self.refused = f"{type(e).__name__}: {e}"
             notice(f"CUDA graphs: {self.label} runs its steps eagerly, the capture failed ({self.refused})")
+            if self.on_failure is not None:
+                self.on_failure()
             return None
         finally:
             self.scalars.capturing = False
-        g = self._graphs[key] = _Captured(graph, tuple(inputs), out)
+        g = self._graphs[key] = _Captured(graph, pool, tuple(inputs), out)
         self.captures += 1
         return g

@@ -251,7 +251,8 @@ def conv_weight_grad(x, dy, dw, pre, post, stride: int) -> None:
 
 
 def clear() -> None:
-    """Forget every graph, and destroy every handle (their workspaces are freed with them)."""
+    """Forget every graph, and destroy every handle (their workspaces are freed with them): not while a
+    ``Trainer`` with ``cuda_graphs`` lives, whose captured graphs hold the handles' workspaces."""
     with _LOCK:
         _GRAPHS.clear()
         refused.clear()

@@ -6,11 +6,13 @@ type and algorithm ``cupy.matmul`` picks, without its Python-level dispatch.
 It goes through CuPy's cuBLAS binding and handles, or, where the process
 chose it for CUDA graphs (``towers.ops.backend.gemm_binding`` ``"nvmath"``),
 through nvmath-python's binding (``nvmath.bindings.cublas``; CuPy's refuses
-every call while a stream captures) with handles of our own: one per device
-and thread, each with a 32 MiB workspace of its own set after every change
-of its stream (``cublasSetStream`` puts the default workspace pool back), so
-that nothing is allocated inside a capture, as cuBLAS's notes on CUDA graphs
-advise.  Both bindings call the same cuBLAS with the same arguments.
+every call while a stream captures) with handles of our own: one per device,
+stream and thread (as cuDNN's, ``towers.devices.cudnn``: GEMMs on two streams
+never share a workspace), each bound to its stream once and given a 32 MiB
+workspace of its own after that (``cublasSetStream`` would put the default
+workspace pool back), so that nothing is allocated inside a capture, as
+cuBLAS's notes on CUDA graphs advise.  Both bindings call the same cuBLAS
+with the same arguments.
 ``set_tf32`` switches that compute type, CuPy's process-wide setting, between
 plain float32 and TF32 tensor cores (``tf32``); ``sgemm`` follows it, as
 ``cupy.matmul`` does.  CuPy is imported on the first GPU call only.
@@ -27,7 +29,7 @@ INT_MAX = 2**31 - 1  # cuBLAS's sizes and leading dimensions are ints
 _CUBLAS: dict = {}  # what a device GEMM needs, found on the first one (CuPy imported lazily)
 _ONE = numpy.ones(1, dtype=numpy.float32)  # alpha and beta, read by cuBLAS from host memory
 _ZERO = numpy.zeros(1, dtype=numpy.float32)  # (CuPy's handles keep the host pointer mode)
-_NV_HANDLES: dict = {}  # (device, thread) -> _NvHandle
+_NV_HANDLES: dict = {}  # (device, stream pointer, thread) -> _NvHandle
 _NV_WORKSPACE = 32 << 20  # bytes: cuBLAS's recommendation for Hopper
 
 
@@ -49,7 +51,7 @@ def sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> bo
         return False
     if backend.gemm_binding() == "nvmath":
         h = _nv_handle()
-        gemm_ex, handle, algo = h.gemm_ex, h.on_current_stream(), h.algo
+        gemm_ex, handle, algo = h.gemm_ex, h.handle, h.algo
     else:
         gemm_ex, handle = c["gemmEx"], c["handle"]()  # per device and thread; gemmEx sets its stream
         algo = c["algos"].get(handle)
@@ -63,37 +65,27 @@ def sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> bo
 
 
 class _NvHandle:
-    """A cuBLAS handle of nvmath-python's binding on the current device, its workspace and its stream."""
+    """A cuBLAS handle of nvmath-python's binding bound to one stream, and its workspace (module doc)."""
 
-    def __init__(self):
+    def __init__(self, stream_ptr: int):
         import cupy
         from nvmath.bindings import cublas  # noqa: PLC0415 - optional, GPU only (cuda_graphs)
 
-        self.cublas, self.gemm_ex = cublas, cublas.gemm_ex
+        self.gemm_ex = cublas.gemm_ex
         self.handle = cublas.create()
+        cublas.set_stream(self.handle, stream_ptr)
         self.workspace = cupy.empty(_NV_WORKSPACE, dtype=numpy.uint8)  # kept: a captured graph holds its address
-        self.stream = None
+        cublas.set_workspace(self.handle, self.workspace.data.ptr, self.workspace.nbytes)
         self.algo = (_CUBLAS or _cublas())["algo"]()
-
-    def on_current_stream(self) -> int:
-        """The handle, bound to the current stream (and its workspace set again after a change of stream)."""
-        import cupy
-
-        ptr = cupy.cuda.get_current_stream().ptr
-        if ptr != self.stream:
-            self.cublas.set_stream(self.handle, ptr)
-            self.cublas.set_workspace(self.handle, self.workspace.data.ptr, self.workspace.nbytes)
-            self.stream = ptr
-        return self.handle
 
 
 def _nv_handle() -> _NvHandle:
     import cupy
 
-    key = (cupy.cuda.Device().id, threading.get_ident())
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, threading.get_ident())
     h = _NV_HANDLES.get(key)
     if h is None:
-        h = _NV_HANDLES[key] = _NvHandle()
+        h = _NV_HANDLES[key] = _NvHandle(key[1])
     return h
 
 

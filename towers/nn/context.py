@@ -18,7 +18,7 @@ layers through their workspaces (``ws.ctx``):
     The replica's ``StepScalars``: per-step numbers a layer's device kernels
     read from device memory (batch norm's moving-statistics step, which
     depends on ``step``), so that a step captured as a CUDA graph
-    (``towers.devices.graphs``) reads each step's value when replayed.
+    (``towers.devices.cuda_graphs``) reads each step's value when replayed.
 ``sync``
     None, or a ``TowerSync``: ``sync.average(array)`` averages ONE contiguous
     1-D array in place across every tower of the step and returns when every
@@ -70,7 +70,7 @@ class StepScalars:
     def __init__(self):
         self.xp = None
         self.step = 0
-        self.capturing = False  # set while a graph is captured (towers.devices.graphs)
+        self.capturing = False  # set while a graph is captured (towers.devices.cuda_graphs)
         self._fns: list = []
         self._index: dict = {}
         self._host = numpy.zeros(self.SLOTS, dtype=numpy.float32)

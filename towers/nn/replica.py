@@ -125,6 +125,12 @@ class Replica:
         self.context.step = step
         self.context.scalars.refresh(step)
 
+    def reset_workspaces(self) -> None:
+        """Every layer's workspace, and the loss's, replaced by an empty one: the next step allocates and fills
+        its scratch afresh (after a failed CUDA graph capture, whose fills never ran: ``towers.devices.cuda_graphs``)."""
+        self._local = [(p, g, Workspace(self.xp, self.context, (li,))) for li, (p, g, _) in enumerate(self._local)]
+        self._loss_ws = Workspace(self.xp, self.context)
+
     def set_params(self, flat) -> None:
         """Copy a flat host or device array into the parameter buffer."""
         self.params[...] = self.xp.asarray(flat, dtype=self.dtype)

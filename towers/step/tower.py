@@ -86,10 +86,10 @@ class Tower:
                 raise ValueError("CUDA graphs run one micro-batch a step, without gradient buckets")
             batch = next(self._micro_batches(x, y, stage))
 
-            def forward_backward(xb, yb, timer):
-                return self.replica.mean_loss_and_grads(((xb, yb),), 1, l2, want_loss, timer, loss_scale)
+            def forward_backward(xb, yb, timer):  # the loss always: one graph for steps with and without it
+                return self.replica.mean_loss_and_grads(((xb, yb),), 1, l2, True, timer, loss_scale)
 
-            return self.graphs.run((want_loss, loss_scale, l2), batch, forward_backward, self.timer)
+            return self.graphs.run((loss_scale, l2), batch, forward_backward, self.timer, want_loss)
 
     def _micro_batches(self, x, y, stage):
         b, k_all, ctx = self.stager.x.shape[0], self.accumulate, self.replica.context
@@ -164,8 +164,8 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
         stager = Stager(dev, stream, batch_size, dataset.example_shape, dataset.x.dtype)
         towers.append(Tower(i, dev, stream, replica, stager, timer.for_tower(i), cfg.accumulate,
                             first_tower + i, shares_params=shares,
-                            graphs=StepGraphs(stream, replica.context.scalars, f"tower {i} ({dev})")
-                            if graphs and dev.is_gpu else None))
+                            graphs=StepGraphs(stream, replica.context.scalars, replica.reset_workspaces,
+                                              f"tower {i} ({dev})") if graphs and dev.is_gpu else None))
     return towers
 
 
