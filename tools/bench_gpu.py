@@ -75,7 +75,8 @@ of each model's shape, 10 learnable classes):
   where a host-bound step spends its time, attributed, not measured;
 * the default main job, ``python -m towers.train --n-gpu 2`` (MLP on
   data/digits.npz, 2000 steps), as a subprocess on the GPU with a cold and a
-  warm kernel cache, against ``taskset -c 0,1 ... --devices cpu`` (2 cores, a
+  warm kernel cache (and warm with ``--cuda-graphs`` when a form has
+  ``+graphs``), against ``taskset -c 0,1 ... --devices cpu`` (2 cores, a
   developer's machine): wall time of the whole command;
 * then the ratios the "Fast on GPUs" issue targets: for the conv nets towers
   1 tower / PyTorch eager float32 b128 and towers 2 sharing / PyTorch eager
@@ -611,10 +612,11 @@ def run_worker(kind: str, spec: dict, timeout: float, cache_dir: str | None = No
     return json.loads(lines[-1][len(RESULT):])
 
 
-def run_main_job(where: str, steps: int | None, timeout: float, tmp: str, cache_dir: str | None = None) -> dict:
-    """Wall time of ``python -m towers.train --n-gpu 2`` (the default job) in a subprocess."""
+def run_main_job(where: str, steps: int | None, timeout: float, tmp: str, cache_dir: str | None = None,
+                 extra: tuple = ()) -> dict:
+    """Wall time of ``python -m towers.train --n-gpu 2`` (the default job) in a subprocess, with ``extra`` flags."""
     logdir = tempfile.mkdtemp(prefix="main-", dir=tmp)
-    cmd = [sys.executable, "-m", "towers.train", "--n-gpu", "2", "--logdir", logdir]
+    cmd = [sys.executable, "-m", "towers.train", "--n-gpu", "2", *extra, "--logdir", logdir]
     if steps is not None:
         cmd += ["--steps", str(steps)]
     if where == "cpu":
@@ -917,6 +919,9 @@ def _bench(a, tmp, sizes: dict, rounds: int) -> int:
             cache = tempfile.mkdtemp(prefix="cupy-cache-main-", dir=tmp)
             main_job["GPU, cold kernel cache"] = run_main_job("gpu", job_steps, a.timeout, tmp, cache)
             main_job["GPU, warm kernel cache"] = run_main_job("gpu", job_steps, a.timeout, tmp, cache)
+            if any(split_form(f)[1] for f in a.gpu_conv):
+                main_job["GPU, warm, --cuda-graphs"] = run_main_job("gpu", job_steps, a.timeout, tmp, cache,
+                                                                    ("--cuda-graphs",))
         main_job["CPU, 2 cores"] = run_main_job("cpu", job_steps, a.timeout, tmp)
         failed |= any("error" in v for v in main_job.values())
     return _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed)
@@ -1032,6 +1037,10 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
     warm = main_job.get("GPU, warm kernel cache", {}).get("wall_s")
     _ratio(ratios, "main job GPU warm wall / CPU wall", warm, main_job.get("CPU, 2 cores", {}).get("wall_s"),
            1.0, below=True)
+    if "GPU, warm, --cuda-graphs" in main_job:
+        _ratio(ratios, "main job GPU warm --cuda-graphs wall / CPU wall",
+               main_job["GPU, warm, --cuda-graphs"].get("wall_s"), main_job.get("CPU, 2 cores", {}).get("wall_s"),
+               1.0, below=True)
     total = time.perf_counter() - t_start
     print(f"\ntotal: {total:.0f} s")
     if a.json:

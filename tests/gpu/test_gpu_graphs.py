@@ -82,6 +82,8 @@ CASES = [
     ("resnet20", (16, 16, 3), dict(batch_size=8, lr=0.05, n_gpu=2), False),  # batch norm; 2 towers sharing the GPU
     ("resnet20 staged", (16, 16, 3), dict(batch_size=8, lr=0.05, n_gpu=2), True),
     ("cifar10", (24, 24, 3), dict(batch_size=12, lr=0.05), False),  # LRN, max-pooling
+    ("resnet20 bf16", (16, 16, 3), dict(batch_size=8, lr=0.05, precision="bf16"), False),  # the rounding kernels
+    ("mlp fp16", (28, 28, 1), dict(batch_size=32, hidden=64, precision="fp16"), False),  # the loss scale in the key
 ]
 
 
