@@ -21,9 +21,10 @@ want it and those that do not):
    device copy, only when they are other arrays) and launches the graph.
 
 What a capture bakes in is either the key or in device memory: the key is
-the caller's (the loss scale, L2) plus the inputs' shapes and dtypes; numbers that change from step to step (batch
-norm's moving-statistics step) are ``StepScalars`` in device memory, which
-the replica refreshes before each launch (``Replica.start_step``).  The
+the caller's (the loss scale, L2) plus the inputs' shapes and dtypes;
+numbers that change from step to step (batch norm's moving-statistics step)
+are ``StepScalars`` in device memory, which the replica refreshes before
+each launch (``Replica.start_step``).  The
 output (the loss, a 0-d array the graph rewrites at each launch) is returned
 as a copy when ``want``, else not at all.  At most ``KEEP`` graphs per tower
 (fp16's loss scale changes now and then): the least recently used is
@@ -56,7 +57,7 @@ import collections
 
 from towers.errors import notice
 
-#: Graphs kept per tower (fp16: one per loss scale and loss wanted or not).
+#: Graphs kept per tower (fp16: one per loss scale met lately).
 KEEP = 4
 
 
