@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 
+from towers.devices import matmul
 from towers.errors import UserError, notice
 from towers.ops.numba_jit import numba_module, warm_up
 
@@ -50,7 +51,6 @@ WORTH_PARAMS = 100_000
 
 _COMPILED = [False]  # the choice: whether host arrays take the compiled loops
 _CUDNN = [False]  # and whether device convolutions run on cuDNN (towers.devices.cudnn)
-_GEMM = ["cupy"]  # and whose cuBLAS binding device GEMMs call (towers.devices.matmul)
 
 
 def compiled() -> bool:
@@ -65,8 +65,8 @@ def cudnn_conv() -> bool:
 
 def gemm_binding() -> str:
     """Whose cuBLAS binding the device GEMMs call: ``"cupy"``, or ``"nvmath"`` (nvmath-python's, which a CUDA graph
-    capture accepts: ``towers.devices.matmul``)."""
-    return _GEMM[0]
+    capture accepts: ``towers.devices.matmul``, which holds this part of the choice)."""
+    return matmul.binding()
 
 
 def name() -> str:
@@ -134,13 +134,11 @@ def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=Non
         warm_up()
     convolves = any(layer.convolves() for layer in model.layers)
     _CUDNN[0] = gpu is not None and gpu_conv != "im2col" and convolves and _cudnn_starts(gpu_conv, gpu)
-    _GEMM[0] = "nvmath" if gpu is not None and cuda_graphs and _nvmath_starts(gpu) else "cupy"
+    matmul.use_binding("nvmath" if gpu is not None and cuda_graphs and _nvmath_starts(gpu) else "cupy")
     return name()
 
 
 def _nvmath_starts(gpu) -> bool:
-    from towers.devices import matmul
-
     with gpu.scope():
         why = matmul.nvmath_available()
     if why is not None:
@@ -160,12 +158,13 @@ def _cudnn_starts(gpu_conv: str, gpu) -> bool:
 
 def current() -> tuple:
     """The whole choice, for ``restore``."""
-    return _COMPILED[0], _CUDNN[0], _GEMM[0]
+    return _COMPILED[0], _CUDNN[0], matmul.binding()
 
 
 def restore(choice: tuple) -> None:
     """Make ``choice`` (from ``current``) the process's again."""
-    _COMPILED[0], _CUDNN[0], _GEMM[0] = choice
+    _COMPILED[0], _CUDNN[0] = choice[:2]
+    matmul.use_binding(choice[2])
 
 
 def use(on: bool) -> None:
