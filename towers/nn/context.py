@@ -53,11 +53,11 @@ class StepScalars:
     on first use) as a 1-element float32 view of the array on ``xp`` (CuPy
     on a GPU, the replica's array module: every call of one replica gives the
     same), refreshing every number first when ``step`` is not the last one
-    refreshed.  ``refresh(step)`` recomputes every registered number for a new step and,
-    when one changed, copies them to the device in ONE asynchronous copy on
-    the current stream, from one of two page-locked buffers taken in turn (a
-    buffer is refilled once its copy of two refreshes ago has finished, as the
-    stager's are).  The replica refreshes before each training step's forward
+    refreshed.  ``refresh(step)`` recomputes every registered number for a
+    new step and, when one changed, copies them to the device in ONE
+    asynchronous copy on the current stream, from one of two page-locked
+    buffers taken in turn (a buffer is refilled once its copy of two
+    refreshes ago has finished, as the stager's are).  The replica refreshes before each training step's forward
     (``Replica.start_step``), outside any CUDA graph capture, so a replayed
     graph reads the step's values.  A key first seen while a graph is being
     captured is refused (``RuntimeError``): its first value would be copied
