@@ -6,7 +6,9 @@ choice (the same GEMM binding: both ``cuda_graphs`` Trainers, the eager one
 with its towers' graphs taken away) and must give its bits: every loss, the
 weights, the moving statistics and the EMA, over steps that want the loss or
 not (one graph serves both), change batch norm's moving-statistics step
-every step and evaluate between steps, with the batch staged from the host
+every step, evaluate between steps and set the weights back to the first
+step's between two others (in place: the graph reads the same buffers), with
+the batch staged from the host
 (the labels in alternating buffers) or gathered on the device.  The losses
 are read after the last step: a graph that baked in a step's number, kept a
 stale input or handed out its output array would fail it.
@@ -46,7 +48,7 @@ def _trainer(ds, **settings) -> Trainer:
     return Trainer(cfg, dataset=ds)
 
 
-def _lockstep(ds, evaluate_at: int = 4, **settings):
+def _lockstep(ds, evaluate_at: int = 4, reset_at: int = 6, **settings):
     """The graphed and the eager run of ``settings``, step by step (``WANT``); their losses (read after the last
     step), weights, EMA, and the graphed run's towers' graph counts."""
     sides = [_trainer(ds, **settings), _trainer(ds, **settings)]
@@ -54,6 +56,7 @@ def _lockstep(ds, evaluate_at: int = 4, **settings):
         t.graphs = None  # eager, with the same GEMM binding and everything else
     losses = [[], []]
     try:
+        first = [side.get_weights() for side in sides]
         for k, want in enumerate(WANT):
             for side, out in zip(sides, losses):
                 out.append(side.run_steps(1, want_loss=want))  # device arrays, or None
@@ -61,6 +64,9 @@ def _lockstep(ds, evaluate_at: int = 4, **settings):
             if k == evaluate_at:
                 evals = [side.evaluate(ema=False) for side in sides]
                 assert evals[0] == evals[1], f"evaluation between steps: {evals}"
+            if k == reset_at:
+                for side, w in zip(sides, first):
+                    side.set_weights(w)
         for side in sides:
             side.synchronize()
         losses = [[None if got is None else [float(v) for v in got] for got in out] for out in losses]
