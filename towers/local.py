@@ -92,6 +92,7 @@ class LocalExecutor(Executor):
     def __init__(self, cfg, dataset, model, placement: Placement, reducer=None, share: Share | None = None):
         self.cfg, self.dataset, self.model, self.placement = cfg, dataset, model, placement
         self._blas = self._tf32 = self.engine = self.reducer = self._prefetch = self.blas_threads = None
+        self.towers = []
         n = len(placement.towers)
         self.share = share or Share(0, n, n)
         # `epochs` gives the step count, once the data's size and a step's examples are known (every host's).
@@ -385,4 +386,6 @@ class LocalExecutor(Executor):
                     self.reducer.close()
                 if self._tf32 is not None:
                     matmul.restore_compute_type(self._tf32)
+                # nvmath's cuBLAS handles of these towers' streams (cuda_graphs), now that their work is done
+                matmul.release_streams([t.stream.ptr for t in self.towers if t.stream is not None])
                 self._blas = self._tf32 = self.reducer = None

@@ -12,8 +12,10 @@ stream and thread (as cuDNN's, ``towers.devices.cudnn``: GEMMs on two streams
 never share a workspace), each bound to its stream once and given a 32 MiB
 workspace of its own after that (``cublasSetStream`` would put the default
 workspace pool back), so that nothing is allocated inside a capture, as
-cuBLAS's notes on CUDA graphs advise.  Both bindings call the same cuBLAS
-with the same arguments.
+cuBLAS's notes on CUDA graphs advise.  A handle is made by the first GEMM on
+its stream, which must not run inside a capture (an eager warm-up step comes
+first), and destroyed by ``release_streams`` (a ``Trainer``'s ``close``).
+Both bindings call the same cuBLAS with the same arguments.
 ``set_tf32`` switches that compute type, CuPy's process-wide setting, between
 plain float32 and TF32 tensor cores (``tf32``); ``sgemm`` follows it, as
 ``cupy.matmul`` does.  CuPy is imported on the first GPU call only.
@@ -83,7 +85,7 @@ class _NvHandle:
         import cupy
         from nvmath.bindings import cublas  # noqa: PLC0415 - optional, GPU only (cuda_graphs)
 
-        self.gemm_ex = cublas.gemm_ex
+        self.cublas, self.gemm_ex = cublas, cublas.gemm_ex
         self.handle = cublas.create()
         cublas.set_stream(self.handle, stream_ptr)
         self.workspace = cupy.empty(_NV_WORKSPACE, dtype=numpy.uint8)  # kept: a captured graph holds its address
@@ -94,11 +96,23 @@ class _NvHandle:
 def _nv_handle() -> _NvHandle:
     import cupy
 
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr, threading.get_ident())
+    stream = cupy.cuda.get_current_stream()
+    key = (cupy.cuda.Device().id, stream.ptr, threading.get_ident())
     h = _NV_HANDLES.get(key)
     if h is None:
+        if stream.ptr and stream.is_capturing():
+            raise RuntimeError("no cuBLAS handle for this stream yet: its first GEMM runs inside a CUDA graph "
+                               "capture (a handle is made in an eager step first)")
         h = _NV_HANDLES[key] = _NvHandle(key[1])
     return h
+
+
+def release_streams(stream_ptrs) -> None:
+    """Destroy the nvmath cuBLAS handles bound to these streams, with their workspaces (their work finished)."""
+    ptrs = set(stream_ptrs)
+    for key in [k for k in _NV_HANDLES if k[1] in ptrs]:
+        h = _NV_HANDLES.pop(key)
+        h.cublas.destroy(h.handle)
 
 
 def nvmath_available() -> str | None:
