@@ -34,7 +34,12 @@ Memory: what a capture allocates (the step's activations, the layers' saved
 values) comes from a memory pool of that graph's own, kept with it, so no
 eager array and no other graph ever takes its blocks (a pool shared by two
 graphs could, short of memory, hand the driver back blocks one of them
-still uses: CuPy's pools free their cached blocks and retry).  What a graph
+still uses: CuPy's pools free their cached blocks and retry).  For the same
+reason a capture must not run short of memory itself (its pool would free
+blocks its own earlier operations use): before capturing, CuPy's default
+pool gives its cached free blocks back to the driver, and the capture is
+refused unless the device has room for about what the key's warm-up step
+took from that pool, with a margin (``HEADROOM``).  What a graph
 reads that was allocated before it (the flat parameter, gradient and buffer
 arrays, the layers' workspaces, the staging buffers, cuDNN's and cuBLAS's
 workspaces) lives as long as the replica, the process or the handle, and is
@@ -57,8 +62,17 @@ import collections
 
 from towers.errors import notice
 
+
+def _pool_bytes() -> int:
+    """Bytes CuPy's default memory pool holds on the current device (what it took from the driver)."""
+    import cupy
+
+    return int(cupy.get_default_memory_pool().total_bytes())
+
 #: Graphs kept per tower (fp16: one per loss scale met lately).
 KEEP = 4
+#: A capture needs free device memory of this many times what its warm-up step took from CuPy's pool, plus MARGIN.
+HEADROOM, MARGIN = 1.5, 64 << 20
 
 
 class _Captured:
@@ -93,7 +107,7 @@ class StepGraphs:
         self.refused: str | None = None
         self.captures = self.launches = 0
         self._graphs: collections.OrderedDict = collections.OrderedDict()
-        self._seen: set = set()
+        self._seen: dict = {}  # key -> device bytes its warm-up step took from CuPy's default pool
 
     def pool_bytes(self) -> int:
         """Device bytes the graphs' memory pools hold (on the tower's device)."""
@@ -108,8 +122,10 @@ class StepGraphs:
         g = self._graphs.get(key)
         if g is None:
             if key not in self._seen:
-                self._seen.add(key)
-                return self._eager(inputs, compute, timer, want)
+                before = _pool_bytes()
+                out = self._eager(inputs, compute, timer, want)
+                self._seen[key] = max(_pool_bytes() - before, 0)
+                return out
             g = self._capture(key, inputs, compute)
             if g is None:
                 return self._eager(inputs, compute, timer, want)
@@ -131,6 +147,13 @@ class StepGraphs:
         if len(self._graphs) >= KEEP:
             self.stream.synchronize()  # the oldest graph's launches have finished before it goes
             self._graphs.popitem(last=False)
+        cupy.get_default_memory_pool().free_all_blocks()  # cached, unused: no graph reads them
+        free = cupy.cuda.runtime.memGetInfo()[0]
+        need = int(HEADROOM * self._seen[key]) + MARGIN
+        if free < need:
+            self.refused = f"{free >> 20} MiB free on the device, a capture wants about {need >> 20} MiB"
+            notice(f"CUDA graphs: {self.label} runs its steps eagerly ({self.refused})")
+            return None
         pool = cupy.cuda.MemoryPool()
         self.scalars.capturing = True
         try:
