@@ -62,17 +62,17 @@ import collections
 
 from towers.errors import notice
 
+#: Graphs kept per tower (fp16: one per loss scale met lately).
+KEEP = 4
+#: A capture needs free device memory of this many times what its warm-up step took from CuPy's pool, plus MARGIN.
+HEADROOM, MARGIN = 1.5, 64 << 20
+
 
 def _pool_bytes() -> int:
     """Bytes CuPy's default memory pool holds on the current device (what it took from the driver)."""
     import cupy
 
     return int(cupy.get_default_memory_pool().total_bytes())
-
-#: Graphs kept per tower (fp16: one per loss scale met lately).
-KEEP = 4
-#: A capture needs free device memory of this many times what its warm-up step took from CuPy's pool, plus MARGIN.
-HEADROOM, MARGIN = 1.5, 64 << 20
 
 
 class _Captured:
