@@ -91,6 +91,8 @@ def test_step_scalars_follow_the_step_with_one_copy_per_change():
 
 
 def test_step_scalars_refuse_what_a_capture_cannot_copy():
+    import types
+
     s = StepScalars()
     s.device("d", lambda step: 1.0 / (1 + step), np, 2)
     s.capturing = True
@@ -99,10 +101,8 @@ def test_step_scalars_refuse_what_a_capture_cannot_copy():
     with pytest.raises(RuntimeError, match="inside a capture of step 2"):
         s.device("d", lambda step: 1.0 / (1 + step), np, 3)
     assert s.device("d", lambda step: 1.0 / (1 + step), np, 2)[0] == np.float32(1 / 3)
+    s.capturing = False
     with pytest.raises(ValueError, match="numpy and"):
-        s.capturing = False
-        import types
-
         s.device("d", lambda step: 0.0, types.ModuleType("other"), 2)
 
 

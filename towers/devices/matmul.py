@@ -116,9 +116,12 @@ def release_streams(stream_ptrs) -> None:
 
 
 def nvmath_available() -> str | None:
-    """None when nvmath-python's cuBLAS binding imports and makes a handle on the current device; else why not."""
+    """None when nvmath-python's cuBLAS binding imports and makes a handle on the current device (destroyed again:
+    the towers' GEMMs make their own, per stream); else why not."""
     try:
-        _nv_handle()
+        from nvmath.bindings import cublas  # noqa: PLC0415 - optional, GPU only (cuda_graphs)
+
+        cublas.destroy(cublas.create())
     except Exception as e:  # ImportError, or a cuBLAS library that does not load
         return (f"nvmath-python's cuBLAS binding does not start ({type(e).__name__}: {e}); "
                 "pip install nvmath-python (with cuda-bindings of the driver's CUDA major version)")
