@@ -43,7 +43,14 @@ here synchronizes: every call is queued on the current stream.
 
 The frontend (``pip install nvidia-cudnn-frontend``, with the cuDNN library
 of CUDA's major version, ``nvidia-cudnn-cu12``/``-cu13``) is imported on the
-first call only: towers never imports it on the CPU.
+first call only: towers never imports it on the CPU.  Versions 1.23 to 1.32
+(the extras' range): up to 1.31 its tensors take the operands' byte alignment
+(``set_alignment``); 1.32 builds graphs in Python and describes every operand
+as 16-byte aligned (``_set_alignment``).  Any error the frontend raises while a
+graph is described or built (an API that moved included) is ``Unsupported``
+with its reason, never a crash.  ``describe`` is the graph description alone:
+with 1.32 it runs without a GPU (tests/devices/test_cudnn_graphs.py builds
+every convolution of ResNet-20 and the CIFAR-10 model that way).
 """
 from __future__ import annotations
 
@@ -122,10 +129,10 @@ def _handle() -> _Handle:
 
 
 class _Graph:
-    """One built cuDNN graph: its operands' uids in call order and its workspace size."""
+    """One built cuDNN graph: its operands' uids in call order, its workspace size in bytes and its engine."""
 
-    def __init__(self, graph, uids: tuple, workspace: int):
-        self.graph, self.uids, self.workspace = graph, uids, workspace
+    def __init__(self, graph, uids: tuple, workspace: int, engine: str = "n/a"):
+        self.graph, self.uids, self.workspace, self.engine = graph, uids, workspace, engine
 
     def run(self, *arrays) -> None:
         h = _handle()
@@ -168,19 +175,47 @@ def _tf32() -> bool:
     return linalg.get_compute_type(numpy.float32) == linalg.COMPUTE_TYPE_TF32
 
 
-def _build(key, op: str, x, w, y, pre, post, stride, align, dtype) -> _Graph:
-    """Build the graph of ``op`` for operands of ``dtype`` shaped as ``x`` (NHWC), ``w`` (KRSC), ``y`` (NHWC)."""
+def _set_alignment(tensor, nbytes: int) -> None:
+    """Declare an operand's pointer alignment in bytes, as the installed frontend allows.
+
+    Up to 1.31 the frontend's tensors are its C++ ``Tensor_attributes``, whose
+    ``set_alignment`` sets cuDNN's byte alignment (16 unless set).  From 1.32
+    the graph is built in Python, where ``set_alignment_value`` is a promise
+    about the tensor's values (not its address) and no byte alignment reaches
+    cuDNN: every operand is described as 16-byte aligned, so a less aligned one
+    is ``Unsupported`` (its operation runs by im2col).
+    """
+    set_alignment = getattr(tensor, "set_alignment", None)
+    if set_alignment is not None:
+        set_alignment(nbytes)
+    elif nbytes < 16:
+        raise Unsupported(f"an operand {nbytes}-byte aligned: the cuDNN frontend {_version()} describes every "
+                          "operand as 16-byte aligned")
+
+
+def _version() -> str:
+    return str(getattr(frontend(), "__version__", "?"))
+
+
+def describe(op: str, x, w, y, pre, post, stride: int, align: tuple, dtype, handle=None):
+    """The cuDNN graph of ``op`` (``fprop``, ``dgrad``, ``wgrad``) described, not built: operands of ``dtype``
+    shaped as ``x`` (NHWC), ``w`` (KRSC), ``y`` (NHWC), ``align`` their pointers' byte alignments in call
+    order, uids 1, 2, 3 in call order (fprop: x, w -> y; dgrad: dy, w -> dx; wgrad: x, dy -> dw).
+
+    Only the frontend's graph API is called (from 1.32 it needs no GPU and no
+    cuDNN library up to here: ``handle`` may be None); any of its errors
+    (an API that moved, arguments it refuses) is raised as it is.
+    """
     cudnn = frontend()
     io = _dtype(cudnn, dtype)
     g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                      compute_data_type=cudnn.data_type.FLOAT, handle=_handle().handle)
+                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)
     dims = {"x": _act(*x), "w": _kernel(*w), "y": _act(*y)}
-    # The operands in call order (fprop: x, w -> y; dgrad: dy, w -> dx; wgrad: x, dy -> dw) and their uids.
     names = {"fprop": ("x", "w", "y"), "dgrad": ("y", "w", "x"), "wgrad": ("x", "y", "w")}[op]
     t = {}
     for uid, (name, a) in enumerate(zip(names[:2], align[:2]), start=1):
         t[name] = g.tensor(name=name, dim=dims[name][0], stride=dims[name][1], data_type=io, uid=uid)
-        t[name].set_alignment(a)
+        _set_alignment(t[name], a)
     conv = dict(pre_padding=list(pre), post_padding=list(post), stride=[stride, stride], dilation=[1, 1],
                 compute_data_type=cudnn.data_type.FLOAT)
     if op == "fprop":
@@ -191,20 +226,43 @@ def _build(key, op: str, x, w, y, pre, post, stride, align, dtype) -> _Graph:
         out = g.conv_wgrad(image=t["x"], loss=t["y"], **conv)
     name = names[2]
     out.set_output(True).set_dim(dims[name][0]).set_stride(dims[name][1]).set_data_type(io).set_uid(3)
-    out.set_alignment(align[2])
-    notes = [cudnn.numerical_note.NONDETERMINISTIC]
-    if io == cudnn.data_type.FLOAT and not _tf32():
-        notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
+    _set_alignment(out, align[2])
+    return g
+
+
+def _build(key, op: str, x, w, y, pre, post, stride, align, dtype) -> _Graph:
+    """Build the graph of ``op`` for operands of ``dtype`` shaped as ``x`` (NHWC), ``w`` (KRSC), ``y`` (NHWC).
+
+    Any error of the frontend, from the description (``describe``) to the
+    plans, is ``Unsupported`` with its reason: the caller runs im2col.
+    """
+    cudnn = frontend()
     try:
+        g = describe(op, x, w, y, pre, post, stride, align, dtype, _handle().handle)
+        notes = [cudnn.numerical_note.NONDETERMINISTIC]
+        if _dtype(cudnn, dtype) == cudnn.data_type.FLOAT and not _tf32():
+            notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.deselect_numeric_notes(notes)  # marks the engine configs just made: before it there are none to mark
         g.check_support()
         g.build_plans()
-    except Exception as e:  # cudnnGraphNotSupportedError, or a RuntimeError from a step above
-        raise Unsupported(f"cuDNN {op} {key[2:]}: {type(e).__name__}: {e}") from None
-    return _Graph(g, (1, 2, 3), int(g.get_workspace_size()))
+        workspace = int(g.get_workspace_size())
+    except Unsupported as e:
+        raise Unsupported(f"cuDNN {op} {key[2:]}: {e}") from None
+    except Exception as e:  # cudnnGraphNotSupportedError, a RuntimeError from a step above, a frontend API error
+        raise Unsupported(f"cuDNN {op} {key[2:]} (frontend {_version()}): {type(e).__name__}: {e}") from None
+    return _Graph(g, (1, 2, 3), workspace, _engine(g))
+
+
+def _engine(g) -> str:
+    """The name of the plan a built graph runs (its first: ``build_plans`` keeps the plans that build, in the
+    heuristics' order); "n/a" where the frontend does not say."""
+    try:
+        return str(g.get_plan_name_at_index(0))
+    except Exception:  # noqa: BLE001 - informational only
+        return "n/a"
 
 
 def _run(op: str, x_shape, w_shape, y_shape, pre, post, stride, a, b, out) -> None:
@@ -248,6 +306,19 @@ def conv_data_grad(dy, w, dx, pre, post, stride: int) -> None:
 def conv_weight_grad(x, dy, dw, pre, post, stride: int) -> None:
     """``dw`` (f, kh, kw, c), the kernel's gradient of ``y = conv(x, w)`` for ``dy``, written whole (not added)."""
     _run("wgrad", x.shape, dw.shape, dy.shape, pre, post, stride, x, dy, dw)
+
+
+def built() -> list:
+    """Every graph built so far, as dicts: ``op``, the ``x``, ``w``, ``y`` shapes, ``pre``, ``post``, ``stride``,
+    ``dtype``, ``align``, ``engine`` and ``workspace`` (bytes); a refused one with ``refused`` (its reason)."""
+    out = []
+    with _LOCK:
+        for key, g in _GRAPHS.items():
+            _, op, x, w, y, pre, post, stride, dtype, _tf, align, _thread = key
+            row = dict(op=op, x=x, w=w, y=y, pre=pre, post=post, stride=stride, dtype=dtype, align=align)
+            row.update(refused=g) if isinstance(g, str) else row.update(engine=g.engine, workspace=g.workspace)
+            out.append(row)
+    return out
 
 
 def clear() -> None:
