@@ -86,6 +86,7 @@ BENCH_ARGS = ("--models mlp,lenet5,resnet20 --steps 300 --lenet-steps 60 --conv-
               "--rounds 2 --profile-steps 5 --no-main-job --gpu-conv im2col,cudnn,cudnn+graphs --host-profile")
 PER_TEST_TIMEOUT = 120  # pytest-timeout's --timeout, when it is installed
 PROBE_TIMEOUT = 20.0  # nvidia-smi -L and the CuPy probe, run at once
+PREFLIGHT_TIMEOUT = 60.0  # the preflight's imports (nvmath imports its fft, linalg, sparse, tensor modules) and handles
 TORCH_TIMEOUT = 30.0  # importing torch (slow, optional)
 GRACE = 5.0  # seconds between the SIGINT of a step past its limit and its SIGKILL
 MESSAGE_CHARS = 150  # a failure message's first line is cut to this in the summary
@@ -127,6 +128,81 @@ else:
         return list(nvrtc.getVersion())
     ask("nvrtc", nvrtc)
 print(json.dumps(out))
+"""
+
+# The preflight, run as ``python -c`` in the checkout: prints one JSON object, {"versions": {...}, "stop": None or
+# [what, why, fix]}.  The checks run in ``preflight``'s order and the first that fails stops the rest.
+_PREFLIGHT = r"""
+import importlib, importlib.metadata as md, json, sys
+out = {"versions": {}, "stop": None}
+v = out["versions"]
+for d in ("cupy-cuda13x", "cupy-cuda12x", "nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-cudnn-cu13",
+          "nvidia-cudnn-cu12", "nvidia-cudnn-frontend", "nvmath-python", "cuda-core", "cuda-bindings",
+          "cuda-pathfinder"):
+    try:
+        v[d] = md.version(d)
+    except md.PackageNotFoundError:
+        pass
+def short(e):
+    return " ".join((type(e).__name__ + ": " + str(e)).split())[:300]
+def at_least(have, need):
+    def nums(t):
+        return tuple(int(p) for p in (t.split("+")[0].split(".") + ["0", "0"])[:3] if p.isdigit())
+    return have is not None and nums(have) >= nums(need)
+WHEELS = "carry it: tools/gpu_wheels.sh fills .whl/, which the device command installs"
+def need(what, fn, fix):
+    if out["stop"] is not None:
+        return None
+    try:
+        r = fn()
+    except BaseException as e:
+        out["stop"] = [what, short(e), fix]
+        return None
+    if isinstance(r, str) and r.startswith("!"):
+        out["stop"] = [what, r[1:], fix]
+        return None
+    return r
+cupy = need("CuPy", lambda: importlib.import_module("cupy"), "install cupy-cuda13x (or -cuda12x)")
+if cupy is not None:
+    v["cupy"] = cupy.__version__
+def nccl():
+    from cupy.cuda import nccl
+    return nccl.get_version() if getattr(nccl, "available", True) else "!its library does not load"
+v["nccl"] = need("NCCL", nccl, "install nvidia-nccl-cu13 (or -cu12)")
+fe = need("the cuDNN frontend", lambda: importlib.import_module("cudnn"), WHEELS)
+if fe is not None:
+    v["cudnn_frontend"] = getattr(fe, "__version__", "?")
+    need("the cuDNN frontend", lambda: None if at_least(v["cudnn_frontend"], "1.23") and not at_least(
+        v["cudnn_frontend"], "1.33") else "!version " + v["cudnn_frontend"] + ": towers is written for 1.23 to 1.32",
+        WHEELS)
+nv = need("nvmath-python", lambda: importlib.import_module("nvmath"), WHEELS)
+if nv is not None:
+    v["nvmath"] = getattr(nv, "__version__", v.get("nvmath-python", "?"))
+for dist, least in (("cuda-core", "0.5.0"), ("cuda-pathfinder", "1.5.1")):
+    need(dist, lambda: None if at_least(v.get(dist), least) else "!version " + str(v.get(dist)) + ", nvmath-python "
+         "needs >= " + least, "carry " + dist + "==" + least + " (tools/gpu_wheels.sh " + dist + "==" + least + ")")
+need("cuda-bindings", lambda: None if "cuda-bindings" in v else "!not installed", "install cuda-bindings")
+try:  # no device: the machine facts say so (the check's own refusal); the usability checks need one
+    v["gpus"] = cupy.cuda.runtime.getDeviceCount() if cupy is not None else 0
+except BaseException:
+    v["gpus"] = 0
+def cudnn_library():
+    return fe.backend_version_string() if hasattr(fe, "backend_version_string") else str(fe.backend_version())
+def usable(check):
+    def run():
+        why = check()
+        return None if why is None else "!" + why
+    return run
+if out["stop"] is None and v["gpus"]:
+    from towers.devices import cudnn as towers_cudnn, matmul
+    v["cudnn"] = need("the cuDNN library", cudnn_library, "install nvidia-cudnn-cu13 (or -cu12)")
+    need("cudnn (towers.devices.cudnn)", usable(towers_cudnn.available), WHEELS)
+    need("nvmath (towers.devices.matmul)", usable(matmul.nvmath_available), WHEELS)
+try:
+    v["cuda_bindings_module"] = importlib.import_module("cuda.bindings").__version__
+except BaseException:
+    pass
+print(json.dumps(out, default=str))
 """
 
 _TORCH_PROBE = "import json, torch; print(json.dumps({'torch': torch.__version__, 'torch_cuda': torch.version.cuda}))"
@@ -235,6 +311,40 @@ def _no_gpu_reason(facts: dict) -> str | None:
     return " ".join(reason.split())
 
 
+def preflight(timeout: float = PREFLIGHT_TIMEOUT) -> dict:
+    """What the GPU check relies on, asked in one process of its own within ``timeout`` seconds (``_PREFLIGHT``).
+
+    In order, the first failure stopping the rest: CuPy imports; NCCL's
+    library loads; the cuDNN frontend imports, at a version towers is written
+    for (1.23 to 1.32); nvmath-python imports; cuda-core >= 0.5.0 and
+    cuda-pathfinder >= 1.5.1 (nvmath-python's needs); cuda-bindings is
+    installed; then, when CuPy sees a CUDA device, cuDNN's library version,
+    ``towers.devices.cudnn.available()`` (a handle on GPU 0) and
+    ``towers.devices.matmul.nvmath_available()`` (a cuBLAS handle).  Returns
+    {"versions": {...}, "stop": None or [what, why, fix]}: the versions of the
+    packages (distribution names) and of CuPy, NCCL, cuDNN, the frontend and
+    nvmath as they report them.
+    """
+    rc, text = _run_quiet([sys.executable, "-c", _PREFLIGHT], timeout)
+    answers = _last_json(text) if rc is not None else None
+    if answers is None:
+        tail = text.strip().splitlines()[-1:] if text.strip() else [f"exit {rc}"]
+        return {"versions": {}, "stop": ["the preflight", tail[0], "see the line above"]}
+    return answers
+
+
+def preflight_line(result: dict) -> str:
+    """The preflight in one line: each version found, then what stops the check (if anything)."""
+    v = result.get("versions") or {}
+    keys = (("CuPy", "cupy"), ("NCCL", "nccl"), ("cuDNN", "cudnn"), ("frontend", "cudnn_frontend"),
+            ("nvmath", "nvmath"), ("cuda-core", "cuda-core"), ("cuda-bindings", "cuda-bindings"),
+            ("cuda-pathfinder", "cuda-pathfinder"))
+    line = ", ".join(f"{label} {_nccl_version(v[k]) if k == 'nccl' else v[k]}" if v.get(k) is not None
+                     else f"{label} absent" for label, k in keys)
+    stop = result.get("stop")
+    return line + (f"; STOPS: {stop[0]}: {stop[1]}" if stop else "")
+
+
 def probe_torch(timeout: float = TORCH_TIMEOUT) -> dict:
     """torch's version and its CUDA version, imported in a process of its own; ``torch_error`` when it does not."""
     rc, text = _run_quiet([sys.executable, "-c", _TORCH_PROBE], timeout)
@@ -248,7 +358,7 @@ def probe_torch(timeout: float = TORCH_TIMEOUT) -> dict:
 def machine_text(facts: dict) -> str:
     """``machine.txt``: every fact, one per line, then ``nvidia-smi -L``'s output."""
     keys = ("no_gpu", "device_count", "gpus", "cuda_visible_devices", "cupy", "nccl", "cuda_runtime",
-            "cuda_driver", "nvrtc", "numpy", "torch", "torch_cuda", "python", "executable")
+            "cuda_driver", "nvrtc", "numpy", "torch", "torch_cuda", "python", "executable", "preflight")
     lines = []
     for k in keys:
         if k in facts:
@@ -574,7 +684,10 @@ def render_summary(facts: dict, suite: SuiteResult | None, suite_step: Step | No
                    bench_error: str = "") -> str:
     """The summary, as markdown: machine line, test line, failures, bench table, ratios, step times, verdict."""
     out = ["## GPU check" + (" (--cpu-smoke: no GPU, the command itself checked)" if cpu_smoke else ""), "",
-           f"machine: {machine_line(facts)}", ""]
+           f"machine: {machine_line(facts)}"]
+    if facts.get("preflight"):
+        out.append(f"preflight: {facts['preflight']}")
+    out.append("")
     if suite_step is None:
         out.append("GPU tests: not run")
     else:
@@ -683,7 +796,15 @@ def main(argv=None) -> int:
 def _check(a, logdir: Path, bench_extra: list[str]) -> int:
     steps = []
     t0 = time.perf_counter()
+    pre = preflight()
+    (logdir / "preflight.json").write_text(json.dumps(pre, indent=1, default=str) + "\n")
+    stop = pre.get("stop")
+    if stop and not a.cpu_smoke:
+        print(f"gpu_check: error: preflight: {stop[0]}: {stop[1]}; {stop[2]} (versions in "
+              f"{logdir / 'preflight.json'})", file=sys.stderr)
+        return 2
     facts = probe_machine()
+    facts["preflight"] = preflight_line(pre)
     machine = Step("machine facts")
     steps.append(machine)
     if facts["no_gpu"] and not a.cpu_smoke:
@@ -695,6 +816,7 @@ def _check(a, logdir: Path, bench_extra: list[str]) -> int:
     (logdir / "machine.txt").write_text(machine_text(facts))
     machine.seconds, machine.status, machine.rc = time.perf_counter() - t0, "ok", 0
     print(f"gpu_check: machine: {machine_line(facts)}", flush=True)
+    print(f"gpu_check: preflight: {facts['preflight']}", flush=True)
 
     # The GPU tests record each measured difference from the CPU there (tests/gpu_compare.py).
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOWERS_GPU_REPORT=str((logdir / "gpu-diffs.jsonl").resolve()))

@@ -6,6 +6,7 @@ a real pytest run, pytest's console log, and the benchmark's json.  The whole
 pipeline (``--cpu-smoke``) takes 15 s to a minute and is not run here.
 """
 import json
+import os
 import subprocess
 import sys
 import time
@@ -59,11 +60,36 @@ def test_without_a_gpu_it_refuses_fast_with_one_line(tmp_path):
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr
-    assert lines[0].startswith("gpu_check: error: no CUDA device is visible to CuPy (")
-    assert "--cpu-smoke" in lines[0]
+    # The preflight stops first where a package the check needs is missing; else the machine facts find no GPU.
+    assert (lines[0].startswith("gpu_check: error: no CUDA device is visible to CuPy (") and "--cpu-smoke" in lines[0]
+            or lines[0].startswith("gpu_check: error: preflight: ")), lines[0]
     assert took < 30, f"the refusal took {took:.1f} s"
-    assert {f.name for f in logs.iterdir()} <= {"machine.txt"}
+    assert {f.name for f in logs.iterdir()} <= {"machine.txt", "preflight.json"}
     assert p.stdout == ""
+
+
+def test_the_preflight_stops_in_seconds_with_one_line_naming_what_is_missing(tmp_path):
+    """nvmath-python made unimportable (a package of that name that raises, first on the path): the check stops
+    before any step, with one line naming it and how to bring it, and the versions it found in preflight.json."""
+    pytest.importorskip("cupy")
+    pytest.importorskip("cudnn", reason="the cuDNN frontend would stop the preflight first")
+    hide = tmp_path / "hide" / "nvmath"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hide.parent), str(REPO)]))
+    logs = tmp_path / "logs"
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "tools.gpu_check", str(logs)], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: error: preflight: nvmath-python: ImportError: "
+                                                   "hidden by the test; carry it: tools/gpu_wheels.sh"), p.stderr
+    assert took < 30, f"the preflight took {took:.1f} s"
+    found = json.loads((logs / "preflight.json").read_text())
+    assert found["stop"][0] == "nvmath-python" and found["versions"]["cudnn_frontend"]
+    assert "nvmath absent" in gpu_check.preflight_line(found) and "STOPS: nvmath-python" in gpu_check.preflight_line(found)
 
 
 def test_a_bad_flag_is_one_line_and_status_2(tmp_path):
