@@ -58,9 +58,14 @@ of each model's shape, 10 learnable classes):
   batches stay in pinned host memory); neither counts the CUDA context or
   library handles; "n/a" on the CPU;
 * start-up of every towers row: seconds from the launch of a fresh process to
-  its first completed step, with an EMPTY CuPy kernel cache (``CUPY_CACHE_DIR``
-  a fresh directory: every kernel compiled) and warm (the same directory again);
-  the conv nets' cold run stops after its first step (only its start-up is used);
+  its first completed step; with ``--startup`` also with an EMPTY CuPy kernel
+  cache (``CUPY_CACHE_DIR`` a fresh directory: every kernel compiled), a cold
+  run of its own before the row (the conv nets' stops after its first step),
+  the row then warm in the same directory; without it the rows share one
+  kernel cache (the first row compiles);
+* the rows of each model in this order: PyTorch's references, then towers';
+  ``estimate_seconds`` estimates a run's time before it starts (its constants
+  state the measurements they come from);
 * the conv nets' towers rows once per ``--gpu-conv`` form (default ``im2col,cudnn``;
   im2col alone without a GPU): "towers" is im2col and cuBLAS, "towers cudnn" the
   convolutions on cuDNN (``towers.devices.cudnn``), whose calls and any shape
@@ -393,7 +398,8 @@ def _towers_worker(spec) -> dict:
         trainer.close()
     on_device = trainer.executor.device_data is not None
     if graphs:
-        t["graphs"] = [dict(captures=tw.graphs.captures, launches=tw.graphs.launches, refused=tw.graphs.refused)
+        t["graphs"] = [dict(captures=tw.graphs.captures, launches=tw.graphs.launches, refused=tw.graphs.refused,
+                            traceback=tw.graphs.refused_traceback)
                        for tw in trainer.executor.towers if tw.graphs is not None]
     if conv != "im2col":
         from towers.devices import cudnn
@@ -671,12 +677,24 @@ def model_forms(model: str, forms) -> list[str]:
 
 
 def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool, forms=("im2col",)) -> list[dict]:
-    """The rows: towers configurations (the conv nets once per ``gpu_conv`` form) and PyTorch references."""
+    """The rows, model by model: the PyTorch references first (a run cut short keeps them), then towers'
+    configurations (the conv nets once per ``gpu_conv`` form)."""
     dev = "0" if gpus else "cpu"
     where = "GPU 0" if gpus else "CPU"
     rows = []
     for model in models:
         b = MODELS[model][3]
+        variants = ["fp32"] + (["amp", "compile"] if model in CONV else [])
+        for variant in variants:
+            label = TORCH_VARIANTS[variant] + (" fp32" if variant == "fp32" and model in CONV else "")
+            if variant == "compile" and not torch_compile:
+                rows.append(dict(name=f"{model} {label}", kind="skip",
+                                 note="skipped: pass --torch-compile (a minute or more of compiling per row)"))
+                continue
+            for bb in (b, 2 * b):
+                row = dict(name=f"{model} {label}, {where}, b{bb}", kind="torch", model=model, batch=bb, devices=dev,
+                           variant=variant)
+                rows.append(row if torch_ok else dict(row, kind="skip", note="skipped: torch not installed"))
         for form in model_forms(model, forms) if gpus else ("im2col",):
             t = towers_label(form)
             rows.append(dict(name=f"{model} {t} 1 tower, {where}, b{b}", kind="towers", model=model, towers=1,
@@ -689,21 +707,40 @@ def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool, for
         else:
             rows.append(dict(name=f"{model} towers N towers on N GPUs", kind="skip",
                              note="skipped: only one GPU" if gpus == 1 else "skipped: no GPU"))
-        variants = ["fp32"]
         if model in CONV:
             rows.append(dict(name=f"{model} towers bf16", kind="skip", note="not implemented (towers has no bf16 yet)"))
-            variants += ["amp", "compile"]
-        for variant in variants:
-            label = TORCH_VARIANTS[variant] + (" fp32" if variant == "fp32" and model in CONV else "")
-            if variant == "compile" and not torch_compile:
-                rows.append(dict(name=f"{model} {label}", kind="skip",
-                                 note="skipped: pass --torch-compile (a minute or more of compiling per row)"))
-                continue
-            for bb in (b, 2 * b):
-                row = dict(name=f"{model} {label}, {where}, b{bb}", kind="torch", model=model, batch=bb, devices=dev,
-                           variant=variant)
-                rows.append(row if torch_ok else dict(row, kind="skip", note="skipped: torch not installed"))
     return rows
+
+
+# -- the time a run takes, estimated before it starts (tools/gpu_check.py budgets its default run with it) ----------
+# Seconds of one worker process before its first timed step: Python, imports, CUDA's context, the model, the first
+# steps (cuDNN's plans, CuPy's kernels from a warm cache); about 150 s for ResNet-20's 13 processes on an H200
+# (2026-11-27: 4 towers rows, their 4 cold start-ups, 4 PyTorch rows, the environment probe): 11.5 s each.
+START_S = {"env": 5.0, "towers": 12.0, "torch": 12.0, "cold": 10.0}
+GRAPHS_S = 5.0  # a +graphs row's warm-up step before its capture, and the capture
+# Milliseconds of one step of one tower at the model's batch on an H100/H200 (docs/performance.md: towers' eager
+# im2col rows, the slowest form; 2 towers sharing take twice as long), PyTorch's rows counted the same.
+STEP_MS = {"MLP": 0.6, "LeNet-5": 1.0, "ResNet-20": 11.0, "ResNet-56": 30.0, "CIFAR-10": 3.5}
+
+
+def estimate_seconds(rows: list[dict], sizes: dict, rounds: int, startup: bool = False,
+                     host_profile: bool = False) -> float:
+    """The estimated wall seconds of measuring ``rows`` (``_plan``'s) with ``sizes`` (model -> timed, warm-up,
+    profiled steps): the environment probe, then per worker ``START_S`` plus its steps at ``STEP_MS`` (the first,
+    the warm-up, ``rounds`` timed rounds, the profiled ones and, with ``host_profile``, as many again), a
+    ``+graphs`` row ``GRAPHS_S`` more, and with ``startup`` a cold start-up run per towers row.  No main job."""
+    total = START_S["env"]
+    for r in rows:
+        if r["kind"] == "skip":
+            continue
+        steps, warmup, profile = sizes[r["model"]]
+        n = 1 + warmup + rounds * steps + profile * (2 if host_profile and r["kind"] == "towers" else 1)
+        width = r["towers"] if r["kind"] == "towers" else r["batch"] / MODELS[r["model"]][3]
+        total += START_S[r["kind"]] + n * STEP_MS[r["model"]] * width / 1000
+        if r["kind"] == "towers":
+            total += GRAPHS_S if split_form(r.get("gpu_conv", "im2col"))[1] else 0.0
+            total += START_S["cold"] if startup else 0.0
+    return total
 
 
 def _mib(v):
@@ -732,7 +769,8 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def _print_startup(rows: list[dict]) -> None:
-    print("start-up: seconds from process launch to each mark (cold: empty CuPy kernel cache; warm: same cache again)")
+    print("start-up: seconds from process launch to each mark (cold, with --startup: empty CuPy kernel cache; warm: "
+          "the same cache again, or without --startup the cache the run's rows share)")
     w = max([50] + [len(r["name"]) for r in rows])
     print(f"| {'row':<{w}} | {'run':<5} | {'imports':>8} | {'built':>8} | {'1st step':>8} |")
     print(f"| {'-' * w} | ----- | -------- | -------- | -------- |")
@@ -788,7 +826,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"bench_gpu: error: {message} (see --help)\n")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
+    """The command line, resolved: ``models`` (names), ``gpu_conv`` (forms), ``rounds`` and ``sizes`` (model ->
+    timed, warm-up and profiled steps) among the flags; a bad one exits 2 with one line."""
     ap = _Parser(description=__doc__.split("\n")[0],
                  epilog="Models: MLP and LeNet-5 (28x28, batch 100 per tower), ResNet-20 and ResNet-56 (32x32x3, "
                         "batch 128), CIFAR-10 (TF's tutorial model, 24x24x3, batch 128); towers' names (mlp, lenet5, "
@@ -820,6 +860,9 @@ def main(argv=None) -> int:
     ap.add_argument("--host-profile", action="store_true",
                     help="also profile the towers rows' host time by Python function (cProfile, over "
                          "--profile-steps more steps; printed with --verbose, and in --json)")
+    ap.add_argument("--startup", action="store_true",
+                    help="also time each towers row's start-up with an empty CuPy kernel cache (a cold run of its "
+                         "own per row; off: the rows share one kernel cache, and their start-up is timed once)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, on the CPU when there is no GPU")
     ap.add_argument("--no-main-job", action="store_true", help="skip the default main job comparison")
     ap.add_argument("--verbose", action="store_true", help="print the kernel names counted for each row, with their time per step")
@@ -830,8 +873,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        print(RESULT + json.dumps(WORKERS[a.worker](json.loads(a.spec))), flush=True)
-        return 0
+        return a
     try:
         a.models = model_names(a.models)
     except ValueError as e:
@@ -851,11 +893,21 @@ def main(argv=None) -> int:
         ap.error("--steps, --lenet-steps, --conv-steps, --rounds and --profile-steps must be >= 1, --warmup >= 0")
     if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
         ap.error(f"--json {a.json}: its directory does not exist; create it or pick another path")
-    sizes = {  # model -> (timed steps, warm-up steps, profiled steps)
+    a.sizes = {  # model -> (timed steps, warm-up steps, profiled steps)
         m: (conv_steps, a.warmup if a.warmup is not None else (1 if q else CONV_WARMUP),
             a.profile_steps if a.profile_steps is not None else (1 if q else CONV_PROFILE)) if m in CONV
         else (steps if m == "MLP" else lenet_steps, warmup, profile_steps)
         for m in a.models}
+    a.rounds = rounds
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.worker:
+        print(RESULT + json.dumps(WORKERS[a.worker](json.loads(a.spec))), flush=True)
+        return 0
+    sizes, rounds = a.sizes, a.rounds
 
     tmp = tempfile.mkdtemp(prefix="towers-bench-gpu-")
     try:
@@ -929,6 +981,7 @@ def _bench(a, tmp, sizes: dict, rounds: int) -> int:
 
 def _measure(a, tmp, rows, sizes: dict, rounds: int, data: dict) -> None:
     """Run every row's workers (each in its own subprocess), printing each row's figures as it is measured."""
+    shared = tempfile.mkdtemp(prefix="cupy-cache-", dir=tmp)  # without --startup: one kernel cache for every row
     for r in rows:
         if r["kind"] == "skip":
             continue
@@ -939,11 +992,13 @@ def _measure(a, tmp, rows, sizes: dict, rounds: int, data: dict) -> None:
         t0 = time.perf_counter()
         if r["kind"] == "towers":
             spec["towers"] = r["towers"]
-            cache = tempfile.mkdtemp(prefix="cupy-cache-", dir=tmp)
-            # Empty kernel cache: start-up only matters here, so one round and no profiler (the conv nets:
-            # the first step alone, as their steps are long).
-            cold = dict(spec, rounds=1, profile=False, startup_only=model in CONV)
-            r["cold"] = run_worker("towers", cold, a.timeout, cache)
+            cache = shared
+            if a.startup:
+                cache = tempfile.mkdtemp(prefix="cupy-cache-", dir=tmp)
+                # Empty kernel cache: start-up only matters here, so one round and no profiler (the conv nets:
+                # the first step alone, as their steps are long).
+                cold = dict(spec, rounds=1, profile=False, startup_only=model in CONV)
+                r["cold"] = run_worker("towers", cold, a.timeout, cache)
             r["result"] = run_worker("towers", dict(spec, profile=True, host_profile=a.host_profile), a.timeout,
                                      cache)  # the same cache, warm
         else:
@@ -960,6 +1015,9 @@ def _measure(a, tmp, rows, sizes: dict, rounds: int, data: dict) -> None:
         # The main figures at once, so that a run cut short still shows what it measured.
         got = "" if "error" in res else (f": {res['samples_per_sec']:.0f} samples/s, peak "
                                          f"{_fmt(_mib(res.get('peak_bytes')))} MiB, loss {res['loss']:.3f}")
+        for g in res.get("graphs") or []:  # a failed capture's traceback, in the log as it happened
+            if g.get("traceback"):
+                print(f"  {r['name']}: the capture failed ({g['refused']}):\n{g['traceback']}", flush=True)
         print(f"  measured {r['name']} in {time.perf_counter() - t0:.1f} s{got}"
               + (f": FAILED {res['error']}" if "error" in res else "")
               + (f" (its cold start-up run FAILED: {cold_error})" if cold_error else ""), flush=True)

@@ -75,15 +75,22 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-TESTS_TIMEOUT = 100.0  # seconds for the whole pytest run (50 s on one H100, 2026-11-26)
-BENCH_TIMEOUT = 360.0  # seconds for the whole benchmark
-# The benchmark's rows at sizes that fit BENCH_TIMEOUT on one H100 or H200 (``--bench-args`` replaces them): the
-# MLP and LeNet-5 first (the rows every GPU run has: 90 s; with their CUDA-graph rows, an estimated 140 s), then
-# ResNet-20 with its convolutions by im2col, by cuDNN (about 150 s on an H200) and by cuDNN in CUDA graphs (an
-# estimated 75 s more), each towers row's host time by Python function; no main-job comparison.
-# A benchmark stopped at its limit keeps the rows it measured (tools/bench_gpu.py on SIGINT).
-BENCH_ARGS = ("--models mlp,lenet5,resnet20 --steps 300 --lenet-steps 60 --conv-steps 20 --warmup 5 "
-              "--rounds 2 --profile-steps 5 --no-main-job --gpu-conv im2col,cudnn,cudnn+graphs --host-profile")
+# The default run's time budget, explicit: the check, its tests included, fits in BUDGET seconds on one GPU (a
+# 15-minute lease has room for a second run after fixes).  ``budget()`` adds it up; tests/tools/test_gpu_check.py
+# checks that the sum fits and that the benchmark's estimate (tools/bench_gpu.py ``estimate_seconds``) fits its limit.
+BUDGET = 300.0  # seconds
+PREFLIGHT_EXPECTED = 10.0  # the preflight and the machine facts, as they take on a GPU machine (limits below)
+CUDNN_PROBE_TIMEOUT = 30.0  # seconds for tools/cudnn_probe.py (8 shapes x 3 operations: a graph build each)
+TESTS_TIMEOUT = 100.0  # seconds for the whole pytest run (50 s on one H100, 2026-11-26, before the cuDNN/graph tests ran)
+BENCH_TIMEOUT = 145.0  # seconds for the whole benchmark (its estimate for BENCH_ARGS: 144 s)
+# The first GPU run's rows (``--bench-args`` replaces them): ResNet-20's PyTorch references first, then towers with
+# its convolutions by im2col, by cuDNN and by cuDNN in CUDA graphs, each towers row's host time by Python function;
+# no cold start-up runs (bench_gpu.py --startup), no main-job comparison.  A benchmark stopped at its limit keeps
+# the rows it measured (tools/bench_gpu.py on SIGINT).
+BENCH_ARGS = ("--models resnet20 --conv-steps 20 --warmup 5 --rounds 2 --profile-steps 5 --no-main-job "
+              "--gpu-conv im2col,cudnn,cudnn+graphs --host-profile")
+# The GPU tests that run first: what the next GPU run checks first (a run stopped at its limit has them).
+FIRST_TESTS = ("tests/gpu/test_gpu_cudnn.py", "tests/gpu/test_gpu_graphs.py")
 PER_TEST_TIMEOUT = 120  # pytest-timeout's --timeout, when it is installed
 PROBE_TIMEOUT = 20.0  # nvidia-smi -L and the CuPy probe, run at once
 PREFLIGHT_TIMEOUT = 60.0  # the preflight's imports (nvmath imports its fft, linalg, sparse, tensor modules) and handles
@@ -343,6 +350,23 @@ def preflight_line(result: dict) -> str:
                      else f"{label} absent" for label, k in keys)
     stop = result.get("stop")
     return line + (f"; STOPS: {stop[0]}: {stop[1]}" if stop else "")
+
+
+def budget(bench_args: str = BENCH_ARGS) -> dict:
+    """The default run's seconds, step by step: {"steps": [(name, seconds)], "total": s, "bench_estimate": s}.
+
+    The steps: the preflight and machine facts as expected (``PREFLIGHT_EXPECTED``), the cuDNN probe, the
+    tests and the benchmark at their limits, and ``GRACE`` for each stopped step.  ``bench_estimate``: what
+    ``tools/bench_gpu.py`` estimates for ``bench_args`` on one GPU with torch (``estimate_seconds``).
+    """
+    from tools import bench_gpu
+
+    a = bench_gpu.parse_args(shlex.split(bench_args))
+    rows = bench_gpu._plan(1, True, a.models, a.torch_compile, a.gpu_conv)
+    estimate = bench_gpu.estimate_seconds(rows, a.sizes, a.rounds, a.startup, a.host_profile)
+    steps = [("preflight and machine facts", PREFLIGHT_EXPECTED), ("cuDNN probe", CUDNN_PROBE_TIMEOUT),
+             ("GPU tests", TESTS_TIMEOUT), ("benchmark", BENCH_TIMEOUT), ("grace of stopped steps", 3 * GRACE)]
+    return {"steps": steps, "total": sum(s for _, s in steps), "bench_estimate": estimate, "rows": rows}
 
 
 def probe_torch(timeout: float = TORCH_TIMEOUT) -> dict:
@@ -767,6 +791,8 @@ def main(argv=None) -> int:
     ap.add_argument("logdir", metavar="LOGDIR", help="folder for the logs and summary.md (created if missing)")
     ap.add_argument("--tests-timeout", type=_positive, default=TESTS_TIMEOUT, metavar="S",
                     help=f"seconds for the whole GPU test run (default {TESTS_TIMEOUT:g})")
+    ap.add_argument("--probe-timeout", type=_positive, default=CUDNN_PROBE_TIMEOUT, metavar="S",
+                    help=f"seconds for the cuDNN probe, tools/cudnn_probe.py (default {CUDNN_PROBE_TIMEOUT:g})")
     ap.add_argument("--bench-timeout", type=_positive, default=BENCH_TIMEOUT, metavar="S",
                     help=f"seconds for the whole benchmark (default {BENCH_TIMEOUT:g})")
     ap.add_argument("--bench-args", default=None, metavar='"..."',
@@ -821,6 +847,15 @@ def _check(a, logdir: Path, bench_extra: list[str]) -> int:
     # The GPU tests record each measured difference from the CPU there (tests/gpu_compare.py).
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOWERS_GPU_REPORT=str((logdir / "gpu-diffs.jsonl").resolve()))
     env.pop("TOWERS_TEST_GPU_AS", None)  # a dry run's switch would turn every GPU comparison into CPU against CPU
+
+    # cuDNN one operation at a time (on the CPU, --cpu-smoke: the graph descriptions only).
+    probe_json = logdir / "cudnn-probe.json"
+    probe_json.unlink(missing_ok=True)
+    cmd = [sys.executable, str(ROOT / "tools" / "cudnn_probe.py"), "--json", str(probe_json.resolve())]
+    cmd += ["--describe"] if facts["no_gpu"] else []
+    print(f"\ngpu_check: cuDNN probe (at most {a.probe_timeout:g} s): {shlex.join(cmd)}", flush=True)
+    probe_step = run_logged("cuDNN probe", cmd, logdir / "cudnn-probe.log", a.probe_timeout, env)
+    steps.append(probe_step)
     (logdir / "gpu-diffs.jsonl").unlink(missing_ok=True)
     xml, tests_log = logdir / "gpu-tests.xml", logdir / "gpu-tests.log"
     xml.unlink(missing_ok=True)  # a file of an earlier run must not pass for this one's
@@ -830,7 +865,7 @@ def _check(a, logdir: Path, bench_extra: list[str]) -> int:
     cmd += ["-rfEsxX", "--junitxml", str(xml.resolve())]
     if importlib.util.find_spec("pytest_timeout") is not None:
         cmd += ["--timeout", str(PER_TEST_TIMEOUT)]
-    cmd.append("tests/")
+    cmd += [*FIRST_TESTS, "tests/"]  # pytest runs each file once, these first
     print(f"\ngpu_check: GPU tests (at most {a.tests_timeout:g} s): {shlex.join(cmd)}", flush=True)
     suite_step = run_logged("GPU tests", cmd, tests_log, a.tests_timeout, env)
     steps.append(suite_step)
@@ -864,6 +899,11 @@ def _check(a, logdir: Path, bench_extra: list[str]) -> int:
     text = render_summary(facts, suite, suite_step, bench, bench_step, steps, str(logdir), a.cpu_smoke,
                           bench_error)
     status = verdict(suite, suite_step, bench_step, a.cpu_smoke)
+    said = [ln for ln in (logdir / "cudnn-probe.log").read_text(errors="replace").splitlines()
+            if ln.startswith("cudnn_probe: ")]
+    text += f"cuDNN probe: {said[-1] if said else 'no summary line'} ({probe_step.status}; {logdir / 'cudnn-probe.log'})\n"
+    if not probe_step.ok:
+        status = 1
     text += f"result: {'OK' if status == 0 else 'FAILED'} (exit {status})\n"
     (logdir / "summary.md").write_text(text)
     print("\n" + text, end="", flush=True)

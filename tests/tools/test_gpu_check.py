@@ -7,6 +7,7 @@ pipeline (``--cpu-smoke``) takes 15 s to a minute and is not run here.
 """
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -261,3 +262,27 @@ def test_the_gpu_tests_dry_run_on_the_cpu():
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", res.stdout).group(1))
     assert passed >= 40, res.stdout[-500:]
+
+
+def test_the_default_run_fits_its_budget_with_each_models_references_first():
+    """The time budget is explicit (gpu_check.budget): the steps' limits sum to BUDGET at most, the benchmark's
+    estimate for its default rows fits its limit, its PyTorch rows come before towers' (a run stopped at its limit
+    keeps the references), and no cold start-up run is made unless asked (--startup)."""
+    from tools import bench_gpu
+
+    b = gpu_check.budget()
+    assert b["total"] <= gpu_check.BUDGET, b["steps"]
+    assert b["bench_estimate"] <= gpu_check.BENCH_TIMEOUT, b["bench_estimate"]
+    measured = [r for r in b["rows"] if r["kind"] != "skip"]
+    assert measured and {r["model"] for r in measured} == {"ResNet-20"}
+    kinds = [r["kind"] for r in measured]
+    assert kinds == ["torch"] * kinds.count("torch") + ["towers"] * kinds.count("towers"), kinds
+    assert {r["gpu_conv"] for r in measured if r["kind"] == "towers"} == {"im2col", "cudnn", "cudnn+graphs"}
+    a = bench_gpu.parse_args(shlex.split(gpu_check.BENCH_ARGS))
+    assert not a.startup
+    cold = bench_gpu.estimate_seconds(b["rows"], a.sizes, a.rounds, startup=True, host_profile=a.host_profile)
+    assert cold > b["bench_estimate"] + 5 * bench_gpu.START_S["cold"]
+    for model in ("MLP", "LeNet-5", "CIFAR-10"):  # every model's rows: references first
+        rows = [r for r in bench_gpu._plan(1, True, [model], False, ["im2col", "cudnn"]) if r["kind"] != "skip"]
+        first_towers = next(i for i, r in enumerate(rows) if r["kind"] == "towers")
+        assert all(r["kind"] == "towers" for r in rows[first_towers:]), model

@@ -59,6 +59,7 @@ Sync points: none (a launch is queued on the tower's stream).
 from __future__ import annotations
 
 import collections
+import traceback
 
 from towers.errors import notice
 
@@ -105,6 +106,7 @@ class StepGraphs:
         self.stream, self.scalars, self.label = stream, scalars, label
         self.on_failure = on_failure
         self.refused: str | None = None
+        self.refused_traceback: str | None = None  # where a capture failed (the benchmark's log shows it)
         self.captures = self.launches = 0
         self._graphs: collections.OrderedDict = collections.OrderedDict()
         self._seen: dict = {}  # key -> device bytes its warm-up step took from CuPy's default pool
@@ -170,6 +172,7 @@ class StepGraphs:
                 graph = self.stream.end_capture()
         except Exception as e:
             self.refused = f"{type(e).__name__}: {e}"
+            self.refused_traceback = traceback.format_exc()
             notice(f"CUDA graphs: {self.label} runs its steps eagerly, the capture failed ({self.refused})")
             if self.on_failure is not None:
                 self.on_failure()
