@@ -18,6 +18,12 @@ real library requires of a single process driving several ranks:
 
 Every call is appended to ``calls`` for tests to inspect.  It cannot check
 asynchrony, stream order or device placement.
+
+Asynchronous errors: ``fail_async(rank, status, message)`` makes that rank's
+communicator report an error from ``check_async_error()`` (NCCL's
+``ncclCommGetAsyncError``, as CuPy's ``NcclCommunicator`` raises it), as a
+failed collective does on a GPU; ``abort()`` ends a communicator as
+``ncclCommAbort`` does.
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ class NcclError(RuntimeError):
         self.status = status
 
 
-NCCL_ERROR_INVALID_ARGUMENT, NCCL_ERROR_INVALID_USAGE = 4, 5
+NCCL_ERROR_SYSTEM_ERROR, NCCL_ERROR_INVALID_ARGUMENT, NCCL_ERROR_INVALID_USAGE, NCCL_ERROR_REMOTE_ERROR = 2, 4, 5, 6
 
 calls: list[tuple] = []
 _registry: list[tuple[int, int]] = []  # (start, end) byte ranges the stand-in may touch
@@ -85,6 +91,14 @@ def _view(ptr: int, count: int, datatype: int) -> numpy.ndarray:
         )
     buf = (ctypes.c_char * nbytes).from_address(ptr)
     return numpy.frombuffer(buf, dtype=dtype, count=count)
+
+
+def fail_async(rank: int, status: int = NCCL_ERROR_REMOTE_ERROR, message: str = "remote process exited") -> None:
+    """Make the communicators of ``rank`` report ``status`` as their asynchronous error from now on."""
+    for clique in [*_cliques, *_by_id.values()]:
+        for comm in clique:
+            if comm.rank_id() == rank:
+                comm._async_error = (status, message)
 
 
 def get_version() -> int:
@@ -151,6 +165,7 @@ class NcclCommunicator:
         self.clique.append(self)
         calls.append(("init", int(ndev), self.comm_id, int(rank)))
         self._alive = True
+        self._async_error: tuple | None = None  # (status, message) once ``fail_async`` names this rank
 
     @staticmethod
     def initAll(devices):
@@ -199,6 +214,15 @@ class NcclCommunicator:
             _run([item])
         else:
             _pending.append(item)
+
+    def check_async_error(self) -> None:
+        calls.append(("check_async_error", self._rank))
+        if self._async_error is not None:
+            raise NcclError(*self._async_error)
+
+    def abort(self) -> None:
+        calls.append(("abort", self._rank))
+        self._alive = False
 
     def destroy(self) -> None:
         calls.append(("destroy", self._rank))

@@ -110,3 +110,51 @@ def test_distinct_devices_are_required_before_init(standin):
     with pytest.raises(UserError, match="distinct GPUs"):
         NcclAllReduce([0, 0], nccl=standin)
     assert standin.calls == []
+
+
+def test_an_asynchronous_nccl_error_stops_the_run_with_one_line_not_a_hang(standin):
+    """A rank whose collective failed (NCCL reports it asynchronously; on a GPU the all-reduce would then never
+    finish): the next host sync point polls it, aborts the communicators and raises one TrainingError line."""
+    from towers import Config, Trainer
+    from towers.data.batches import BatchSource
+    from towers.data.loading import load_dataset
+    from towers.errors import TrainingError
+    from tests.conftest import DIGITS
+
+    cfg = Config(n_gpu=2, devices="cpu", hidden=32, batch_size=50)
+    ds = load_dataset(str(DIGITS))
+    tr = Trainer(cfg, dataset=ds, reducer=standin.reducer(2))
+    try:
+        for r in tr.executor.replicas:
+            standin.register(r.grads)
+        src = BatchSource(ds, 100, cfg.seed)
+        tr.train_step(*src.next_batch())
+        tr.synchronize()  # no error: the poll finds none
+        assert ("check_async_error", 1) in standin.calls and not any(c[0] == "abort" for c in standin.calls)
+        standin.fail_async(1, message="remote process exited")
+        tr.train_step(*src.next_batch())
+        with pytest.raises(TrainingError) as e:
+            tr.synchronize()
+        line = str(e.value)
+        assert "\n" not in line and line.startswith("NCCL all-reduce failed on rank 1 (device 1): NcclError: "
+                                                     "remote process exited; the run stops"), line
+        assert [c for c in standin.calls if c[0] == "abort"] == [("abort", 0), ("abort", 1)]
+    finally:
+        tr.close()
+
+
+def test_an_all_reduce_that_never_finishes_times_out_with_one_line(standin):
+    import time
+
+    from towers.errors import TrainingError
+
+    a, b = np.ones(8, np.float32), np.ones(8, np.float32)
+    standin.register(a, b)
+    nar = NcclAllReduce([0, 1], nccl=standin, stream_done=lambda ptr: False)  # a stream whose work never ends
+    nar.average([a, b], [11, 12])
+    t0 = time.monotonic()
+    with pytest.raises(TrainingError, match=r"^NCCL all-reduce did not finish within 0.05 s on devices \[0, 1\]"):
+        nar.wait(timeout=0.05)
+    assert time.monotonic() - t0 < 5
+    assert [c for c in standin.calls if c[0] == "abort"] == [("abort", 0), ("abort", 1)]
+    nar.close()  # aborted: nothing left to destroy

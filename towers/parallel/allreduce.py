@@ -13,6 +13,15 @@ rank).  Two ranks on one GPU are refused by NCCL, so towers sharing a GPU are
 reduced on the device first.  NCCL's AVG multiplies by 1/N before summing, so
 results can differ from ``sum / N`` in the last bit when N is not a power of two.
 
+Waiting (``wait``, at every host sync point of the step engine): NCCL reports a
+failed collective (a peer gone, a network error) asynchronously, and the
+all-reduce then never finishes: a plain stream synchronize would hang.  So the
+host polls instead: every ``POLL_S`` seconds it asks each communicator for its
+asynchronous error (``check_async_error``, NCCL's ``ncclCommGetAsyncError``)
+and each rank's stream whether its work is done; an error, or work not done
+within ``WAIT_TIMEOUT`` seconds, aborts the communicators and raises one
+``TrainingError`` line (exit status 1 from the command line), never a hang.
+
 The NCCL module is injected at one place: the ``nccl`` argument (default
 ``cupy.cuda.nccl``).  Tests pass a host-memory stand-in with the same call
 signatures (and CPU ``devices``, in whose scope nothing changes).
@@ -28,12 +37,17 @@ every tower of every host, whatever each host's tower count.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy
 
-from towers.errors import UserError
+from towers.errors import TrainingError, UserError
 from towers.devices.placement import GPU_EXTRAS, Device
+
+
+WAIT_TIMEOUT = 600.0  # seconds a host sync point waits for the queued all-reduces before it gives up
+POLL_S = 0.0005  # seconds between two polls of the streams and of NCCL's asynchronous errors
 
 
 def nccl_module():
@@ -88,7 +102,8 @@ def world_layout(leaders_per_host: list[int], towers_per_host: list[int], unique
 class NcclAllReduce:
     """One communicator per rank (``initAll``, or a ``NcclWorld``'s ranks) and a grouped in-place average."""
 
-    def __init__(self, device_ids: list[int], nccl=None, world: NcclWorld | None = None, devices=None):
+    def __init__(self, device_ids: list[int], nccl=None, world: NcclWorld | None = None, devices=None,
+                 stream_done=None):
         if len(set(device_ids)) != len(device_ids):
             raise UserError(
                 f"NCCL needs distinct GPUs, got {device_ids}: towers sharing a GPU are reduced on it first"
@@ -97,6 +112,11 @@ class NcclAllReduce:
         self.device_ids = list(device_ids)
         # Whose scope each rank's communicator is made in (default: GPU ``device_ids``).
         self.devices = list(devices) if devices is not None else [Device("gpu", d) for d in self.device_ids]
+        # Whether a stream's queued work is done (``wait``): CUDA's stream query; on host "devices" (tests' NCCL
+        # stand-in) the work ran when it was issued.
+        self._stream_done = stream_done or (_cuda_stream_done if any(d.is_gpu for d in self.devices)
+                                            else (lambda ptr: True))
+        self._issued: set = set()  # streams with all-reduces not yet waited for
         self._dtypes = {
             numpy.dtype(numpy.float32): self.nccl.NCCL_FLOAT32,
             numpy.dtype(numpy.float64): self.nccl.NCCL_FLOAT64,
@@ -145,8 +165,61 @@ class NcclAllReduce:
                 comm.allReduce(ptr, ptr, count, nccl_dtype, nccl.NCCL_AVG, stream)
         finally:
             nccl.groupEnd()  # nothing is enqueued before this returns
+        self._issued.update(stream for _, _, stream in calls)
+
+    def wait(self, timeout: float = WAIT_TIMEOUT) -> None:
+        """Return when every stream an all-reduce was queued on since the last ``wait`` is done; a communicator's
+        asynchronous error, or ``timeout`` seconds passing first, aborts the communicators and raises a
+        ``TrainingError`` (module doc).  Polls every ``POLL_S`` seconds; the streams' other work counts too."""
+        pending, t0 = set(self._issued), time.monotonic()
+        while True:
+            for rank, comm in enumerate(self.comms):
+                check = getattr(comm, "check_async_error", None)
+                if check is None:
+                    continue
+                try:
+                    check()
+                except Exception as e:  # NcclError: the collective failed
+                    self._abort()
+                    raise TrainingError(f"NCCL all-reduce failed on rank {rank} (device {self.device_ids[rank]}): "
+                                        f"{type(e).__name__}: {e}; the run stops") from None
+            pending = {ptr for ptr in pending if not self._stream_done(ptr)}
+            if not pending:
+                break
+            if time.monotonic() - t0 > timeout:
+                self._abort()
+                raise TrainingError(f"NCCL all-reduce did not finish within {timeout:g} s on devices "
+                                    f"{self.device_ids} (no error reported: a peer stopped answering?); the run stops")
+            time.sleep(POLL_S)
+        self._issued.clear()
+
+    def _abort(self) -> None:
+        """Abort every communicator (their queued collectives end), best effort: the caller raises next."""
+        for comm in self.comms:
+            try:
+                comm.abort()
+            except Exception:  # noqa: BLE001, S110 - already failing; the error raised next says why
+                pass
+        self.comms, self._issued = [], set()
 
     def close(self) -> None:
         for comm in self.comms:
             comm.destroy()
         self.comms = []
+
+
+def _cuda_stream_done(ptr: int) -> bool:
+    """Whether the CUDA stream ``ptr`` has finished its queued work (another CUDA error raises)."""
+    from cupy_backends.cuda.api import runtime
+
+    try:
+        status = runtime.streamQuery(ptr)
+    except runtime.CUDARuntimeError as e:
+        status = e.status
+    if status == _NOT_READY:
+        return False
+    runtime.check_status(status)
+    return True
+
+
+_NOT_READY = 600  # cudaErrorNotReady: the stream still has work

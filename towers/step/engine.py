@@ -270,8 +270,10 @@ class StepEngine:
             self._pool.wait()
 
     def synchronize(self) -> None:
-        """Host sync point: tower threads and GPU streams finish what was issued."""
+        """Host sync point: tower threads and GPU streams finish what was issued (the all-reduces polled first for
+        NCCL's asynchronous errors: ``Reducer.wait``)."""
         self._wait_threads()
+        self.keeper.reducer.wait()
         for t in self.towers:
             if t.stream is not None:
                 t.stream.synchronize()
