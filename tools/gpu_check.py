@@ -1,11 +1,32 @@
-"""The whole GPU check in one command: machine facts, the GPU test suite, the GPU benchmark, one summary.
+"""The whole GPU check in one command: preflight, machine facts, cuDNN probe, GPU tests, GPU benchmark, one summary.
 
-    python -m tools.gpu_check LOGDIR [--tests-timeout S] [--bench-timeout S] [--bench-args "..."] [--cpu-smoke]
+    python -m tools.gpu_check LOGDIR [--probe-timeout S] [--tests-timeout S] [--bench-timeout S]
+                                     [--bench-args "..."] [--cpu-smoke]
     python tools/gpu_check.py LOGDIR ...          # the same, from anywhere
+
+On the lent GPU machine (no network; its image has CuPy, NCCL, cuDNN and
+PyTorch, not the cuDNN frontend or nvmath-python), first fill ``.whl/`` here
+with ``tools/gpu_wheels.sh``, send it with the checkout, and run there:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; \
+        python3 -m tools.gpu_check $OUT/check
+
+What the next GPU run is for (the default run): the preflight, the cuDNN
+probe, the cuDNN and CUDA-graph tests first then the other GPU tests, and
+ResNet-20's benchmark rows (PyTorch's first, then towers by im2col, cuDNN and
+cuDNN in CUDA graphs); bring the LOGDIR back.
 
 What it runs, in this order, each step a subprocess with a time limit (a hung
 driver, test or benchmark cannot hang the check):
 
+0. the preflight (``preflight``, ``PREFLIGHT_TIMEOUT`` s at most, seconds in
+   practice): CuPy, NCCL, the cuDNN frontend (1.23 to 1.32), nvmath-python,
+   cuda-core, cuda-pathfinder and cuda-bindings import or are installed at
+   the versions needed, and on a GPU cuDNN and nvmath start; every version
+   goes to ``LOGDIR/preflight.json``.  The first missing one stops the check
+   at once: one line ``gpu_check: error: preflight: WHAT: WHY; FIX`` on
+   stderr, exit status 2 (``--cpu-smoke`` notes it and goes on);
 1. machine facts (``probe_machine``): ``nvidia-smi -L`` (when the command
    exists) and one Python process that asks CuPy for the CUDA devices (count
    and names), the CUDA runtime and driver versions, NCCL's and NVRTC's
@@ -15,43 +36,49 @@ driver, test or benchmark cannot hang the check):
    Written to ``LOGDIR/machine.txt``.  When CuPy sees no CUDA device the
    check stops here: one line on stderr, exit status 2, nothing else run
    (unless ``--cpu-smoke``);
-2. the GPU tests: ``python -m pytest -q -m gpu -p no:cacheprovider -W
+2. the cuDNN probe: ``python tools/cudnn_probe.py --json
+   LOGDIR/cudnn-probe.json`` (every convolution shape of ResNet-20 and the
+   CIFAR-10 model, forward and both gradients on cuDNN against im2col: the
+   relative error, the engine and the workspace; ``--describe`` without a
+   GPU), ``--probe-timeout`` s (default ``CUDNN_PROBE_TIMEOUT``), its output in
+   ``LOGDIR/cudnn-probe.log``;
+3. the GPU tests: ``python -m pytest -q -m gpu -p no:cacheprovider -W
    error::cupy._util.PerformanceWarning -rfEsxX --junitxml
-   LOGDIR/gpu-tests.xml tests/`` in the checkout (plus ``--timeout 120``
-   per test when pytest-timeout is installed), output streamed to the
-   console and to ``LOGDIR/gpu-tests.log``, each test's measured
-   differences from the CPU in ``LOGDIR/gpu-diffs.jsonl``
-   (``TOWERS_GPU_REPORT``, ``tests/gpu_compare.py``); the whole run is
-   stopped after ``--tests-timeout`` seconds (default 100);
-3. the benchmark: ``python tools/bench_gpu.py --json LOGDIR/bench.json
-   --verbose`` plus the words of ``--bench-args`` (default ``BENCH_ARGS``:
-   the MLP, LeNet-5 and ResNet-20 rows at sizes that fit), streamed to the
-   console and to ``LOGDIR/bench.log``, stopped after ``--bench-timeout``
-   seconds (default 360; the rows measured by then are kept);
-4. the summary (``render_summary``), printed last and written to
-   ``LOGDIR/summary.md``: the machine, the test counts and every failing
-   test with its message's first line (``parse_junit``, or ``parse_pytest_log``
-   when the xml is missing), the benchmark's rows in samples/s and its ratios
-   (``read_bench``), and the wall time of each step.
+   LOGDIR/gpu-tests.xml`` on ``FIRST_TESTS`` (cuDNN, CUDA graphs) then
+   ``tests/`` in the checkout (plus ``--timeout 120`` per test when
+   pytest-timeout is installed), output streamed to the console and to
+   ``LOGDIR/gpu-tests.log``, each test's measured differences from the CPU in
+   ``LOGDIR/gpu-diffs.jsonl`` (``TOWERS_GPU_REPORT``, ``tests/gpu_compare.py``);
+   the whole run is stopped after ``--tests-timeout`` seconds (default 100);
+4. the benchmark: ``python tools/bench_gpu.py --json LOGDIR/bench.json
+   --verbose`` plus the words of ``--bench-args`` (default ``BENCH_ARGS``),
+   streamed to the console and to ``LOGDIR/bench.log`` (a failed CUDA-graph
+   capture's traceback included), stopped after ``--bench-timeout`` seconds
+   (default ``BENCH_TIMEOUT``; the rows measured by then are kept);
+5. the summary (``render_summary``), printed last and written to
+   ``LOGDIR/summary.md``: the machine, the preflight's versions, the test
+   counts and every failing test with its message's first line
+   (``parse_junit``, or ``parse_pytest_log`` when the xml is missing), the
+   benchmark's rows in samples/s and its ratios (``read_bench``), the wall
+   time of each step and the cuDNN probe's summary line.
 
 A step that passes its limit is interrupted (SIGINT to its process group,
 so pytest still writes its summary and xml), then killed ``GRACE`` (5) s
-later; the summary says so.  With the default limits the check takes at
-most about 545 s: 100 + 360 s of steps, 20 + 30 s of probes and 5 s for
-the probes' threads, 5 s of grace and up to 10 s of log readers per
-stopped step (within a 15-minute GPU lease with room for a second run
-after fixes); about 4 minutes in practice on one H100 with the benchmark's
-earlier rows (before the cuDNN rows and the host profile were added).
+later; the summary says so.  The time budget is explicit (``BUDGET``,
+``budget()``): 10 s of preflight and facts, 30 s of cuDNN probe, 100 s of
+tests, 145 s of benchmark (``tools/bench_gpu.py`` estimates 144 s for
+``BENCH_ARGS``) and 15 s of grace: 300 s, so that a second run fits a
+15-minute lease after fixes.
 
 ``--cpu-smoke`` runs the same pipeline on a machine without a GPU, to check
-the command itself: the facts note that there is no GPU, every GPU test
-skips, and the benchmark runs ``--quick --no-main-job`` on the CPU.  15 s to
-a minute on 2 cores, as busy as they are.
+the command itself: the preflight and the facts note what is missing, the
+probe only describes the graphs, every GPU test skips, and the benchmark
+runs ``--quick --no-main-job`` on the CPU.  A minute or three on 2 busy cores.
 
-Exit status: 0 when the tests had no failures or errors and the benchmark
-exited 0 (neither stopped at its limit); 1 otherwise; 2 when no CUDA device
-is visible (without ``--cpu-smoke``) or for a bad argument (one line
-``gpu_check: error: ...`` on stderr); 130 for Ctrl-C.
+Exit status: 0 when the tests had no failures or errors, the probe and the
+benchmark exited 0 (none stopped at its limit); 1 otherwise; 2 when the
+preflight stops, when no CUDA device is visible (without ``--cpu-smoke``) or
+for a bad argument (one line ``gpu_check: error: ...`` on stderr); 130 for Ctrl-C.
 """
 from __future__ import annotations
 
