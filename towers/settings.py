@@ -303,6 +303,15 @@ def shown_default(f: dataclasses.Field) -> str:
         f.default, float) else str(f.default)
 
 
+def help_text(f: dataclasses.Field) -> str:
+    """The flag's ``--help`` text: its help, and its default (``shown_default``) where the help does not say it;
+    a switch's default is its flag's absence."""
+    text = f.metadata["help"]
+    if f.metadata["type"] == "bool" or "default" in text:
+        return text
+    return f"{text} (default: {shown_default(f)})"
+
+
 def flag_table(cls) -> str:
     """The table of command-line flags of docs/cli.md, generated from the declarations."""
     rows = ["| flag | default | meaning |", "| --- | --- | --- |"]

@@ -385,6 +385,11 @@ class _Npz:
         if os.path.isdir(path):
             raise UserError(f"{what} file {path} is a directory: {fix}")
         if not os.path.exists(path):
+            from towers.data.fetch import DATASETS
+
+            name = os.path.basename(path)[:-len(".npz")] if path.endswith(".npz") else None
+            if name in DATASETS:  # a data set the fetcher writes under this name
+                fix = (f"towers-fetch-data {name} -o {os.path.dirname(path) or '.'} writes it (or {fix})")
             raise UserError(f"{what} file {path} does not exist: {fix}")
         try:
             self._zip = zipfile.ZipFile(path)
