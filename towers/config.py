@@ -32,8 +32,8 @@ from towers.optim.optimizers import OPTIMIZERS, check_given, check_settings as c
 from towers.optim.optimizers import settings as optimizer_settings
 from towers.optim.schedule import SCHEDULES, parse_list, piecewise_values
 from towers.parallel.sync import MODES
-from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Choice, Free, Integer, Number, Text, check_fields,
-                             setting, switch, with_settings)
+from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Choice, Free, Integer, Number, StepsOrEpoch, Text,
+                             check_fields, setting, switch, with_settings)
 
 
 def _default_data() -> str:
@@ -104,6 +104,11 @@ class Config:
         "stop", "TFRecord: `stop` at a damaged record, or `skip` records whose payload CRC fails (counted); "
         "images: `skip` replaces one that does not decode (counted)", group="data",
         check=Choice(("stop", "skip")), resume=SILENT, type="str", metavar="stop|skip")
+    validation_split: float = setting(
+        0.0, "hold out this fraction of the training examples as the test data when there is none (no "
+        "x_test/y_test in --data, no --test-data), never trained on: the same examples in every run of one "
+        "--seed; for examples held in memory or an npz (see Validation and metrics in docs/training.md)",
+        group="data", check=Number(0, 1, high_open=True), resume=NOTE, type="float", metavar="F")
     input_workers: int | None = setting(
         None, "TFRecord and images: processes that read, parse, decode and augment ahead of the towers (0: the "
         "input thread; default: one per core not running a CPU tower or the main thread, at most 4)",
@@ -222,8 +227,10 @@ class Config:
         group="hosts", check=Text(), resume=SILENT, type="str | None", metavar="ADDR", shown="a local Ray")
     ray_logs: bool = switch("show Ray's own log lines (hidden by default)", group="hosts", resume=SILENT)
     # output
-    log_every: int = setting(100, "steps between log lines", group="output", check=Integer(1), resume=SILENT,
-                             type="int", metavar="N")
+    log_every: int | None = setting(
+        None, "steps between log lines (the loss, the training accuracy of that step; default: the steps / 20, at "
+        "least 1 and at most 100, so a short run has a curve too)", group="output", check=Integer(1, optional=True),
+        resume=SILENT, type="int | None", metavar="N", shown="steps / 20, at most 100")
     logdir: str | None = setting(None, "output directory", group="output", check=Text(), resume=SILENT,
                                  type="str | None", metavar="DIR", shown="`runs/<timestamp>`")
     quiet: bool = switch("no progress bar and no per-step log lines", group="output", resume=SILENT)
@@ -237,9 +244,16 @@ class Config:
     resume: bool = switch(
         "continue from the latest valid checkpoint in --logdir (--steps is the total, not more steps; see "
         "Checkpoints and resuming in docs/training.md for what a changed setting does)", group="output", resume=SILENT)
-    summary_every: int = setting(
-        100, "steps between TensorBoard summaries (scalars, weight and gradient histograms; a host sync); 0: none",
-        group="output", check=Integer(0), resume=SILENT, type="int", metavar="K")
+    summary_every: int | None = setting(
+        None, "steps between TensorBoard summaries (scalars, weight and gradient histograms; a host sync); 0: none "
+        "(default: --log-every's)", group="output", check=Integer(0, optional=True), resume=SILENT,
+        type="int | None", metavar="K", shown="`--log-every`'s")
+    eval_every: int | str | None = setting(
+        None, "steps between evaluations of the test data (or the held-out --validation-split): loss and accuracy "
+        "of the raw and the EMA weights, and top-5 accuracy with more than 10 classes, in the log, metrics.jsonl "
+        "and TensorBoard; `epoch`: at each epoch's end; 0: only at the end (default: at each checkpoint)",
+        group="output", check=StepsOrEpoch(), resume=SILENT, type="int | str | None", metavar="N|epoch",
+        shown="`--checkpoint-every`'s")
     # performance
     cpu_towers: str = setting(
         "threads", "CPU towers run `threads` (concurrently, one thread each: fastest measured) or `serial` (one "
