@@ -185,7 +185,7 @@ class Executor(abc.ABC):
 
     def train_accuracy(self) -> float | None:
         """The accuracy on the examples of the last step whose losses were asked for, from that step's forward
-        (``Replica.mean_loss_and_grads``' count); None where it was not counted (a cluster, CUDA graphs)."""
+        (``Replica.mean_loss_and_grads``' count); None where it was not counted (CUDA graphs)."""
         return None
 
     def loss_scaling(self) -> dict:

@@ -443,7 +443,7 @@ class Trainer:
     def train_accuracy(self) -> float | None:
         """The training accuracy of the last step whose loss was asked for (``want_loss``), from that step's own
         forward pass (training mode: dropout on, each tower's batch statistics), as Keras reports ``accuracy``
-        beside the loss; None where it was not counted (a cluster's hosts, ``cuda_graphs``)."""
+        beside the loss (on a cluster, the mean of its hosts'); None where it was not counted (``cuda_graphs``)."""
         self._open()
         return self.executor.train_accuracy()
 
