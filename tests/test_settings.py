@@ -12,7 +12,8 @@ from towers import Config
 from towers.config import checkpoint_settings
 from towers.optim.optimizers import OPTIMIZERS
 from towers.errors import UserError
-from towers.settings import GROUPS, NOTE, REFUSE, RULES, SILENT, Check, flag_name, flag_table, resume_changes
+from towers.settings import (GROUPS, NOTE, REFUSE, RULES, SILENT, Check, flag_name, flag_table, help_text,
+                             resume_changes)
 from towers.train import build_parser, main, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,8 @@ def test_every_field_is_a_flag_with_its_default_and_its_help():
     for f in dataclasses.fields(Config):
         action = by_dest[f.name]
         assert flag_name(f) in action.option_strings
-        assert action.help == f.metadata["help"].replace("%", "%%").replace("`", "")
+        assert action.help == help_text(f).replace("%", "%%").replace("`", "")
+        assert action.help.startswith(f.metadata["help"].replace("%", "%%").replace("`", ""))
     assert parse_config([]) == Config()
     cfg = parse_config(["--optimizer", "rmsprop", "--rmsprop-decay", "0.8", "--rmsprop-centered",
                         "--weight-decay", "0.1", "--no-soft-placement"])

@@ -91,8 +91,9 @@ def test_default_command_trains_on_embedded_data(tmp_path):
         assert f"soft placement: {why}, running 2 towers on the CPU with NumPy" in res.stderr
     assert "step 100, loss = " in res.stdout and "examples/sec; " in res.stdout
     lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines[:-1]] == list(range(100, 2001, 100))
-    assert set(lines[0]) == {"step", "loss", "lr", "examples_per_sec"}
+    assert [m["step"] for m in lines if "loss" in m] == list(range(100, 2001, 100))
+    assert set(lines[0]) == {"step", "loss", "train_accuracy", "lr", "examples_per_sec"}
+    assert [m["step"] for m in lines if "test_accuracy" in m] == [1000, 2000]  # at the checkpoint, and the end
     assert lines[-1]["test_accuracy_ema"] >= 0.95, lines[-1]
     assert f"{lines[-1]['test_accuracy_ema']:.4f} (EMA weights)" in res.stdout
     f = final(tmp_path)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import re
 import signal
 import sys
@@ -99,14 +100,32 @@ def exit_status(exc: BaseException, more: dict | None = None) -> tuple[int, str]
     return None
 
 
+def current_folder_importable() -> None:
+    """Put the current folder first on ``sys.path``, as ``python -m`` does (idempotent).
+
+    An installed command (``towers-train``, a console script) starts with its own folder
+    (``.../bin``) first on ``sys.path``, where ``python -m towers.train`` has the current
+    folder: ``--model mypkg.nets:small`` then imported ``mypkg`` beside the user only with
+    ``python -m``.  Every command line calls this, so both find the same modules.
+    """
+    try:
+        here = os.getcwd()
+    except OSError:  # the current folder was removed: nothing to find there
+        return
+    if not any(os.path.abspath(entry or ".") == here for entry in sys.path):
+        sys.path.insert(0, here)
+
+
 def run_main(prog: str, body, more: dict | None = None, interrupted: str | None = None,
              terminated: str | None = None) -> int:
     """Call ``body()``; print a user-caused exception as ``prog: message`` on stderr; return the status.
 
     ``interrupted``/``terminated`` replace the Ctrl-C / SIGTERM lines (say what
     was kept, for instance).  Within it, messages name settings as flags
-    (``towers.errors.flags_in_messages``): every command line does.
+    (``towers.errors.flags_in_messages``): every command line does; modules
+    are found in the current folder as with ``python -m`` (``current_folder_importable``).
     """
+    current_folder_importable()
     with flags_in_messages():
         return _run(prog, body, more, interrupted, terminated)
 

@@ -32,8 +32,8 @@ from towers.optim.optimizers import OPTIMIZERS, check_given, check_settings as c
 from towers.optim.optimizers import settings as optimizer_settings
 from towers.optim.schedule import SCHEDULES, parse_list, piecewise_values
 from towers.parallel.sync import MODES
-from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Choice, Free, Integer, Number, Text, check_fields,
-                             setting, switch, with_settings)
+from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Choice, Free, Integer, Number, StepsOrEpoch, Text,
+                             check_fields, setting, switch, with_settings)
 
 
 def _default_data() -> str:
@@ -85,8 +85,8 @@ class Config:
     # data (a resume checks the data's shape and classes against the checkpoint's)
     data: str = setting(
         DEFAULT_DATA, "training data: an .npz with x, y and optionally x_test, y_test; TFRecord files or a glob of "
-        "shards (`'train-*-of-*'`); or an image folder `DIR/<class>/*.jpg|jpeg|png` (see Data format, Training "
-        "from TFRecord, Image data)", group="data", check=Free(), resume=SILENT, type="str", metavar="PATH",
+        "shards (`'train-*-of-*'`); or an image folder `DIR/<class>/*.jpg|jpeg|png` (see npz files, Training "
+        "from TFRecord and Image data in docs/data.md)", group="data", check=Free(), resume=SILENT, type="str", metavar="PATH",
         shown="`data/digits.npz`")
     test_data: str | None = setting(
         None, "separate test data (.npz, TFRecord or image folder); default: x_test/y_test of --data",
@@ -104,6 +104,11 @@ class Config:
         "stop", "TFRecord: `stop` at a damaged record, or `skip` records whose payload CRC fails (counted); "
         "images: `skip` replaces one that does not decode (counted)", group="data",
         check=Choice(("stop", "skip")), resume=SILENT, type="str", metavar="stop|skip")
+    validation_split: float = setting(
+        0.0, "hold out this fraction of the training examples as the test data when there is none (no "
+        "x_test/y_test in --data, no --test-data), never trained on: the same examples in every run of one "
+        "--seed; for examples held in memory or an npz (see Validation and metrics in docs/training.md)",
+        group="data", check=Number(0, 1, high_open=True), resume=NOTE, type="float", metavar="F")
     input_workers: int | None = setting(
         None, "TFRecord and images: processes that read, parse, decode and augment ahead of the towers (0: the "
         "input thread; default: one per core not running a CPU tower or the main thread, at most 4)",
@@ -118,7 +123,7 @@ class Config:
     augment: str = setting(
         "none", "images, training only: `none`, `cifar` (pad 4, random crop, flip), `tf-cifar10` (TF tutorial: "
         "24x24 crop, flip, brightness, contrast, per-image standardization), `imagenet` (random resized crop, "
-        "flip); evaluation takes the center (see Image data)", group="images", check=Choice(AUGMENTS),
+        "flip); evaluation takes the center (see Image data in docs/data.md)", group="images", check=Choice(AUGMENTS),
         resume=NOTE, type="str", metavar="NAME")
     normalize: str | None = setting(
         None, "images: `(x/255 - mean) / std` per channel, MEAN,STD or one of each per channel, e.g. 0.5,0.25 or "
@@ -131,19 +136,19 @@ class Config:
         group="images", resume=SILENT, on=True)
     cache_images_mib: int = setting(
         2048, "images: memory budget of the decoded-image cache in MiB (a larger set is decoded every epoch, "
-        "with a notice of the size it needs; so is one the process has no memory for, see Image data)",
+        "with a notice of the size it needs; so is one the process has no memory for, see Image data in docs/data.md)",
         group="images", check=Integer(1), resume=SILENT, type="int", metavar="MIB")
     # model
     model: str = setting(
         "mlp", "`mlp`, `lenet5`, `cifar10` (TF's CIFAR-10 tutorial model), `resnet20`, `resnet32`, `resnet56` "
-        "(He et al.), or `package.module:function` returning a towers.Sequential or a list of layers (see Models)",
+        "(He et al.), or `package.module:function` returning a towers.Sequential or a list of layers (see Your own model and layers in docs/models.md)",
         group="model", check=Free(), resume=REFUSE, type="str", metavar="NAME")
     hidden: int = setting(500, "hidden units of the mlp", group="model", check=Integer(1), resume=REFUSE,
                           type="int", metavar="N", used_when=lambda cfg: cfg.model == "mlp")
     # optimization; None: the model's default (towers.nn.models)
     optimizer: str | None = setting(
         None, f"the optimizer: {', '.join(f'`{o}`' for o in OPTIMIZERS)} (default: the model's; mlp, cifar10, "
-        "resnets: sgd, lenet5: adam; see Optimizers); a hyperparameter's flag names in [] the optimizers that "
+        "resnets: sgd, lenet5: adam; see Optimizers in docs/models.md); a hyperparameter's flag names in [] the optimizers that "
         "read it", group="optimization",
         check=Choice(lambda: tuple(OPTIMIZERS), optional=True), resume=NOTE, type="str | None", metavar="NAME",
         shown="the model's")
@@ -151,7 +156,7 @@ class Config:
                               resume=BATCH, type="int", metavar="B")
     accumulate: int = setting(
         1, "micro-batches of --batch-size each tower sums before one all-reduce and one update: a step takes "
-        "towers x B x K examples (batch norm: statistics per micro-batch; see Gradient accumulation)",
+        "towers x B x K examples (batch norm: statistics per micro-batch; see Gradient accumulation in docs/training.md)",
         group="optimization", check=Integer(1), resume=BATCH, type="int", metavar="K")
     steps: int | None = setting(
         None, f"training steps (with --resume: the total, not more steps); default {DEFAULT_STEPS}, or what "
@@ -164,7 +169,7 @@ class Config:
         group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None", metavar="N")
     lr: float | None = setting(
         None, "initial learning rate (default: the model's for its optimizer; mlp with sgd 0.8, cifar10 and "
-        "resnets 0.1; see Optimizers for the others)", group="optimization", check=Number(0, low_open=True),
+        "resnets 0.1; see Optimizers in docs/models.md for the others)", group="optimization", check=Number(0, low_open=True),
         resume=NOTE, type="float | None", metavar="LR", shown="the model's", model_default=True)
     lr_decay: float | None = setting(
         None, "decay per epoch, TF exponential_decay: `lr = LR * R ** (examples_seen / examples_per_epoch)` "
@@ -175,7 +180,7 @@ class Config:
         "floor the exponent: decay the learning rate once per whole epoch", group="optimization", resume=NOTE)
     l2: float | None = setting(
         None, "L2 on weights (not biases, not batch-norm parameters): `S * sum(w**2) / 2` (default: the model's: "
-        "1e-4; cifar10 0.004, on local3 and local4 only; see Optimizers)", group="optimization", check=Number(0),
+        "1e-4; cifar10 0.004, on local3 and local4 only; see Optimizers in docs/models.md)", group="optimization", check=Number(0),
         resume=NOTE, type="float | None", metavar="S", shown="the model's", model_default=True)
     ema_decay: float = setting(
         0.99, "EMA decay (TF ExponentialMovingAverage): `d = min(D, (1 + step) / (10 + step))`",
@@ -186,7 +191,7 @@ class Config:
     lr_schedule: str | None = setting(
         None, "`exponential` (decay per epoch, the default), `piecewise` (constant between --lr-boundaries) or "
         "`cosine` (to 0 at --steps, or the steps --epochs gives); default: the model's (resnets: piecewise; see "
-        "Recipes)", group="recipes", check=Choice(SCHEDULES, optional=True), resume=NOTE, type="str | None",
+        "Recipes in docs/models.md)", group="recipes", check=Choice(SCHEDULES, optional=True), resume=NOTE, type="str | None",
         metavar="S", shown="the model's")
     lr_boundaries: str | None = setting(
         None, "piecewise: the steps where the learning rate changes, e.g. 32000,48000 (resnets' default)",
@@ -203,11 +208,11 @@ class Config:
         check=Number(0, 1, high_open=True), resume=NOTE, type="float", metavar="S")
     sync_bn: bool = switch(
         "batch norm normalizes with the statistics of the whole step's batch across towers (two small "
-        "all-reduces per batch-norm layer), not each tower's own (see Batch norm)", group="recipes", resume=NOTE)
+        "all-reduces per batch-norm layer), not each tower's own (see Batch norm in docs/models.md)", group="recipes", resume=NOTE)
     # keeping replicas together
     sync: str = setting(
         "grads", "`grads`: average gradients every step; `weights`: each tower steps alone, weights averaged every "
-        "K; with --hosts > 1 also `ps` (synchronous parameter server) or `async` (see Keeping replicas together)",
+        "K; with --hosts > 1 also `ps` (synchronous parameter server) or `async` (see Keeping replicas together in docs/training.md)",
         group="sync", check=Choice(lambda: tuple(MODES)), resume=NOTE, type="str", metavar="MODE")
     average_every: int = setting(1, "K: steps between weight averages with --sync weights", group="sync",
                                  check=Integer(1), resume=NOTE, type="int", metavar="K")
@@ -215,15 +220,17 @@ class Config:
                                   group="sync", check=Integer(0), resume=SILENT, type="int", metavar="K")
     # several hosts (towers.cluster, Ray)
     hosts: int = setting(
-        1, "host actors on Ray, each running --n-gpu towers; > 1 starts or joins Ray (see Several hosts)",
+        1, "host actors on Ray, each running --n-gpu towers; > 1 starts or joins Ray (see docs/hosts.md)",
         group="hosts", check=Integer(1), resume=BATCH, type="int", metavar="H")
     ray_address: str | None = setting(
         None, "join this Ray cluster: `auto` or HOST:PORT of `ray start --head`; default: a local Ray instance",
         group="hosts", check=Text(), resume=SILENT, type="str | None", metavar="ADDR", shown="a local Ray")
     ray_logs: bool = switch("show Ray's own log lines (hidden by default)", group="hosts", resume=SILENT)
     # output
-    log_every: int = setting(100, "steps between log lines", group="output", check=Integer(1), resume=SILENT,
-                             type="int", metavar="N")
+    log_every: int | None = setting(
+        None, "steps between log lines (the loss, the training accuracy of that step; default: the steps / 20, at "
+        "least 1 and at most 100, so a short run has a curve too)", group="output", check=Integer(1, optional=True),
+        resume=SILENT, type="int | None", metavar="N", shown="steps / 20, at most 100")
     logdir: str | None = setting(None, "output directory", group="output", check=Text(), resume=SILENT,
                                  type="str | None", metavar="DIR", shown="`runs/<timestamp>`")
     quiet: bool = switch("no progress bar and no per-step log lines", group="output", resume=SILENT)
@@ -236,10 +243,17 @@ class Config:
                                     check=Integer(1), resume=SILENT, type="int", metavar="N")
     resume: bool = switch(
         "continue from the latest valid checkpoint in --logdir (--steps is the total, not more steps; see "
-        "Checkpoints for what a changed setting does)", group="output", resume=SILENT)
-    summary_every: int = setting(
-        100, "steps between TensorBoard summaries (scalars, weight and gradient histograms; a host sync); 0: none",
-        group="output", check=Integer(0), resume=SILENT, type="int", metavar="K")
+        "Checkpoints and resuming in docs/training.md for what a changed setting does)", group="output", resume=SILENT)
+    summary_every: int | None = setting(
+        None, "steps between TensorBoard summaries (scalars, weight and gradient histograms; a host sync); 0: none "
+        "(default: --log-every's)", group="output", check=Integer(0, optional=True), resume=SILENT,
+        type="int | None", metavar="K", shown="`--log-every`'s")
+    eval_every: int | str | None = setting(
+        None, "steps between evaluations of the test data (or the held-out --validation-split): loss and accuracy "
+        "of the raw and the EMA weights, and top-5 accuracy with more than 10 classes, in the log, metrics.jsonl "
+        "and TensorBoard; `epoch`: at each epoch's end; 0: only at the end (default: at each checkpoint)",
+        group="output", check=StepsOrEpoch(), resume=SILENT, type="int | str | None", metavar="N|epoch",
+        shown="`--checkpoint-every`'s")
     # performance
     cpu_towers: str = setting(
         "threads", "CPU towers run `threads` (concurrently, one thread each: fastest measured) or `serial` (one "
@@ -248,11 +262,11 @@ class Config:
     blas_threads: int = setting(
         0, "BLAS threads of the process (0: auto: the cores this process may use less one, split among its CPU "
         "towers, at least one each, so a busy process beside it does not stall every product; --cpu-towers serial: "
-        "every core; a host of --hosts shares its machine's cores with the other CPU hosts there; see Performance "
-        "on the CPU)",
+        "every core; a host of --hosts shares its machine's cores with the other CPU hosts there; see CPU towers in "
+        "docs/performance.md)",
         group="performance", check=Integer(0), resume=SILENT, type="int", metavar="N")
     profile: bool = switch("print a per-phase, per-tower time breakdown at the end (syncs GPU streams per phase; see "
-        "Performance)", group="performance", resume=SILENT)
+        "`--profile` in docs/performance.md)", group="performance", resume=SILENT)
     measure_scaling: bool = switch(
         "after the run, time 1 tower alone and print the scaling efficiency", group="performance", resume=SILENT)
     cpu_kernels: str = setting(
@@ -267,27 +281,27 @@ class Config:
     gpu_conv: str = setting(
         "im2col", "how GPU towers run convolutions: `im2col` (an im2col kernel and cuBLAS GEMMs), `cudnn` (NVIDIA's "
         "cuDNN through its frontend, pip install nvidia-cudnn-frontend; float32 as --tf32 says, deterministic engines; "
-        "not yet checked on a GPU, see Performance) or `auto` (cuDNN where it starts, else im2col)",
+        "not yet checked on a GPU, see On a GPU in docs/performance.md) or `auto` (cuDNN where it starts, else im2col)",
         group="performance", check=Choice(GPU_CONVS), resume=NOTE, type="str", metavar="FORM")
     cuda_graphs: bool = switch(
         "GPU towers record their forward and backward as a CUDA graph once and replay it as one launch a step "
         "(host time per step falls from hundreds of launches to a few); GEMMs through nvmath-python (pip install "
         "nvmath-python); one micro-batch, no dropout, sync-BN or gradient buckets; not yet checked on a GPU, see "
-        "Performance", group="performance", resume=NOTE)
+        "On a GPU in docs/performance.md", group="performance", resume=NOTE)
     precision: str = setting(
         "fp32", "the format forward and backward compute in: `fp32`, or `bf16` / `fp16` on low-precision copies of "
         "the float32 master weights with float32 accumulation (on the CPU emulated by rounding; the optimizer's slots "
         "and the EMA stay float32); fp16 scales the loss dynamically (--loss-scale-growth; --sync grads on one host; "
-        "see Low precision)", group="performance", check=Choice(PRECISIONS), resume=NOTE, type="str", metavar="P")
+        "see Low precision in docs/training.md)", group="performance", check=Choice(PRECISIONS), resume=NOTE, type="str", metavar="P")
     allreduce_dtype: str = setting(
         "fp32", "the gradients' format in the all-reduce: `bf16` rounds each tower's gradient to bfloat16 before it "
-        "(half of NCCL's bytes on GPUs), the mean stays float32 (--sync grads; see Low precision)", group="performance",
+        "(half of NCCL's bytes on GPUs), the mean stays float32 (--sync grads; see Low precision in docs/training.md)", group="performance",
         check=Choice(ALLREDUCE_DTYPES), resume=NOTE, type="str", metavar="D")
     allreduce_bucket_mib: float = setting(
         0.0, "--sync grads: average the gradients in buckets of about this many MiB, cut at layer boundaries from the "
         "last layer, each as soon as every tower's backward has finished its layers, so the all-reduce overlaps "
         "backward (on GPUs on a second stream); the same mean as one all-reduce (bit for bit on the CPU); 0: one "
-        "all-reduce after backward (see Gradient buckets)", group="performance", check=Number(0), resume=SILENT,
+        "all-reduce after backward (see Gradient buckets in docs/training.md)", group="performance", check=Number(0), resume=SILENT,
         type="float", metavar="MIB", shown="0")
     loss_scale_growth: int = setting(
         2000, "--precision fp16: clean steps in a row after which the loss scale doubles (it starts at 2**16 and halves "
@@ -386,8 +400,8 @@ def _check(cfg: Config) -> None:
 def _check_precision(cfg: Config) -> None:
     """What ``precision`` and ``allreduce_dtype`` are made for so far: refused elsewhere, not run wrong."""
     if cfg.precision != "fp16" and cfg.loss_scale_growth != 2000:
-        raise UserError("`loss_scale_growth` applies to `precision` fp16 (its loss scaling); set it or drop "
-                        "`loss_scale_growth`")
+        raise UserError(f"`loss_scale_growth` applies to `precision` fp16 (its loss scaling), not {cfg.precision}: "
+                        "set `precision` fp16, or drop `loss_scale_growth`")
     if cfg.precision == "fp16" and cfg.sync != "grads":
         raise UserError(f"`precision` fp16 scales the loss and skips a step all replicas agree on after the "
                         f"gradients' all-reduce: `sync` grads only, not {cfg.sync} (or use `precision` bf16, "

@@ -183,6 +183,16 @@ class Executor(abc.ABC):
     def predict(self, ema: bool, x, batch: int):
         """The logits of ``x`` (checked) as a host float32 array, EMA or raw weights, in chunks of ``batch``."""
 
+    def train_accuracy(self) -> float | None:
+        """The accuracy on the examples of the last step whose losses were asked for, from that step's forward
+        (``Replica.mean_loss_and_grads``' count); None where it was not counted (CUDA graphs)."""
+        return None
+
+    def loss_scaling(self) -> dict:
+        """fp16's dynamic loss scaling so far: ``{"loss_scale": S, "skipped_steps": n}`` (n: the steps skipped
+        for an inf or NaN gradient, over the whole run, resumes included); {} without loss scaling."""
+        return {}
+
     def report(self, global_batch: int) -> str:
         """The phase timer's report (``profile``)."""
         return ""

@@ -10,9 +10,11 @@ order they run:
   this step is not finite (the last good checkpoint stays the latest); when
   the input holds NaN/inf, the message says so;
 * ``Summaries``: TensorBoard scalars and histograms every ``summary_every``;
-* ``Checkpoints``: ``ckpt-<step>.npz`` every ``checkpoint_every`` and at the end,
-  with the test accuracy at each checkpoint;
-* ``LogLine``: the ``step N, loss = ...`` line and ``metrics.jsonl`` record;
+* ``Checkpoints``: ``ckpt-<step>.npz`` every ``checkpoint_every`` and at the end;
+* ``Evaluation``: the test (or held-out) data's loss and accuracy every
+  ``eval_every`` steps or epoch (default: at each checkpoint), the end's in
+  ``Run.finish``;
+* ``LogLine``: the ``step N, loss = ..., accuracy = ...`` line and ``metrics.jsonl`` record;
 * ``ReplicaCheck``: every ``check_replicas`` steps, replicas compared.
 
 A user's extension subclasses ``Extension`` (``due`` and ``__call__``; ``needs_loss``
@@ -21,9 +23,12 @@ is asked of steps ahead to find the end of the next segment, so it must not
 change the extension.  ``run.trainer`` is a ``towers.Trainer`` (one host or
 several): extensions use its public API only.
 
-Sync points: the loss reaches the host only at steps where some extension
-``needs_loss``; weights only where ``Summaries`` or ``Checkpoints`` run (they call
-``trainer.synchronize()`` first).
+Sync points: the loss (and the step's training accuracy, counted in its
+forward) reaches the host only at steps where some extension ``needs_loss``;
+weights only where ``Summaries``, ``Checkpoints`` or ``Evaluation`` run (they
+call ``trainer.synchronize()`` first).  Log lines and summaries come every
+``log_every``/``summary_every`` steps, by default about 20 over the run
+(``default_interval``).
 
 The logdir belongs to one live run: ``Run.open`` locks it before writing
 anything there (``towers.output.files.lock_logdir``) and ``Run.close``
@@ -88,17 +93,18 @@ class NonFiniteStop(Extension):
 
 
 class Summaries(Every):
-    """TensorBoard scalars and weight/gradient histograms (a host sync)."""
+    """TensorBoard scalars (the loss, the step's training accuracy, fp16's loss scale and skipped steps) and
+    weight/gradient histograms (a host sync)."""
 
     needs_loss = True
 
     def __call__(self, run):
         run.trainer.synchronize()
-        run.tensorboard.write_step(run.trainer, run.loss, run.lr)
+        run.tensorboard.write_step(run.trainer, run.loss, run.lr, **run.step_figures())
 
 
 class Checkpoints(Every):
-    """A checkpoint (a host sync), and the test accuracy except at the end (``Run.finish`` does it)."""
+    """A checkpoint (a host sync)."""
 
     needs_loss = True  # a diverged run must not write its weights
 
@@ -108,12 +114,42 @@ class Checkpoints(Every):
         if key is not None:  # never written: the last good checkpoint stays the latest
             raise run.diverged(f"{key} holds non-finite values")
         run.checkpointer.write(run.trainer.step, state)
-        if run.trainer.step != run.last_step:
-            run.tensorboard.scalars(run.trainer.step, **run.trainer.test_accuracy())
+
+
+class Evaluation(Extension):
+    """The test data's (or the held-out ``validation_split``'s) loss and accuracy, raw and EMA weights, top-5
+    with more than 10 classes (``Trainer.test_accuracy``; two passes over it, a host sync): a log line, a
+    ``metrics.jsonl`` record and TensorBoard scalars.
+
+    Due every ``every`` steps (0: never), or with ``every`` ``"epoch"`` at the
+    step where each epoch of ``n_examples`` ends (the first step whose
+    examples reach k x ``n_examples``, as ``epochs`` counts them); never at the
+    last step, where ``Run.finish`` evaluates.  Without test data it does
+    nothing.  Evaluation reads the weights only: the run's results are the same
+    with it or without it.
+    """
+
+    def __init__(self, every, n_examples: int, examples_per_step: int):
+        self.every, self.n, self.per_step = every, n_examples, examples_per_step
+
+    def due(self, step, last_step):
+        if step == last_step or not self.every:
+            return False
+        if self.every == "epoch":  # epoch k ends at step ceil(k n / e): the k with (step - 1) e < k n <= step e
+            k = step * self.per_step // self.n
+            return k >= 1 and k * self.n > (step - 1) * self.per_step
+        return step % self.every == 0
+
+    def __call__(self, run):
+        scores = run.trainer.test_accuracy()
+        if scores:
+            run.reporter.log_evaluation(run.trainer.step, scores, run.test_examples)
+            run.tensorboard.scalars(run.trainer.step, **scores)
 
 
 class LogLine(Every):
-    """The original's log line, and a ``metrics.jsonl`` record.
+    """The original's log line, and a ``metrics.jsonl`` record: the loss, the step's training accuracy, and
+    with fp16 the loss scale and the steps skipped for overflow (``Run.step_figures``).
 
     A run that has not learned (its loss, ``STUCK_STEPS`` steps or more into
     this run, still within ``STUCK`` of chance level, ln(classes): guessing) is
@@ -144,7 +180,7 @@ class LogLine(Every):
                     f"classes = {chance:.4f}) after {step - run.start_step} steps: the run has not learned; "
                     "lower `lr`, or try `optimizer` adam")
         run.reporter.log_step(step, run.loss, run.lr, steps * run.trainer.global_batch / (now - self._t),
-                              (now - self._t) / steps, render(note) if note else None)
+                              (now - self._t) / steps, render(note) if note else None, **run.step_figures())
         self._t, self._step = now, step
 
 
@@ -178,6 +214,13 @@ class Run:
         self.reporter = self.tensorboard = None
         self._lock: int | None = None
         self.checkpointer = checkpoint.Checkpointer(logdir, cfg.keep_checkpoints)
+        # Log lines and summaries: as set, else a curve of about 20 points however short the run.
+        self.log_every = cfg.log_every if cfg.log_every is not None else default_interval(cfg.steps)
+        self.summary_every = cfg.summary_every if cfg.summary_every is not None else self.log_every
+        self.skipped_at_start = trainer.loss_scaling().get("skipped_steps", 0)  # fp16: set again after a resume
+        n_test = 0 if trainer.dataset.x_test is None else len(trainer.dataset.x_test)
+        self.test_examples = (f"{n_test} held-out training examples (validation_split {cfg.validation_split:g})"
+                              if cfg.validation_split else f"{n_test} test examples")
 
     @classmethod
     def open(cls, trainer, logdir: str | None, extensions=()) -> "Run":
@@ -205,6 +248,7 @@ class Run:
                     atomic_write_text(classes, "".join(f"{name}\n" for name in trainer.dataset.class_names))
             # The figures of this run (steps, examples/sec, all-reduces/step) count from here.
             run.start_step, run.start_exchanges = trainer.step, trainer.executor.communication()[0]
+            run.skipped_at_start = trainer.loss_scaling().get("skipped_steps", 0)
             run._step = trainer.step
             if cfg.resume or trainer.step:
                 trim_metrics(logdir, trainer.step)  # the steps after the checkpoint are redone
@@ -215,13 +259,14 @@ class Run:
                     notice(note)
             # The purge keeps the checkpoint step's own points: they are not redone.
             purge = trainer.step + 1 if cfg.resume or trainer.step else None
-            run.tensorboard = TensorBoard(logdir, cfg.summary_every, trainer.step, purge_step=purge)
+            run.tensorboard = TensorBoard(logdir, run.summary_every, trainer.step, purge_step=purge)
         except BaseException:
             run.close()
             raise
-        run.extensions = [NonFiniteStop(), Summaries(cfg.summary_every),
-                          Checkpoints(cfg.checkpoint_every, at_end=True), LogLine(cfg.log_every),
-                          ReplicaCheck(cfg.check_replicas), *extensions]
+        run.extensions = [NonFiniteStop(), Summaries(run.summary_every), Checkpoints(cfg.checkpoint_every, at_end=True),
+                          Evaluation(cfg.checkpoint_every if cfg.eval_every is None else cfg.eval_every,
+                                     len(trainer.dataset.x), trainer.examples_per_step),
+                          LogLine(run.log_every), ReplicaCheck(cfg.check_replicas), *extensions]
         return run
 
     @contextlib.contextmanager
@@ -265,6 +310,16 @@ class Run:
             for ext in self.extensions:
                 if ext.due(step, self.last_step):
                     ext(self)
+
+    def step_figures(self) -> dict:
+        """What a log line and a summary report beside the loss: the training accuracy of this step (from its
+        forward pass; absent where not counted), fp16's loss scale and skipped steps (the whole run's)."""
+        figures = {}
+        accuracy = self.trainer.train_accuracy()
+        if accuracy is not None:
+            figures["train_accuracy"] = accuracy
+        figures.update(self.trainer.loss_scaling())
+        return figures
 
     def diverged(self, what: str):
         """The error for a non-finite loss or weights at this step, with its cause when it is the input.
@@ -336,8 +391,10 @@ class Run:
             result["scaling_efficiency"] = efficiency
         if test:
             result.update(test)
+            top5 = (f"; top-5 {test['test_top5_accuracy']:.4f} (raw), {test['test_top5_accuracy_ema']:.4f} (EMA)"
+                    if "test_top5_accuracy" in test else "")
             self.reporter.say(f"test accuracy: {test['test_accuracy']:.4f} (raw weights), "
-                              f"{test['test_accuracy_ema']:.4f} (EMA weights) on {n_test} test examples, "
+                              f"{test['test_accuracy_ema']:.4f} (EMA weights){top5} on {self.test_examples}, "
                               f"evaluated in {evaluation:.1f} s")
         else:
             self.reporter.say(render("no test data (x_test/y_test in `data`, or `test_data`): test accuracy skipped"))
@@ -355,9 +412,16 @@ class Run:
                       write_seconds=written)
         if timed_one:
             result["scaling_seconds"] = scaling_s
-        self.reporter.record(**result)
         scaling_text = ("" if math.isnan(efficiency) else
                    f", scaling efficiency {efficiency:.2f} (1 tower: {rate_1:.1f} examples/sec)")
+        scaling_state = t.loss_scaling()
+        skipped_text = ""
+        if scaling_state:  # fp16: the steps of this run skipped for an inf or NaN gradient
+            skipped = scaling_state["skipped_steps"] - self.skipped_at_start
+            result.update(loss_scale=scaling_state["loss_scale"], skipped_steps=skipped)
+            skipped_text = (f"; {skipped} of {t.step - self.start_step} steps skipped for fp16 overflow "
+                            f"(loss scale now {scaling_state['loss_scale']:g})")
+        self.reporter.record(**result)
         exchanges, per_step = t.executor.communication()
         towers = t.executor.running_towers
         parts = [f"building {build:.1f} s", f"training {elapsed:.1f} s", f"test evaluation {evaluation:.1f} s"]
@@ -369,7 +433,7 @@ class Run:
             f"training {rate:.1f} examples/sec on {towers} tower{'s' if towers > 1 else ''} "
             f"({t.towers_text()}), {cfg.sync} sync, "
             f"{(exchanges - self.start_exchanges) / max(t.step - self.start_step, 1):.2f} {per_step}"
-            f"{scaling_text}; wrote {final}")
+            f"{scaling_text}{skipped_text}; wrote {final}")
         self.reporter.close()  # a failed last flush is an error here, on the way out it is not
         self.tensorboard.close()
         return result
@@ -396,7 +460,8 @@ class Run:
 def settings_line(cfg, n_params: int | None = None) -> str:
     """The settings in effect, first line of a run: the model (and its trainable parameters), the optimizer's
     hyperparameters (those its file ``reads``), the learning-rate schedule and the recipe's options when they
-    are on (warm-up, label smoothing, sync-BN); the default job's line is the one it always was."""
+    are on (warm-up, label smoothing, sync-BN, a precision, gradient format or buckets other than the default);
+    the default job's line is the one it always was."""
     model = f"model {cfg.model}" + (f" ({n_params:,} trainable parameters)" if n_params is not None else "")
     parts = [model, f"optimizer {cfg.optimizer}", f"lr {cfg.lr:g}"]
     if cfg.lr_schedule in (None, "exponential"):
@@ -420,6 +485,14 @@ def settings_line(cfg, n_params: int | None = None) -> str:
         parts.append("sync_bn")
     steps = f"steps {cfg.steps}" if cfg.epochs is None else f"epochs {cfg.epochs} = steps {cfg.steps}"
     parts += [f"ema_decay {cfg.ema_decay:g}", steps, f"sync {cfg.sync}"]
+    # How a step computes and averages, when not the float32 default.
+    if cfg.precision != "fp32":
+        parts.append(f"precision {cfg.precision}"
+                     + (f" (loss_scale_growth {cfg.loss_scale_growth})" if cfg.precision == "fp16" else ""))
+    if cfg.allreduce_dtype != "fp32":
+        parts.append(f"allreduce_dtype {cfg.allreduce_dtype}")
+    if cfg.allreduce_bucket_mib:
+        parts.append(f"allreduce_bucket_mib {cfg.allreduce_bucket_mib:g}")
     return "settings: " + ", ".join(parts)
 
 
@@ -447,6 +520,12 @@ def _scan_examples(x, chunk: int = 4096) -> tuple[numpy.ndarray, float, float]:
             low, high = min(low, float(c[finite].min())), max(high, float(c[finite].max()))
     bad = numpy.concatenate(bad) if bad else numpy.zeros(0, numpy.int64)
     return bad, (low if high >= low else 0.0), (high if high >= low else 0.0)
+
+
+def default_interval(steps: int, points: int = 20, most: int = 100) -> int:
+    """Steps between log lines (and summaries) when not set: about ``points`` of them over the run's ``steps``,
+    at least 1 step and at most ``most`` (a 2,000-step run logs every 100, a 300-step run every 15)."""
+    return max(1, min(most, steps // points))
 
 
 def new_logdir(parent: str = "runs") -> str:

@@ -222,7 +222,7 @@ class LocalExecutor(Executor):
         return ", ".join(map(str, self.towers))
 
     def placement_text(self) -> str:
-        return self.placement.table()
+        return self.placement.table(self.cfg.allreduce_dtype, self.cfg.allreduce_bucket_mib, self.cfg.precision)
 
     def report(self, global_batch: int) -> str:
         return self.timer.report(global_batch)
@@ -362,12 +362,26 @@ class LocalExecutor(Executor):
 
     def evaluate(self, ema: bool, x, y, progress=None) -> dict:
         with self._scoring(ema) as r:
-            loss, acc = r.evaluate(x, y, progress=progress)
-        return {"loss": loss, "accuracy": acc}
+            return r.score(x, y, progress=progress)
 
     def predict(self, ema: bool, x, batch: int):
         with self._scoring(ema) as r:
             return r.predict(x, batch)
+
+    def train_accuracy(self) -> float | None:
+        # Each tower's count was set in its thread before its loss was: a caller that holds the step's losses
+        # reads whole counts (a device scalar each, fetched here: a sync point on a GPU).
+        reps = self.replicas
+        if any(r.train_correct is None for r in reps):
+            return None
+        return sum(int(r.train_correct) for r in reps) / max(sum(r.train_seen for r in reps), 1)
+
+    def loss_scaling(self) -> dict:
+        scaler = getattr(self.engine.keeper, "scaler", None)
+        if scaler is None:
+            return {}
+        self.synchronize()  # the last step's decision made (tower threads finish their update)
+        return {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped}
 
     # -- teardown ------------------------------------------------------------------------------
 

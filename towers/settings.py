@@ -118,6 +118,23 @@ def integer(v, minimum: int, what: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepsOrEpoch(Check):
+    """A number of steps >= 0, or ``epoch`` (None allowed: a default derived later); a flag's digits become an
+    int."""
+
+    def __call__(self, cfg, name):
+        v = getattr(cfg, name)
+        if v is None or v == "epoch":
+            return
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        if isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0:
+            setattr(cfg, name, int(v))
+            return
+        raise UserError(f"`{name}` must be a number of steps >= 0 or epoch, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Choice(Check):
     """One of ``choices`` (a tuple, or a function returning one: a registry filled later)."""
 
@@ -301,6 +318,15 @@ def shown_default(f: dataclasses.Field) -> str:
         return "none"
     return f"`{f.default}`" if isinstance(f.default, str) else f"{f.default:g}" if isinstance(
         f.default, float) else str(f.default)
+
+
+def help_text(f: dataclasses.Field) -> str:
+    """The flag's ``--help`` text: its help, and its default (``shown_default``) where the help does not say it;
+    a switch's default is its flag's absence."""
+    text = f.metadata["help"]
+    if f.metadata["type"] == "bool" or "default" in text:
+        return text
+    return f"{text} (default: {shown_default(f)})"
 
 
 def flag_table(cls) -> str:

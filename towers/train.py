@@ -15,7 +15,7 @@ from dataclasses import fields
 from towers.cli import Parser, run_main, show_notices, sigterm_raises, warn_about
 from towers.config import Config
 from towers.errors import flags_in_messages
-from towers.settings import GROUPS, flag_name, metavar
+from towers.settings import GROUPS, flag_name, help_text, metavar
 from towers.trainer import Trainer
 
 def _number(kind):
@@ -42,7 +42,7 @@ def build_parser(prog: str = "python -m towers.train") -> argparse.ArgumentParse
                 description="Multi-tower training with CuPy + NCCL, or NumPy on the CPU.")
     groups = {name: ap.add_argument_group(name, description) for name, description in GROUPS.items()}
     for f in fields(Config):
-        help_ = f.metadata["help"].replace("%", "%%").replace("`", "")
+        help_ = help_text(f).replace("%", "%%").replace("`", "")
         group = groups[f.metadata["group"]]
         if f.metadata["type"] == "bool":  # on by default: the flag (--no-...) turns it off
             group.add_argument(flag_name(f), dest=f.name, action="store_false" if f.default else "store_true",

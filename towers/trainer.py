@@ -32,7 +32,7 @@ import time
 import numpy
 
 from towers.config import Config
-from towers.data.dataset import Dataset, check_examples, check_test_split
+from towers.data.dataset import Dataset, check_examples, check_test_split, hold_out
 from towers.data.loading import load_dataset
 from towers.data.pipeline import describe
 from towers.devices.cpu_threads import input_workers
@@ -151,6 +151,12 @@ class Trainer:
         elif not isinstance(dataset, Dataset):
             raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "
                             f"got {type(dataset).__name__}")
+        if cfg.validation_split:  # the same examples held out here and on every host of a cluster
+            try:
+                dataset = hold_out(dataset, cfg.validation_split, cfg.seed)
+            except BaseException:
+                self.close()
+                raise
         self.dataset = dataset
         self.data_path = cfg.data if shipped is None else None  # where the data came from (None: handed over)
         try:
@@ -362,7 +368,8 @@ class Trainer:
     # -- evaluation ------------------------------------------------------------------------
 
     def evaluate(self, ema: bool = True, x=None, y=None, progress=None) -> dict:
-        """{"loss", "accuracy"} on the test data (or ``x``, ``y``), EMA or raw weights (a host sync).
+        """{"loss", "accuracy"} on the test data (or ``x``, ``y``), EMA or raw weights (a host sync), and
+        "top5_accuracy" for a model of more than 10 classes (``Replica.score``).
 
         The loss is the mean cross-entropy without the L2 term.  ``x``, ``y`` are
         checked as ``train_step`` checks a batch and the loader checks test data
@@ -423,12 +430,28 @@ class Trainer:
                                 "(load_state_dict)")
 
     def test_accuracy(self, progress=None) -> dict:
-        """{"test_accuracy", "test_accuracy_ema"} ({} without test data); ``progress`` as ``evaluate``'s, over
-        both passes (twice the test examples)."""
+        """``evaluate``'s figures of the raw and the EMA weights on the test data (or the held-out
+        ``validation_split``), prefixed ``test_`` and, for the EMA, suffixed ``_ema``: "test_loss",
+        "test_accuracy", "test_loss_ema", "test_accuracy_ema", and "test_top5_accuracy(_ema)" with more than 10
+        classes ({} without test data); ``progress`` as ``evaluate``'s, over both passes (twice the test
+        examples)."""
         if self.dataset.x_test is None:
             return {}
-        return {"test_accuracy": self.evaluate(ema=False, progress=progress)["accuracy"],
-                "test_accuracy_ema": self.evaluate(ema=True, progress=progress)["accuracy"]}
+        return {f"test_{k}{suffix}": v for ema, suffix in ((False, ""), (True, "_ema"))
+                for k, v in self.evaluate(ema=ema, progress=progress).items()}
+
+    def train_accuracy(self) -> float | None:
+        """The training accuracy of the last step whose loss was asked for (``want_loss``), from that step's own
+        forward pass (training mode: dropout on, each tower's batch statistics), as Keras reports ``accuracy``
+        beside the loss (on a cluster, the mean of its hosts'); None where it was not counted (``cuda_graphs``)."""
+        self._open()
+        return self.executor.train_accuracy()
+
+    def loss_scaling(self) -> dict:
+        """``{"loss_scale": S, "skipped_steps": n}`` with ``precision`` fp16 (n: steps skipped for an inf or NaN
+        gradient, the whole run's); {} otherwise (a host sync with fp16)."""
+        self._open()
+        return self.executor.loss_scaling()
 
     # -- the loop ----------------------------------------------------------------------------
 

@@ -270,7 +270,9 @@ def test_bf16_allreduce_on_cpu_towers_that_split_the_mean():
     (dict(allreduce_dtype="fp16"), "allreduce_dtype 'fp16' is unknown"),
     (dict(precision="fp16", sync="weights"), "precision fp16 scales the loss"),
     (dict(allreduce_dtype="bf16", sync="weights"), "sync grads only"),
-    (dict(precision="bf16", loss_scale_growth=10), "loss_scale_growth applies to precision fp16"),
+    (dict(precision="bf16", loss_scale_growth=10),
+     "loss_scale_growth applies to precision fp16 (its loss scaling), not bf16: set precision fp16, or drop "
+     "loss_scale_growth"),
     (dict(loss_scale_growth=0), "loss_scale_growth must be an integer >= 1"),
 ])
 def test_precision_settings_are_checked(kw, message):

@@ -337,6 +337,12 @@ class ClusterExecutor(Executor):
         self._all("load_state_dict", state, where)
         self._step = int(numpy.asarray(state["step"]))
 
+    def train_accuracy(self) -> float | None:
+        """The mean of the hosts' own (each counts its towers' examples of the last step whose losses were asked
+        for: the same number on every host); None where a host did not count."""
+        values = self.wait([(a.call.remote("train_accuracy"), h) for h, a in enumerate(self.hosts)])
+        return None if any(v is None for v in values) else sum(values) / len(values)
+
     def evaluate(self, ema: bool, x, y, progress=None) -> dict:
         result = self._source_call("evaluate", ema, x, y)
         if progress is not None:  # host 0 (or the server) evaluates: its chunks are not seen from here

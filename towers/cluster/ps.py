@@ -415,8 +415,7 @@ class ParameterServer(Answering):
         self.publish(bump=False)  # the hosts' next pull takes these weights
 
     def evaluate(self, ema: bool, x, y, progress=None) -> dict:
-        loss, acc = self._scoring(ema).evaluate(x, y, progress=progress)
-        return {"loss": loss, "accuracy": acc}
+        return self._scoring(ema).score(x, y, progress=progress)
 
     def predict(self, ema: bool, x, batch: int):
         return self._scoring(ema).predict(x, batch)

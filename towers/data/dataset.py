@@ -155,6 +155,38 @@ class Dataset:
         return cls(x, y, num_classes, x_test, y_test)
 
 
+def hold_out(dataset: Dataset, fraction: float, seed: int) -> Dataset:
+    """``dataset`` with ``fraction`` of its training examples moved to its test split (``validation_split``).
+
+    Which examples: a permutation of the example numbers from NumPy's
+    ``default_rng(seed)`` (a generator of its own: the weights' and the
+    shuffle's draws are untouched), its first ``round(fraction * N)`` (at least
+    one) held out; both parts keep the file's order.  So a run, its resume and
+    a second run of the same seed hold out the same examples, and training
+    never sees them (its shuffle draws from the rest).  The class count stays
+    the whole data's.  Examples held in memory or mapped from an npz only
+    (the parts are copies: a mapped file is read into memory); records and
+    images read on demand are refused, as is data with a test split of its own.
+    """
+    if not fraction:
+        return dataset
+    if dataset.x_test is not None:
+        raise UserError("`validation_split` holds out training examples as the test data, but the data has test "
+                        "data of its own (x_test/y_test in `data`, or `test_data`): drop `validation_split` or the "
+                        "test data")
+    if not isinstance(dataset.x, numpy.ndarray):
+        raise UserError("`validation_split` splits examples held in memory or in an npz file; the examples of "
+                        "`data` are read on demand (TFRecord records, images): give test data (`test_data`) instead")
+    n = len(dataset.x)
+    k = max(1, round(fraction * n))
+    if k >= n:
+        raise UserError(f"`validation_split` {fraction:g} of {n} examples leaves none to train on: lower it")
+    order = numpy.random.default_rng(seed).permutation(n)
+    held, kept = numpy.sort(order[:k]), numpy.sort(order[k:])
+    return Dataset(dataset.x[kept], dataset.y[kept], dataset.num_classes, dataset.x[held], dataset.y[held],
+                   class_names=dataset.class_names)
+
+
 @dataclass
 class TestSet:
     """Test examples and labels alone, the labels in a trained model's classes (``towers.data.loading.
@@ -385,6 +417,11 @@ class _Npz:
         if os.path.isdir(path):
             raise UserError(f"{what} file {path} is a directory: {fix}")
         if not os.path.exists(path):
+            from towers.data.fetch import DATASETS
+
+            name = os.path.basename(path)[:-len(".npz")] if path.endswith(".npz") else None
+            if name in DATASETS:  # a data set the fetcher writes under this name
+                fix = (f"towers-fetch-data {name} -o {os.path.dirname(path) or '.'} writes it (or {fix})")
             raise UserError(f"{what} file {path} does not exist: {fix}")
         try:
             self._zip = zipfile.ZipFile(path)

@@ -168,25 +168,31 @@ class Placement:
     def ema_device(self) -> Device:
         return self.towers[0]
 
-    def reducer_description(self) -> str:
+    def reducer_description(self, allreduce_dtype: str = "fp32", bucket_mib: float = 0.0) -> str:
+        """The reducer of these towers, with the gradients' format in it (``allreduce_dtype``) and its buckets
+        (``bucket_mib``; 0: one all-reduce after backward)."""
         groups = self.groups
         if self.n_towers == 1:
             return "none (one tower)"
         shared = any(len(g) > 1 for g in groups)
+        rounded = ", gradients rounded to bfloat16 first" if allreduce_dtype == "bf16" else ""
+        buckets = f", in buckets of about {bucket_mib:g} MiB during backward" if bucket_mib else ""
         if len(groups) == 1:
-            return f"on-device mean on {self.towers[0]} ({self.n_towers} towers)"
+            return f"on-device mean on {self.towers[0]} ({self.n_towers} towers){rounded}{buckets}"
         text = "NCCL all-reduce (avg, float32) over " + ", ".join(map(str, self.gpus))
         if shared:
             text += ", after an on-device mean of towers that share a GPU"
-        return text
+        return text + rounded + buckets
 
-    def table(self) -> str:
-        """The ``--log-placement`` table."""
-        rows = [(f"tower {i}", str(d)) for i, d in enumerate(self.towers)]
+    def table(self, allreduce_dtype: str = "fp32", bucket_mib: float = 0.0, precision: str = "fp32") -> str:
+        """The ``--log-placement`` table (the reducer's line: ``reducer_description``; ``precision``: the towers'
+        compute format, said beside them when not fp32)."""
+        compute = f" (computes in {precision})" if precision != "fp32" else ""
+        rows = [(f"tower {i}", f"{d}{compute}") for i, d in enumerate(self.towers)]
         rows += [
             ("EMA", f"{self.ema_device} (first tower's device)"),
             ("input parsing", "cpu (background thread)"),
-            ("reducer", self.reducer_description()),
+            ("reducer", self.reducer_description(allreduce_dtype, bucket_mib)),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

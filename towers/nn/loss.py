@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.placement import check_host
+from towers.devices.placement import array_module, check_host
 from towers.nn.layers import Workspace
 from towers.ops.softmax_xent import softmax_xent
 
@@ -50,6 +50,16 @@ def softmax_cross_entropy(logits, labels, ws: Workspace, want_loss: bool = True,
 def accuracy_count(logits, labels) -> int:
     """Number of correct predictions (host int: a sync point, used at eval only)."""
     return int((logits.argmax(axis=1) == labels).sum())
+
+
+def top_k_count(logits, labels, k: int) -> int:
+    """Number of examples whose label is among their ``k`` largest logits (host int: a sync point, at eval only).
+
+    A label's rank is the count of logits strictly above its own, so a tie with the k-th largest counts
+    as in; ``k`` = 1 is ``accuracy_count`` up to such ties.
+    """
+    own = logits[array_module(logits).arange(len(labels)), labels]
+    return int(((logits > own[:, None]).sum(axis=1) < k).sum())
 
 
 def softmax(logits, axis: int = -1) -> numpy.ndarray:

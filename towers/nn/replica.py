@@ -38,9 +38,13 @@ from towers.data.dataset import input_scale
 from towers.devices.placement import to_host
 from towers.nn.context import StepContext
 from towers.nn.layers import Sequential, Workspace
-from towers.nn.loss import accuracy_count, softmax_cross_entropy
+from towers.nn.loss import accuracy_count, softmax_cross_entropy, top_k_count
 from towers.ops.l2 import add_scaled
 from towers.ops.precision import PRECISIONS, round_to
+
+
+# Evaluation reports top-5 accuracy too for models of more classes than this (top-5 of 10 says little).
+TOP5_CLASSES = 10
 
 
 class Replica:
@@ -109,6 +113,8 @@ class Replica:
         self._input = None  # low precision: the rounded copy of a micro-batch's input
         self._loss_ws = Workspace(xp, self.context)
         self._scratch = None  # (flat buffer, per-layer views): where micro-batches after the first write
+        # The last training step's correct predictions (``mean_loss_and_grads``' ``count_correct``) and examples.
+        self.train_correct, self.train_seen = None, 0
 
     @classmethod
     def holding(cls, model: Sequential, xp, params, buffers) -> "Replica":
@@ -190,7 +196,7 @@ class Replica:
         return self.dtype.type(l2 / 2) * self.xp.dot(w, w) if self._nreg and l2 else self.dtype.type(0)
 
     def mean_loss_and_grads(self, batches, count: int, l2: float, want_loss: bool = True, timer=None,
-                            loss_scale: float = 1.0, ready=None):
+                            loss_scale: float = 1.0, ready=None, count_correct: bool | None = None):
         """Forward and backward over ``count`` micro-batches: their mean data loss and mean gradient, + L2's once.
 
         ``batches`` yields ``count`` (x, labels) pairs of equal size, taken one
@@ -227,10 +233,19 @@ class Replica:
         same bits.  Layers before the first one with parameters are not
         walked, and not reported.  On a GPU "final" means queued on the
         current stream.
+
+        ``count_correct`` (default: ``want_loss``): the training accuracy of
+        this step from the logits its forward computed anyway (no second
+        forward; training mode, so with dropout's masks): ``train_correct``
+        holds how many of the ``train_seen`` examples' largest logit is their
+        label, a 0-d device array (not fetched here), None when not counted.
         """
+        if count_correct is None:
+            count_correct = want_loss
         timer = timer or _no_timer
         scale = self.dtype.type(1 / count)
         loss, seen = None, 0
+        self.train_correct, self.train_seen = None, 0  # set again below when counted
         if self._low is not None:
             with timer("forward"):
                 self._low[...] = self.params  # this step's copy of the weights, in the compute format
@@ -238,6 +253,10 @@ class Replica:
         for k, (x, labels) in enumerate(batches):
             with timer("forward"):
                 logits = self._train_forward(x)
+                if count_correct:  # before the loss's gradient, which may overwrite the logits' workspace
+                    right = (logits.argmax(axis=1) == self.xp.asarray(labels)).sum()
+                    self.train_correct = right if k == 0 else self.train_correct + right
+                    self.train_seen += len(logits)
                 part, dy = softmax_cross_entropy(logits, labels, self._loss_ws, want_loss, self.label_smoothing)
             with timer("backward"):
                 if count > 1:
@@ -323,25 +342,38 @@ class Replica:
             yield start, self.forward(xb.astype(self.dtype, copy=False))
 
     def evaluate(self, x, y, batch: int = 250, progress=None) -> tuple[float, float]:
-        """Mean loss (without L2 and label smoothing) and accuracy over host arrays ``x``, ``y``.
+        """(mean loss, accuracy) over host arrays ``x``, ``y``: ``score``'s first two figures."""
+        scores = self.score(x, y, batch, progress)
+        return scores["loss"], scores["accuracy"]
 
-        Evaluation mode (moving statistics, no dropout), in chunks of
-        ``batch`` (``_chunks``); counts real examples only.  Each chunk's loss
-        and count reach the host (a sync point per chunk on a GPU).
+    def score(self, x, y, batch: int = 250, progress=None) -> dict:
+        """{"loss", "accuracy"} over host arrays ``x``, ``y``, and "top5_accuracy" when the model has more than
+        ``TOP5_CLASSES`` classes (the label among the 5 largest logits, ``top_k_count``).
+
+        The loss is the mean without L2 and label smoothing.  Evaluation mode
+        (moving statistics, no dropout), in chunks of ``batch``
+        (``_chunks``); counts real examples only.  Each chunk's loss and
+        counts reach the host (a sync point per chunk on a GPU).
         ``progress(k)``, when given, is called after each chunk with its
         example count (a progress bar's ``update``).
         """
         xp = self.xp
-        total_loss, correct = 0.0, 0
+        top5 = self.model.output_shape[-1] > TOP5_CLASSES
+        total_loss, correct, in_top5 = 0.0, 0, 0
         for start, logits in self._chunks(x, batch):
             yb = xp.asarray(y[start : start + batch])
+            correct += accuracy_count(logits, yb)  # before the loss, whose workspace may hold the logits
+            if top5:
+                in_top5 += top_k_count(logits, yb, 5)
             loss, _ = softmax_cross_entropy(logits, yb, self._loss_ws, True)
             total_loss += float(loss) * len(yb)
-            correct += accuracy_count(logits, yb)
             if progress is not None:
                 progress(len(yb))
         n = max(len(x), 1)
-        return total_loss / n, correct / n
+        scores = {"loss": total_loss / n, "accuracy": correct / n}
+        if top5:
+            scores["top5_accuracy"] = in_top5 / n
+        return scores
 
     def predict(self, x, batch: int = 250) -> numpy.ndarray:
         """The logits of host examples ``x`` as a host float32 array (len(x), classes).

@@ -87,9 +87,18 @@ class Reporter:
         self.bar.close()
 
     def log_step(self, step: int, loss: float, lr: float, examples_per_sec: float, sec_per_batch: float,
-                 note: str | None = None) -> None:
-        """The log line; ``note`` (a warning) is added to it, and said once even when quiet."""
-        line = f"step {step}, loss = {loss:.4f} ({examples_per_sec:.1f} examples/sec; {sec_per_batch:.4f} sec/batch)"
+                 note: str | None = None, train_accuracy: float | None = None, **scaling) -> None:
+        """The log line and its record; ``note`` (a warning) is added to it, and said once even when quiet.
+
+        ``train_accuracy``: the step's own (beside the loss); ``scaling``: fp16's ``loss_scale`` and
+        ``skipped_steps`` (said when a step was skipped).
+        """
+        accuracy = "" if train_accuracy is None else f", accuracy = {train_accuracy:.4f}"
+        line = (f"step {step}, loss = {loss:.4f}{accuracy} ({examples_per_sec:.1f} examples/sec; "
+                f"{sec_per_batch:.4f} sec/batch)")
+        if scaling.get("skipped_steps"):
+            line += (f"; {scaling['skipped_steps']} steps skipped for fp16 overflow so far, loss scale "
+                     f"{scaling['loss_scale']:g}")
         if note and not self.quiet:
             line += f"; {note}"
         elif note and not self._noted:
@@ -98,7 +107,18 @@ class Reporter:
         if not self.quiet:
             self.say(line)
         self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        self.record(step=step, loss=loss, lr=lr, examples_per_sec=examples_per_sec)
+        extra = {} if train_accuracy is None else {"train_accuracy": train_accuracy}
+        self.record(step=step, loss=loss, **extra, lr=lr, examples_per_sec=examples_per_sec, **scaling)
+
+    def log_evaluation(self, step: int, scores: dict, examples: str) -> None:
+        """An evaluation's line (``step N, test loss = ...``; not when quiet) and its ``metrics.jsonl`` record
+        (``scores``: ``Trainer.test_accuracy``'s; ``examples``: what was evaluated, for the line)."""
+        if not self.quiet:
+            top5 = (f", top-5 {scores['test_top5_accuracy']:.4f} / {scores['test_top5_accuracy_ema']:.4f}"
+                    if "test_top5_accuracy" in scores else "")
+            self.say(f"step {step}, test loss = {scores['test_loss']:.4f}, accuracy = {scores['test_accuracy']:.4f} "
+                     f"(raw) / {scores['test_accuracy_ema']:.4f} (EMA){top5} on {examples}")
+        self.record(step=step, **scores)
 
     def record(self, **fields) -> None:
         with writing(self.path):
@@ -115,14 +135,15 @@ class Reporter:
 class TensorBoard:
     """TensorBoard event files in the logdir, written with tensorboardX's record writer.
 
-    Every ``every`` steps: scalars ``loss``, ``learning_rate`` and
-    ``examples_per_sec``, and histograms of every weight (``layer1/weights``)
+    Every ``every`` steps: scalars ``loss``, ``learning_rate``,
+    ``examples_per_sec`` and ``train_accuracy`` (with fp16 ``loss_scale`` and
+    ``skipped_steps`` too), and histograms of every weight (``layer1/weights``)
     and of the averaged gradient (``layer1/weights/gradients``), named as the
     TensorFlow original names them.  Fetching weights and gradients is a host
-    sync, so it happens only at these steps.  ``test_accuracy`` and
-    ``test_accuracy_ema`` are written where the trainer evaluates: at checkpoint
-    steps and at the end (a full pass over the test set is too costly for every
-    summary step).
+    sync, so it happens only at these steps.  ``test_loss``, ``test_accuracy``
+    (``_ema``: the EMA weights'; ``test_top5_accuracy`` with more than 10
+    classes) are written where the trainer evaluates: every ``eval_every``
+    steps (at checkpoint steps by default) and at the end.
 
     Events are written and flushed (with fsync) in the calling thread at each
     summary step, not by tensorboardX's ``SummaryWriter``: its writer thread
@@ -182,8 +203,9 @@ class TensorBoard:
             with writing(self.path):
                 self._writer.flush()  # flush and fsync: readers see each summary step at once
 
-    def write_step(self, trainer, loss: float, lr: float) -> None:
-        """The summaries of one step: scalars, then the histograms (a host sync)."""
+    def write_step(self, trainer, loss: float, lr: float, **figures: float) -> None:
+        """The summaries of one step: scalars (``figures``: the training accuracy, fp16's loss scale and skipped
+        steps, where the run has them), then the histograms (a host sync)."""
         if self._writer is None:
             return
         from tensorboardX.summary import histogram
@@ -191,7 +213,7 @@ class TensorBoard:
         now, step = time.perf_counter(), trainer.step
         rate = (step - self._step) * trainer.global_batch / max(now - self._t, 1e-9)
         self._t, self._step = now, step
-        self.scalars(step, flush=False, loss=loss, learning_rate=lr, examples_per_sec=rate)
+        self.scalars(step, flush=False, loss=loss, learning_rate=lr, examples_per_sec=rate, **figures)
         for name, a in trainer.get_weights().items():
             self._summary(histogram(name, _finite(a), bins=64), step)
         # After the all-reduce every replica's gradient buffer holds the average.

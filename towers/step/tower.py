@@ -87,7 +87,9 @@ class Tower:
             batch = next(self._micro_batches(x, y, stage))
 
             def forward_backward(xb, yb, timer):  # the loss always: one graph for steps with and without it
-                return self.replica.mean_loss_and_grads(((xb, yb),), 1, l2, True, timer, loss_scale)
+                # (no training accuracy: its count would be one more array for the graph to keep)
+                return self.replica.mean_loss_and_grads(((xb, yb),), 1, l2, True, timer, loss_scale,
+                                                        count_correct=False)
 
             return self.graphs.run((loss_scale, l2), batch, forward_backward, self.timer, want_loss)
 
