@@ -42,6 +42,8 @@ from towers.nn.loss import accuracy_count, softmax_cross_entropy
 from towers.ops.l2 import add_scaled
 from towers.ops.precision import PRECISIONS, round_to
 
+EVAL_CHUNK_BYTES = 256 << 20  # float32 examples per chunk of evaluation and prediction, at most (one at least)
+
 
 class Replica:
     """One tower's copy of the model: flat parameter, gradient and buffer arrays on a device.
@@ -308,14 +310,19 @@ class Replica:
         return self._scratch[1]
 
     def _chunks(self, x, batch: int):
-        """(start, logits) of each chunk of ``batch`` host examples of ``x``, in evaluation mode.
+        """(start, logits) of each chunk of at most ``batch`` host examples of ``x``, in evaluation mode.
 
         Chunks are small because a convolution's im2col buffer grows with
-        them; the last one is short, never padded.  uint8 inputs are scaled by
-        1/255 on the device, as in training.  The logits may live in a
-        workspace that the next chunk overwrites: use them before asking for it.
+        them, and hold at most ``EVAL_CHUNK_BYTES`` of float32 examples (at
+        least one example): large images take fewer a chunk (250 images of
+        1024 x 1024 x 3 would be 2.9 GiB at once).  The last one is short,
+        never padded.  uint8 inputs are scaled by 1/255 on the device, as in
+        training.  The logits may live in a workspace that the next chunk
+        overwrites: use them before asking for it.
         """
         xp = self.xp
+        per_example = 4 * int(numpy.prod(x.shape[1:], dtype=numpy.int64))
+        batch = max(1, min(batch, EVAL_CHUNK_BYTES // max(per_example, 1)))
         for start in range(0, len(x), batch):
             xb = xp.asarray(x[start : start + batch])
             scale = input_scale(xb.dtype)
@@ -334,7 +341,7 @@ class Replica:
         xp = self.xp
         total_loss, correct = 0.0, 0
         for start, logits in self._chunks(x, batch):
-            yb = xp.asarray(y[start : start + batch])
+            yb = xp.asarray(y[start : start + len(logits)])
             loss, _ = softmax_cross_entropy(logits, yb, self._loss_ws, True)
             total_loss += float(loss) * len(yb)
             correct += accuracy_count(logits, yb)

@@ -31,13 +31,13 @@ import os
 
 import numpy as np
 
-from towers.data.dataset import load_npz, npz_has
+from towers.data.dataset import load_npz, npz_has_test
 from towers.data.image import codec, folder
 from towers.data.tfrecord.framing import TFRecordWriter
 from towers.data.tfrecord.proto import SequenceExample
 from towers.data.tfrecord.schema import UsageError
 from towers.errors import UserError
-from towers.output.files import atomic_path, refuse_overwriting_inputs
+from towers.output.files import atomic_path, check_new_output, output_folder, refuse_overwriting_inputs
 
 _FORMAT = {"jpeg": b"JPEG", "png": b"PNG", "other": b""}
 
@@ -65,7 +65,7 @@ def example(encoded: bytes, label: int, shape, name: bytes = b"", text: bytes = 
 
 
 def _from_npz(path, test, encode, quality, offset):
-    if test and not npz_has(path, "x_test", "y_test"):
+    if test and not npz_has_test(path):
         raise UsageError(f"{path} has no x_test/y_test for --test")
     ds = load_npz(path, *(("x_test", "y_test") if test else ("x", "y")))
     x = ds.x
@@ -76,8 +76,8 @@ def _from_npz(path, test, encode, quality, offset):
         yield example(codec.encode(image, encode, quality), int(ds.y[i]) + offset, image.shape)
 
 
-def _from_folder(root, encode, quality, offset):
-    classes, paths, labels = folder.scan(root, "input")
+def _from_folder(root, scanned, encode, quality, offset):
+    classes, paths, labels = scanned
     for path, label in zip(paths, labels.tolist()):
         try:
             with open(path, "rb") as f:
@@ -110,20 +110,17 @@ def convert(input: str, output: str, encode: str | None = None, quality: int = 9
     is_folder = os.path.isdir(input)
     if is_folder and test:
         raise UsageError("--test picks an npz's x_test/y_test; give the test folder itself instead")
-    outputs = shard_paths(output, shards)
-    for out in outputs:
-        folder_of = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(folder_of):
-            raise UsageError(f"-o {output}: the folder {folder_of} does not exist; create it first")
-        if os.path.isdir(out):
-            raise UsageError(f"-o {output}: {out} is a folder; give a file path")
-    refuse_overwriting_inputs(output, [input] if not is_folder else [])
-    records = list(_from_folder(input, encode, quality, label_offset) if is_folder else
+    scanned = folder.scan(input, "input") if is_folder else None
+    outputs = shard_paths(output, shards) if output else [output]  # ('' is refused as it is)
+    for out in outputs:  # every image of a folder is an input: none is written over
+        refuse_overwriting_inputs(out, scanned[1] if is_folder else [input])
+        check_new_output(out, "images_to_tfrecord", "-o", "out.tfrecords")
+    records = list(_from_folder(input, scanned, encode, quality, label_offset) if is_folder else
                    _from_npz(input, test, encode or "jpeg", quality, label_offset))
     bounds = np.linspace(0, len(records), shards + 1).astype(int)
     with contextlib.ExitStack() as stack:  # every shard is renamed into place only when all are written
         for out, a, b in zip(outputs, bounds[:-1], bounds[1:]):
-            tmp = stack.enter_context(atomic_path(out))
+            tmp = stack.enter_context(atomic_path(out, stack.enter_context(output_folder(out, flag="-o"))))
             with open(tmp, "wb") as f, TFRecordWriter(f, "none") as writer:
                 for payload in records[a:b]:
                     writer.write(payload)
