@@ -297,8 +297,11 @@ def test_chunk_size_must_be_positive(size, tmp_path, capsys):
     (tfrecord_to_npz, ["in.tfrecords", "--compression", "lzma"]),
     (npz_to_tfrecord, ["in.npz"]),
     (npz_to_tfrecord, ["in.npz", "-o", "o.tfrecords", "--compression", "auto"]),
+    ("images_to_tfrecord", []),  # no arguments at all: a usage error like any other
 ])
 def test_flag_mistakes_are_one_line(module, argv, tmp_path, capsys):
+    if module == "images_to_tfrecord":
+        from tools import images_to_tfrecord as module
     assert_one_line(cli(module, capsys, *argv), 2, "error:", "(see --help)")
 
 
