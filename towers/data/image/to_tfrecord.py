@@ -5,7 +5,8 @@ Each record is a ``tf.train.Example`` as TensorFlow's
 ``build_imagenet_data.py`` writes it: ``image/encoded`` (the image),
 ``image/format`` (``JPEG``/``PNG``), ``image/class/label`` (the label plus
 ``--label-offset``; the ImageNet files count from 1), ``image/class/text``
-(a folder's class name), ``image/height``, ``image/width``,
+(a folder's class name: training from the records reads the class names back
+from it, ``towers.data.tfrecord.records.class_names``, as from the folder), ``image/height``, ``image/width``,
 ``image/channels``, ``image/colorspace`` (``RGB``/``Grayscale``),
 ``image/filename`` and the empty bounding-box lists
 ``image/object/bbox/{xmin,ymin,xmax,ymax}`` (float) and
@@ -34,6 +35,7 @@ import numpy as np
 from towers.data.dataset import load_npz, npz_has_test
 from towers.data.image import codec, folder
 from towers.data.tfrecord.framing import TFRecordWriter
+from towers.data.tfrecord.index import CLASS_TEXT
 from towers.data.tfrecord.proto import SequenceExample
 from towers.data.tfrecord.schema import UsageError
 from towers.errors import UserError
@@ -53,7 +55,7 @@ def example(encoded: bytes, label: int, shape, name: bytes = b"", text: bytes = 
     f["image/encoded"].bytes_list.value.append(encoded)
     f["image/format"].bytes_list.value.append(_FORMAT[codec.sniff(encoded)])
     f["image/class/label"].int64_list.value.append(int(label))
-    f["image/class/text"].bytes_list.value.append(text)
+    f[CLASS_TEXT].bytes_list.value.append(text)
     f["image/filename"].bytes_list.value.append(name)
     for key, value in zip(("image/height", "image/width", "image/channels"), shape):
         f[key].int64_list.value.append(int(value))
