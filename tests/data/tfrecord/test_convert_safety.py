@@ -438,8 +438,10 @@ def read_only(tmp_path):
     point.mkdir()
     if os.geteuid() != 0:
         point.chmod(0o500)
-        yield point, "[EACCES]"
-        point.chmod(0o700)
+        try:
+            yield point, "[EACCES]"
+        finally:
+            point.chmod(0o700)
         return
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(point)], capture_output=True,
                           text=True)
