@@ -210,7 +210,7 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, runs, case):
         out, expected = tmp_path / "no" / "w.safetensors", "does not exist; choose another -o"
     elif case == "a file for a folder":
         (tmp_path / "file").write_text("")
-        out, expected = tmp_path / "file" / "w.safetensors", "file is not a folder; choose another -o"
+        out, expected = tmp_path / "file" / "w.safetensors", "file is a file, not a folder; choose another -o"
     elif case == "read-only folder":
         if os.geteuid() == 0:
             pytest.skip("root writes into a read-only folder")
@@ -224,6 +224,15 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, runs, case):
         assert not out.exists()
     if out.parent.is_dir():
         assert [p for p in os.listdir(out.parent) if p != "w.safetensors"] == []  # no temporary left
+
+
+def test_an_empty_output_is_refused_before_anything_is_read(tmp_path, capsys, monkeypatch):
+    # Before: "cannot write : No such file or directory [ENOENT]: choose another -o, or make <parent of the
+    # current folder> writable".
+    monkeypatch.chdir(tmp_path)
+    status, err = export(capsys, tmp_path / "ckpt-00000006.npz", "-o", "")
+    assert status == 2 and err == ["towers.export: error: -o is empty: give the output file's path"], err
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("layout, ema", [("towers", False), ("towers", True), ("torch", False)])

@@ -3,7 +3,7 @@ exception, and printing the library's notices and a dataset's warnings (the libr
 
 Every entry point (``towers.train``, ``towers.eval``, the converters, the
 fetcher) ends the same way: a mistake in the input is one line and status 2,
-a run or a write that cannot go on is one line and status 1, Ctrl-C is 130,
+a run or a write that cannot go on (out of memory too) is one line and status 1, Ctrl-C is 130,
 SIGTERM 143, and anything else is a bug and keeps its traceback.
 
 Within ``sigterm_raises`` SIGTERM raises ``Terminated``, which unwinds like
@@ -85,14 +85,17 @@ def exit_status(exc: BaseException, more: dict | None = None) -> tuple[int, str]
     ``more`` maps a tool's own exception types to their status.
     """
     for kind, status in (more or {}).items():
-        if isinstance(exc, kind):
-            return status, f"error: {exc}"
+        if isinstance(exc, kind):  # (its `settings` as flags too: a tool's own types need not be UserErrors)
+            return status, render(f"error: {exc}")
     if isinstance(exc, UserError):
         return 2, f"error: {exc}"
     if isinstance(exc, (TrainingError,)):
         return 1, f"error: {exc}"
     if isinstance(exc, OSError):  # a file touched outside the writers that name it
         return 1, f"error: {exc.filename or ''}: {exc.strerror or exc}; check the path, its permissions and free space"
+    if isinstance(exc, MemoryError):  # NumPy's and CuPy's out-of-memory errors both derive from it
+        return 1, (f"error: out of memory ({str(exc) or type(exc).__name__}): free memory or raise this process's "
+                   "limit (ulimit -v), or use smaller batches or data")
     if isinstance(exc, KeyboardInterrupt):
         return 130, "interrupted"
     if isinstance(exc, Terminated):

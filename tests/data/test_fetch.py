@@ -11,6 +11,7 @@ import gzip
 import hashlib
 import http.server
 import io
+import os
 import socket
 import struct
 import subprocess
@@ -332,3 +333,24 @@ def test_malformed_files_stop_before_writing(tmp_path, serve):
     with pytest.raises(FetchError, match=r"lacks data_batch_2\.bin, .*test_batch\.bin"):
         run_fetch("cifar10", tmp_path / "d", serve(files), table(files))
     assert not (tmp_path / "c" / "cifar10.npz").exists() and not (tmp_path / "d" / "cifar10.npz").exists()
+
+
+def test_a_refused_download_leaves_no_folder_it_made(tmp_path):
+    # Before: towers-fetch-data refused offline left an empty data/raw/ (and data/) behind.
+    url = f"http://127.0.0.1:{closed_port()}"
+    result = cli("mnist", "-o", str(tmp_path / "data" / "sets"), "--mirror", url)
+    assert result.returncode == 1 and "refused" in result.stderr.lower(), result.stderr
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "mine").mkdir()  # a folder that was there stays, with what it holds
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    assert cli("mnist", "-o", str(tmp_path / "mine"), "--mirror", url).returncode == 1
+    assert os.listdir(tmp_path / "mine") == ["notes.txt"]
+
+
+def test_verified_files_keep_their_folder_when_a_later_file_fails(tmp_path, serve):
+    arrays, files = mnist_like()
+    first = next(iter(files))  # fetched first
+    server = serve({first: files[first]})  # the others: 404
+    with pytest.raises(FetchError):
+        run_fetch("mnist", tmp_path / "data", server, table(files), retries=0)
+    assert sorted(os.listdir(tmp_path / "data" / "raw")) == [first]

@@ -13,7 +13,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, shared_file
 from towers import Config, Trainer
 from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset
@@ -110,6 +110,21 @@ def directory(p):
     p.mkdir()
 
 
+def x_test_without_y_test(p):  # before: trained without test data, saying "no test data"
+    d = arrays()
+    np.savez(p, **d, x_test=d["x"][:10])
+
+
+def y_test_without_x_test(p):
+    d = arrays()
+    np.savez(p, **d, y_test=d["y"][:10])
+
+
+def no_features(p):  # before: trained, then "TypeError: memoryview" at the first checkpoint, exit 1, logdir made
+    d = arrays()
+    np.savez(p, x=d["x"][:, :0], y=d["y"])
+
+
 CASES = [  # the start of the message (after "towers.train: error: " on the command line)
     (bad_crc, r"member 'x\.npy' of {f} is corrupt \(bad CRC\)"),
     (bad_deflate, r"member 'x\.npy' of {f} is corrupt \(bad deflate data\)"),
@@ -123,6 +138,10 @@ CASES = [  # the start of the message (after "towers.train: error: " on the comm
     (nonfinite_x, r"{f}: key 'x' has 3 non-finite values \(NaN or inf\); the first in example 5"),
     (nonfinite_x_test, r"{f}: key 'x_test' has 1 non-finite value \(NaN or inf\); the first in example 4"),
     (directory, r"data file {f} is a directory: set {data} to an \.npz or TFRecord file"),
+    (x_test_without_y_test, r"{f} has x_test but no y_test: an npz's test split is both arrays; add y_test, or "
+                            r"remove x_test"),
+    (y_test_without_x_test, r"{f} has y_test but no x_test"),
+    (no_features, r"the examples have shape \(0,\) each: they hold no features \(an axis of length 0\)"),
 ]
 
 
@@ -239,3 +258,25 @@ def test_damaged_files_never_escape_as_other_errors(tmp_path, save):
             refused += 1
             assert "\n" not in str(e)
     assert refused > 200
+
+
+def test_a_tfrecord_file_named_npz_is_read_as_tfrecord(tmp_path):
+    # Before: the name decided: with `decode`, "decode applies to TFRecord data; the npz arrays are used as stored".
+    import shutil
+
+    source = shared_file("tfrecord-samples", "mnist_t10k_head1000.tfrecords")
+    named = tmp_path / "mnist.npz"
+    shutil.copy(source, named)
+    keys = dict(decode="image_raw:uint8:28,28", workers=0)
+    got, want = (load_dataset(str(p), "image_raw", "label", **keys) for p in (named, source))
+    try:
+        assert got.x.shape == want.x.shape == (1000, 28, 28)
+        assert np.array_equal(got.x[:50], want.x[:50]) and np.array_equal(got.y, want.y)
+    finally:
+        got.close()
+        want.close()
+    np.savez(tmp_path / "real.npz", **arrays())  # an npz is still an npz, and another file named so is named
+    assert load_dataset(str(tmp_path / "real.npz")).x.shape == (40, 6)
+    (tmp_path / "text.npz").write_text("hello")
+    with pytest.raises(UserError, match="is not an npz"):
+        load_dataset(str(tmp_path / "text.npz"))

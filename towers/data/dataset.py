@@ -109,7 +109,10 @@ class Dataset:
     warnings: list[str] = field(default_factory=list)  # lines about labels that train but say little
 
     def __post_init__(self):
-        # Every construction, from_arrays or a loader's, gets the test split's checks and the warnings.
+        # Every construction, from_arrays or a loader's, gets these checks and the warnings.
+        if 0 in tuple(self.x.shape[1:]):  # nothing to train on (and a checkpoint of 0-byte weights cannot be written)
+            raise UserError(f"the examples have shape {tuple(self.x.shape[1:])} each: they hold no features (an axis "
+                            "of length 0); give examples of at least one value (check `x_key` and the data)")
         check_test_split(self.x_test, self.y_test, "", dtype=self.x.dtype)
         self.warnings = list(self.warnings) + _label_warnings(self.y, self.y_test)
 
@@ -414,8 +417,10 @@ class _Npz:
     def __init__(self, path: str, what: str, setting: str):
         self.path, self.what = path, what
         fix = f"set `{setting}` to an .npz or TFRecord file"
-        if os.path.isdir(path):
-            raise UserError(f"{what} file {path} is a directory: {fix}")
+        if os.path.isdir(path):  # (a folder with class folders or images is an image folder: towers.data.kinds)
+            raise UserError(f"{what} file {path} is a directory: {fix}, or "
+                            f"to an image folder {os.path.join(path, '<class>', '*.jpg')} (one folder per class, "
+                            ".jpg, .jpeg or .png)")
         if not os.path.exists(path):
             from towers.data.fetch import DATASETS
 
@@ -450,6 +455,16 @@ class _Npz:
 
     def has(self, *keys: str) -> bool:
         return all(k in self._members for k in keys)
+
+    def has_test(self) -> bool:
+        """Whether the file holds its own test split, ``x_test`` and ``y_test``; one without the other is a
+        UserError (it would have trained without test data, saying there was none)."""
+        x, y = self.has("x_test"), self.has("y_test")
+        if x != y:
+            have, lack = ("x_test", "y_test") if x else ("y_test", "x_test")
+            raise UserError(f"{self.path} has {have} but no {lack}: an npz's test split is both arrays; add {lack}, "
+                            f"or remove {have}")
+        return x
 
     def array(self, key: str) -> numpy.ndarray:
         """The member ``key`` as an array: mapped if stored uncompressed, else read whole."""
@@ -537,21 +552,22 @@ def _pair(x, y, where: str, xk: str, yk: str):
     return x, y
 
 
-def npz_has(path: str, *keys: str, what: str = "test data", setting: str = "test_data") -> bool:
-    """Whether the npz file ``path`` has every one of ``keys`` (reads only its directory).
+def npz_has_test(path: str, what: str = "test data", setting: str = "test_data") -> bool:
+    """Whether the npz file ``path`` holds its own test split, ``x_test`` and ``y_test`` (reads only its
+    directory; one without the other is a UserError).
 
     It picks the keys of a ``test_data`` file, so a file that cannot be read
     is named as test data (``what``, ``setting``), not as `data`.
     """
     with _Npz(path, what, setting) as npz:
-        return npz.has(*keys)
+        return npz.has_test()
 
 
 def test_keys(path: str, x_key: str, y_key: str, own: bool = False, what: str = "test data",
               setting: str = "test_data") -> tuple[str, str]:
     """The keys of an npz file's test examples and labels: its own ``x_test``/``y_test`` first, then its
     training keys; with ``own`` (the test split of a `data` file) only the first, else a UserError."""
-    if npz_has(path, "x_test", "y_test", what=what, setting=setting):
+    if npz_has_test(path, what=what, setting=setting):
         return "x_test", "y_test"
     if own:
         raise UserError(f"{path} has no x_test/y_test: give test data (`test_data`), or data with x_test/y_test")
@@ -581,6 +597,6 @@ def load_npz(path: str, x_key: str = "x", y_key: str = "y", test_path: str | Non
             tkx, tky = test_keys(test_path, x_key, y_key)
             with _Npz(test_path, "test data", "test_data") as tnpz:
                 tx, ty = tnpz.array(tkx), tnpz.array(tky)
-        elif npz.has("x_test", "y_test"):
+        elif npz.has_test():
             tx, ty = npz.array("x_test"), npz.array("y_test")
     return Dataset.from_arrays(x, y, tx, ty, names=(x_key, y_key, tkx, tky), where=path, test_where=test_path)

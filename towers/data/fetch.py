@@ -24,6 +24,7 @@ time).  MD5 is what the publishers list: it detects damaged or wrong files, not 
 Tests pass their own file table and base URL to :func:`fetch`; the command line is a thin layer over it.
 """
 
+import contextlib
 import gzip
 import logging
 import os
@@ -253,6 +254,8 @@ def fetch(name, out_dir, base_url=None, files=None, say=info, progress=True, ret
     ``base_url`` replaces the dataset's server (files are fetched from base_url + "/" + file name);
     ``files`` replaces its table of ``{file name: (hashlib algorithm, hex digest)}`` (the file names
     must be the ones the dataset's parser reads).  ``retries``: more tries of a failed download.
+    A failure leaves none of the folders it made that hold nothing (``out_dir``, ``raw/``); the files
+    already verified stay, with their folders.
     """
     import pooch
 
@@ -262,11 +265,21 @@ def fetch(name, out_dir, base_url=None, files=None, say=info, progress=True, ret
     store = pooch.create(path=os.path.join(out_dir, "raw"), base_url=(base_url or spec["base_url"]).rstrip("/") + "/",
                          registry={f: f"{algorithm}:{digest.lower()}" for f, (algorithm, digest) in table.items()},
                          retry_if_failed=retries)
-    paths = {filename: ensure_file(store, filename, say, progress) for filename in table}
-    arrays = spec["read"](paths)
-    out = os.path.join(out_dir, f"{name}.npz")
-    with atomic_path(out) as tmp:
-        write_npz(tmp, [(key, ArraySource.of(array)) for key, array in arrays.items()])
+    made, folder = [], os.path.abspath(store.abspath)  # the folders a failure must not leave: those made here
+    while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    try:
+        paths = {filename: ensure_file(store, filename, say, progress) for filename in table}
+        arrays = spec["read"](paths)
+        out = os.path.join(out_dir, f"{name}.npz")
+        with atomic_path(out) as tmp:
+            write_npz(tmp, [(key, ArraySource.of(array)) for key, array in arrays.items()])
+    except BaseException:
+        for folder in made:  # deepest first, each if still empty (verified files are kept, and their folders)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
     say(f"wrote {out}: {len(arrays['y']):,} train and {len(arrays['y_test']):,} test images "
         f"{arrays['x'].shape[1:]} uint8")
     return out

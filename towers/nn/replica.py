@@ -42,6 +42,8 @@ from towers.nn.loss import accuracy_count, softmax_cross_entropy, top_k_count
 from towers.ops.l2 import add_scaled
 from towers.ops.precision import PRECISIONS, round_to
 
+EVAL_CHUNK_BYTES = 256 << 20  # float32 examples per chunk of evaluation and prediction, at most (one at least)
+
 
 # Evaluation reports top-5 accuracy too for models of more classes than this (top-5 of 10 says little).
 TOP5_CLASSES = 10
@@ -327,14 +329,19 @@ class Replica:
         return self._scratch[1]
 
     def _chunks(self, x, batch: int):
-        """(start, logits) of each chunk of ``batch`` host examples of ``x``, in evaluation mode.
+        """(start, logits) of each chunk of at most ``batch`` host examples of ``x``, in evaluation mode.
 
         Chunks are small because a convolution's im2col buffer grows with
-        them; the last one is short, never padded.  uint8 inputs are scaled by
-        1/255 on the device, as in training.  The logits may live in a
-        workspace that the next chunk overwrites: use them before asking for it.
+        them, and hold at most ``EVAL_CHUNK_BYTES`` of float32 examples (at
+        least one example): large images take fewer a chunk (250 images of
+        1024 x 1024 x 3 would be 2.9 GiB at once).  The last one is short,
+        never padded.  uint8 inputs are scaled by 1/255 on the device, as in
+        training.  The logits may live in a workspace that the next chunk
+        overwrites: use them before asking for it.
         """
         xp = self.xp
+        per_example = 4 * int(numpy.prod(x.shape[1:], dtype=numpy.int64))
+        batch = max(1, min(batch, EVAL_CHUNK_BYTES // max(per_example, 1)))
         for start in range(0, len(x), batch):
             xb = xp.asarray(x[start : start + batch])
             scale = input_scale(xb.dtype)
@@ -361,7 +368,7 @@ class Replica:
         top5 = self.model.output_shape[-1] > TOP5_CLASSES
         total_loss, correct, in_top5 = 0.0, 0, 0
         for start, logits in self._chunks(x, batch):
-            yb = xp.asarray(y[start : start + batch])
+            yb = xp.asarray(y[start : start + len(logits)])
             correct += accuracy_count(logits, yb)  # before the loss, whose workspace may hold the logits
             if top5:
                 in_top5 += top_k_count(logits, yb, 5)

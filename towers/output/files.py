@@ -163,18 +163,26 @@ def _claim(fd: int) -> None:
 
 
 @contextlib.contextmanager
-def output_folder(output, removed=None):
+def output_folder(output, removed=None, flag=None):
     """Yield a new owned folder beside ``output`` for all of a run's temporaries; remove it on exit.
 
     Dead runs' folders are removed first (their paths are appended to
     ``removed`` when a list is given).  An ENOSPC/EDQUOT raised in the body
-    becomes a :class:`DiskError` naming ``output``.
+    becomes a :class:`DiskError` naming ``output``.  ``flag``: the command-line
+    option that names ``output``; a folder that cannot take the temporaries
+    (read-only, no permission) is then the ``UserError`` of :func:`not_writable`,
+    naming ``output``, not the hidden temporary folder.
     """
     directory = os.path.dirname(os.path.abspath(output))
     stale = remove_stale(directory)
     if removed is not None:
         removed += stale
-    folder = tempfile.mkdtemp(prefix=f".{os.path.basename(output)[:100]}{_TAG}{os.getpid()}-", dir=directory)
+    try:
+        folder = tempfile.mkdtemp(prefix=f".{os.path.basename(output)[:100]}{_TAG}{os.getpid()}-", dir=directory)
+    except OSError as exc:
+        if flag is not None and exc.errno in NOT_WRITABLE:
+            raise not_writable(output, exc, flag) from None
+        raise
     lock = None
     try:
         lock = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -381,18 +389,40 @@ def atomic_write_text(path, text: str) -> None:
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR)
 
 
-def check_new_output(out: str, command: str, flag: str) -> None:
-    """A ``UserError`` unless ``out`` can be a new file: none there yet, in a folder that exists.
+def check_new_output(out: str, command: str, flag: str, example: str = "out.npz") -> None:
+    """A ``UserError`` unless ``out`` can be a new file: a path, not a folder, none there yet, in a folder that
+    exists (or a ``UserError`` naming the file that stands where a folder of the path should be).
 
     Checked before the work that makes it (``command`` writes no file over
-    another); ``flag`` is the option that names it, in the advice.
+    another; it never asks to overwrite); ``flag`` is the option that names it,
+    in the advice, and ``example`` a file name for the advice when ``out`` is a
+    folder.  Every command that writes one output (``towers.export``,
+    ``towers.eval --predict``, the converters) asks here.
     """
+    if not out:
+        raise UserError(f"{flag} is empty: give the output file's path")
+    if os.path.isdir(out):
+        raise UserError(f"{flag} {out} is a directory: give a file path, for example {os.path.join(out, example)}")
     if os.path.lexists(out):
         raise UserError(f"{out} exists: {command} writes no file over another; remove it or choose another {flag}")
     folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder):
-        what = "is not a folder" if os.path.exists(folder) else "does not exist"
-        raise UserError(f"cannot write {out}: {folder} {what}; choose another {flag}")
+    if os.path.isdir(folder):
+        return
+    blocker = folder
+    while not os.path.lexists(blocker) and os.path.dirname(blocker) != blocker:
+        blocker = os.path.dirname(blocker)  # the nearest part of the path that exists
+    if os.path.isdir(blocker):
+        raise UserError(f"cannot write {out}: {folder} does not exist; choose another {flag}")
+    raise UserError(f"cannot write {out}: {blocker} is a file, not a folder; choose another {flag}")
+
+
+def not_writable(out: str, error: OSError, flag: str) -> UserError:
+    """The ``UserError`` for a folder that cannot take ``out`` (``NOT_WRITABLE``: read-only, no permission, gone):
+    the user's choice of ``flag``, not a failed disk."""
+    code = errno.errorcode.get(error.errno, "")
+    folder = os.path.dirname(os.path.abspath(out))
+    return UserError(f"cannot write {out}: {error.strerror or error} [{code}]: choose another {flag}, or make "
+                     f"{folder} writable")
 
 
 def write_new_output(out: str, write, flag: str) -> None:
@@ -409,9 +439,7 @@ def write_new_output(out: str, write, flag: str) -> None:
         raise DiskError(out, e.error, advice=f"free some space in {folder} or choose another {flag}") from None
     except OSError as e:
         if e.errno in NOT_WRITABLE:  # the folder the user chose cannot take a file: a user mistake
-            code = errno.errorcode.get(e.errno, "")
-            raise UserError(f"cannot write {out}: {e.strerror or e} [{code}]: choose another {flag}, or make "
-                            f"{folder} writable") from None
+            raise not_writable(out, e, flag) from None
         raise DiskError(out, e, advice=f"check that disk, or choose another {flag}") from None  # EIO, EFBIG, ...
 
 

@@ -159,13 +159,85 @@ def test_the_decompression_bomb_limit_holds_for_jpeg_as_for_png(monkeypatch):
     jpeg, png = codec.encode(pixels, "jpeg"), codec.encode(pixels, "png")
     assert codec.decode(jpeg, 3).shape == codec.decode(png, 3).shape == (40, 50, 3)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 40 * 50 - 1)  # the limit, scaled down to this image
-    with pytest.raises(codec.ImageError, match=r"too large to decode \(40 x 50 = 2,000 pixels, over the "
-                                               r"decompression-bomb limit of 1,999 pixels\)"):
+    line = r"too large to decode \(40 x 50 = 2,000 pixels, over the decompression-bomb limit of 1,999 pixels\)"
+    with pytest.raises(codec.ImageError, match=line):
         codec.decode(jpeg, 3)
-    with pytest.raises(codec.ImageError, match="too large to decode"):
+    # Before: a PNG got Pillow's text ("Image size (2000 pixels) exceeds limit of 1999 pixels, could be
+    # decompression bomb DOS attack."), a JPEG the line above; each, its header read or decoded, gets the line.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 40 * 50 // 2 - 1)  # past twice the limit: Pillow's error
+    for read in (codec.size, lambda data: codec.decode(data, 3)):
+        with pytest.raises(codec.ImageError, match=line.replace("1,999", "999")):
+            read(png)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 40 * 50 - 1)  # within twice the limit: Pillow's warning
+    with pytest.raises(codec.ImageError, match=line):
         codec.decode(png, 3)
     with pytest.raises(codec.ImageError, match="too large to decode"):
         codec.decode(jpeg, 1, (8, 8))  # a DCT-scaled decode is refused by the stored size too
+
+
+# -- 9: what an image folder holds ------------------------------------------------------------------------
+
+
+def test_images_below_a_class_folder_are_its_images(tmp_path):
+    # Before: DIR/cat/2020/x.png was ignored, exit 0, training on a subset (torchvision's ImageFolder reads it).
+    from towers.data.image import folder
+
+    x, y = _images(9)
+    root = tmp_path / "f"
+    _folder(root, x[:6], y[:6])
+    (root / "cat" / "2020" / "deeper").mkdir(parents=True)
+    (root / "cat" / "2020" / "a.png").write_bytes(codec.encode(x[6][:, :, None], "png"))
+    (root / "cat" / "2020" / "deeper" / "b.png").write_bytes(codec.encode(x[7][:, :, None], "png"))
+    (root / "cat" / "zz.png").write_bytes(codec.encode(x[8][:, :, None], "png"))
+    classes, paths, labels = folder.scan(str(root))
+    assert classes == ["cat", "dog", "emu"]
+    names = [os.path.relpath(p, root) for p in paths]
+    assert names == ["cat/000.png", "cat/003.png", "cat/2020/a.png", "cat/2020/deeper/b.png", "cat/zz.png",
+                     "dog/001.png", "dog/004.png", "emu/002.png", "emu/005.png"]
+    assert labels.tolist() == [0, 0, 0, 0, 0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("case", ["loose image", "dangling link", "link loop", "folder link loop"])
+def test_an_image_folder_that_would_train_on_a_subset_or_loop_is_one_line(tmp_path, case):
+    # Before: an image loose in DIR and a dangling .png link were skipped silently (exit 0); a link loop gave
+    # "Too many levels of symbolic links; check the path, its permissions and free space", exit 1.
+    x, y = _images(6)
+    root = tmp_path / "f"
+    _folder(root, x, y)
+    if case == "loose image":
+        (root / "stray.png").write_bytes(codec.encode(x[0][:, :, None], "png"))
+        expected = f"--data {root} holds 1 image(s) outside any class folder (stray.png): expected {root}/<class>/"
+    elif case == "dangling link":
+        (root / "dog" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+        expected = f"image {root}/dog/gone.png cannot be read (No such file or directory)"
+    elif case == "link loop":
+        (root / "dog" / "self.png").symlink_to(root / "dog" / "self.png")
+        expected = f"image {root}/dog/self.png cannot be read (Too many levels of symbolic links)"
+    else:
+        (root / "dog" / "up").symlink_to(root)
+        expected = f"--data: folder {root}/dog/up/dog cannot be read: it is a symbolic link to a folder that holds it"
+    r = run_cli("--data", str(root), "--devices", "cpu", "--steps", "1", "--logdir", str(tmp_path / "run"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and expected in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("content", ["images", "nothing"])
+def test_a_folder_without_class_folders_names_the_image_folder_layout(tmp_path, content):
+    # Before: "data file D is a directory: set --data to an .npz or TFRecord file", for a flat folder of images
+    # too, without the DIR/<class>/ layout.
+    x, y = _images(3)
+    root = tmp_path / "flat"
+    root.mkdir()
+    if content == "images":
+        for i in range(3):
+            (root / f"{i}.png").write_bytes(codec.encode(x[i][:, :, None], "png"))
+        expected = f"--data {root} holds 3 image(s) outside any class folder (0.png, 1.png, 2.png): expected {root}/"
+    else:
+        expected = (f"data file {root} is a directory: set --data to an .npz or TFRecord file, or to an image folder "
+                    f"{root}/<class>/*.jpg")
+    r = run_cli("--data", str(root), "--devices", "cpu", "--steps", "1", "--logdir", str(tmp_path / "run"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and expected in r.stderr, r.stderr
+    assert "<class>" in r.stderr
 
 
 # -- 11: small ones ------------------------------------------------------------------------------------------

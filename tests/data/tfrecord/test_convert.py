@@ -133,9 +133,10 @@ def test_empty_file_gives_zero_records_with_a_warning(tmp_path, capsys):
     assert status == 0 and any("warning" in line and "empty" in line for line in err)
     with np.load(out) as npz:
         assert npz.files == []
-    status, _ = convert(capsys, empty, sample("mnist_t10k_head1000"), "-o", out)
+    both = tmp_path / "both.npz"
+    status, _ = convert(capsys, empty, sample("mnist_t10k_head1000"), "-o", both)
     assert status == 0
-    assert_same_npz(out, sample("mnist_t10k_head1000", ".npz"))
+    assert_same_npz(both, sample("mnist_t10k_head1000", ".npz"))
 
 
 def test_decode_and_x_y(tmp_path, capsys):
@@ -259,6 +260,14 @@ def _flip(at):
 
 
 _START = 500 * MNIST_RECORD
+
+
+def _huge_length(length):
+    """Record 500's length field set to ``length``, with the length CRC that matches it."""
+    def make(data):
+        field = struct.pack("<Q", length)
+        return data[:_START] + field + struct.pack("<I", masked_crc(field)) + data[_START + 12:]
+    return make
 _PNG = b"\x89PNG\r\n\x1a\n" + b"\0\0\0\rIHDR" + bytes(range(64))
 _CSV = b"label,pixel0,pixel1\n" + b"7,0,0\n" * 20
 
@@ -282,6 +291,12 @@ DAMAGE = {  # case: (make the file from the good bytes, extra flags, record, off
     "truncated gzip": (lambda d: gzip.compress(d)[:-5000], [], None, None, "ends before its end marker"),
     "damaged gzip": (lambda d: _flip(len(gzip.compress(d)) // 2)(gzip.compress(d)), [], None, None, ""),
     "payload CRC under gzip": (lambda d: gzip.compress(_flip(_START + 20)(d)), [], 500, _START, "payload CRC"),
+    # A length far beyond the file whose CRC holds: read as the length it says, it was a MemoryError (2**40) or
+    # an OverflowError (2**63) traceback; the gzip copy said the file ends inside the record.
+    "length beyond the file, its CRC valid": (_huge_length(1 << 40), [], 500, _START, "ends inside the record"),
+    "length beyond 2**63, its CRC valid": (_huge_length((1 << 63) + 5), [], 500, _START, "ends inside the record"),
+    "length beyond the file under gzip": (lambda d: gzip.compress(_huge_length(1 << 40)(d)), [], 500, _START,
+                                          "ends inside the record"),
 }
 
 
@@ -318,6 +333,52 @@ def test_on_error_skip_drops_payload_crc_failures_and_counts_them(tmp_path, caps
     with np.load(out) as got, np.load(sample("mnist_t10k_head1000", ".npz")) as want:
         assert np.array_equal(got["label"], want["label"][keep])
         assert np.array_equal(got["image_raw"], want["image_raw"][keep])
+
+
+def test_payload_crc_advice_names_the_flag(tmp_path, capsys):
+    # Before: "... or pass `on_error` skip to drop such records" (the setting's name, backticks and all).
+    bad, out = tmp_path / "bad.tfrecords", tmp_path / "out.npz"
+    bad.write_bytes(_flip(_START + 20)(sample("mnist_t10k_head1000").read_bytes()))
+    status, err = convert(capsys, bad, "-o", out)
+    assert status == 1 and err[-1].endswith("payload CRC mismatch: the record is corrupted; re-copy the file, or "
+                                            "pass --on-error skip to drop such records"), err
+
+
+def test_two_decodes_of_one_feature_are_refused(tmp_path, capsys):
+    # Before: the last --decode won silently.
+    out = tmp_path / "out.npz"
+    status, err = convert(capsys, sample("mnist_t10k_head1000"), "-o", out, "--decode", "image_raw:uint8:28,28",
+                          "--decode", "image_raw:uint8:784")
+    assert status == 2 and err[-1] == ("tfrecord_to_npz: error: --decode image_raw:uint8:28,28 and --decode "
+                                       "image_raw:uint8:784 both decode 'image_raw': give one --decode for each "
+                                       "feature"), err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_path_that_exists_is_read_as_itself_not_as_a_pattern(tmp_path, capsys):
+    # Before: 'a[1].tfrecords' was a pattern: with a1.tfrecords beside it, that file was read instead (and alone,
+    # "no file matches").
+    data = sample("mnist_t10k_head1000").read_bytes()
+    (tmp_path / "a[1].tfrecords").write_bytes(data)
+    write_records(tmp_path / "a1.tfrecords", [example(other=1)])
+    out = tmp_path / "out.npz"
+    status, err = convert(capsys, tmp_path / "a[1].tfrecords", "-o", out)
+    assert status == 0, err
+    assert_same_npz(out, sample("mnist_t10k_head1000", ".npz"))
+    status, err = convert(capsys, tmp_path / "a[1]*.tfrecords", "-o", tmp_path / "glob.npz")  # still a pattern
+    assert status == 0 and any("1 Example records" in line for line in err), err
+
+
+def test_the_npz_of_an_empty_file_converts_back_to_no_records(tmp_path, capsys):
+    # Before: npz_to_tfrecord called the npz tfrecord_to_npz writes for an empty file "damaged or not an npz
+    # (no zip header)", exit 1.
+    empty = tmp_path / "empty.tfrecords"
+    empty.write_bytes(b"")
+    assert convert(capsys, empty, "-o", tmp_path / "empty.npz")[0] == 0
+    status = npz_to_tfrecord.main([str(tmp_path / "empty.npz"), "-o", str(tmp_path / "again.tfrecords")])
+    err = capsys.readouterr().err
+    assert status == 0 and "0 records" in err, err
+    assert (tmp_path / "again.tfrecords").read_bytes() == b""
 
 
 def test_on_error_skip_still_stops_on_framing_damage(tmp_path, capsys):

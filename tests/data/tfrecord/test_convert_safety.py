@@ -297,8 +297,11 @@ def test_chunk_size_must_be_positive(size, tmp_path, capsys):
     (tfrecord_to_npz, ["in.tfrecords", "--compression", "lzma"]),
     (npz_to_tfrecord, ["in.npz"]),
     (npz_to_tfrecord, ["in.npz", "-o", "o.tfrecords", "--compression", "auto"]),
+    ("images_to_tfrecord", []),  # no arguments at all: a usage error like any other
 ])
 def test_flag_mistakes_are_one_line(module, argv, tmp_path, capsys):
+    if module == "images_to_tfrecord":
+        from tools import images_to_tfrecord as module
     assert_one_line(cli(module, capsys, *argv), 2, "error:", "(see --help)")
 
 
@@ -359,3 +362,103 @@ def test_npz_whose_lengths_disagree_is_a_layout_error(lengths, text, tmp_path, c
                      "x.row_lengths": np.array(lengths, np.int64)})
     assert_one_line(cli(npz_to_tfrecord, capsys, src, "-o", tmp_path / "o.tfrecords"), 2, str(src), text)
     assert sorted(os.listdir(tmp_path)) == ["in.npz"]
+
+
+# --- 6. an output that exists, an empty or impossible -o, a read-only folder --------------------------
+
+def _image_folder(root):
+    """root/cat/0.png, root/cat/1.png, root/dog/0.png: 4x4 grey PNGs."""
+    from towers.data.image import codec
+
+    for name, k in (("cat", 0), ("cat", 1), ("dog", 0)):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / f"{k}.png").write_bytes(codec.encode(np.full((4, 4, 1), 40 * k, np.uint8), "png"))
+    return root
+
+
+def _converters(tmp_path):
+    """(module, input) of each converter."""
+    from tools import images_to_tfrecord
+
+    return [(tfrecord_to_npz, sample("mixed_features")), (npz_to_tfrecord, sample("mixed_features", ".npz")),
+            (images_to_tfrecord, _image_folder(tmp_path / "photos"))]
+
+
+def test_converters_write_no_file_over_another(tmp_path, capsys):
+    # Before: each converter replaced an existing -o silently, exit 0 (towers.export and eval --predict refuse).
+    for module, source in _converters(tmp_path):
+        out = tmp_path / "taken"
+        out.write_bytes(b"keep me")
+        name = module.__name__.split(".")[-1]
+        assert_one_line(cli(module, capsys, source, "-o", out), 2,
+                        f"{name}: error: {out} exists: {name} writes no file over another; remove it or choose "
+                        "another -o")
+        assert out.read_bytes() == b"keep me" and hidden(tmp_path) == []
+
+
+def test_images_to_tfrecord_never_writes_over_an_image_of_its_folder(tmp_path, capsys):
+    # Before: -o photos/cat/1.png replaced that image with the records, exit 0.
+    from tools import images_to_tfrecord
+
+    photos = _image_folder(tmp_path / "photos")
+    image = photos / "cat" / "1.png"
+    before = image.read_bytes()
+    assert_one_line(cli(images_to_tfrecord, capsys, photos, "-o", image), 2,
+                    f"{image} is the same file as the input {image}: writing it would destroy the input")
+    assert image.read_bytes() == before
+
+
+@pytest.mark.parametrize("shards", ["1", "2"])
+def test_an_empty_output_is_refused(shards, tmp_path, capsys, monkeypatch):
+    # Before: images_to_tfrecord -o '' exited 1 naming a temporary path; with --shards 2 it wrote
+    # -00000-of-00002 and -00001-of-00002 into the current folder, exit 0.
+    monkeypatch.chdir(tmp_path)
+    for module, source in _converters(tmp_path):
+        extra = ["--shards", shards] if module.__name__.endswith("images_to_tfrecord") else []
+        assert_one_line(cli(module, capsys, source, "-o", "", *extra), 2, "error: -o is empty: give the output "
+                                                                           "file's path")
+    assert sorted(os.listdir(tmp_path)) == ["photos"]
+
+
+def test_an_output_below_a_file_names_the_file(tmp_path, capsys):
+    # Before: images_to_tfrecord -o file.npz/x said "the folder .../file.npz does not exist; create it first".
+    from tools import images_to_tfrecord
+
+    blocker = tmp_path / "file.npz"
+    blocker.write_bytes(b"keep me")
+    assert_one_line(cli(images_to_tfrecord, capsys, _image_folder(tmp_path / "photos"), "-o", blocker / "x"), 2,
+                    f"cannot write {blocker / 'x'}: {blocker} is a file, not a folder; choose another -o")
+    assert blocker.read_bytes() == b"keep me"
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A folder that refuses new files: a read-only tmpfs as root, else a folder without write permission."""
+    point = tmp_path / "ro"
+    point.mkdir()
+    if os.geteuid() != 0:
+        point.chmod(0o500)
+        try:
+            yield point, "[EACCES]"
+        finally:
+            point.chmod(0o700)
+        return
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(point)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {done.stderr.strip()}")
+    try:
+        yield point, "Read-only file system [EROFS]"
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_a_read_only_folder_is_named_as_export_names_it(read_only, tmp_path, capsys):
+    # Before: exit 1, "error: /.../.OUT.tmp-PID-XXXXXXXX: Read-only file system; check the path, its permissions
+    # and free space" (a hidden temporary path); towers.export says "cannot write OUT ... [EROFS]", exit 2.
+    folder, reason = read_only
+    for module, source in _converters(tmp_path):
+        out = folder / "out"
+        assert_one_line(cli(module, capsys, source, "-o", out), 2,
+                        f"error: cannot write {out}: ", f"{reason}: choose another -o, or make {folder} writable")
+        assert os.listdir(folder) == []

@@ -219,3 +219,47 @@ def test_a_npy_file_is_not_taken_for_tfrecord(tmp_path):
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
     assert "is a .npy file (one array), not an npz" in p.stderr
     assert "TFRecord" not in p.stderr and not list(tmp_path.glob(".x.npy*"))  # no index cache written
+
+
+def _photos(root, classes=("cat", "dog", "emu"), per=3):
+    """An image folder of 6x6 grey PNGs, ``per`` a class."""
+    from towers.data.image import codec
+
+    for name in classes:
+        (root / name).mkdir(parents=True)
+        for i in range(per):
+            (root / name / f"{i}.png").write_bytes(codec.encode(np.full((6, 6, 1), 30 * i, np.uint8), "png"))
+    return root
+
+
+def _classes_of(path, test_path=None):
+    from towers.data.loading import load_dataset
+
+    ds = load_dataset(str(path), "image/encoded", "image/class/label", test_path=test_path and str(test_path),
+                      decode="image/encoded:image:6,6,1", workers=0)
+    try:
+        return ds.class_names, ds.y, ds.y_test
+    finally:
+        ds.close()
+
+
+def test_records_of_an_image_folder_keep_its_class_names(tmp_path, capsys):
+    # Before: training from images_to_tfrecord's records of a folder had no class names (no classes.txt, no
+    # data/classes, a test split matched by number), though every record holds its class in image/class/text.
+    from tools import images_to_tfrecord
+
+    assert images_to_tfrecord.main([str(_photos(tmp_path / "train")), "-o", str(tmp_path / "train.tfrecords")]) == 0
+    names, y, _ = _classes_of(tmp_path / "train.tfrecords")
+    assert names == ["cat", "dog", "emu"] and y.tolist() == [0] * 3 + [1] * 3 + [2] * 3
+    _photos(tmp_path / "test", classes=("cat", "emu"))  # a test set without dog: emu must stay label 2
+    assert images_to_tfrecord.main([str(tmp_path / "test"), "-o", str(tmp_path / "test.tfrecords")]) == 0
+    names, _, y_test = _classes_of(tmp_path / "train.tfrecords", tmp_path / "test.tfrecords")
+    assert names == ["cat", "dog", "emu"] and y_test.tolist() == [0] * 3 + [2] * 3
+    # Labels that do not each have one name say nothing sure: no names (labels from 1; an npz's records).
+    offset = tmp_path / "offset.tfrecords"
+    assert images_to_tfrecord.main([str(tmp_path / "train"), "-o", str(offset), "--label-offset", "1"]) == 0
+    assert _classes_of(offset)[0] is None
+    np.savez(tmp_path / "pixels.npz", x=np.zeros((4, 6, 6), np.uint8), y=np.arange(4) % 2)
+    assert images_to_tfrecord.main([str(tmp_path / "pixels.npz"), "-o", str(tmp_path / "pixels.tfrecords")]) == 0
+    assert _classes_of(tmp_path / "pixels.tfrecords")[0] is None
+    capsys.readouterr()

@@ -125,6 +125,9 @@ def _open(data):
                 check_png(data)  # Pillow's open hides why a PNG it recognised failed: a damaged header chunk
             raise ImageError(f"not an image ({len(data)} bytes starting {bytes(data[:8]).hex()})") from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            if sniff(data) == "png" and bytes(data[12:16]) == b"IHDR":  # its size, said as a JPEG's is
+                width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+                _check_pixels(height, width)
             raise ImageError(f"too large to decode ({e})") from None
 
 

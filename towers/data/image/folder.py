@@ -1,15 +1,18 @@
 """Image folders: ``DIR/<class>/*.jpg|jpeg|png``, the torchvision ``ImageFolder`` / Keras layout.
 
 :func:`scan` lists the classes (the sub-folders, in sorted name order, hidden
-ones left out) and their images (sorted by name; extensions matched in any
-case), and gives the file paths and labels in class order: label ``k`` is the
-k-th class name.  :func:`common_size` reads every image's header (the first
+ones left out) and their images at any depth below each (sorted by name
+within each folder, depth first, as torchvision's ``ImageFolder`` finds
+them; symbolic links followed; extensions matched in any case), and gives the
+file paths and labels in class order: label ``k`` is the k-th class name.  :func:`common_size` reads every image's header (the first
 ``HEADER_BYTES`` of each file; no pixels are decoded) when the example shape
 is not given.
 
 Every problem is one ``UserError``: a folder that does not exist, holds no
-class folders or no images, a class folder with no images, a file whose header
-cannot be read, images of several sizes without ``image_size``.  Files that
+class folders or no images, holds images outside any class folder, a class
+folder with no images, an image that cannot be opened (a dangling link), a
+link that loops back to a folder holding it, a file whose header cannot be
+read, images of several sizes without ``image_size``.  Files that
 become unreadable later are found when a batch reads them
 (``towers.data.examples``).  The kind of path it is: ``towers.data.kinds.ImageFolder``.
 """
@@ -26,36 +29,90 @@ EXTENSIONS = (".jpg", ".jpeg", ".png")
 HEADER_BYTES = 64 << 10  # enough for a JPEG's or PNG's size unless a huge EXIF block comes first
 
 
+def _is_image(name: str) -> bool:
+    return not name.startswith(".") and name.lower().endswith(EXTENSIONS)
+
+
 def is_image_folder(path) -> bool:
-    """Whether ``path`` is a folder with sub-folders (a folder without any is no data set of any kind: the
-    npz loader names it as a folder)."""
+    """Whether ``path`` is a folder with sub-folders or images in it (a folder with neither is no data set of any
+    kind: the npz loader names it as a folder)."""
     if path is None or not os.path.isdir(str(path)):
         return False
     try:
-        return any(e.is_dir() and not e.name.startswith(".") for e in os.scandir(str(path)))
+        return any((e.is_dir() and not e.name.startswith(".")) or _is_image(e.name) for e in os.scandir(str(path)))
     except OSError:
         return True  # scan() names what is wrong
 
 
+def _unreadable(path: str, error: OSError) -> UserError:
+    return UserError(f"image {path} cannot be read ({error.strerror or error}): fix its permissions or remove it")
+
+
+def _images(folder: str, setting: str) -> list[str]:
+    """The image files under the class folder ``folder``, at any depth, sorted by name within each folder
+    (depth first); symbolic links are followed.  A link that leads back to a folder it is in (a loop), an
+    image name that cannot be opened (a dangling link) and a folder that cannot be listed are UserErrors."""
+    found, above = [], []  # above: (st_dev, st_ino) of the folders being walked, to tell a loop
+
+    def walk(here: str) -> None:
+        try:
+            st = os.stat(here)
+            entries = sorted(os.scandir(here), key=lambda e: e.name)
+        except OSError as e:
+            raise UserError(f"`{setting}`: folder {here} cannot be read ({e.strerror or e}): fix its permissions "
+                            "or remove it") from None
+        if (st.st_dev, st.st_ino) in above:
+            raise UserError(f"`{setting}`: folder {here} cannot be read: it is a symbolic link to a folder that "
+                            "holds it (a loop); remove the link")
+        above.append((st.st_dev, st.st_ino))
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            try:
+                is_dir, is_file = e.is_dir(), e.is_file()
+            except OSError as err:  # a link loop
+                raise _unreadable(e.path, err) from None
+            if is_dir:
+                walk(e.path)
+            elif _is_image(e.name):
+                if not is_file:  # a dangling link, a loop of links, a device
+                    try:
+                        os.stat(e.path)
+                        raise _unreadable(e.path, OSError(0, "not a regular file"))
+                    except OSError as err:
+                        raise _unreadable(e.path, err) from None
+                found.append(e.path)
+        above.pop()
+
+    walk(folder)
+    return found
+
+
 def scan(root: str, setting: str = "data") -> tuple[list[str], list[str], np.ndarray]:
-    """(class names, image paths, int32 labels) of the image folder ``root``."""
+    """(class names, image paths, int32 labels) of the image folder ``root``: each class folder's images at
+    any depth below it (torchvision's ``ImageFolder`` reads them so); an image directly in ``root`` belongs to
+    no class and is refused, as is an image that cannot be opened."""
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
+        classes = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
     except OSError as e:
         raise UserError(f"`{setting}` {root} cannot be listed ({e.strerror or e})") from None
-    classes = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
     layout = f"expected {os.path.join(root, '<class>', '*.jpg')} (one folder per class, .jpg, .jpeg or .png)"
+    loose = [e.name for e in entries if _is_image(e.name) and not e.is_dir()]
+    if loose:
+        shown = ", ".join(loose[:3]) + (", ..." if len(loose) > 3 else "")
+        raise UserError(f"`{setting}` {root} holds {len(loose)} image(s) outside any class folder ({shown}): "
+                        f"{layout}; move them into their class folder, or remove them")
     if not classes:
         raise UserError(f"`{setting}` {root} holds no class folders: {layout}")
     paths, labels = [], []
     for k, name in enumerate(classes):
         folder = os.path.join(root, name)
-        files = sorted(f.name for f in os.scandir(folder)
-                       if f.is_file() and not f.name.startswith(".") and f.name.lower().endswith(EXTENSIONS))
+        files = _images(folder, setting)
         if not files:
             raise UserError(f"`{setting}`: class folder {folder} holds no .jpg, .jpeg or .png images: add some, or "
                             "remove the folder")
-        paths += [os.path.join(folder, f) for f in files]
+        paths += files
         labels += [k] * len(files)
     return classes, paths, np.array(labels, np.int32)
 
@@ -71,7 +128,7 @@ def _header(path: str):
                     raise
             return codec.size(head + f.read())  # a header past HEADER_BYTES
     except OSError as e:
-        raise UserError(f"image {path} cannot be read ({e.strerror or e}): fix its permissions or remove it") from None
+        raise _unreadable(path, e) from None
     except codec.ImageError as e:
         raise UserError(f"image {path} is {e}: remove or replace it") from None
 

@@ -5,7 +5,8 @@ Each record is a ``tf.train.Example`` as TensorFlow's
 ``build_imagenet_data.py`` writes it: ``image/encoded`` (the image),
 ``image/format`` (``JPEG``/``PNG``), ``image/class/label`` (the label plus
 ``--label-offset``; the ImageNet files count from 1), ``image/class/text``
-(a folder's class name), ``image/height``, ``image/width``,
+(a folder's class name: training from the records reads the class names back
+from it, ``towers.data.tfrecord.records.class_names``, as from the folder), ``image/height``, ``image/width``,
 ``image/channels``, ``image/colorspace`` (``RGB``/``Grayscale``),
 ``image/filename`` and the empty bounding-box lists
 ``image/object/bbox/{xmin,ymin,xmax,ymax}`` (float) and
@@ -31,13 +32,14 @@ import os
 
 import numpy as np
 
-from towers.data.dataset import load_npz, npz_has
+from towers.data.dataset import load_npz, npz_has_test
 from towers.data.image import codec, folder
 from towers.data.tfrecord.framing import TFRecordWriter
+from towers.data.tfrecord.index import CLASS_TEXT
 from towers.data.tfrecord.proto import SequenceExample
 from towers.data.tfrecord.schema import UsageError
 from towers.errors import UserError
-from towers.output.files import atomic_path, refuse_overwriting_inputs
+from towers.output.files import atomic_path, check_new_output, output_folder, refuse_overwriting_inputs
 
 _FORMAT = {"jpeg": b"JPEG", "png": b"PNG", "other": b""}
 
@@ -53,7 +55,7 @@ def example(encoded: bytes, label: int, shape, name: bytes = b"", text: bytes = 
     f["image/encoded"].bytes_list.value.append(encoded)
     f["image/format"].bytes_list.value.append(_FORMAT[codec.sniff(encoded)])
     f["image/class/label"].int64_list.value.append(int(label))
-    f["image/class/text"].bytes_list.value.append(text)
+    f[CLASS_TEXT].bytes_list.value.append(text)
     f["image/filename"].bytes_list.value.append(name)
     for key, value in zip(("image/height", "image/width", "image/channels"), shape):
         f[key].int64_list.value.append(int(value))
@@ -65,7 +67,7 @@ def example(encoded: bytes, label: int, shape, name: bytes = b"", text: bytes = 
 
 
 def _from_npz(path, test, encode, quality, offset):
-    if test and not npz_has(path, "x_test", "y_test"):
+    if test and not npz_has_test(path):
         raise UsageError(f"{path} has no x_test/y_test for --test")
     ds = load_npz(path, *(("x_test", "y_test") if test else ("x", "y")))
     x = ds.x
@@ -76,8 +78,8 @@ def _from_npz(path, test, encode, quality, offset):
         yield example(codec.encode(image, encode, quality), int(ds.y[i]) + offset, image.shape)
 
 
-def _from_folder(root, encode, quality, offset):
-    classes, paths, labels = folder.scan(root, "input")
+def _from_folder(root, scanned, encode, quality, offset):
+    classes, paths, labels = scanned
     for path, label in zip(paths, labels.tolist()):
         try:
             with open(path, "rb") as f:
@@ -110,20 +112,17 @@ def convert(input: str, output: str, encode: str | None = None, quality: int = 9
     is_folder = os.path.isdir(input)
     if is_folder and test:
         raise UsageError("--test picks an npz's x_test/y_test; give the test folder itself instead")
-    outputs = shard_paths(output, shards)
-    for out in outputs:
-        folder_of = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(folder_of):
-            raise UsageError(f"-o {output}: the folder {folder_of} does not exist; create it first")
-        if os.path.isdir(out):
-            raise UsageError(f"-o {output}: {out} is a folder; give a file path")
-    refuse_overwriting_inputs(output, [input] if not is_folder else [])
-    records = list(_from_folder(input, encode, quality, label_offset) if is_folder else
+    scanned = folder.scan(input, "input") if is_folder else None
+    outputs = shard_paths(output, shards) if output else [output]  # ('' is refused as it is)
+    for out in outputs:  # every image of a folder is an input: none is written over
+        refuse_overwriting_inputs(out, scanned[1] if is_folder else [input])
+        check_new_output(out, "images_to_tfrecord", "-o", "out.tfrecords")
+    records = list(_from_folder(input, scanned, encode, quality, label_offset) if is_folder else
                    _from_npz(input, test, encode or "jpeg", quality, label_offset))
     bounds = np.linspace(0, len(records), shards + 1).astype(int)
     with contextlib.ExitStack() as stack:  # every shard is renamed into place only when all are written
         for out, a, b in zip(outputs, bounds[:-1], bounds[1:]):
-            tmp = stack.enter_context(atomic_path(out))
+            tmp = stack.enter_context(atomic_path(out, stack.enter_context(output_folder(out, flag="-o"))))
             with open(tmp, "wb") as f, TFRecordWriter(f, "none") as writer:
                 for payload in records[a:b]:
                     writer.write(payload)

@@ -35,6 +35,7 @@ from towers.data.tfrecord.proto import KIND_BYTES, KIND_FLOAT, KIND_INT64, KIND_
 
 _VALUE_DTYPES = {KIND_BYTES: np.dtype(np.uint8), KIND_FLOAT: np.dtype(np.float32)}
 _ZERO_BLOCK = 1 << 20
+MAX_TEXT = 256  # bytes: the longest value of a kept text feature (``ColumnStore.keep_texts``)
 
 
 class _Spill:
@@ -132,6 +133,7 @@ class _Column(ColumnStats):
         self.key, self.is_list, self.field, self.kind = key, is_list, None, None
         self._dir, self._stem = store.spill_dir, f"c{len(store.columns):05d}"
         self._keep = store.keep_scalars
+        self._keep_text = key in store.keep_texts and not is_list
         self.rows, self.counts, self.step_lengths, self.vals = [], [], [], []
         self.present_count, self.min_count, self.max_count = 0, None, None
         self.min_bytes = self.max_bytes = None
@@ -146,10 +148,11 @@ class _Column(ColumnStats):
         """Fix the kind on first sight of a typed Feature; return False on a conflict."""
         if self.field is None:
             self.field, self.kind = field, KIND_OF_FIELD[field]
+            text = self._keep_text and self.kind == KIND_BYTES
             self.values = _Spill(self._dir, self._stem + ".values", _VALUE_DTYPES.get(self.kind, np.int64),
-                                 memory=self._keep and self.kind == KIND_INT64 and not self.is_list)
+                                 memory=text or (self._keep and self.kind == KIND_INT64 and not self.is_list))
             if self.kind == KIND_BYTES:
-                self.value_lengths = _Spill(self._dir, self._stem + ".valuelens", np.int64)
+                self.value_lengths = _Spill(self._dir, self._stem + ".valuelens", np.int64, memory=text)
             return True
         return field is self.field
 
@@ -190,6 +193,8 @@ class _Column(ColumnStats):
             self._widen("bytes", lengths)
             self.value_lengths.append(lengths)
             self.values.append(np.frombuffer(b"".join(vals), np.uint8))
+            if self.values.parts is not None and ((self.max_count or 0) > 1 or (self.max_bytes or 0) > MAX_TEXT):
+                self.values.parts = self.value_lengths.parts = None  # not one short text per record: memory bounded
         elif self.kind is not None:
             self.values.append(np.array(vals, self.values.dtype))
             if self.values.parts is not None and (self.max_count or 0) > 1:
@@ -228,10 +233,13 @@ class ColumnStore:
     ``keep_scalars``: also keep in memory the values of int64 features that
     have at most one value in every record so far (the label candidates of
     :mod:`towers.data.tfrecord.records`); ``_Column.values.array()`` returns them.
+    ``keep_texts``: names of bytes features whose values are kept so too
+    (``values`` and ``value_lengths``), while each record has at most one of at
+    most ``MAX_TEXT`` bytes (a class name).
     """
 
-    def __init__(self, spill_dir=None, keep_scalars=False):
-        self.spill_dir, self.keep_scalars = spill_dir, keep_scalars
+    def __init__(self, spill_dir=None, keep_scalars=False, keep_texts=()):
+        self.spill_dir, self.keep_scalars, self.keep_texts = spill_dir, keep_scalars, frozenset(keep_texts)
         self.columns = []
         self.context, self.lists = {}, {}
         self.rows = 0

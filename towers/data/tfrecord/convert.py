@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 
 from towers.errors import info
-from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs, write_npz
+from towers.output.files import atomic_path, check_new_output, output_folder, refuse_overwriting_inputs, write_npz
 from towers.data.tfrecord.framing import TFRecordReader
 from towers.data.tfrecord.columns import ColumnStore
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode, parse_image_decode
@@ -65,27 +65,6 @@ class Schema:
     files: int
     lines: list
     proposal: str | None
-
-
-def check_output_file(output, example="out.npz", flag="-o"):
-    """Raise :class:`UsageError` unless ``output`` can become a file: not a folder, in a folder that exists.
-
-    Call it before reading anything; the atomic writer would otherwise fail at
-    the end, naming its hidden temporary file.
-    """
-    if not output:
-        raise UsageError(f"{flag} is empty: give the output file's path")
-    if os.path.isdir(output):
-        raise UsageError(f"{flag} {output} is a directory: give a file path, for example {os.path.join(output, example)}")
-    folder = os.path.dirname(os.path.abspath(output))
-    if os.path.isdir(folder):
-        return
-    blocker = folder
-    while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
-        blocker = os.path.dirname(blocker)  # the nearest part of the path that exists
-    if os.path.isdir(blocker):
-        raise UsageError(f"{flag} {output}: the folder {folder} does not exist; create it first")
-    raise UsageError(f"{flag} {output}: {blocker} is a file, not a folder; give a path in a folder")
 
 
 def _decoded(store, name, dtype, shape, spec):
@@ -166,9 +145,15 @@ def read_all(paths, store, reading=Reading(), say=info, ends=None):
 
 
 def _check_decode(decode):
+    """Flag mistakes surface before a long read: a malformed spec, two specs for one feature."""
+    named = {}
     for spec in decode:
-        if parse_image_decode(spec) is None:
-            parse_decode(spec)  # flag mistakes surface before a long read
+        image = parse_image_decode(spec)
+        name = image[0] if image is not None else parse_decode(spec)[0]
+        if name in named:
+            raise UsageError(f"`decode` {named[name]} and `decode` {spec} both decode {name!r}: give one `decode` "
+                             "for each feature")
+        named[name] = spec
 
 
 def schema(inputs, reading=Reading(), say=info, decode=()):
@@ -196,10 +181,10 @@ def convert(inputs, output, decode=(), x=None, y=None, compress=False, input_wor
     _check_decode(decode)
     if output is None:
         raise UsageError("give the output file with -o OUT.npz (or use --schema)")
-    check_output_file(output)
     refuse_overwriting_inputs(output, paths)
+    check_new_output(output, "tfrecord_to_npz", "-o")
     stale = []
-    with output_folder(output, stale) as folder:
+    with output_folder(output, stale, "-o") as folder:
         for path in stale:
             say(f"removed {path}: temporary files of a conversion that was killed")
         store = ColumnStore(folder)

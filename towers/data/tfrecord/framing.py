@@ -26,6 +26,7 @@ intact are dropped (and counted in :attr:`TFRecordReader.skipped`).
 import functools
 import os
 import struct
+import sys
 import zlib
 
 import google_crc32c
@@ -260,12 +261,16 @@ class TFRecordReader:
                     raise self._error(index, base + pos, LENGTH_CRC)
                 stop = pos + HEADER + length
                 if stop + FOOTER > end:
-                    if not eof:  # read at least the rest of this record next time
-                        want = max(self.chunk_size, stop + FOOTER - end)
+                    # An uncompressed file's size bounds what is still to come: a length beyond it (a wrong length
+                    # whose CRC happens to hold) is found here, not by asking for that many bytes.
+                    on_disk = self.size - stream.consumed if self.compression == "none" else 0
+                    if not eof and (self.compression != "none" or stop + FOOTER - end <= on_disk):
+                        want = max(self.chunk_size, min(stop + FOOTER - end, sys.maxsize))  # at least the rest
                         break
                     raise self._error(index, base + pos, stream_error or (
                         f"the file ends inside the record ({length} byte payload needs "
-                        f"{HEADER + length + FOOTER} bytes, {end - pos} left): the file is truncated; re-copy it"))
+                        f"{HEADER + length + FOOTER} bytes, {end - pos + on_disk} left): the file is truncated; "
+                        "re-copy it"))
                 payload = buf[pos + HEADER:stop]
                 crc = crc32c(payload)
                 footer = unpack_crc(buf, stop)[0]

@@ -32,8 +32,7 @@ import zlib
 import numpy as np
 from numpy.lib import format as npy
 
-from towers.output.files import atomic_path, output_folder, refuse_overwriting_inputs
-from towers.data.tfrecord.convert import check_output_file
+from towers.output.files import atomic_path, check_new_output, output_folder, refuse_overwriting_inputs
 from towers.data.tfrecord.framing import TFRecordWriter
 from towers.data.tfrecord.proto import SequenceExample
 from towers.data.tfrecord.schema import UsageError
@@ -100,6 +99,8 @@ class _Feature:
 
 def load_features(npz):
     """(context features, feature lists) found in an opened npz."""
+    if not npz.files:  # what tools.tfrecord_to_npz writes for files of no records: no records again
+        return [], [], 0
     stems = sorted(k[: -len(".present")] for k in npz.files if k.endswith(".present"))
     if not stems:
         raise LayoutError("no F.present keys: the npz does not follow the tools.tfrecord_to_npz layout")
@@ -125,7 +126,7 @@ def read_features(path):
     if head.startswith(npy.MAGIC_PREFIX):
         raise UsageError(f"{path} is a .npy file (one array), not an npz; {fix}")
     fix += ", or write it again if it was cut short"
-    if not head.startswith(b"PK\x03\x04"):
+    if not head.startswith((b"PK\x03\x04", b"PK\x05\x06")):  # a member first, or no member (an empty archive)
         raise NpzError(f"{path}: damaged or not an npz ({'empty' if not head else 'no zip header'}); {fix}")
     try:
         with np.load(path, allow_pickle=False) as npz:
@@ -172,10 +173,10 @@ def write(npz_path, out_path, compression="none", removed=None):
     Paths of dead runs' temporary folders removed on the way are appended to ``removed``.
     The output path is checked before the input is read.
     """
-    check_output_file(out_path, "out.tfrecords")
     refuse_overwriting_inputs(out_path, [npz_path])
+    check_new_output(out_path, "npz_to_tfrecord", "-o", "out.tfrecords")
     context, lists, n = read_features(npz_path)
-    with output_folder(out_path, removed) as folder, atomic_path(out_path, folder) as tmp:
+    with output_folder(out_path, removed, "-o") as folder, atomic_path(out_path, folder) as tmp:
         with open(tmp, "wb") as f, TFRecordWriter(f, compression) as writer:
             for payload in records(context, lists, n):
                 writer.write(payload)

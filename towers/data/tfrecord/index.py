@@ -6,7 +6,9 @@ framing and both CRCs, :class:`~towers.data.tfrecord.columns.ColumnStore`
 parses every record) and records each record's byte offset and payload
 length, the statistics of every feature, the values of every int64 feature
 with one value per record (the label candidates: 8 bytes a record), and each
-record's masked payload CRC (its footer, 4 bytes a record).  Memory is the
+record's masked payload CRC (its footer, 4 bytes a record), and the class text
+of TensorFlow's ImageNet layout (``image/class/text``, when every record has
+one short text: the distinct texts and 4 bytes a record).  Memory is the
 reader's 8 MiB chunk plus those arrays; the examples stay on disk.
 
 The index is cached (``.NAME.towers-index.npz`` beside the file, else under
@@ -42,7 +44,10 @@ from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, TFRecord
 from towers.errors import UserError
 from towers.output.files import DiskError, atomic_save_npz
 
-INDEX_FORMAT = 2  # 2: the records' CRCs
+INDEX_FORMAT = 3  # 2: the records' CRCs; 3: the class texts
+# The bytes feature that names each record's class in TensorFlow's ImageNet layout (``build_imagenet_data.py``;
+# ``towers.data.image.to_tfrecord`` writes a folder's class names there): kept as a record's text.
+CLASS_TEXT = "image/class/text"
 ON_ERROR = ("stop", "skip")
 SPOT_CHECKS = 64  # records whose footers a cached index must still match, spread over the file
 
@@ -53,11 +58,12 @@ SPOT_CHECKS = 64  # records whose footers a cached index must still match, sprea
 class FileIndex:
     """One file's records: ``offsets``, ``lengths`` (payload bytes), ``numbers`` (record index in the file) and
     ``crcs`` (masked payload CRCs, uint32), the features' :class:`ColumnStats` by name, the label candidates'
-    values by name, and ``skipped``."""
+    values by name, ``texts`` (``CLASS_TEXT``, when every record has one short text: name -> (the distinct
+    texts, each record's int32 number among them)), and ``skipped``."""
 
-    def __init__(self, path, offsets, lengths, numbers, crcs, columns, scalars, skipped):
+    def __init__(self, path, offsets, lengths, numbers, crcs, columns, scalars, skipped, texts=None):
         self.path, self.offsets, self.lengths, self.numbers, self.crcs = path, offsets, lengths, numbers, crcs
-        self.columns, self.scalars, self.skipped = columns, scalars, skipped
+        self.columns, self.scalars, self.skipped, self.texts = columns, scalars, skipped, texts or {}
 
 
 def _stamp(path, on_error):
@@ -75,7 +81,7 @@ def build_index(path, on_error="stop") -> FileIndex:
             f"stream cannot give; decompress it first ("
             + ("gzip -dc FILE > FILE.tfrecords, or " if reader.compression == "gzip" else "")
             + "python -m tools.tfrecord_to_npz FILE -o FILE.npz --decode ... and train from the npz)")
-    store = ColumnStore(None, keep_scalars=True)
+    store = ColumnStore(None, keep_scalars=True, keep_texts=(CLASS_TEXT,))
     offsets, lengths, numbers, crcs = [], [], [], []
     for batch in reader:
         store.add(batch, path)
@@ -88,7 +94,23 @@ def build_index(path, on_error="stop") -> FileIndex:
     return FileIndex(path, np.array(offsets, np.int64), np.array(lengths, np.int64), np.array(numbers, np.int64),
                      np.array(crcs, np.uint32),
                      {name: ColumnStats.from_dict(c.as_dict()) for name, c in store.context.items()},
-                     kept, reader.skipped)
+                     kept, reader.skipped, _texts(store))
+
+
+def _texts(store) -> dict:
+    """name -> (distinct texts, int32 number of each record's) of the kept text features with one text in every
+    record (``ColumnStore.keep_texts``)."""
+    out = {}
+    for name in store.keep_texts:
+        c = store.context.get(name)
+        if c is None or c.values is None or c.values.parts is None or c.present_count != store.rows \
+                or c.min_count != 1 or c.max_count != 1:
+            continue
+        data, ends = c.values.array().tobytes(), np.cumsum(c.value_lengths.array())
+        texts = [data[a:b].decode("utf-8", "replace") for a, b in zip(np.concatenate(([0], ends[:-1])), ends)]
+        table, numbers = np.unique(np.array(texts, dtype=object).astype(str), return_inverse=True)
+        out[name] = (table.tolist(), numbers.astype(np.int32).reshape(-1))
+    return out
 
 
 def index_cache_paths(path):
@@ -107,17 +129,20 @@ def _read_cached(cache, stamp):
             if meta["stamp"] != stamp:
                 return None
             scalars = {k[len("scalar/"):]: z[k] for k in z.files if k.startswith("scalar/")}
+            texts = {name: (table, z["text/" + name]) for name, table in meta["texts"].items()}
             return FileIndex(stamp["path"], z["offsets"], z["lengths"], z["numbers"], z["crcs"],
                              {c["key"]: ColumnStats.from_dict(c) for c in meta["columns"]}, scalars,
-                             meta["skipped"])
+                             meta["skipped"], texts)
     except (OSError, ValueError, KeyError):
         return None  # absent, stale format or damaged: build it again
 
 
 def _write_cached(index, stamp, caches) -> None:
-    meta = {"stamp": stamp, "skipped": index.skipped, "columns": [c.as_dict() for c in index.columns.values()]}
+    meta = {"stamp": stamp, "skipped": index.skipped, "columns": [c.as_dict() for c in index.columns.values()],
+            "texts": {name: table for name, (table, _) in index.texts.items()}}
     arrays = {"meta": np.array(json.dumps(meta)), "offsets": index.offsets, "lengths": index.lengths,
-              "numbers": index.numbers, "crcs": index.crcs, **{"scalar/" + k: v for k, v in index.scalars.items()}}
+              "numbers": index.numbers, "crcs": index.crcs, **{"scalar/" + k: v for k, v in index.scalars.items()},
+              **{"text/" + k: numbers for k, (_, numbers) in index.texts.items()}}
     for cache in caches:
         try:
             os.makedirs(os.path.dirname(cache), exist_ok=True)

@@ -44,7 +44,7 @@ from towers.data.sources import RawRecordSource, RecordSource
 from towers.data.stages import Gather
 from towers.data.workers import Workers
 from towers.data.tfrecord.index import (  # noqa: F401  (file_index, index_cache_paths: the index's API, here too)
-    file_index, index_cache_paths, index_split, positions)
+    CLASS_TEXT, file_index, index_cache_paths, index_split, positions)
 from towers.data.tfrecord.proto import KIND_BYTES, KIND_FLOAT
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode
 
@@ -98,8 +98,9 @@ def load_split(path, x_key="x", y_key="y", decode=None, on_error="stop", workers
 
 
 def encoded_images(path, x_key, y_key, feature, on_error, say=None):
-    """(``RecordSource`` of the encoded-image feature ``feature``, int32 labels ``y_key``) of the TFRecord file
-    or glob ``path``: what the ``Images`` op decodes (``towers.data.kinds``)."""
+    """(``RecordSource`` of the encoded-image feature ``feature``, int32 labels ``y_key``, class names or None)
+    of the TFRecord file or glob ``path``: what the ``Images`` op decodes (``towers.data.kinds``).  The class
+    names are the records' ``image/class/text`` (:func:`class_names`)."""
     indexes, n, columns = index_split(path, on_error, say)
     if x_key not in ("x", feature):
         raise UsageError(f"`decode` names {feature!r} but `x_key` is {x_key!r}: drop `x_key`, or make them agree")
@@ -112,8 +113,30 @@ def encoded_images(path, x_key, y_key, feature, on_error, say=None):
                              f"{k} ({c.describe(n)})" for k, c in sorted(columns.items())))
     labels = [k for k in columns if all(k in i.scalars for i in indexes) and k != feature]
     yname = _choose(path, columns, n, y_key, "y", labels, "labels", "y_key")
-    return RecordSource([i.path for i in indexes], feature, *positions(indexes)), \
-        _labels(path, indexes, columns, n, yname)
+    labels = _labels(path, indexes, columns, n, yname)
+    return RecordSource([i.path for i in indexes], feature, *positions(indexes)), labels, \
+        class_names(indexes, labels)
+
+
+def class_names(indexes, labels) -> list[str] | None:
+    """Label k's class name at k, from the records' ``image/class/text`` (``towers.data.tfrecord.index.CLASS_TEXT``,
+    which ``towers.data.image.to_tfrecord`` writes from an image folder's class folders), or None: names
+    only when every record has one, every label 0..max has one name, no name is empty and no two labels
+    share one (anything else says nothing sure about the labels)."""
+    if not all(CLASS_TEXT in i.texts for i in indexes):
+        return None
+    pairs, start = set(), 0
+    for i in indexes:
+        table, numbers = i.texts[CLASS_TEXT]
+        part = labels[start:start + len(numbers)]
+        start += len(numbers)
+        for label, number in np.unique(np.stack([part.astype(np.int64), numbers.astype(np.int64)]), axis=1).T:
+            pairs.add((int(label), table[int(number)]))
+    names = dict(pairs)
+    if len(names) != len(pairs) or sorted(names) != list(range(len(names))):
+        return None
+    found = [names[k] for k in range(len(names))]
+    return found if all(found) and len(set(found)) == len(found) else None
 
 
 def _labels(path, indexes, columns, n, yname) -> np.ndarray:
