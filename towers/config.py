@@ -33,7 +33,7 @@ from towers.optim.optimizers import settings as optimizer_settings
 from towers.optim.schedule import SCHEDULES, parse_list, piecewise_values
 from towers.parallel.sync import MODES
 from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Choice, Free, Integer, Number, Text, check_fields,
-                             setting, switch, with_settings)
+                             inherited, setting, switch, tracks_given, with_settings)
 
 
 def _default_data() -> str:
@@ -60,6 +60,12 @@ def _normalize_format(text: str) -> None:
     parse_normalize(text, 3)  # the format; the channel count is checked with the data
 
 
+def _cosine_ends(cfg) -> str | None:
+    """Why a change of the run's length changes its trajectory: a cosine schedule ends at it."""
+    return "`lr_schedule` cosine ends at `steps`" if cfg.lr_schedule == "cosine" else None
+
+
+@tracks_given
 @dataclass
 @with_settings(optimizer_settings(), after="l2")
 class Config:
@@ -67,6 +73,11 @@ class Config:
 
     The optimizers' hyperparameters (``momentum``, ``beta1`` ...) are declared in
     their own files (``towers.optim.optimizers``) and added after ``l2``.
+
+    ``given``: the settings its caller passed (a flag typed, a field named in
+    ``Config(...)``; None for a setting whose default is None counts as not
+    given); a resumed run takes the others from its checkpoint (``resume_settings``).
+    A copy made with ``dataclasses.replace`` counts every setting as given.
     """
 
     # placement
@@ -156,23 +167,26 @@ class Config:
     steps: int | None = setting(
         None, f"training steps (with --resume: the total, not more steps); default {DEFAULT_STEPS}, or what "
         "--epochs gives", group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None",
-        metavar="N", shown=str(DEFAULT_STEPS))
+        metavar="N", shown=str(DEFAULT_STEPS), note_when=_cosine_ends)
     epochs: int | None = setting(
         None, "train for N epochs instead of --steps (give one of them): the steps are N x the training examples / "
         "the examples of a step (towers x B x K), rounded up, so every example is seen N times and the last step "
         "takes the rest of its batch from the next epoch's shuffle (with --resume: the total, not more epochs)",
-        group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None", metavar="N")
+        group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None", metavar="N",
+        note_when=_cosine_ends)
     lr: float | None = setting(
         None, "initial learning rate (default: the model's for its optimizer; mlp with sgd 0.8, cifar10 and "
         "resnets 0.1; see Optimizers for the others)", group="optimization", check=Number(0, low_open=True),
-        resume=NOTE, type="float | None", metavar="LR", shown="the model's", model_default=True)
+        resume=NOTE, type="float | None", metavar="LR", shown="the model's", model_default=True,
+        follows=("lr_values",))
     lr_decay: float | None = setting(
         None, "decay per epoch, TF exponential_decay: `lr = LR * R ** (examples_seen / examples_per_epoch)` "
         "(default: the model's; sgd 0.99, the others 1)", group="optimization",
         check=Number(0, 1, low_open=True), resume=NOTE, type="float | None", metavar="R", shown="the model's",
-        model_default=True)
+        model_default=True, follows=("lr_schedule",))
     staircase: bool = switch(
-        "floor the exponent: decay the learning rate once per whole epoch", group="optimization", resume=NOTE)
+        "floor the exponent: decay the learning rate once per whole epoch", group="optimization", resume=NOTE,
+        follows=("lr_schedule",))
     l2: float | None = setting(
         None, "L2 on weights (not biases, not batch-norm parameters): `S * sum(w**2) / 2` (default: the model's: "
         "1e-4; cifar10 0.004, on local3 and local4 only; see Optimizers)", group="optimization", check=Number(0),
@@ -187,14 +201,15 @@ class Config:
         None, "`exponential` (decay per epoch, the default), `piecewise` (constant between --lr-boundaries) or "
         "`cosine` (to 0 at --steps, or the steps --epochs gives); default: the model's (resnets: piecewise; see "
         "Recipes)", group="recipes", check=Choice(SCHEDULES, optional=True), resume=NOTE, type="str | None",
-        metavar="S", shown="the model's")
+        metavar="S", shown="the model's", follows=("lr_boundaries", "lr_values"))
     lr_boundaries: str | None = setting(
         None, "piecewise: the steps where the learning rate changes, e.g. 32000,48000 (resnets' default)",
-        group="recipes", check=Text(), resume=NOTE, type="str | None", metavar="B1,B2", shown="the model's")
+        group="recipes", check=Text(), resume=NOTE, type="str | None", metavar="B1,B2", shown="the model's",
+        follows=("lr_schedule",))
     lr_values: str | None = setting(
         None, "piecewise: the learning rates, one more than boundaries, e.g. 0.1,0.01,0.001 (default: --lr "
         "divided by 10 at each boundary)", group="recipes", check=Text(), resume=NOTE, type="str | None",
-        metavar="V0,V1,V2", shown="`--lr` / 10 per boundary")
+        metavar="V0,V1,V2", shown="`--lr` / 10 per boundary", follows=("lr_schedule", "lr"))
     warmup_steps: int = setting(
         0, "linear warm-up: the rate times `(step + 1) / N` for the first N steps (0: none)", group="recipes",
         check=Integer(0), resume=NOTE, type="int", metavar="N")
@@ -231,7 +246,8 @@ class Config:
     checkpoint_every: int | None = setting(
         None, "steps between checkpoints (ckpt-<step>.npz in --logdir; default 1000, with --sync weights rounded "
         "up to a multiple of --average-every); one is always written at the end; 0: only then", group="output",
-        check=Integer(0, optional=True), resume=SILENT, type="int | None", metavar="K", shown="1000")
+        check=Integer(0, optional=True), resume=SILENT, type="int | None", metavar="K", shown="1000",
+        follows=("sync", "average_every"))
     keep_checkpoints: int = setting(5, "how many of the newest checkpoints to keep", group="output",
                                     check=Integer(1), resume=SILENT, type="int", metavar="N")
     resume: bool = switch(
@@ -454,6 +470,7 @@ def steps_of_epochs(cfg: Config, n_examples: int, examples_per_step: int) -> Con
 MODEL_DEFAULTED = tuple(f.name for f in dataclasses.fields(Config) if f.metadata["model_default"])
 FALLBACK = {f.name: f.metadata["fallback"] for f in dataclasses.fields(Config)}
 _USED_WHEN = {f.name: f.metadata["used_when"] for f in dataclasses.fields(Config)}
+FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 
 
 def in_use(cfg, name: str) -> bool:
@@ -485,3 +502,34 @@ def checkpoint_settings(saved: dict) -> dict:
             filled = {f.name: f.default for f in dataclasses.fields(Config)}
         full.update({k: v for k, v in filled.items() if k not in known})
     return full
+
+
+# What a resumed run never takes from its checkpoint: where the run is, and that it resumes.
+OWN = ("logdir", "resume")
+
+
+def resume_settings(cfg: Config, saved: dict) -> Config:
+    """The settings of ``cfg`` (not resolved) resuming from a checkpoint whose settings are ``saved``.
+
+    What ``cfg`` gave explicitly (``Config.given``) stays; every other setting
+    is the checkpoint's (``towers.settings.inherited``: except those derived
+    from a setting given another value), so a resume that gives nothing
+    continues the run as it was: its model, data, augmentation, towers,
+    batch, optimizer and schedule, and its own length.  The length is
+    ``steps`` or ``epochs``, whichever the run had (its ``steps`` with
+    ``epochs`` are the ones its epochs gave); either one given replaces it.
+    A setting the resumed run does not use (``used_when``; a hyperparameter
+    of another optimizer) keeps its default.
+    """
+    old = checkpoint_settings(saved)
+    given = set(cfg.given) | set(OWN)
+    if given & {"steps", "epochs"}:
+        given |= {"steps", "epochs"}
+    taken = inherited(Config, old, cfg, given)
+    if old.get("epochs") is not None:
+        taken.pop("steps", None)  # what its epochs give, counted with this run's batch
+    merged = dataclasses.replace(cfg, **taken)
+    unused = {k: FIELD_DEFAULTS[k] for k in taken if not in_use(merged, k)}
+    merged = dataclasses.replace(merged, **unused) if unused else merged
+    merged.__dict__["_given"] = frozenset(given)
+    return merged
