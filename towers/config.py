@@ -279,17 +279,17 @@ class Config:
         "for bit (a resume notes a change of what ran them)",
         group="performance", check=Choice(("auto", "numba", "numpy")), resume=SILENT, type="str", metavar="MODE")
     tf32: bool = switch("GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 "
-        "relative error (off: plain float32)", group="performance", resume=NOTE)
+        "relative error (off: plain float32)", group="performance", resume=NOTE, gpu_only=True)
     gpu_conv: str = setting(
         "im2col", "how GPU towers run convolutions: `im2col` (an im2col kernel and cuBLAS GEMMs), `cudnn` (NVIDIA's "
         "cuDNN through its frontend, pip install nvidia-cudnn-frontend; float32 as --tf32 says, deterministic engines; "
         "not yet checked on a GPU, see Performance) or `auto` (cuDNN where it starts, else im2col)",
-        group="performance", check=Choice(GPU_CONVS), resume=NOTE, type="str", metavar="FORM")
+        group="performance", check=Choice(GPU_CONVS), resume=NOTE, type="str", metavar="FORM", gpu_only=True)
     cuda_graphs: bool = switch(
         "GPU towers record their forward and backward as a CUDA graph once and replay it as one launch a step "
         "(host time per step falls from hundreds of launches to a few); GEMMs through nvmath-python (pip install "
         "nvmath-python); one micro-batch, no dropout, sync-BN or gradient buckets; not yet checked on a GPU, see "
-        "Performance", group="performance", resume=NOTE)
+        "Performance", group="performance", resume=NOTE, gpu_only=True)
     precision: str = setting(
         "fp32", "the format forward and backward compute in: `fp32`, or `bf16` / `fp16` on low-precision copies of "
         "the float32 master weights with float32 accumulation (on the CPU emulated by rounding; the optimizer's slots "

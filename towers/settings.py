@@ -189,7 +189,7 @@ class Free(Check):
 
 def setting(default, help: str, *, group: str, check: Check, resume: str, type: str, metavar: str | None = None,
             shown: str | None = None, used_when=None, model_default=None, fallback=None, follows: tuple = (),
-            note_when=None):
+            note_when=None, gpu_only: bool = False):
     """A ``Config`` field declared with everything derived from it.
 
     ``type``: the annotation (a string, as ``from __future__ import annotations`` writes it);
@@ -199,7 +199,9 @@ def setting(default, help: str, *, group: str, check: Check, resume: str, type: 
     when neither gives one (it then ``follows`` ``optimizer`` too);
     ``follows``: the settings it is derived from when not given: on a resume that gives one of them
     another value, it is derived again instead of taken from the checkpoint (``inherited``);
-    ``note_when(cfg)``: a change that ``resume`` calls silent is a note in the runs where it holds.
+    ``note_when(cfg)``: a change that ``resume`` calls silent is a note in the runs where it holds;
+    ``gpu_only``: it changes only what GPU towers do (CPU towers run as without it: a notice says so, and
+    a resume on CPU towers takes its change silently).
     """
     if resume not in RULES:
         raise ValueError(f"resume rule {resume!r}: use one of {RULES}")
@@ -208,7 +210,7 @@ def setting(default, help: str, *, group: str, check: Check, resume: str, type: 
     follows = tuple(follows) + (("optimizer",) if model_default and "optimizer" not in follows else ())
     meta = dict(help=" ".join(help.split()), group=group, check=check, resume=resume, type=type,
                 metavar=metavar, shown=shown, used_when=used_when, model_default=bool(model_default),
-                fallback=fallback, follows=follows, note_when=note_when)
+                fallback=fallback, follows=follows, note_when=note_when, gpu_only=gpu_only)
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -225,9 +227,16 @@ def hyperparameter(default: float, help: str, *, check: Check, metavar: str | No
                    shown=shown if shown is not None else f"{default:g}", model_default=True, fallback=default)
 
 
-def switch(help: str, *, group: str, resume: str, on: bool = False, follows: tuple = ()):
+def switch(help: str, *, group: str, resume: str, on: bool = False, follows: tuple = (), gpu_only: bool = False):
     """A True/False setting (a flag without a value; ``--no-NAME`` when ``on`` by default)."""
-    return setting(on, help, group=group, check=Bool(), resume=resume, type="bool", follows=follows)
+    return setting(on, help, group=group, check=Bool(), resume=resume, type="bool", follows=follows,
+                   gpu_only=gpu_only)
+
+
+def gpu_only_set(cfg) -> list[str]:
+    """The ``gpu_only`` settings ``cfg`` sets away from their defaults, as a message names them."""
+    return [f"`{f.name}`" if f.metadata["type"] == "bool" else f"`{f.name}` {getattr(cfg, f.name)}"
+            for f in dataclasses.fields(cfg) if f.metadata["gpu_only"] and getattr(cfg, f.name) != f.default]
 
 
 def with_settings(extra: dict, after: str):

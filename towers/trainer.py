@@ -44,7 +44,7 @@ from towers.nn.models import build_model
 from towers.nn.normalization import check_batch_statistics
 from towers.optim.optimizers import SLOTS
 from towers.output import checkpoint
-from towers.settings import integer
+from towers.settings import gpu_only_set, integer
 
 
 def check_inputs(x, y, where: str, example_shape: tuple, dtype, num_classes: int, n: int | None = None,
@@ -157,6 +157,11 @@ class Trainer:
             self.placement = placement or resolve(cfg.n_gpu, cfg.devices, cfg.soft_placement)
             if self.placement.notice:
                 notice(self.placement.notice)
+            unused = gpu_only_set(cfg)
+            if unused and not any(d.is_gpu for d in self.placement.towers):
+                one = len(unused) == 1
+                notice(f"{', '.join(unused)} {'is' if one else 'are'} for GPU towers only: these towers run on the CPU "
+                       f"and compute as without {'it' if one else 'them'}")
         # -- data (host): validated like a file, whatever its origin (a cluster's driver: before Ray starts).
         shipped = dataset
         if dataset is None:

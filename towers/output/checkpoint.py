@@ -449,7 +449,10 @@ def resume(trainer, found: tuple[str, dict]) -> Resume:
     ``notes``, for the caller to say in that order.
     """
     cfg = trainer.cfg
-    found = check_resume(cfg, *found, trainer.dataset, trainer.n_towers, getattr(trainer, "data_path", None))
+    placement = getattr(trainer, "placement", None)  # None: a cluster's hosts place their own towers
+    cpu_only = placement is not None and not any(d.is_gpu for d in placement.towers)
+    found = check_resume(cfg, *found, trainer.dataset, trainer.n_towers, getattr(trainer, "data_path", None),
+                         cpu_only)
     model_weights(trainer.model, found.arrays, "params", found.path,
                   "resume with the checkpoint's settings, or use another `logdir`")
     if found.step > cfg.steps:
@@ -494,7 +497,8 @@ def refuse_newer(logdir: str, seen: int) -> None:
                         f"`logdir` {logdir}): build a new Trainer with `resume` to continue from it")
 
 
-def check_resume(cfg, path: str, arrays: dict, dataset, n_towers: int, data_path: str | None = None) -> Resume:
+def check_resume(cfg, path: str, arrays: dict, dataset, n_towers: int, data_path: str | None = None,
+                 cpu_only: bool = False) -> Resume:
     """The ``Resume`` of the checkpoint at ``path`` (its ``arrays``), after checking the data fits.
 
     Each setting declares what its change does (``towers.settings``): one that
@@ -506,12 +510,17 @@ def check_resume(cfg, path: str, arrays: dict, dataset, n_towers: int, data_path
     (None: the data set handed to the ``Trainer``).  A checkpoint written
     before fingerprints were recorded gets no such note.  A checkpoint of a
     run in weights mode written at a step between averages (the end of a
-    run, after its last average) gets a note too.
+    run, after its last average) gets a note too.  ``cpu_only``: the run's
+    towers are all CPUs, whose results the ``gpu_only`` settings leave as
+    they are: a change of one is silent.
     """
     ck = arrays["config"]
     # What each changed setting does is declared with it (`towers.settings`): refused, noted or silent.
     old_settings = checkpoint_settings(ck)
     changes = resume_changes(old_settings, comparable(cfg))
+    if cpu_only:
+        gpu = {f.name for f in fields(cfg) if f.metadata["gpu_only"]}
+        changes[NOTE] = [c for c in changes[NOTE] if c[0] not in gpu]
     if changes[REFUSE]:
         name, old, new = changes[REFUSE][0]
         raise UserError(f"{path} was trained with `{name}` {show(old)}, this run has `{name}` {show(new)}: another "
