@@ -165,8 +165,8 @@ class Config:
         "towers x B x K examples (batch norm: statistics per micro-batch; see Gradient accumulation)",
         group="optimization", check=Integer(1), resume=BATCH, type="int", metavar="K")
     steps: int | None = setting(
-        None, f"training steps (with --resume: the total, not more steps); default {DEFAULT_STEPS}, or what "
-        "--epochs gives", group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None",
+        None, f"training steps (with --resume: the total, not more steps; default the run's own); default "
+        f"{DEFAULT_STEPS}, or what --epochs gives", group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None",
         metavar="N", shown=str(DEFAULT_STEPS), note_when=_cosine_ends)
     epochs: int | None = setting(
         None, "train for N epochs instead of --steps (give one of them): the steps are N x the training examples / "
@@ -251,8 +251,9 @@ class Config:
     keep_checkpoints: int = setting(5, "how many of the newest checkpoints to keep", group="output",
                                     check=Integer(1), resume=SILENT, type="int", metavar="N")
     resume: bool = switch(
-        "continue from the latest valid checkpoint in --logdir (--steps is the total, not more steps; see "
-        "Checkpoints for what a changed setting does)", group="output", resume=SILENT)
+        "continue the run in --logdir from its latest valid checkpoint, with the checkpoint's settings (its model, "
+        "data, towers, batch, schedule, steps ...) but those given as flags (--steps is the total, not more steps; "
+        "see Resuming for what a changed setting does)", group="output", resume=SILENT)
     summary_every: int = setting(
         100, "steps between TensorBoard summaries (scalars, weight and gradient histograms; a host sync); 0: none",
         group="output", check=Integer(0), resume=SILENT, type="int", metavar="K")
