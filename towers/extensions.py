@@ -318,12 +318,12 @@ class Run:
         summary lines.
 
         The ``done:`` line's time is the whole run's: the trainer's building
-        (``Trainer.build_seconds``: settings, placement, data, model, replicas),
+        (``Trainer.build_seconds``: settings, a resume's checkpoint read, placement, data, model, replicas),
         training (from the settings line to the last step: the steps and what is
         due between them, log lines, summaries, checkpoints and their test
         accuracy), this final evaluation, the 1-tower scaling run when asked
-        for, and writing (opening the logdir, a resume's checkpoint read,
-        ``final.npz``).  Examples/sec stays a training figure: the steps'
+        for, and writing (opening the logdir, ``final.npz``, and its step's
+        checkpoint when no step of this fit wrote it).  Examples/sec stays a training figure: the steps'
         examples over the training time.  Sync point: the towers finish before
         the training clock stops.
         """
