@@ -7,6 +7,7 @@ import pytest
 
 import towers
 from towers import Config, Trainer, UserError
+from towers.config import DEFAULT_DATA
 from towers.data.batches import InputPosition
 from towers.nn.layers import Dense, Flatten, Layer, Param, ReLU, Sequential
 from towers.optim.ema import EMA
@@ -169,7 +170,8 @@ def test_a_checkpoint_written_before_the_redesign_resumes_as_one_written_now_and
     state it loads, resumed (that a checkpoint written now resumes to an uninterrupted run's
     weights, bit for bit, is tests/output/test_checkpoint.py's).  The fresh run is compared with a
     tolerance far above rounding (about 1e-7 here) and far below a lost step or input position."""
-    cfg = dict(**SMALL, checkpoint_every=10)
+    # The data given: a resume would take the checkpoint's path, of the machine that wrote it.
+    cfg = dict(**SMALL, checkpoint_every=10, data=DEFAULT_DATA)
     logdir, loaded, now = tmp_path / "old", tmp_path / "loaded", tmp_path / "now"
     for d in (logdir, loaded, now):
         d.mkdir()

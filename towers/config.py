@@ -33,7 +33,7 @@ from towers.optim.optimizers import settings as optimizer_settings
 from towers.optim.schedule import SCHEDULES, parse_list, piecewise_values
 from towers.parallel.sync import MODES
 from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Choice, Free, Integer, Number, StepsOrEpoch, Text,
-                             check_fields, setting, switch, with_settings)
+                             check_fields, inherited, setting, switch, tracks_given, with_settings)
 
 
 def _default_data() -> str:
@@ -60,6 +60,12 @@ def _normalize_format(text: str) -> None:
     parse_normalize(text, 3)  # the format; the channel count is checked with the data
 
 
+def _cosine_ends(cfg) -> str | None:
+    """Why a change of the run's length changes its trajectory: a cosine schedule ends at it."""
+    return "`lr_schedule` cosine ends at `steps`" if cfg.lr_schedule == "cosine" else None
+
+
+@tracks_given
 @dataclass
 @with_settings(optimizer_settings(), after="l2")
 class Config:
@@ -67,6 +73,11 @@ class Config:
 
     The optimizers' hyperparameters (``momentum``, ``beta1`` ...) are declared in
     their own files (``towers.optim.optimizers``) and added after ``l2``.
+
+    ``given``: the settings its caller passed (a flag typed, a field named in
+    ``Config(...)``; None for a setting whose default is None counts as not
+    given); a resumed run takes the others from its checkpoint (``resume_settings``).
+    A copy made with ``dataclasses.replace`` counts every setting as given.
     """
 
     # placement
@@ -159,25 +170,28 @@ class Config:
         "towers x B x K examples (batch norm: statistics per micro-batch; see Gradient accumulation in docs/training.md)",
         group="optimization", check=Integer(1), resume=BATCH, type="int", metavar="K")
     steps: int | None = setting(
-        None, f"training steps (with --resume: the total, not more steps); default {DEFAULT_STEPS}, or what "
-        "--epochs gives", group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None",
-        metavar="N", shown=str(DEFAULT_STEPS))
+        None, f"training steps (with --resume: the total, not more steps; default the run's own); default "
+        f"{DEFAULT_STEPS}, or what --epochs gives", group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None",
+        metavar="N", shown=str(DEFAULT_STEPS), note_when=_cosine_ends)
     epochs: int | None = setting(
         None, "train for N epochs instead of --steps (give one of them): the steps are N x the training examples / "
         "the examples of a step (towers x B x K), rounded up, so every example is seen N times and the last step "
         "takes the rest of its batch from the next epoch's shuffle (with --resume: the total, not more epochs)",
-        group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None", metavar="N")
+        group="optimization", check=Integer(1, optional=True), resume=SILENT, type="int | None", metavar="N",
+        note_when=_cosine_ends)
     lr: float | None = setting(
         None, "initial learning rate (default: the model's for its optimizer; mlp with sgd 0.8, cifar10 and "
         "resnets 0.1; see Optimizers in docs/models.md for the others)", group="optimization", check=Number(0, low_open=True),
-        resume=NOTE, type="float | None", metavar="LR", shown="the model's", model_default=True)
+        resume=NOTE, type="float | None", metavar="LR", shown="the model's", model_default=True,
+        follows=("lr_values",))
     lr_decay: float | None = setting(
         None, "decay per epoch, TF exponential_decay: `lr = LR * R ** (examples_seen / examples_per_epoch)` "
         "(default: the model's; sgd 0.99, the others 1)", group="optimization",
         check=Number(0, 1, low_open=True), resume=NOTE, type="float | None", metavar="R", shown="the model's",
-        model_default=True)
+        model_default=True, follows=("lr_schedule",))
     staircase: bool = switch(
-        "floor the exponent: decay the learning rate once per whole epoch", group="optimization", resume=NOTE)
+        "floor the exponent: decay the learning rate once per whole epoch", group="optimization", resume=NOTE,
+        follows=("lr_schedule",))
     l2: float | None = setting(
         None, "L2 on weights (not biases, not batch-norm parameters): `S * sum(w**2) / 2` (default: the model's: "
         "1e-4; cifar10 0.004, on local3 and local4 only; see Optimizers in docs/models.md)", group="optimization", check=Number(0),
@@ -192,14 +206,15 @@ class Config:
         None, "`exponential` (decay per epoch, the default), `piecewise` (constant between --lr-boundaries) or "
         "`cosine` (to 0 at --steps, or the steps --epochs gives); default: the model's (resnets: piecewise; see "
         "Recipes in docs/models.md)", group="recipes", check=Choice(SCHEDULES, optional=True), resume=NOTE, type="str | None",
-        metavar="S", shown="the model's")
+        metavar="S", shown="the model's", follows=("lr_boundaries", "lr_values"))
     lr_boundaries: str | None = setting(
         None, "piecewise: the steps where the learning rate changes, e.g. 32000,48000 (resnets' default)",
-        group="recipes", check=Text(), resume=NOTE, type="str | None", metavar="B1,B2", shown="the model's")
+        group="recipes", check=Text(), resume=NOTE, type="str | None", metavar="B1,B2", shown="the model's",
+        follows=("lr_schedule",))
     lr_values: str | None = setting(
         None, "piecewise: the learning rates, one more than boundaries, e.g. 0.1,0.01,0.001 (default: --lr "
         "divided by 10 at each boundary)", group="recipes", check=Text(), resume=NOTE, type="str | None",
-        metavar="V0,V1,V2", shown="`--lr` / 10 per boundary")
+        metavar="V0,V1,V2", shown="`--lr` / 10 per boundary", follows=("lr_schedule", "lr"))
     warmup_steps: int = setting(
         0, "linear warm-up: the rate times `(step + 1) / N` for the first N steps (0: none)", group="recipes",
         check=Integer(0), resume=NOTE, type="int", metavar="N")
@@ -238,12 +253,14 @@ class Config:
     checkpoint_every: int | None = setting(
         None, "steps between checkpoints (ckpt-<step>.npz in --logdir; default 1000, with --sync weights rounded "
         "up to a multiple of --average-every); one is always written at the end; 0: only then", group="output",
-        check=Integer(0, optional=True), resume=SILENT, type="int | None", metavar="K", shown="1000")
+        check=Integer(0, optional=True), resume=SILENT, type="int | None", metavar="K", shown="1000",
+        follows=("sync", "average_every"))
     keep_checkpoints: int = setting(5, "how many of the newest checkpoints to keep", group="output",
                                     check=Integer(1), resume=SILENT, type="int", metavar="N")
     resume: bool = switch(
-        "continue from the latest valid checkpoint in --logdir (--steps is the total, not more steps; see "
-        "Checkpoints and resuming in docs/training.md for what a changed setting does)", group="output", resume=SILENT)
+        "continue the run in --logdir from its latest valid checkpoint, with the checkpoint's settings (its model, "
+        "data, towers, batch, schedule, steps ...) but those given as flags (--steps is the total, not more steps; "
+        "see Resuming in docs/training.md for what a changed setting does)", group="output", resume=SILENT)
     summary_every: int | None = setting(
         None, "steps between TensorBoard summaries (scalars, weight and gradient histograms; a host sync); 0: none "
         "(default: --log-every's)", group="output", check=Integer(0, optional=True), resume=SILENT,
@@ -277,17 +294,17 @@ class Config:
         "for bit (a resume notes a change of what ran them)",
         group="performance", check=Choice(("auto", "numba", "numpy")), resume=SILENT, type="str", metavar="MODE")
     tf32: bool = switch("GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 "
-        "relative error (off: plain float32)", group="performance", resume=NOTE)
+        "relative error (off: plain float32)", group="performance", resume=NOTE, gpu_only=True)
     gpu_conv: str = setting(
         "im2col", "how GPU towers run convolutions: `im2col` (an im2col kernel and cuBLAS GEMMs), `cudnn` (NVIDIA's "
         "cuDNN through its frontend, pip install nvidia-cudnn-frontend; float32 as --tf32 says, deterministic engines; "
         "not yet checked on a GPU, see On a GPU in docs/performance.md) or `auto` (cuDNN where it starts, else im2col)",
-        group="performance", check=Choice(GPU_CONVS), resume=NOTE, type="str", metavar="FORM")
+        group="performance", check=Choice(GPU_CONVS), resume=NOTE, type="str", metavar="FORM", gpu_only=True)
     cuda_graphs: bool = switch(
         "GPU towers record their forward and backward as a CUDA graph once and replay it as one launch a step "
         "(host time per step falls from hundreds of launches to a few); GEMMs through nvmath-python (pip install "
         "nvmath-python); one micro-batch, no dropout, sync-BN or gradient buckets; not yet checked on a GPU, see "
-        "On a GPU in docs/performance.md", group="performance", resume=NOTE)
+        "On a GPU in docs/performance.md", group="performance", resume=NOTE, gpu_only=True)
     precision: str = setting(
         "fp32", "the format forward and backward compute in: `fp32`, or `bf16` / `fp16` on low-precision copies of "
         "the float32 master weights with float32 accumulation (on the CPU emulated by rounding; the optimizer's slots "
@@ -468,6 +485,7 @@ def steps_of_epochs(cfg: Config, n_examples: int, examples_per_step: int) -> Con
 MODEL_DEFAULTED = tuple(f.name for f in dataclasses.fields(Config) if f.metadata["model_default"])
 FALLBACK = {f.name: f.metadata["fallback"] for f in dataclasses.fields(Config)}
 _USED_WHEN = {f.name: f.metadata["used_when"] for f in dataclasses.fields(Config)}
+FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 
 
 def in_use(cfg, name: str) -> bool:
@@ -499,3 +517,34 @@ def checkpoint_settings(saved: dict) -> dict:
             filled = {f.name: f.default for f in dataclasses.fields(Config)}
         full.update({k: v for k, v in filled.items() if k not in known})
     return full
+
+
+# What a resumed run never takes from its checkpoint: where the run is, and that it resumes.
+OWN = ("logdir", "resume")
+
+
+def resume_settings(cfg: Config, saved: dict) -> Config:
+    """The settings of ``cfg`` (not resolved) resuming from a checkpoint whose settings are ``saved``.
+
+    What ``cfg`` gave explicitly (``Config.given``) stays; every other setting
+    is the checkpoint's (``towers.settings.inherited``: except those derived
+    from a setting given another value), so a resume that gives nothing
+    continues the run as it was: its model, data, augmentation, towers,
+    batch, optimizer and schedule, and its own length.  The length is
+    ``steps`` or ``epochs``, whichever the run had (its ``steps`` with
+    ``epochs`` are the ones its epochs gave); either one given replaces it.
+    A setting the resumed run does not use (``used_when``; a hyperparameter
+    of another optimizer) keeps its default.
+    """
+    old = checkpoint_settings(saved)
+    given = set(cfg.given) | set(OWN)
+    if given & {"steps", "epochs"}:
+        given |= {"steps", "epochs"}
+    taken = inherited(Config, old, cfg, given)
+    if old.get("epochs") is not None:
+        taken.pop("steps", None)  # what its epochs give, counted with this run's batch
+    merged = dataclasses.replace(cfg, **taken)
+    unused = {k: FIELD_DEFAULTS[k] for k in taken if not in_use(merged, k)}
+    merged = dataclasses.replace(merged, **unused) if unused else merged
+    merged.__dict__["_given"] = frozenset(given)
+    return merged

@@ -21,7 +21,7 @@ import time
 
 import numpy
 
-from towers.cli import Parser, run_main, show_notices, warn_about
+from towers.cli import Parser, run_main, show_notices, sigterm_raises, warn_about
 from towers.errors import UserError
 from towers.data.image.load import describe_classes
 from towers.devices.placement import resolve
@@ -166,13 +166,14 @@ def main(argv=None, prog: str = "towers-eval") -> int:
             raise UserError(f"--interval must be a finite number of seconds > 0 (at most {MAX_INTERVAL}, a day), "
                             f"got {args.interval:g}")
         try:
-            run(args)
+            with sigterm_raises():  # SIGTERM (a service manager's stop) is one line and status 143, as in training
+                run(args)
         except KeyboardInterrupt:  # the way --watch ends
             if not args.watch:
                 raise
             print(f"{NAME}: stopped", file=sys.stderr)
 
-    return run_main(NAME, body)
+    return run_main(NAME, body, terminated="terminated (SIGTERM): stopped watching" if args.watch else None)
 
 
 if __name__ == "__main__":

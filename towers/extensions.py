@@ -45,7 +45,7 @@ import time
 
 import numpy
 
-from towers.errors import UserError, notice, render
+from towers.errors import UserError, render
 from towers.output import checkpoint
 from towers.optim.optimizers import OPTIMIZERS
 from towers.optim.schedule import piecewise_values
@@ -109,11 +109,7 @@ class Checkpoints(Every):
     needs_loss = True  # a diverged run must not write its weights
 
     def __call__(self, run):
-        state = run.trainer.state_dict()  # a host sync
-        key = checkpoint.non_finite(state)
-        if key is not None:  # never written: the last good checkpoint stays the latest
-            raise run.diverged(f"{key} holds non-finite values")
-        run.checkpointer.write(run.trainer.step, state)
+        run.checkpoint()
 
 
 class Evaluation(Extension):
@@ -224,24 +220,36 @@ class Run:
 
     @classmethod
     def open(cls, trainer, logdir: str | None, extensions=()) -> "Run":
-        """Create and lock the logdir, resume (or refuse to overwrite), open the writers.
+        """Create and lock the logdir, continue the run (or refuse to overwrite one), open the writers.
 
         The lock comes before anything else is written in the logdir: a second
         run on it fails here without touching the first one's files.  ``logdir``
-        None: a new folder ``runs/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when
-        runs start in the same second).
+        None: the trainer's own from its last ``fit`` (``trainer.logdir``), else
+        a new folder ``runs/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when runs
+        start in the same second).  A resumed trainer loaded its checkpoint
+        when it was built (``trainer.resumed``); a checkpoint written in the
+        logdir since then is another run's, and refused.  A fresh run refuses a
+        logdir holding checkpoints, but for the trainer's own.
         """
         cfg = trainer.cfg
+        own = trainer.logdir
         if logdir is None:
-            logdir = new_logdir()
-        else:
+            logdir = own if own is not None else new_logdir()
+        if logdir != own or not os.path.isdir(logdir):
             _make_logdir(logdir)
         run = cls(trainer, logdir, ())
         run._opened = time.perf_counter()  # the run's time counts from here (and the trainer's building)
         run._lock = lock_logdir(logdir)
         try:
-            resumed = checkpoint.resume(trainer, logdir)
-            run.checkpointer.last_path = resumed.path if resumed is not None else None
+            resumed = trainer.resumed
+            continues = cfg.resume or (own is not None and os.path.realpath(logdir) == os.path.realpath(own))
+            if cfg.resume:
+                checkpoint.refuse_newer(logdir, trainer.seen_checkpoint)
+            elif not continues:
+                checkpoint.refuse_overwrite(logdir)
+            trainer.logdir = logdir
+            mine = [p for step, p in checkpoint.list_checkpoints(logdir) if step <= trainer.step] if continues else []
+            run.checkpointer.last_path = mine[0] if mine else None
             if getattr(trainer.dataset, "class_names", None):  # an image folder's classes: line k is label k
                 classes = os.path.join(logdir, "classes.txt")
                 with writing(classes):
@@ -250,15 +258,13 @@ class Run:
             run.start_step, run.start_exchanges = trainer.step, trainer.executor.communication()[0]
             run.skipped_at_start = trainer.loss_scaling().get("skipped_steps", 0)
             run._step = trainer.step
-            if cfg.resume or trainer.step:
+            if continues or trainer.step:
                 trim_metrics(logdir, trainer.step)  # the steps after the checkpoint are redone
             run.reporter = Reporter(logdir, cfg.steps, start_step=trainer.step, quiet=cfg.quiet)
-            if resumed is not None:  # said even when quiet, the notes after it (stdout, then notices)
+            if resumed is not None:  # said even when quiet (its notes were notices when the trainer was built)
                 run.reporter.say(render(resumed.line))
-                for note in resumed.notes:
-                    notice(note)
             # The purge keeps the checkpoint step's own points: they are not redone.
-            purge = trainer.step + 1 if cfg.resume or trainer.step else None
+            purge = trainer.step + 1 if continues or trainer.step else None
             run.tensorboard = TensorBoard(logdir, run.summary_every, trainer.step, purge_step=purge)
         except BaseException:
             run.close()
@@ -321,6 +327,15 @@ class Run:
         figures.update(self.trainer.loss_scaling())
         return figures
 
+    def checkpoint(self) -> None:
+        """Write the checkpoint of this step (a host sync); non-finite state is never written: the last good
+        checkpoint stays the latest."""
+        state = self.trainer.state_dict()
+        key = checkpoint.non_finite(state)
+        if key is not None:
+            raise self.diverged(f"{key} holds non-finite values")
+        self.checkpointer.write(self.trainer.step, state)
+
     def diverged(self, what: str):
         """The error for a non-finite loss or weights at this step, with its cause when it is the input.
 
@@ -358,12 +373,12 @@ class Run:
         summary lines.
 
         The ``done:`` line's time is the whole run's: the trainer's building
-        (``Trainer.build_seconds``: settings, placement, data, model, replicas),
+        (``Trainer.build_seconds``: settings, a resume's checkpoint read, placement, data, model, replicas),
         training (from the settings line to the last step: the steps and what is
         due between them, log lines, summaries, checkpoints and their test
         accuracy), this final evaluation, the 1-tower scaling run when asked
-        for, and writing (opening the logdir, a resume's checkpoint read,
-        ``final.npz``).  Examples/sec stays a training figure: the steps'
+        for, and writing (opening the logdir, ``final.npz``, and its step's
+        checkpoint when no step of this fit wrote it).  Examples/sec stays a training figure: the steps'
         examples over the training time.  Sync point: the towers finish before
         the training clock stops.
         """
@@ -402,6 +417,8 @@ class Run:
         weights.update({f"ema/{k}": v for k, v in t.get_weights(ema=True).items()})
         weights["step"] = numpy.int64(t.step)
         final = os.path.join(self.logdir, "final.npz")
+        if not os.path.exists(checkpoint.final_checkpoint(final, t.step)):
+            self.checkpoint()  # final.npz has the checkpoint of its step beside it (no step ran in this fit)
         with writing(final):
             atomic_save_npz(final, weights)
         build = t.build_seconds

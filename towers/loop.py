@@ -87,7 +87,9 @@ def one_tower_rate(trainer, steps: int = 20, warmup: int = 2) -> float:
     so input is not part of it.
     """
     # Resolved again: the run's step count stands, not `epochs` of a one-tower batch (both set are refused).
-    cfg = dataclasses.replace(trainer.cfg, n_gpu=1, devices=None, profile=False, log_placement=False, epochs=None)
+    # Not a resume of the run's logdir: it takes no checkpoint and writes nothing.
+    cfg = dataclasses.replace(trainer.cfg, n_gpu=1, devices=None, profile=False, log_placement=False, epochs=None,
+                              resume=False, logdir=None)
     one = Placement(towers=[trainer.placement.towers[0]])
     with type(trainer)(cfg, model=trainer.model, dataset=trainer.dataset, placement=one) as t:
         batches = [t.source.next_batch() for _ in range(min(warmup + steps, 64))]

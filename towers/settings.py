@@ -22,11 +22,22 @@ Resume rules (``resume=``), each setting has exactly one:
 
 A setting may also say when it is in use (``used_when``, a predicate on the
 resolved config): a change of ``hidden`` matters only to the mlp, one of
-``beta1`` only to the optimizers that read it.
+``beta1`` only to the optimizers that read it; and when a change that is
+otherwise silent changes the trajectory (``note_when``: ``steps`` of a
+``cosine`` schedule, which ends at them), a note.
+
+What a resume takes from the checkpoint (``inherited``): every setting the run
+did not give explicitly (``given``: the flags typed, the ``Config`` fields
+passed) is the checkpoint's, so ``--resume`` alone continues the run as it
+was.  A setting the resolution derives from others (``follows``: the
+learning rate from the optimizer, ``checkpoint_every`` from the sync period)
+is the checkpoint's only while those others are: when one of them is given
+with another value, it is derived again, as a fresh run derives it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import types
@@ -194,22 +205,29 @@ class Free(Check):
 
 
 def setting(default, help: str, *, group: str, check: Check, resume: str, type: str, metavar: str | None = None,
-            shown: str | None = None, used_when=None, model_default=None, fallback=None):
+            shown: str | None = None, used_when=None, model_default=None, fallback=None, follows: tuple = (),
+            note_when=None, gpu_only: bool = False):
     """A ``Config`` field declared with everything derived from it.
 
     ``type``: the annotation (a string, as ``from __future__ import annotations`` writes it);
     ``shown``: the default as the flag table writes it (else derived from ``default``);
     ``used_when(cfg)``: whether the resolved run uses the setting (a change of an unused one is silent);
     ``model_default``: None-valued until the model's (optimizer's) defaults fill it, to ``fallback``
-    when neither gives one.
+    when neither gives one (it then ``follows`` ``optimizer`` too);
+    ``follows``: the settings it is derived from when not given: on a resume that gives one of them
+    another value, it is derived again instead of taken from the checkpoint (``inherited``);
+    ``note_when(cfg)``: a change that ``resume`` calls silent is a note in the runs where it holds;
+    ``gpu_only``: it changes only what GPU towers do (CPU towers run as without it: a notice says so, and
+    a resume on CPU towers takes its change silently).
     """
     if resume not in RULES:
         raise ValueError(f"resume rule {resume!r}: use one of {RULES}")
     if group not in GROUPS:
         raise ValueError(f"group {group!r}: use one of {tuple(GROUPS)} (a new group is declared in GROUPS)")
+    follows = tuple(follows) + (("optimizer",) if model_default and "optimizer" not in follows else ())
     meta = dict(help=" ".join(help.split()), group=group, check=check, resume=resume, type=type,
                 metavar=metavar, shown=shown, used_when=used_when, model_default=bool(model_default),
-                fallback=fallback)
+                fallback=fallback, follows=follows, note_when=note_when, gpu_only=gpu_only)
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -226,9 +244,16 @@ def hyperparameter(default: float, help: str, *, check: Check, metavar: str | No
                    shown=shown if shown is not None else f"{default:g}", model_default=True, fallback=default)
 
 
-def switch(help: str, *, group: str, resume: str, on: bool = False):
+def switch(help: str, *, group: str, resume: str, on: bool = False, follows: tuple = (), gpu_only: bool = False):
     """A True/False setting (a flag without a value; ``--no-NAME`` when ``on`` by default)."""
-    return setting(on, help, group=group, check=Bool(), resume=resume, type="bool")
+    return setting(on, help, group=group, check=Bool(), resume=resume, type="bool", follows=follows,
+                   gpu_only=gpu_only)
+
+
+def gpu_only_set(cfg) -> list[str]:
+    """The ``gpu_only`` settings ``cfg`` sets away from their defaults, as a message names them."""
+    return [f"`{f.name}`" if f.metadata["type"] == "bool" else f"`{f.name}` {getattr(cfg, f.name)}"
+            for f in dataclasses.fields(cfg) if f.metadata["gpu_only"] and getattr(cfg, f.name) != f.default]
 
 
 def with_settings(extra: dict, after: str):
@@ -251,6 +276,29 @@ def with_settings(extra: dict, after: str):
         cls.__annotations__ = annotations
         return cls
     return add
+
+
+def tracks_given(cls):
+    """Class decorator (over ``@dataclass``): each instance records the fields its caller passed, as ``given``.
+
+    A field passed as None whose default is None counts as not given (None is "unset" there).
+    """
+    init = cls.__init__
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        passed = {**dict(zip(names, args)), **kwargs}
+        self.__dict__["_given"] = frozenset(k for k, v in passed.items() if v is not None or defaults[k] is not None)
+
+    def given(self) -> frozenset:
+        return self.__dict__.get("_given", frozenset(names))
+
+    cls.__init__ = __init__
+    cls.given = property(given, doc="The names of the settings its caller passed (see ``tracks_given``).")
+    return cls
 
 
 def check_fields(cfg, late: bool) -> None:
@@ -277,8 +325,50 @@ def resume_changes(old: dict, cfg) -> dict[str, list[tuple[str, object, object]]
         used = f.metadata["used_when"]
         new = getattr(cfg, f.name)
         if f.name in old and old[f.name] != new and (used is None or (used(cfg) and used(before))):
-            changes[f.metadata["resume"]].append((f.name, old[f.name], new))
+            changes[resume_rule(f, cfg, before)].append((f.name, old[f.name], new))
     return changes
+
+
+def resume_rule(f: dataclasses.Field, cfg, before) -> str:
+    """What a change of the setting ``f`` from the run ``before`` to ``cfg`` does: its declared rule, or a note
+    where ``note_when`` holds for either run."""
+    when = f.metadata["note_when"]
+    return NOTE if when is not None and (when(cfg) or when(before)) else f.metadata["resume"]
+
+
+def note_reasons(old: dict, cfg, names) -> list[str]:
+    """Why the changes of the settings ``names`` are notes where their rule alone is silent (``note_when``'s
+    words), for the resume's note."""
+    before = types.SimpleNamespace(**old)
+    out = []
+    for f in dataclasses.fields(cfg):
+        when = f.metadata["note_when"]
+        if f.name in names and when is not None:
+            why = when(cfg) or when(before)
+            if why and why not in out:
+                out.append(why)
+    return out
+
+
+def inherited(cls, old: dict, cfg, given) -> dict:
+    """{name: the checkpoint's value} of the settings a resumed run takes from its checkpoint.
+
+    ``old``: the checkpoint's settings, every field present; ``cfg``: the run's (not resolved);
+    ``given``: the names it gave explicitly, which it keeps.  Every other setting is the checkpoint's,
+    except one that ``follows`` a setting given with another value than the checkpoint's, or one
+    derived again in turn: the resolution derives it afresh, as in a fresh run (``optimizer`` adam
+    given on a run of sgd gets adam's learning rate, not sgd's).
+    """
+    moved = {name for name in given if name in old and old[name] != getattr(cfg, name)}
+    rest = [f for f in dataclasses.fields(cls) if f.name not in given and f.name in old]
+    again = True
+    while again:  # a setting derived again moves those that follow it
+        again = False
+        for f in rest:
+            if f.name not in moved and moved.intersection(f.metadata["follows"]):
+                moved.add(f.name)
+                again = True
+    return {f.name: old[f.name] for f in rest if f.name not in moved}
 
 
 def used_settings(saved: dict, cls, rule: str) -> list[tuple[str, object]]:

@@ -36,7 +36,9 @@ def build_parser(prog: str = "python -m towers.train") -> argparse.ArgumentParse
 
     ``--help`` lists the flags under one heading per group (``towers.settings.GROUPS``: their order and
     one-line descriptions), not all under ``options:``; the usage line names no flag, since the 60-odd of
-    them filled 27 lines before the first heading.
+    them filled 27 lines before the first heading.  A flag not typed is absent from the parsed namespace
+    (``argparse.SUPPRESS``): the ``Config`` made of it knows which settings were given (``Config.given``),
+    and a resume takes the others from its checkpoint.
     """
     ap = Parser(prog=prog, name=NAME, usage="%(prog)s [-h] [--FLAG [VALUE] ...]",
                 description="Multi-tower training with CuPy + NCCL, or NumPy on the CPU.")
@@ -46,15 +48,16 @@ def build_parser(prog: str = "python -m towers.train") -> argparse.ArgumentParse
         group = groups[f.metadata["group"]]
         if f.metadata["type"] == "bool":  # on by default: the flag (--no-...) turns it off
             group.add_argument(flag_name(f), dest=f.name, action="store_false" if f.default else "store_true",
-                               help=help_)
+                               default=argparse.SUPPRESS, help=help_)
         else:
             kind = f.metadata["check"].arg_type
             group.add_argument(flag_name(f), dest=f.name, type=_number(kind) if kind is not str else str,
-                               default=f.default, metavar=metavar(f), help=help_)
+                               default=argparse.SUPPRESS, metavar=metavar(f), help=help_)
     return ap
 
 
 def parse_config(argv=None, prog: str = "python -m towers.train") -> Config:
+    """The ``Config`` of the flags in ``argv``: those typed are its ``given`` settings, the rest their defaults."""
     return Config(**vars(build_parser(prog).parse_args(argv)))
 
 

@@ -31,7 +31,7 @@ import time
 
 import numpy
 
-from towers.config import Config
+from towers.config import MODEL_OBJECT, Config, resume_settings
 from towers.data.dataset import Dataset, check_examples, check_test_split, hold_out
 from towers.data.loading import load_dataset
 from towers.data.pipeline import describe
@@ -44,7 +44,7 @@ from towers.nn.models import build_model
 from towers.nn.normalization import check_batch_statistics
 from towers.optim.optimizers import SLOTS
 from towers.output import checkpoint
-from towers.settings import integer
+from towers.settings import gpu_only_set, integer
 
 
 def check_inputs(x, y, where: str, example_shape: tuple, dtype, num_classes: int, n: int | None = None,
@@ -120,13 +120,33 @@ class Trainer:
     device memory is allocated; a bad one is a ``UserError`` naming it.
     Notices (soft placement) go to the ``towers`` logger.  Use it as a context
     manager, or ``close()``.
+
+    With ``resume`` the run in ``logdir`` is continued from its newest usable
+    checkpoint (``towers.output.checkpoint.resume_point``), read first: every
+    setting ``cfg`` does not give is the checkpoint's (``towers.config.resume_settings``),
+    and once built the trainer holds the checkpoint's state (``resumed``: its
+    path, step and notes, each note also a notice), so ``get_weights``,
+    ``evaluate`` and ``predict`` see its weights and EMA before ``fit``.
+    ``logdir``: where its last ``fit`` wrote (None before one).
     """
 
     def __init__(self, cfg: Config | None = None, *, model=None, dataset: Dataset | None = None,
                  reducer=None, placement: Placement | None = None, share=None, nccl=None):
         started = time.perf_counter()
         self._closed, self._owned_data, self.executor = True, None, None  # until device memory exists
-        self.cfg = cfg = Config.resolved(cfg if cfg is not None else Config(), model)
+        self.resumed, self.logdir, self.seen_checkpoint = None, None, -1
+        cfg = cfg if cfg is not None else Config()
+        found = None
+        if isinstance(cfg, Config) and cfg.resume is True and isinstance(cfg.logdir, str) and cfg.logdir:
+            found = checkpoint.resume_point(cfg.logdir)
+            if found is not None:
+                cfg = resume_settings(cfg, found[1]["config"])
+                if model is None and cfg.model == MODEL_OBJECT:
+                    raise UserError(f"{found[0]} was trained with a model object handed to the Trainer: give it "
+                                    "again, Trainer(cfg, model=...), to resume")
+            # The newest checkpoint here now: one written after this, before `fit`, is another run's.
+            self.seen_checkpoint = max((step for step, _ in checkpoint.list_checkpoints(cfg.logdir)), default=-1)
+        self.cfg = cfg = Config.resolved(cfg, model)
         cluster = cfg.hosts > 1
         if cluster and (reducer is not None or placement is not None or share is not None):
             raise UserError(f"`hosts` {cfg.hosts}: each host makes its own placement and reducer; "
@@ -137,6 +157,11 @@ class Trainer:
             self.placement = placement or resolve(cfg.n_gpu, cfg.devices, cfg.soft_placement)
             if self.placement.notice:
                 notice(self.placement.notice)
+            unused = gpu_only_set(cfg)
+            if unused and not any(d.is_gpu for d in self.placement.towers):
+                one = len(unused) == 1
+                notice(f"{', '.join(unused)} {'is' if one else 'are'} for GPU towers only: these towers run on the CPU "
+                       f"and compute as without {'it' if one else 'them'}")
         # -- data (host): validated like a file, whatever its origin (a cluster's driver: before Ray starts).
         shipped = dataset
         if dataset is None:
@@ -182,6 +207,14 @@ class Trainer:
             self.close()
             raise
         self.cfg = self.executor.cfg  # with the steps `epochs` gives (``towers.config.steps_of_epochs``)
+        if found is not None:
+            try:
+                self.resumed = checkpoint.resume(self, found)
+            except BaseException:
+                self.close()
+                raise
+            for note in self.resumed.notes:
+                notice(note)
         self.build_seconds = time.perf_counter() - started  # the run's building, which `fit`'s done line counts
 
     def _local(self, reducer, share) -> Executor:

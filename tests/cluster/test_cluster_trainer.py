@@ -203,7 +203,9 @@ def test_resume_is_exact_and_a_checkpoint_resumes_on_one_host(local_ray, tmp_pat
     a, b = numpy.load(os.path.join(whole, "final.npz")), numpy.load(os.path.join(parts, "final.npz"))
     for k in a.files:
         numpy.testing.assert_array_equal(a[k], b[k], err_msg=k)
-    with towers.Trainer(towers.Config(**{**SMALL, "n_gpu": 1, "steps": 10, "logdir": parts, "resume": True})) as t1:
+    # `hosts` 1 given: a setting not given would be the checkpoint's (2 hosts).
+    with towers.Trainer(towers.Config(**{**SMALL, "n_gpu": 1, "hosts": 1, "steps": 10, "logdir": parts,
+                                         "resume": True})) as t1:
         assert t1.fit()["step"] == 10
     assert any("written by 2 tower(s)" in line for line in notices)  # the note about another tower count (a notice)
 

@@ -58,12 +58,12 @@ def test_resume_is_byte_identical(tmp_path):
 
 
 def test_resume_is_a_library_call_that_prints_nothing(tmp_path, capsys, notices, monkeypatch):
-    """``checkpoint.resume`` loads the checkpoint and returns its line and notes; a skipped one is a notice."""
+    """A Trainer built with ``resume`` loads the checkpoint and holds its line and notes (each note a notice too);
+    a skipped one is a notice."""
     import logging
 
     import towers
     from towers.cli import _Stderr
-    from towers.output.checkpoint import resume
 
     # A command line run earlier in this process (towers.cli.show_notices) prints the logger's notices:
     # that is the command line's doing, not the library's.
@@ -73,12 +73,13 @@ def test_resume_is_a_library_call_that_prints_nothing(tmp_path, capsys, notices,
     (tmp_path / "ckpt-00000009.npz").write_bytes(b"torn")  # newer and unreadable: skipped, with a notice
     cfg = towers.Config(devices="cpu", n_gpu=1, hidden=16, batch_size=50, steps=6, logdir=str(tmp_path), resume=True)
     with towers.Trainer(cfg) as trainer:
-        found = resume(trainer, str(tmp_path))
+        found = trainer.resumed
         assert trainer.step == 4
     assert capsys.readouterr() == ("", "")
     assert found.line.startswith(f"resuming from {tmp_path / 'ckpt-00000004.npz'}: step 4, input at epoch 0")
     assert len(found.notes) == 1 and "written by 2 tower(s)" in found.notes[0]
     assert [line for line in notices if "ckpt-00000009.npz is unreadable" in line] != []
+    assert found.notes[0] in notices
 
 
 @pytest.mark.parametrize("optimizer, slots", [
@@ -195,7 +196,6 @@ def test_a_resume_whose_class_names_changed_is_refused_naming_both_lists(tmp_pat
 def test_a_resume_on_other_data_of_the_same_shape_says_so_and_a_moved_copy_does_not(tmp_path):
     """Before: permuted labels, or float32 pixels in place of uint8 ones, resumed without a word."""
     import towers
-    from towers.output.checkpoint import resume
 
     with numpy.load(ROOT / "data" / "digits.npz") as z:
         digits = {k: z[k] for k in z.files}
@@ -224,7 +224,7 @@ def test_a_resume_on_other_data_of_the_same_shape_says_so_and_a_moved_copy_does_
     cfg = towers.Config(devices="cpu", n_gpu=2, hidden=8, batch_size=20, steps=12, logdir=str(old), resume=True,
                         data=str(tmp_path / "permuted.npz"))
     with towers.Trainer(cfg) as t:
-        found = resume(t, str(old))
+        found = t.resumed
     assert found.step == 10 and not [n for n in found.notes if "training data" in n], found.notes
 
 

@@ -229,9 +229,31 @@ class ClusterExecutor(Executor):
                 ray.get(ready)
             return ray.get(refs)
         except ray.exceptions.RayError as e:
+            refused = self._refused(refs_hosts)
+            if refused is not None:  # every host refused the call's input and changed nothing: the run goes on
+                raise refused from None
             for b in self._boards:
                 b.abort()  # the hosts still waiting on a board stop now
             raise self._explain(e, refs_hosts) from None
+
+    def _refused(self, refs_hosts) -> UserError | None:
+        """The ``UserError`` of a call every host refused (``set_weights``, ``load_state_dict`` of bad input: each
+        checks it before changing anything), once every host has answered; None for any other failure, or when a
+        host is still busy (it may be waiting on a board for the one that failed)."""
+        ray = self._ray
+        refs = [r for r, _ in refs_hosts]
+        _, busy = ray.wait(refs, num_returns=len(refs), timeout=DEATH_WAIT_S)
+        if busy:
+            return None
+        causes = []
+        for r in refs:
+            try:
+                ray.get(r)
+            except ray.exceptions.RayError as err:
+                causes.append(getattr(err, "cause", None))
+            else:
+                return None  # a host took it: the hosts no longer agree, as any other failure
+        return causes[0] if all(isinstance(c, UserError) for c in causes) else None
 
     def _explain(self, e, refs_hosts) -> Exception:
         """The one line for a failure: the dead host (preferred), a host's own error, or Ray's first line."""

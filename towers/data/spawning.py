@@ -13,7 +13,9 @@ die.  :func:`spawn_context` checks for this before a process starts:
 - in the parent: a main script that spawn runs again (a file; not ``-c``, an
   interactive session or a package's ``__main__``, which spawn does not run)
   with no ``if __name__ == "__main__":`` test at its top level is a
-  ``UserError`` saying so, before the script body can run twice;
+  ``UserError`` saying so, before the script body can run twice; so is a
+  main script without a file to run again (``python - < script.py``: spawn
+  would look for a file named ``<stdin>``, and every worker would die);
 - in a worker still starting (the script has a guard, but the code that
   starts workers is outside it): the worker exits at once with
   ``UNGUARDED_EXIT``, printing nothing, and the parent's pool turns that
@@ -40,9 +42,20 @@ def spawn_context():
     if getattr(multiprocessing.current_process(), "_inheriting", False):  # multiprocessing's own test
         os._exit(UNGUARDED_EXIT)  # noqa: SLF001 - nothing to report to here: the parent says why
     script = _rerun_script()
+    if script is not None and not os.path.isfile(_as_spawn_finds(script)):
+        raise UserError(f"input workers start with spawn, which runs the main script again in each worker from its "
+                        f"file, but this one has none ({script}: read from standard input, or a file since "
+                        "removed): save the script as a file and run that, or use no input workers "
+                        "(`input_workers` 0)")
     if script is not None and not _has_guard(script):
         raise unguarded_error(script)
     return multiprocessing.get_context("spawn")
+
+
+def _as_spawn_finds(script: str) -> str:
+    """The main script's path as a spawned worker opens it: relative to the directory the parent started in."""
+    start = multiprocessing.process.ORIGINAL_DIR
+    return script if os.path.isabs(script) or start is None else os.path.join(start, script)
 
 
 def unguarded_error(script: str | None = None) -> UserError:
