@@ -112,7 +112,7 @@ def test_nesterov_matches_hand_computation_and_its_ema():
         g = rng.normal(size=50).astype(numpy.float32)
         opt.step(g, 0.1, step)
         p, v = _hand_nesterov(p, v, g.astype(numpy.float64), 0.1, 0.9)
-        d = min(0.99, (1 + step) / (10 + step))
+        d = min(0.99, (2 + step) / (11 + step))  # TF's global_step after the update
         e = e - (1 - d) * (e - p)
     numpy.testing.assert_allclose(params, p, rtol=1e-5, atol=1e-6)
     numpy.testing.assert_allclose(ema.shadow, e, rtol=1e-5, atol=1e-6)
