@@ -9,7 +9,7 @@ from threadpoolctl import threadpool_info
 
 import towers
 from tests.conftest import DIGITS, run_cli
-from towers import Config, Dataset, Dense, Flatten, ReLU, Trainer, TrainingError, UserError
+from towers import BatchNorm, Config, Dataset, Dense, Flatten, ReLU, Trainer, TrainingError, UserError
 
 SMALL = dict(n_gpu=2, devices="cpu", hidden=16, batch_size=50, quiet=True, summary_every=0)
 
@@ -232,6 +232,26 @@ def test_train_step_and_set_weights_refuse_what_would_train_wrong():
         assert all(np.array_equal(tr.get_weights()[k], w[k]) for k in w)  # nothing changed
     with pytest.raises(UserError, match="closed"):
         tr.train_step(x, y)
+
+
+def test_set_weights_refuses_values_beyond_float32_and_a_negative_moving_variance():
+    """float64 weights past float32's range would become inf; a negative variance makes evaluation's loss NaN."""
+    layers = [Flatten(), Dense("layer1", 16), BatchNorm("bn"), ReLU(), Dense("layer2", 10)]
+    with Trainer(Config(**SMALL), model=layers) as tr:
+        w = tr.get_weights()
+        big = w["layer1/weights"].astype(np.float64)
+        big[2, 3] = -1e39
+        with pytest.raises(UserError, match=r"'layer1/weights' holds -1e\+39 at flat index 35, beyond float32's"):
+            tr.set_weights({**w, "layer1/weights": big})
+        with pytest.raises(UserError, match="beyond float32's range"):
+            tr.set_weights({**w, "layer1/weights": big}, ema=True)
+        var = w["bn/moving_variance"].copy()
+        var[4] = -0.5
+        with pytest.raises(UserError, match=r"'bn/moving_variance' holds -0.5 at flat index 4, below its least "
+                                            r"value 0; give values >= 0"):
+            tr.set_weights({**w, "bn/moving_variance": var})
+        assert all(np.array_equal(tr.get_weights()[k], w[k]) for k in w)  # nothing changed
+        tr.set_weights({**w, "layer1/weights": big.clip(-1, 1), "bn/moving_variance": var.clip(0)})  # in range
 
 
 def test_train_step_takes_lists_as_it_did_before_its_checks():

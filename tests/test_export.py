@@ -58,8 +58,7 @@ def towers_reference(logdir, digits, ema):
         named.update({k[len("buffers/"):]: v for k, v in arrays.items() if k.startswith("buffers/")})
         tr.set_weights(named)
         metrics = tr.evaluate(ema=False)
-        tr.synchronize()
-        logits = np.asarray(tr.replicas[0].forward(digits["x_test"] * np.float32(1 / 255)))
+        logits = tr.predict(digits["x_test"], ema=False)  # uint8 pixels, scaled by 1/255 as in training
     return logits, metrics
 
 

@@ -198,7 +198,10 @@ def test_a_checkpoint_written_before_the_redesign_resumes_as_one_written_now_and
     fresh = np.load(tmp_path / "fresh" / "final.npz")
     assert sorted(old.files) == sorted(new.files) == sorted(fresh.files)
     for k in fresh.files:
-        np.testing.assert_allclose(old[k], fresh[k], rtol=0, atol=1e-4 * np.abs(fresh[k]).max(), err_msg=k)
+        # The old file's first 10 EMA updates took their decay from the updates before each (TF counts the one
+        # it follows too, as towers does now): its EMA stays about 2e-4 from a fresh run's.
+        close = 1e-3 if k.startswith("ema/") else 1e-4
+        np.testing.assert_allclose(old[k], fresh[k], rtol=0, atol=close * np.abs(fresh[k]).max(), err_msg=k)
     for k in new.files:
         assert np.array_equal(old[k], new[k]), k
 

@@ -189,15 +189,20 @@ class Config:
         "(default: the model's; sgd 0.99, the others 1)", group="optimization",
         check=Number(0, 1, low_open=True), resume=NOTE, type="float | None", metavar="R", shown="the model's",
         model_default=True, follows=("lr_schedule",))
+    decay_steps: int | None = setting(
+        None, "exponential decay counted in steps, TF exponential_decay's `decay_steps`: `lr = LR * R ** (step / N)` "
+        "(default: per epoch, as --lr-decay says)", group="optimization", check=Integer(1, optional=True),
+        resume=NOTE, type="int | None", metavar="N", shown="one epoch", follows=("lr_schedule",))
     staircase: bool = switch(
-        "floor the exponent: decay the learning rate once per whole epoch", group="optimization", resume=NOTE,
-        follows=("lr_schedule",))
+        "floor the exponent: decay the learning rate once per whole epoch (or per --decay-steps)",
+        group="optimization", resume=NOTE, follows=("lr_schedule",))
     l2: float | None = setting(
         None, "L2 on weights (not biases, not batch-norm parameters): `S * sum(w**2) / 2` (default: the model's: "
         "1e-4; cifar10 0.004, on local3 and local4 only; see Optimizers in docs/models.md)", group="optimization", check=Number(0),
         resume=NOTE, type="float | None", metavar="S", shown="the model's", model_default=True)
     ema_decay: float = setting(
-        0.99, "EMA decay (TF ExponentialMovingAverage): `d = min(D, (1 + step) / (10 + step))`",
+        0.99, "EMA decay (TF ExponentialMovingAverage, num_updates the global step after the update): `d = "
+        "min(D, (1 + n) / (10 + n))`, n = 1 at the first update (see The EMA in docs/training.md)",
         group="optimization", check=Number(0, 1, high_open=True), resume=NOTE, type="float", metavar="D")
     seed: int = setting(0, "seed of the initial weights, the shuffle and dropout masks", group="optimization",
                         check=Integer(0), resume=NOTE, type="int", metavar="S")
@@ -360,7 +365,7 @@ def _schedule_defaults(cfg: Config, defaults: dict) -> dict:
 
     Giving ``lr_boundaries`` or ``lr_values`` implies ``piecewise``; a piecewise
     schedule without boundaries takes the model's; ``lr_values`` sets ``lr`` (its
-    first value); ``lr_decay`` and ``staircase`` belong to ``exponential``.
+    first value); ``lr_decay``, ``decay_steps`` and ``staircase`` belong to ``exponential``.
     """
     filled = {}
     kind = cfg.lr_schedule or ("piecewise" if cfg.lr_boundaries or cfg.lr_values
@@ -378,8 +383,9 @@ def _schedule_defaults(cfg: Config, defaults: dict) -> dict:
             raise UserError(f"`lr` {cfg.lr:g} and `lr_values` {cfg.lr_values} disagree: `lr_values` gives every "
                             "rate, its first is the initial one; give one of them")
     if kind != "exponential":
-        if cfg.lr_decay not in (None, 1, 1.0) or cfg.staircase:
-            raise UserError(f"`lr_decay` and `staircase` are exponential decay's; `lr_schedule` {kind} replaces it")
+        if cfg.lr_decay not in (None, 1, 1.0) or cfg.staircase or cfg.decay_steps is not None:
+            raise UserError(f"`lr_decay`, `decay_steps` and `staircase` are exponential decay's; `lr_schedule` "
+                            f"{kind} replaces it")
         filled["lr_decay"] = 1.0
     return filled
 

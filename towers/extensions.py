@@ -482,7 +482,8 @@ def settings_line(cfg, n_params: int | None = None) -> str:
     model = f"model {cfg.model}" + (f" ({n_params:,} trainable parameters)" if n_params is not None else "")
     parts = [model, f"optimizer {cfg.optimizer}", f"lr {cfg.lr:g}"]
     if cfg.lr_schedule in (None, "exponential"):
-        parts.append(f"lr_decay {cfg.lr_decay:g}")
+        parts.append(f"lr_decay {cfg.lr_decay:g}" + (f" per {cfg.decay_steps} steps" if cfg.decay_steps else "")
+                     + (" staircase" if cfg.staircase else ""))
     elif cfg.lr_schedule == "piecewise":
         bounds, values = piecewise_values(cfg)
         parts.append(f"lr_schedule piecewise {','.join(map(str, bounds))} -> {','.join(f'{v:g}' for v in values)}")

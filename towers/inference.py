@@ -107,7 +107,7 @@ class Predictor:
         self._weights = {ema: named_to_flat(self.model, model_weights(self.model, arrays, "ema" if ema else "params",
                                                                      path, FIX[purpose]))
                          for ema in (False, True)}
-        buffers = Layout(self.model.buffer_layout())  # moving statistics: evaluation normalizes with them
+        buffers = Layout(self.model.buffer_layout(), self.model.minimums())  # moving statistics: evaluation normalizes with them
         self._buffers = buffers.join(buffers.check(under(arrays, "buffers"), f"{path} does not fit this model",
                                                    "buffer"))
         self.device = device or resolve(1, None, soft=True).towers[0]  # a GPU when there is one

@@ -115,8 +115,8 @@ class LocalExecutor(Executor):
         self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self.share.first_tower,
                                    share=keeping.same_updates and reducer is None)
         # Which forms of the ops the towers run, chosen by build_towers (a checkpoint records the CPU's); the
-        # choice is the process's, so each step makes it this executor's again (another Trainer may have chosen
-        # since).
+        # choice is the calling thread's, so each step makes it this executor's again (another Trainer may have
+        # chosen since in this thread).
         self.cpu_kernels = backend.name()
         self._forms = backend.current()
         streams = [t.stream for t in self.towers]

@@ -32,11 +32,13 @@ from towers.errors import UserError
 
 
 class Layout:
-    """(name, shape, offset, size) rows of one flat buffer, and the conversions both ways."""
+    """(name, shape, offset, size) rows of one flat buffer, and the conversions both ways; ``minimums``: {name:
+    least value} that ``check`` enforces (a model's ``minimums()``: batch norm's moving variance >= 0)."""
 
-    def __init__(self, rows):
+    def __init__(self, rows, minimums: dict | None = None):
         self.rows = [(name, tuple(shape), int(off), int(size)) for name, shape, off, size in rows]
         self.size = sum(size for *_, size in self.rows)
+        self.minimums = dict(minimums or {})
 
     @property
     def names(self) -> list[str]:
@@ -55,7 +57,8 @@ class Layout:
         return flat
 
     def check(self, named: dict, where: str, what: str = "weight") -> dict:
-        """``named`` if it holds exactly these names with their shapes, as finite real numbers.
+        """``named`` if it holds exactly these names with their shapes, as finite real numbers within float32's
+        range and at least each name's minimum.
 
         Otherwise a ``UserError`` naming the first bad name.
         """
@@ -69,6 +72,11 @@ class Layout:
             if name not in want:
                 raise UserError(f"{where}: {name!r} is not a {what} of this model (it has {', '.join(want)})")
             check_array(a, want[name], f"{where}: {name!r}", "the model's")
+            low = self.minimums.get(name)
+            if low is not None and (numpy.asarray(a) < low).any():
+                i = int(numpy.argmax(numpy.ravel(numpy.asarray(a)) < low))
+                raise UserError(f"{where}: {name!r} holds {numpy.ravel(a)[i]:g} at flat index {i}, below its least "
+                                f"value {low:g}; give values >= {low:g}")
         return named
 
 
@@ -82,6 +90,11 @@ def check_array(a, shape: tuple, what: str, whose: str = "expected") -> None:
         raise UserError(f"{what} is {a.dtype}; give real numbers (float32)")
     if not numpy.isfinite(a).all():
         raise UserError(f"{what} holds NaN or inf")
+    big = numpy.finfo(numpy.float32).max
+    if a.dtype.itemsize > 4 and numpy.issubdtype(a.dtype, numpy.floating) and (numpy.abs(a) > big).any():
+        i = int(numpy.argmax(numpy.ravel(numpy.abs(a) > big)))
+        raise UserError(f"{what} holds {numpy.ravel(a)[i]:g} at flat index {i}, beyond float32's range (+-{big:.4g}): "
+                        "towers keeps weights in float32, where it would be inf")
 
 
 def under(state: dict, prefix: str) -> dict:

@@ -106,6 +106,14 @@ def nonfinite_x_test(p):
     np.savez(p, **d, x_test=xt, y_test=d["y"][:10])
 
 
+def beyond_float32_x(p):
+    d = arrays()
+    x = d["x"].astype(np.float64)
+    x[6, 1] = 1e39  # float32's largest is 3.4e38
+    x[9, 0] = -1e300
+    np.savez(p, **{**d, "x": x})
+
+
 def directory(p):
     p.mkdir()
 
@@ -137,6 +145,8 @@ CASES = [  # the start of the message (after "towers.train: error: " on the comm
     (negative_label, r"{f}: key 'y' has 2 negative labels: -1 at index 5"),
     (nonfinite_x, r"{f}: key 'x' has 3 non-finite values \(NaN or inf\); the first in example 5"),
     (nonfinite_x_test, r"{f}: key 'x_test' has 1 non-finite value \(NaN or inf\); the first in example 4"),
+    (beyond_float32_x, r"{f}: key 'x' has 2 values beyond float32's range \(\+-3\.403e\+38\); the first in example 6: "
+                       r"towers trains in float32, where they would be inf; scale or clip them"),
     (directory, r"data file {f} is a directory: set {data} to an \.npz or TFRecord file"),
     (x_test_without_y_test, r"{f} has x_test but no y_test: an npz's test split is both arrays; add y_test, or "
                             r"remove x_test"),

@@ -8,6 +8,7 @@ import pytest
 
 from towers.config import Config
 from towers.errors import UserError
+from towers.extensions import settings_line
 from towers.nn.models import build_model, model_defaults
 from towers.optim.ema import EMA
 from towers.optim.optimizers import SGD
@@ -24,6 +25,20 @@ def test_default_schedule_is_todays_exponential_decay_exactly():
         lr = make_schedule(cfg, 1000, 200)
         for step in (0, 1, 7, 123):
             assert lr(step) == learning_rate(cfg.lr, cfg.lr_decay, step * 200, 1000, cfg.staircase)
+
+
+def test_decay_steps_counts_steps_as_tensorflow_exponential_decay():
+    """TF's exponential_decay(lr, global_step, decay_steps, rate, staircase), whatever the step's size."""
+    kw = dict(lr=0.5, lr_decay=0.9, decay_steps=30)
+    for step in (0, 1, 29, 30, 45, 300):
+        assert _lr(step, **kw) == pytest.approx(0.5 * 0.9 ** (step / 30))
+        assert _lr(step, staircase=True, **kw) == pytest.approx(0.5 * 0.9 ** (step // 30))
+    assert make_schedule(Config(**kw).resolved(), 60000, 50)(45) == _lr(45, **kw)  # not counted in examples
+    assert "lr_decay 0.9 per 30 steps staircase," in settings_line(Config(staircase=True, **kw).resolved())
+    with pytest.raises(UserError, match="decay_steps.? and .?staircase.? are exponential"):
+        Config(lr_schedule="cosine", decay_steps=30).resolved()
+    with pytest.raises(UserError, match="decay_steps"):
+        Config(decay_steps=0).resolved()
 
 
 def test_piecewise_cosine_and_warmup():
@@ -112,7 +127,7 @@ def test_nesterov_matches_hand_computation_and_its_ema():
         g = rng.normal(size=50).astype(numpy.float32)
         opt.step(g, 0.1, step)
         p, v = _hand_nesterov(p, v, g.astype(numpy.float64), 0.1, 0.9)
-        d = min(0.99, (1 + step) / (10 + step))
+        d = min(0.99, (2 + step) / (11 + step))  # TF's global_step after the update
         e = e - (1 - d) * (e - p)
     numpy.testing.assert_allclose(params, p, rtol=1e-5, atol=1e-6)
     numpy.testing.assert_allclose(ema.shadow, e, rtol=1e-5, atol=1e-6)
@@ -126,7 +141,6 @@ def test_nesterov_matches_hand_computation_and_its_ema():
 
 
 def test_the_settings_line_names_the_recipe_and_the_default_line_is_unchanged():
-    from towers.extensions import settings_line
 
     assert settings_line(Config().resolved(), 397510) == (
         "settings: model mlp (397,510 trainable parameters), optimizer sgd, lr 0.8, lr_decay 0.99, momentum 0, "

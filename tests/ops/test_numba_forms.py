@@ -415,3 +415,71 @@ def test_two_trainers_in_one_process_each_train_with_their_own_forms(tmp_path):
         second.fit()
         assert all(alone[k].tobytes() == v.tobytes() for k, v in first.get_weights().items())
         assert any(alone[k].tobytes() != v.tobytes() for k, v in second.get_weights().items())
+
+
+def test_two_trainers_fitting_in_two_threads_each_train_with_their_own_forms(tmp_path):
+    """The choice is each thread's: a Trainer built or stepping in another thread does not change what this one
+    runs, in its own thread or its tower threads (one numba, one numpy, their steps interleaved)."""
+    import threading
+
+    import towers
+
+    def trainer(kernels, name, steps):
+        layers = [towers.Conv2D("c1", 4, 3), towers.BatchNorm("bn"), towers.ReLU(), towers.Flatten(),
+                  towers.Dense("fc", 10)]
+        cfg = Config(devices="cpu", n_gpu=2, batch_size=8, steps=steps, quiet=True, summary_every=0,
+                     log_every=1000, checkpoint_every=0, cpu_kernels=kernels, logdir=str(tmp_path / name))
+        return towers.Trainer(cfg, model=layers)
+
+    def alone(kernels):
+        out = {}
+
+        def run():
+            with trainer(kernels, "alone-" + kernels, 6) as t:
+                t.fit()
+                out["w"] = t.get_weights()
+        th = threading.Thread(target=run)
+        th.start()
+        th.join()
+        return out["w"]
+
+    want = {k: alone(k) for k in ("numba", "numpy")}
+    built, done, got, errors = threading.Barrier(2), threading.Event(), {}, []
+
+    def numba_side():
+        try:
+            with trainer("numba", "numba", 6) as t:
+                built.wait()  # the numpy Trainer is built (its choice made) only after this one
+                built.wait()
+                got["name"] = backend.name()
+                t.fit()
+                got["numba"] = t.get_weights()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+            built.abort()
+        finally:
+            done.set()
+
+    def numpy_side():
+        try:
+            built.wait()
+            with trainer("numpy", "numpy", 6) as t:
+                built.wait()
+                t.fit()
+                got["numpy"] = t.get_weights()
+                while not done.is_set():  # more steps, each making numpy its thread's choice, beside the fit
+                    t.train_step(*t.source.next_batch())
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            built.abort()
+
+    threads = [threading.Thread(target=numba_side), threading.Thread(target=numpy_side)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert got["name"] == "numba"
+    for kernels in ("numba", "numpy"):
+        assert all(want[kernels][k].tobytes() == v.tobytes() for k, v in got[kernels].items()), kernels
+    assert any(want["numba"][k].tobytes() != want["numpy"][k].tobytes() for k in want["numpy"])

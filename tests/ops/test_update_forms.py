@@ -69,7 +69,7 @@ def _reference_step(opt, grads, lr, step, part):
         buf[part] = getattr(slot, name)
     opt.params[part] = p_new
     if opt.ema is not None:
-        opt.ema.shadow[part] = ema(opt.ema.shadow[part], p_new, t(1.0 - ema_decay(opt.ema.decay, step)))
+        opt.ema.shadow[part] = ema(opt.ema.shadow[part], p_new, t(1.0 - ema_decay(opt.ema.decay, step + 1)))
 
 
 def _bits(a):

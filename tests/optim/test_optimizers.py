@@ -18,9 +18,21 @@ def test_exponential_decay_matches_tensorflow_formula():
 
 
 def test_ema_decay_warms_up_like_tensorflow():
-    assert ema_decay(0.99, 0) == 0.1
+    assert ema_decay(0.99, 1) == 2 / 11
     assert ema_decay(0.99, 10) == 11 / 20
     assert ema_decay(0.99, 10**6) == 0.99
+
+
+def test_first_update_reads_the_incremented_step_as_tensorflow_does():
+    """TF's EMA runs after apply_gradients has made global_step 1: the first update's decay is 2/11, not 1/10."""
+    p0 = np.array([1.0, -2.0, 0.5], np.float32)
+    params = p0.copy()
+    ema = EMA(params, 0.99)
+    g = np.array([1.0, 1.0, -1.0], np.float32)
+    SGD(params, ema=ema).step(g, 0.5, 0)
+    d = 2 / 11
+    np.testing.assert_allclose(ema.shadow, p0 - (1 - d) * (p0 - params), rtol=1e-6)
+    assert not np.allclose(ema.shadow, p0 - 0.9 * (p0 - params), rtol=1e-3)
 
 
 def hand_run(p0, grads, lrs, momentum, decay):
@@ -29,7 +41,7 @@ def hand_run(p0, grads, lrs, momentum, decay):
     v = [0.0] * len(p)
     e = list(p)
     for step, (g, lr) in enumerate(zip(grads, lrs)):
-        d = min(decay, (1 + step) / (10 + step))
+        d = min(decay, (2 + step) / (11 + step))  # TF's global_step after this update: step + 1
         for i in range(len(p)):
             if momentum:
                 v[i] = momentum * v[i] + g[i]
@@ -89,7 +101,7 @@ def hand_adam(p0, grads, lrs, b1, b2, eps, decay):
     for step, (g, lr) in enumerate(zip(grads, lrs)):
         t = step + 1
         lr_t = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
-        d = min(decay, (1 + step) / (10 + step))
+        d = min(decay, (2 + step) / (11 + step))  # TF's global_step after this update: step + 1
         for i in range(len(p)):
             m[i] = b1 * m[i] + (1 - b1) * g[i]
             v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i]

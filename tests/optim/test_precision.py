@@ -135,6 +135,21 @@ def test_fp16_skips_a_step_whose_averaged_gradient_overflowed_and_halves_the_sca
         assert int(s2["loss_scale/clean_steps"]) == 1 and float(s2["loss_scale/scale"]) == INITIAL / 2
 
 
+@pytest.mark.parametrize("n", [2, 3])  # the two-tower mean is one op; three gather into a leader
+def test_fp16_overflow_across_towers_warns_nothing(n, recwarn):
+    """Gradients that overflow to +inf on one tower and -inf on another make the mean NaN: a skipped step,
+    counted and reported by towers, not NumPy's "invalid value encountered in add" on stderr."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((300, 8, 8)) * 3e3).astype(np.float32)
+    y = rng.integers(0, 10, 300)
+    cfg = Config(**{**SMALL, "n_gpu": n, "batch_size": 20}, precision="fp16", cpu_kernels="numpy")
+    with Trainer(cfg, dataset=Dataset.from_arrays(x, y, x[:50], y[:50])) as tr:
+        for _ in range(3):
+            tr.train_step(*tr.source.next_batch())
+        assert int(tr.state_dict()["loss_scale/skipped"]) == 3
+    assert not [str(w.message) for w in recwarn.list if issubclass(w.category, RuntimeWarning)]
+
+
 def test_fp16_scale_doubles_after_n_clean_steps_and_unscales_exactly():
     x, y = float_digits()
     cfg = Config(**SMALL, precision="fp16", loss_scale_growth=3)

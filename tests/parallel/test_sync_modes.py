@@ -61,6 +61,19 @@ def test_weights_mode_averages_every_k_steps(momentum, per_average):
 
 
 @pytest.mark.parametrize("sync", ["grads", "weights"])
+def test_first_ema_update_counts_itself_as_tensorflow_does(sync):
+    """After the first update (or first weight average) the EMA's decay is min(0.99, 2/11), TF's global_step 1."""
+    tr, src = make(sync, k=1)
+    e0 = tr.get_weights(ema=True)
+    tr.train_step(*src.next_batch())
+    tr.synchronize()
+    p1, e1 = tr.get_weights(), tr.get_weights(ema=True)
+    for name, e in e1.items():
+        want = e0[name] - (1 - 2 / 11) * (e0[name] - p1[name])
+        np.testing.assert_allclose(e, want, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("sync", ["grads", "weights"])
 def test_replica_check_names_the_tower_and_the_largest_difference(sync, standin):
     tr, src = make(sync, k=1, n=3, standin=standin if sync == "grads" else None)
     for _ in range(3):

@@ -392,12 +392,20 @@ def _labels(y: numpy.ndarray, where: str, key: str) -> numpy.ndarray:
 
 
 def check_examples(x: numpy.ndarray, where: str, key: str) -> numpy.ndarray:
-    """Examples as a data set holds them: uint8 pixels as they are, floats as float32 with no NaN or inf
-    (a ``UserError`` naming the count and the first example); other dtypes are refused."""
+    """Examples as a data set holds them: uint8 pixels as they are, floats as float32 with no NaN or inf and,
+    from a wider float, none beyond float32's range (a ``UserError`` naming the count and the first example);
+    other dtypes are refused."""
     if x.dtype == numpy.uint8:
         return x
     if not numpy.issubdtype(x.dtype, numpy.floating):
         raise UserError(f"{where}: key {key!r} is {x.dtype}; give uint8 pixels or float32 features")
+    if x.dtype.itemsize > 4:
+        big = numpy.finfo(numpy.float32).max
+        n, i = _scan(x, lambda c: numpy.isfinite(c) & (numpy.abs(c) > big))
+        if n:
+            raise UserError(
+                f"{where}: key {key!r} has {_plural(n, 'value')} beyond float32's range (+-{big:.4g}); the first "
+                f"in example {i}: towers trains in float32, where they would be inf; scale or clip them")
     x = x.astype(numpy.float32, copy=False)
     n, i = _scan(x, lambda c: ~numpy.isfinite(c))
     if n:

@@ -15,6 +15,7 @@ thread fetching the next batch; ``wait`` joins it before anyone reads weights.
 """
 from __future__ import annotations
 
+import contextvars
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -98,7 +99,9 @@ class TowerThreads:
     threads, so all N run at the same time and ``fn`` may call
     ``barrier.wait()`` (a ``threading.Barrier`` over all towers).  An exception
     in any tower breaks the barrier (so no one hangs) and is re-raised by
-    ``wait`` (or by ``run``, when tower 0 saw it).
+    ``wait`` (or by ``run``, when tower 0 saw it).  Each runs in a copy of the
+    caller's ``contextvars`` context, which holds its thread's choice of the
+    ops' forms (``towers.ops.backend``).
     """
 
     def __init__(self, n: int):
@@ -117,7 +120,10 @@ class TowerThreads:
     def run(self, fn) -> None:
         """Start ``fn`` on every tower; return when tower 0's share is done."""
         self.wait()
-        self._futures = [self._executor.submit(self._call, fn, i) for i in range(1, self.n)]
+        # Each worker runs in a copy of the caller's context: the caller's choice of the ops' forms
+        # (towers.ops.backend), not another thread's.
+        self._futures = [self._executor.submit(contextvars.copy_context().run, self._call, fn, i)
+                         for i in range(1, self.n)]
         try:
             self._call(fn, 0)
         except BaseException:

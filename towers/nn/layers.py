@@ -63,6 +63,7 @@ class Param:
     init: str = "zeros"  # "zeros", "constant:<value>", "truncated_normal:<stddev>" or "normal:<stddev>"
     regularize: bool = False
     trainable: bool = True
+    minimum: float | None = None  # the least value it may hold (a variance: 0); set_weights and loads check it
 
 
 def _as_is(a, order):
@@ -296,6 +297,10 @@ class Sequential:
     def buffer_layout(self) -> list[tuple[str, tuple, int, int]]:
         """(name, shape, offset, size) of the buffers (``trainable=False``), in declaration order."""
         return _offsets([e for e in self.params if not e[2].trainable])
+
+    def minimums(self) -> dict[str, float]:
+        """{name: least value} of the parameters and buffers that declare one (``Param.minimum``)."""
+        return {name: prm.minimum for _, name, prm in self.params if prm.minimum is not None}
 
     def layer_spans(self) -> list[list[tuple[int, int]]]:
         """Per layer, the (start, stop) ranges of the flat parameter buffer its trainable parameters fill.

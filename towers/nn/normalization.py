@@ -158,7 +158,7 @@ class BatchNorm(Layer):
         params = ([Param("gamma", (c,), "constant:1")] if self.scale else []) + (
             [Param("beta", (c,))] if self.center else [])
         return params + [Param("moving_mean", (c,), trainable=False),
-                         Param("moving_variance", (c,), "constant:1", trainable=False)], tuple(in_shape)
+                         Param("moving_variance", (c,), "constant:1", trainable=False, minimum=0.0)], tuple(in_shape)
 
     def exports(self, framework):
         names = {"torch": ("weight", "bias", "running_mean", "running_var"),

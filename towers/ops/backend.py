@@ -1,5 +1,5 @@
 """Which form of the ops runs: on host arrays NumPy's passes or numba's compiled loops, and on device arrays
-how a convolution runs (im2col or cuDNN) and through which binding cuBLAS runs: one choice per process.
+how a convolution runs (im2col or cuDNN) and through which binding cuBLAS runs: one choice per thread.
 
 Every op has a form per backend (``towers.ops``); device (CuPy) arrays take
 the GPU form, so an op tells its form from the arrays it gets and, for host
@@ -9,11 +9,12 @@ here too, as is the binding of the GPU GEMMs (``gemm_binding``: CuPy's, or
 nvmath-python's for ``cuda_graphs``, whose captures CuPy's refuses).  The choice is made once, when a
 ``Trainer`` builds its towers (``towers.step.tower.build_towers`` calls
 ``choose`` with the ``cpu_kernels`` setting, the model and whether any tower
-is on the CPU), and holds for the process until the next ``choose``; the ops,
-the optimizers and the reducers read it (``compiled``), no flag is handed
-through their calls.  ``using`` sets it for a block (tests, tools, a
-``Replica`` made by hand, which otherwise runs whatever the last ``Trainer``
-chose: NumPy's passes in a process that built none).
+is on the CPU), and holds for the thread that made it until its next
+``choose``; the ops, the optimizers and the reducers read it (``compiled``),
+no flag is handed through their calls.  ``using`` sets it for a block (tests,
+tools, a ``Replica`` made by hand, which otherwise runs whatever its thread
+last chose, or, in a thread that chose nothing, whatever the process last
+chose: NumPy's passes in a process that built no ``Trainer``).
 
 Settings (``MODES``): ``"auto"`` gives the compiled loops when numba imports
 and the model is ``worth_loading`` them, ``"numba"`` requires numba,
@@ -26,15 +27,20 @@ sums) and a convolution's input gradient by col2im (another order of sums):
 a model with such layers depends on the choice (``rounds_otherwise``), and a
 checkpoint records which form ran (``towers.output.checkpoint``).
 
-One choice per process at a time: a ``Trainer``'s executor records its
-choice and makes it the process's again at each step, so two ``Trainer``
-objects in one process with different ``cpu_kernels`` each train with their
-own, in training, evaluation and prediction (one after the other; running
-them from two threads at once is not supported).
+One choice per thread: the choice of the CPU forms and of cuDNN is a
+context variable (``contextvars``), so two ``Trainer`` objects fitting in two
+threads of one process each run their own; a ``Trainer``'s executor records
+its choice and makes it its thread's again at each step (another ``Trainer``
+may have chosen since in the same thread), in training, evaluation and
+prediction, and its tower threads run in a copy of the calling thread's
+context (``towers.devices.cpu_threads``, the bucket thread of
+``towers.parallel.overlap``).  The GEMM binding stays one per process
+(``towers.devices.matmul``).
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 from towers.devices import matmul
 from towers.errors import UserError, notice
@@ -49,18 +55,29 @@ GPU_CONVS = ("im2col", "cudnn", "auto")
 #: default digits MLP, 37.5 k: about 0.12 ms, so numba's start, 0.75 s, costs its 2,000-step run more than it saves).
 WORTH_PARAMS = 100_000
 
-_COMPILED = [False]  # the choice: whether host arrays take the compiled loops
-_CUDNN = [False]  # and whether device convolutions run on cuDNN (towers.devices.cudnn)
+# The choice, (whether host arrays take the compiled loops, whether device convolutions run on cuDNN
+# (towers.devices.cudnn)): the thread's own (None: it made none), else the last one made in the process.
+_CHOICE: contextvars.ContextVar = contextvars.ContextVar("towers_ops_forms", default=None)
+_LAST = [(False, False)]
+
+
+def _choice() -> tuple:
+    return _CHOICE.get() or _LAST[0]
+
+
+def _set(compiled_loops: bool, cudnn: bool) -> None:
+    _LAST[0] = choice = (bool(compiled_loops), bool(cudnn))
+    _CHOICE.set(choice)
 
 
 def compiled() -> bool:
     """Whether ops on host arrays run their compiled (numba) form."""
-    return _COMPILED[0]
+    return _choice()[0]
 
 
 def cudnn_conv() -> bool:
     """Whether convolutions on device arrays run on cuDNN (else im2col and cuBLAS)."""
-    return _CUDNN[0]
+    return _choice()[1]
 
 
 def gemm_binding() -> str:
@@ -71,7 +88,7 @@ def gemm_binding() -> str:
 
 def name() -> str:
     """The choice as a checkpoint records it: ``"numba"`` or ``"numpy"``."""
-    return "numba" if _COMPILED[0] else "numpy"
+    return "numba" if compiled() else "numpy"
 
 
 def worth_loading(model) -> bool:
@@ -112,7 +129,7 @@ def available(mode: str) -> bool:
 
 
 def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=None, cuda_graphs: bool = False) -> str:
-    """Make the process's choice for a run (module doc) and return it as ``name`` does.
+    """Make the thread's choice for a run (module doc) and return it as ``name`` does.
 
     With the compiled loops, every kernel is loaded from numba's disk cache
     (or compiled: about a second a kernel, once per machine) now, not in the
@@ -133,7 +150,7 @@ def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=Non
     if on:
         warm_up()
     convolves = any(layer.convolves() for layer in model.layers)
-    _CUDNN[0] = gpu is not None and gpu_conv != "im2col" and convolves and _cudnn_starts(gpu_conv, gpu)
+    _set(on, gpu is not None and gpu_conv != "im2col" and convolves and _cudnn_starts(gpu_conv, gpu))
     matmul.use_binding("nvmath" if gpu is not None and cuda_graphs and _nvmath_starts(gpu) else "cupy")
     return name()
 
@@ -158,25 +175,25 @@ def _cudnn_starts(gpu_conv: str, gpu) -> bool:
 
 def current() -> tuple:
     """The whole choice, for ``restore``."""
-    return _COMPILED[0], _CUDNN[0], matmul.binding()
+    return (*_choice(), matmul.binding())
 
 
 def restore(choice: tuple) -> None:
-    """Make ``choice`` (from ``current``) the process's again."""
-    _COMPILED[0], _CUDNN[0] = choice[:2]
+    """Make ``choice`` (from ``current``) the thread's again."""
+    _set(*choice[:2])
     matmul.use_binding(choice[2])
 
 
 def use(on: bool) -> None:
-    """Set the choice: the compiled loops (``on``) or NumPy's passes."""
-    _COMPILED[0] = bool(on)
+    """Set the thread's choice: the compiled loops (``on``) or NumPy's passes."""
+    _set(on, cudnn_conv())
 
 
 @contextlib.contextmanager
 def using(mode: str):
     """The choice for ``mode`` (``"numba"`` requires numba; ``"auto"``: numba where it imports) inside the
     block, the previous one after it."""
-    before = _COMPILED[0]
+    before = compiled()
     use(available(mode))
     try:
         yield

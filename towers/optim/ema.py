@@ -1,9 +1,17 @@
 """The exponential moving average (EMA) of the weights: the one place its formula lives.
 
-TensorFlow's ``ExponentialMovingAverage(decay, num_updates=step)``::
+TensorFlow's ``ExponentialMovingAverage(decay, num_updates=global_step)``::
 
-    d = min(decay, (1 + step) / (10 + step))
+    d = min(decay, (1 + n) / (10 + n))
     shadow -= (1 - d) * (shadow - params)
+
+where ``n`` counts the updates including the one the EMA follows: the TF1
+multi-GPU example applies the average after ``apply_gradients`` (under
+``tf.control_dependencies``), which has already incremented ``global_step``,
+so its first average uses ``min(decay, 2 / 11)``.  towers takes the same
+count, so that its EMA matches the example's step for step (``Optimizer.step``
+passes its step count plus one; weights mode passes the number of weight
+averages so far, this one included).
 
 ``ema_decay`` is the first line, ``ema`` the second, written once as a function
 of one element (``towers.ops.expr``): the optimizers fuse it into the first
@@ -21,9 +29,9 @@ from towers.devices.placement import array_module
 from towers.ops.elementwise import Elementwise
 
 
-def ema_decay(decay: float, step: int) -> float:
-    """TF ``ExponentialMovingAverage`` decay with ``num_updates=step``."""
-    return min(decay, (1.0 + step) / (10.0 + step))
+def ema_decay(decay: float, num_updates: int) -> float:
+    """TF ``ExponentialMovingAverage`` decay with ``num_updates`` (``min(decay, (1 + n) / (10 + n))``)."""
+    return min(decay, (1.0 + num_updates) / (10.0 + num_updates))
 
 
 def ema(shadow, params, one_minus_d):
@@ -66,9 +74,11 @@ class EMA:
         self.shadow[...] = array_module(self.shadow).asarray(flat)
 
     def one_minus_d(self, num_updates: int):
-        """``1 - d`` for ``num_updates``, in the shadow's dtype (the update's scalar)."""
+        """``1 - d`` for ``num_updates`` (the updates so far, the one this average follows included: 1 for the
+        first), in the shadow's dtype (the update's scalar)."""
         return self.shadow.dtype.type(1.0 - ema_decay(self.decay, num_updates))
 
     def update(self, params, num_updates: int) -> None:
-        """``shadow -= (1 - d) * (shadow - params)`` with d from ``num_updates``: one pass (``_UPDATE``)."""
+        """``shadow -= (1 - d) * (shadow - params)`` with d from ``num_updates`` (as ``one_minus_d``): one pass
+        (``_UPDATE``)."""
         _UPDATE(params, self.shadow, self.one_minus_d(num_updates))

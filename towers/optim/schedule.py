@@ -7,7 +7,8 @@ step (so a resumed run continues the schedule exactly):
 * ``exponential`` (the default; TensorFlow's ``exponential_decay``):
   ``lr0 * decay_rate ** (examples_seen / examples_per_epoch)``, ``staircase``
   floors the exponent.  Counting examples rather than steps makes N towers x B
-  follow the same schedule as 1 tower x N*B;
+  follow the same schedule as 1 tower x N*B.  ``decay_steps`` N counts steps
+  instead, as TF's ``decay_steps`` does: ``lr0 * decay_rate ** (step / N)``;
 * ``piecewise`` (TensorFlow's ``piecewise_constant``; He et al.'s ResNet
   recipe): ``values[i]`` from ``boundaries[i - 1]`` (inclusive) to
   ``boundaries[i]`` (exclusive), in steps; without ``lr_values``, ``lr`` divided
@@ -27,10 +28,10 @@ from towers.errors import UserError
 SCHEDULES = ("exponential", "piecewise", "cosine")
 
 
-def learning_rate(lr0: float, decay_rate: float, examples_seen: int, examples_per_epoch: int,
-                  staircase: bool = False) -> float:
-    """TF ``exponential_decay`` with ``decay_steps`` counted in examples (one epoch)."""
-    exponent = examples_seen / examples_per_epoch
+def learning_rate(lr0: float, decay_rate: float, seen: int, per_decay: int, staircase: bool = False) -> float:
+    """TF ``exponential_decay``: ``lr0 * decay_rate ** (seen / per_decay)``, counted in examples (``per_decay``
+    one epoch's) or in steps (``per_decay`` the ``decay_steps``)."""
+    exponent = seen / per_decay
     if staircase:
         exponent = math.floor(exponent)
     return lr0 * decay_rate ** exponent
@@ -68,6 +69,8 @@ def make_schedule(cfg, n_examples: int, examples_per_step: int) -> Callable[[int
     kind = cfg.lr_schedule or ("piecewise" if cfg.lr_boundaries else "exponential")
     if kind == "exponential":
         def base(step):
+            if cfg.decay_steps:
+                return learning_rate(cfg.lr, cfg.lr_decay, step, cfg.decay_steps, cfg.staircase)
             return learning_rate(cfg.lr, cfg.lr_decay, step * examples_per_step, n_examples, cfg.staircase)
     elif kind == "piecewise":
         bounds, values = piecewise_values(cfg)

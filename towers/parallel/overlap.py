@@ -57,6 +57,7 @@ backward issues buckets.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -116,7 +117,7 @@ class Overlap:
         """Bucket ``b``'s ranges averaged (CPU), handed to the bucket thread (its future), or queued on the
         all-reduce streams after its events (GPU)."""
         if self._thread is not None:
-            return self._thread.submit(self._average, b, on)
+            return self._thread.submit(contextvars.copy_context().run, self._average, b, on)  # the caller's forms
         if self.gpu:
             for t, comm, mine in zip(self.towers, self.streams, self.events):
                 with t.device.scope():

@@ -342,7 +342,7 @@ class PeriodicAveraging(Keeping):
             self._mean([r.buffers for r in reps])
         self.n_averages += 1
         with towers[0].scope():
-            self.ema.update(reps[0].params, self.n_averages - 1)
+            self.ema.update(reps[0].params, self.n_averages)  # this average included, as TF counts
         self.last_average = step
 
     def finish(self, towers, step, wait) -> None:

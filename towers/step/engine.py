@@ -76,6 +76,7 @@ from towers.nn.context import TowerSync
 from towers.parallel.sync import check_replicas
 from towers.devices.placement import check_host
 from towers.state import count
+from towers.step.tower import QUIET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +200,11 @@ class StepEngine:
         """
         for i in mine:
             self._losses[i] = self._compute(i, s)
+        with numpy.errstate(**QUIET):  # an overflow (fp16's skipped steps, a diverging run) is reported, not warned
+            self._update(mine, s)
+
+    def _update(self, mine, s: Step) -> None:
+        """``_work``'s all-reduce and update (its module doc)."""
         on = mine[0]
         if not self.keeper.shared:
             self.keeper.update([self.towers[i] for i in mine], None, s.lr, s.step, on, **s.averaged)
@@ -229,7 +235,8 @@ class StepEngine:
 
     def _step_done(self, losses):
         self.step += 1
-        self.keeper.step_done(self.towers, self.step, self._wait_threads)
+        with numpy.errstate(**QUIET):
+            self.keeper.step_done(self.towers, self.step, self._wait_threads)
         self.timer.step_done()
         return losses
 
@@ -244,14 +251,16 @@ class StepEngine:
                             "not with a parameter server")
         s = Step(x, y, None, want_loss, self.schedule(self.step), self.step)
         losses = [self._compute(i, s) for i in range(len(self.towers))]
-        self.keeper.reduce(self.towers)
+        with numpy.errstate(**QUIET):
+            self.keeper.reduce(self.towers)
         return losses if want_loss else None
 
     # -- keeping replicas together --------------------------------------------------------
 
     def finish(self) -> None:
         """End of training (weights mode: a last average if steps were taken since)."""
-        self.keeper.finish(self.towers, self.step, self._wait_threads)
+        with numpy.errstate(**QUIET):
+            self.keeper.finish(self.towers, self.step, self._wait_threads)
 
     def agreed(self) -> None:
         """The replicas were just set to one value (a load, ``set_weights``): the next check compares against it."""

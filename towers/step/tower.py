@@ -182,7 +182,7 @@ class ModelState:
         self.replicas = replicas
         self.scopes = scopes or [contextlib.nullcontext] * len(replicas)
         self.weights = Layout(model.layout())
-        self.buffers = Layout(model.buffer_layout())
+        self.buffers = Layout(model.buffer_layout(), model.minimums())
 
     def state_dict(self) -> dict:
         r = self.replicas[0]

@@ -142,7 +142,7 @@ class Optimizer:
         arrays = [grads, self.params[part], *(buf[part] for buf in self.state.values())]
         if self.ema is not None:
             arrays.append(self.ema.shadow[part])
-            scalars.append(self.ema.one_minus_d(step))
+            scalars.append(self.ema.one_minus_d(step + 1))  # TF's global_step after this update
         self._op(*arrays, *scalars)
 
     def _make_op(self) -> Elementwise:
