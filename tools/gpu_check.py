@@ -15,7 +15,7 @@ driver, test or benchmark cannot hang the check):
    Written to ``LOGDIR/machine.txt``.  When CuPy sees no CUDA device the
    check stops here: one line on stderr, exit status 2, nothing else run
    (unless ``--cpu-smoke``);
-2. the GPU tests: ``python -m pytest -q -m gpu -p no:cacheprovider -W
+2. the GPU tests: ``python -m pytest -q -n 0 -m gpu -p no:cacheprovider -W
    error::cupy._util.PerformanceWarning -rfEsxX --junitxml
    LOGDIR/gpu-tests.xml tests/`` in the checkout (plus ``--timeout 120``
    per test when pytest-timeout is installed), output streamed to the
@@ -702,7 +702,7 @@ def _check(a, logdir: Path, bench_extra: list[str]) -> int:
     (logdir / "gpu-diffs.jsonl").unlink(missing_ok=True)
     xml, tests_log = logdir / "gpu-tests.xml", logdir / "gpu-tests.log"
     xml.unlink(missing_ok=True)  # a file of an earlier run must not pass for this one's
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "gpu", "-p", "no:cacheprovider"]
     if "cupy" in facts:  # the warning class lives in CuPy
         cmd += ["-W", "error::cupy._util.PerformanceWarning"]
     cmd += ["-rfEsxX", "--junitxml", str(xml.resolve())]
