@@ -47,7 +47,20 @@ def pytest_configure(config):
                                        "(tests/gpu_compare.py)")
 
 
+def _one_worker_each(items) -> None:
+    """The tests that share one thing run in one pytest-xdist worker (pytest.ini: ``-n auto --dist loadgroup``
+    runs the others spread over a worker per core): those on the session's Ray (``local_ray``, started once,
+    not in every worker) and the GPU tests (one process at a time on the GPUs)."""
+    for item in items:
+        if "local_ray" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        elif "gpu" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(config, items):
+    _one_worker_each(items)
     if cuda_count() > 0:
         return
     # A dry run of the GPU tests on the CPU (tests/gpu_compare.py): those that take their device from there run.

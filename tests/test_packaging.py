@@ -203,8 +203,9 @@ def test_every_module_imports_without_cupy():
 def test_the_gpu_test_modules_skip_without_cupy():
     # Before: their filterwarnings mark resolved cupy._util.PerformanceWarning by importing CuPy, and without it
     # pytest stopped the whole session with an INTERNALERROR.
-    code = ("import pytest; sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', 'tests/gpu/test_gpu.py', "
-            "'tests/gpu/test_gpu_layers.py', 'tests/gpu/test_gpu_training.py']))")
+    # In this process (-n 0): a worker process would not inherit the CuPy hidden here.
+    code = ("import pytest; sys.exit(pytest.main(['-q', '-n', '0', '-rs', '-p', 'no:cacheprovider', "
+            "'tests/gpu/test_gpu.py', 'tests/gpu/test_gpu_layers.py', 'tests/gpu/test_gpu_training.py']))")
     p = _without_cupy(code, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:]
     assert " skipped" in p.stdout.splitlines()[-1] and "passed" not in p.stdout.splitlines()[-1], p.stdout[-500:]

@@ -42,7 +42,7 @@ driver, test or benchmark cannot hang the check):
    relative error, the engine and the workspace; ``--describe`` without a
    GPU), ``--probe-timeout`` s (default ``CUDNN_PROBE_TIMEOUT``), its output in
    ``LOGDIR/cudnn-probe.log``;
-3. the GPU tests: ``python -m pytest -q -m gpu -p no:cacheprovider -W
+3. the GPU tests: ``python -m pytest -q -n 0 -m gpu -p no:cacheprovider -W
    error::cupy._util.PerformanceWarning -rfEsxX --junitxml
    LOGDIR/gpu-tests.xml`` on ``FIRST_TESTS`` (cuDNN, CUDA graphs) then
    ``tests/`` in the checkout (plus ``--timeout 120`` per test when
@@ -886,7 +886,7 @@ def _check(a, logdir: Path, bench_extra: list[str]) -> int:
     (logdir / "gpu-diffs.jsonl").unlink(missing_ok=True)
     xml, tests_log = logdir / "gpu-tests.xml", logdir / "gpu-tests.log"
     xml.unlink(missing_ok=True)  # a file of an earlier run must not pass for this one's
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "gpu", "-p", "no:cacheprovider"]
     if "cupy" in facts:  # the warning class lives in CuPy
         cmd += ["-W", "error::cupy._util.PerformanceWarning"]
     cmd += ["-rfEsxX", "--junitxml", str(xml.resolve())]

@@ -301,7 +301,7 @@ def test_cli_out_dir_that_is_a_file_exits_2(tmp_path):
     assert target.read_bytes() == b"keep me"
 
 
-@pytest.mark.parametrize("blob, expected", [
+MALFORMED = [
     (b"not gzip", "not a readable gzip file"),
     (gzip.compress(b"\x01\x00\x08\x01\x00\x00\x00\x02ab"), "not an idx file"),
     (idx_bytes(np.zeros(4, np.uint8), type_byte=0x0D), "data type 0x0d is not unsigned byte"),
@@ -309,7 +309,12 @@ def test_cli_out_dir_that_is_a_file_exits_2(tmp_path):
     (gzip.compress(b"\x00\x00\x08\x01\x00\x00"), "header is cut short"),
     (gzip.compress(b"\x00\x00\x08\x01\x00\x00\x00\x05abc"), "promises 5 data bytes"),
     (idx_bytes(np.array([1, 10], np.uint8)), "label 10 is out of range"),
-])
+]
+
+
+# Named by the message: gzip's bytes hold the time of compression, and pytest-xdist's workers must collect the
+# same test names.
+@pytest.mark.parametrize("blob, expected", MALFORMED, ids=[expected for _, expected in MALFORMED])
 def test_malformed_idx_is_one_line(tmp_path, blob, expected):
     path = tmp_path / "f.gz"
     path.write_bytes(blob)

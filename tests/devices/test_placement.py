@@ -76,3 +76,19 @@ def test_placement_table_names_every_role():
     table = resolve(3, None, gpu_count=2).table()
     for text in ("tower 0", "tower 2", "gpu:0", "EMA", "input parsing", "cpu (background thread)", "reducer", "NCCL"):
         assert text in table
+
+
+def test_a_machine_without_the_nvidia_driver_counts_no_gpu_without_importing_cupy():
+    """Before: every command imported CuPy to count GPUs, a second of CPU on each start without a GPU."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from towers.devices.placement import cuda_driver_absent
+
+    if not cuda_driver_absent():
+        pytest.skip("the NVIDIA driver library is here: counting GPUs asks CuPy")
+    code = ("import sys; from towers.devices.placement import cuda_device_count; "
+            "print(cuda_device_count(), 'cupy' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.stdout.split() == ["0", "False"], p.stderr

@@ -299,11 +299,10 @@ def _newest_step(logdir) -> int:
 
 
 def test_sigkill_at_any_moment_loses_nothing_beyond_the_last_checkpoint(tmp_path):
-    steps = 600  # ~2 ms a step with a checkpoint each step: long enough to be killed mid-run
-    args = ["--steps", steps, "--checkpoint-every", 1, "--log-every", 1, "--batch-size", 20, "--keep-checkpoints", 3]
-    train(tmp_path / "ref", *args)
+    args = ["--checkpoint-every", 1, "--log-every", 1, "--batch-size", 20, "--keep-checkpoints", 3]
     run = tmp_path / "crashy"
-    cmd = [sys.executable, "-m", "towers.train", "--logdir", str(run), *SMALL, *map(str, args)]
+    # 600 steps, ~2 ms a step with a checkpoint each step: long enough to be killed mid-run four times.
+    cmd = [sys.executable, "-m", "towers.train", "--logdir", str(run), *SMALL, "--steps", "600", *map(str, args)]
     done = runs = 0
     # Kill the moment a new checkpoint appears, and at several delays after.
     for delay in (0.0, 0.01, 0.05, 0.2):
@@ -333,5 +332,9 @@ def test_sigkill_at_any_moment_loses_nothing_beyond_the_last_checkpoint(tmp_path
         logged = [_step(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert on_disk[0][0] >= max(logged, default=0) and on_disk[0][0] > done
         done = on_disk[0][0]
-    train(run, *args, "--resume")
+    # The last resume runs on for 80 steps, across an epoch's end (72 steps of 20 of the 1438 examples), to a
+    # total --steps may change on resume (it changes neither model nor trajectory): an uninterrupted run's bytes.
+    total = done + 80
+    train(run, *args, "--steps", total, "--resume")
+    train(tmp_path / "ref", *args, "--steps", total)
     assert (run / "final.npz").read_bytes() == (tmp_path / "ref" / "final.npz").read_bytes()

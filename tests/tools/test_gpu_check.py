@@ -256,7 +256,7 @@ def test_the_gpu_tests_dry_run_on_the_cpu():
 
     env = dict(os.environ, TOWERS_TEST_GPU_AS="cpu")
     env.pop("TOWERS_GPU_REPORT", None)
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "gpu", "-p", "no:cacheprovider",
                           "tests/gpu/test_gpu_layers.py", "tests/gpu/test_gpu_training.py"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]

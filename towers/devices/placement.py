@@ -22,7 +22,9 @@ a missing device.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
+import sys
 from dataclasses import dataclass
 
 import numpy
@@ -126,8 +128,26 @@ def cupy_installed() -> bool:
         return False
 
 
+def cuda_driver_absent() -> bool:
+    """Whether this Linux machine has no NVIDIA driver library (``libcuda.so.1``): then no CUDA device is usable.
+
+    Looked up by the dynamic loader, without importing CuPy: that import costs
+    about a second of CPU (its ``ml_dtypes``), a second each command on a
+    machine without a GPU that has CuPy installed.  Other systems: False (not known).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return True
+    return False
+
+
 def cuda_device_count() -> int:
     """Number of CUDA devices CuPy can use; 0 without CuPy, a driver or a GPU."""
+    if cuda_driver_absent():
+        return 0
     try:
         import cupy
 
