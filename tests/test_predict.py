@@ -211,18 +211,32 @@ def test_load_of_a_logdir_skips_an_unreadable_newest_checkpoint_with_a_notice(ru
     assert any("ckpt-00000040.npz is unreadable" in line for line in notices), notices
 
 
-def test_load_of_an_image_run_takes_what_its_towers_took(tmp_path):
-    # normalize makes the stored uint8 pixels float32 on the image path: the model's inputs, which the checkpoint's
-    # fingerprint (uint8, as stored) does not say alone.
-    cfg = Config(**SMALL, steps=10, normalize="0.5,0.25", logdir=str(tmp_path / "run"))
+@pytest.mark.parametrize("settings", [dict(normalize="0.5,0.25"),
+                                      dict(normalize="8,4", input_scale="1", augment="imagenet")])
+def test_load_of_an_image_run_predicts_from_raw_pixels_as_the_trainer_does(tmp_path, settings):
+    # Before: a --normalize run's loaded model refused the raw uint8 pixels and took x / 255 floats (unnormalized:
+    # wrong logits, silently).  Now it takes the pixels and applies the run's transform: scale, normalize, and the
+    # evaluation crop of its augmentation (imagenet: resize to H / 0.875, center crop), the Trainer's logits.
+    d = digits()
+    cfg = Config(**dict(SMALL, n_gpu=1), steps=10, logdir=str(tmp_path / "run"), **settings)
     with Trainer(cfg) as tr:
         tr.fit()
-        want = tr.predict()
+        want, evaluated = tr.predict(), tr.evaluate()  # its test data, made by its own loader
     with towers.load(tmp_path / "run") as model:
-        assert model.example_dtype == np.float32
-        assert np.array_equal(model.predict(), want)  # its test data made as the run made it
-        with pytest.raises(UserError, match="predict: test examples are uint8 but training examples float32"):
-            model.predict(digits()["x_test"])
+        assert model.example_dtype == np.uint8
+        assert np.array_equal(model.predict(d["x_test"]), want)
+        assert np.array_equal(model.predict(d["x_test"][..., None]), want)  # (N, H, W, 1) alike
+        assert model.evaluate(x=d["x_test"], y=d["y_test"]) == evaluated
+        for x in (d["x_test"] / 255, d["x_test"].astype(np.float32)):  # another scale: one line
+            with pytest.raises(UserError, match=r"^predict: x is float\S+, but this run takes uint8 pixels \(0..255\) "
+                                                r"and scales \(input_scale .*\)(, normalizes \(normalize 0.5,0.25\))? and fits "
+                                                r"(\(augment imagenet\) )?"
+                                                r"itself: give the raw uint8 pixels \(not scaled to 0..1, not "
+                                                r"normalized\)$"):
+                model.predict(x)
+        with pytest.raises(UserError, match=r"^predict: x must be images \(N, H, W, 1\) or \(N, H, W\) of uint8 "
+                                            r"pixels .*, got uint8 \(359, 8, 8, 3\)$"):
+            model.predict(np.repeat(d["x_test"][..., None], 3, axis=3))
 
 
 def test_eval_predict_writes_what_predict_gives(run, tmp_path):

@@ -23,6 +23,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+from towers.data.dataset import INPUT_SCALES
 from towers.data.image.augment import AUGMENTS, parse_image_size, parse_normalize
 from towers.errors import UserError
 from towers.nn.models import model_defaults
@@ -104,6 +105,11 @@ class Config:
         "stop", "TFRecord: `stop` at a damaged record, or `skip` records whose payload CRC fails (counted); "
         "images: `skip` replaces one that does not decode (counted)", group="data",
         check=Choice(("stop", "skip")), resume=SILENT, type="str", metavar="stop|skip")
+    input_scale: str = setting(
+        "1/255", "what uint8 examples (pixels) are multiplied by as they become float32, on the device and in "
+        "--normalize: `1/255` (0..1) or `1` (0..255 as floats, as TensorFlow's multi-GPU example feeds them); float "
+        "examples are used as they are (see Data format)", group="data", check=Choice(tuple(INPUT_SCALES)),
+        resume=NOTE, type="str", metavar="S")
     input_workers: int | None = setting(
         None, "TFRecord and images: processes that read, parse, decode and augment ahead of the towers (0: the "
         "input thread; default: one per core not running a CPU tower or the main thread, at most 4)",
@@ -121,8 +127,9 @@ class Config:
         "flip); evaluation takes the center (see Image data)", group="images", check=Choice(AUGMENTS),
         resume=NOTE, type="str", metavar="NAME")
     normalize: str | None = setting(
-        None, "images: `(x/255 - mean) / std` per channel, MEAN,STD or one of each per channel, e.g. 0.5,0.25 or "
-        "0.485,0.456,0.406,0.229,0.224,0.225 (examples become float32; not with --augment tf-cifar10)",
+        None, "images: `(x/255 - mean) / std` per channel (`(x - mean) / std` with --input-scale 1), MEAN,STD or one "
+        "of each per channel, e.g. 0.5,0.25 or 0.485,0.456,0.406,0.229,0.224,0.225 (examples become float32; not "
+        "with --augment tf-cifar10)",
         group="images", check=Text(parse=_normalize_format), resume=NOTE, type="str | None",
         metavar="MEAN,STD")
     cache_images: bool = switch(

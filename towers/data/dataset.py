@@ -66,15 +66,19 @@ MAX_CLASSES = 1 << 20
 CHUNK_BYTES = 1 << 20  # per step of a value check, a read or a CRC pass: bounded memory, cache-sized (measured fastest)
 _INT32_MAX = int(numpy.iinfo(numpy.int32).max)
 PIXEL_SCALE = numpy.float32(1 / 255)  # uint8 pixels -> [0, 1]
+#: The values of the `input_scale` setting and what uint8 pixels are multiplied by for each: 1/255 (0..1, the
+#: default) or 1 (0..255 as floats, as TensorFlow's multi-GPU example feeds them).
+INPUT_SCALES = {"1/255": PIXEL_SCALE, "1": numpy.float32(1)}
 
 
-def input_scale(dtype) -> numpy.float32 | None:
-    """What examples of ``dtype`` are multiplied by on the device: 1/255 for uint8 pixels, None for floats.
+def input_scale(dtype, setting: str = "1/255") -> numpy.float32 | None:
+    """What examples of ``dtype`` are multiplied by on the device: uint8 pixels by the `input_scale` setting's
+    factor (``INPUT_SCALES``: 1/255 by default), floats not at all (None).
 
     The one place of the rule; staging, device-resident data, evaluation and
     the image pipeline's normalization all ask here.
     """
-    return PIXEL_SCALE if numpy.dtype(dtype) == numpy.uint8 else None
+    return INPUT_SCALES[setting] if numpy.dtype(dtype) == numpy.uint8 else None
 
 
 class OnDemand:
