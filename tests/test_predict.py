@@ -275,4 +275,54 @@ def test_eval_predict_errors_are_one_line_and_write_nothing(run, tmp_path):
         "another --predict")
     assert "--predict writes one file, of one checkpoint: not with --watch" in error(
         "--logdir", logdir, "--predict", tmp_path / "w.npz", "--watch")
+    # Before: `--predict ''` evaluated, wrote nothing and exited 0.
+    assert error("--logdir", logdir, "--predict", "") == (
+        "towers.eval: error: --predict '' names no file: give the path of the new file")
     assert sorted(os.listdir(tmp_path)) == ["taken.npz"]
+
+
+def test_a_text_file_as_a_checkpoint_is_said_to_be_no_npz_without_pickle_advice(tmp_path):
+    # Before: NumPy's "contains pickled (object) data ... allow_pickle=" (it is no pickle; the advice is unsafe).
+    text = tmp_path / "notes.txt"
+    text.write_text("step 100: looks good\n")
+    with pytest.raises(UserError) as e:
+        towers.load(text)
+    assert str(e.value) == (f"{text} is not a readable checkpoint (not an npz file: no zip header; give a run's "
+                            "ckpt-*.npz or final.npz)")
+    for module, args in (("towers.eval", ("--checkpoint", text)), ("towers.export", (text, "-o", tmp_path / "o"))):
+        p = run_cli(*map(str, args), module=module)
+        assert p.returncode == 2 and "pickle" not in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+        assert "not an npz file: no zip header" in p.stderr
+    with pytest.raises(UserError, match=r"^towers.load: 5 \(int\) is not a path: give a run.s logdir"):
+        towers.load(5)  # before: TypeError
+
+
+def blas_limits() -> list[int]:
+    from threadpoolctl import threadpool_info
+
+    return [d["num_threads"] for d in threadpool_info() if d["user_api"] == "blas"]
+
+
+def test_a_loaded_run_chooses_its_kernels_and_blas_threads_as_a_trainer_of_one_tower(tmp_path):
+    # Before: a loaded run kept whatever BLAS threads (every core: 2.3-2.5x slower beside a busy process) and
+    # CPU kernels the process had; now it chooses them as the Trainer does (one code: choose_forms, limit_blas),
+    # holds them while open and gives the BLAS threads back when closed.  Batch norm: `auto` takes numba.
+    from towers.ops import backend
+
+    pytest.importorskip("numba")
+    d = digits()
+
+    def layers():
+        return [Flatten(), Dense("fc1", 32), BatchNorm("bn"), ReLU(), Dense("fc2", 10)]
+    before = blas_limits()
+    with Trainer(Config(**dict(SMALL, n_gpu=1), steps=10, logdir=str(tmp_path / "run")), model=layers()) as tr:
+        tr.fit()
+        want = (tr.cpu_kernels, tr.executor.blas_threads, blas_limits())
+        logits = tr.predict(d["x_test"])
+    assert want[0] == "numba" and set(want[2]) == {want[1]}
+    with backend.using("numpy"):  # a process whose last choice was another (or none: a fresh one)
+        with towers.load(tmp_path / "run", model=layers()) as model:
+            assert (model.cpu_kernels, model.blas_threads, blas_limits()) == want
+            assert np.array_equal(model.predict(d["x_test"]), logits)
+            assert backend.name() == "numba"  # what computed them
+        assert blas_limits()[:len(before)] == before  # (numba may have loaded a BLAS of its own since)

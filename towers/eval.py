@@ -119,7 +119,7 @@ def run(args) -> None:
 
 
 def _run(args, ev: "Evaluator") -> None:
-    if args.predict:
+    if args.predict is not None:
         if args.watch:
             raise UserError("--predict writes one file, of one checkpoint: not with --watch")
         check_new_output(args.predict, "towers.eval", "--predict")  # before any work

@@ -69,7 +69,7 @@ def load(source: str, model=None) -> "Predictor":
     """
     what = "give a run's logdir, one of its ckpt-*.npz, or its final.npz"
     if not isinstance(source, (str, bytes, os.PathLike)):
-        raise UserError(f"towers.load: {source!r} is a {type(source).__name__}, not a path: {what}")
+        raise UserError(f"towers.load: {source!r} ({type(source).__name__}) is not a path: {what}")
     source = os.fsdecode(source)
     if os.path.isdir(source):
         found = newest_readable(source, notice, "load", lambda newest: f"towers.load({newest!r}) says why it fails")

@@ -385,8 +385,11 @@ def check_new_output(out: str, command: str, flag: str) -> None:
     """A ``UserError`` unless ``out`` can be a new file: none there yet, in a folder that exists.
 
     Checked before the work that makes it (``command`` writes no file over
-    another); ``flag`` is the option that names it, in the advice.
+    another); ``flag`` is the option that names it, in the advice.  An empty
+    name is no file.
     """
+    if not out:
+        raise UserError(f"{flag} '' names no file: give the path of the new file")
     if os.path.lexists(out):
         raise UserError(f"{out} exists: {command} writes no file over another; remove it or choose another {flag}")
     folder = os.path.dirname(os.path.abspath(out))
