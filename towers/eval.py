@@ -80,14 +80,17 @@ class Evaluator:
 
     def evaluate(self, path: str, arrays: dict) -> str:
         """The line that reports the checkpoint's loss and accuracy (and, with ``--predict``, the file written)."""
-        p = self.predictor(path, arrays)
+        with self.predictor(path, arrays) as p:  # its BLAS threads given back after (the test sets stay)
+            return self._evaluate(path, p)
+
+    def _evaluate(self, path: str, p: Predictor) -> str:
         result = p.evaluate(ema=self.args.ema)
         weights = "EMA" if self.args.ema else "raw"
         classes = f"; classes {describe_classes(p.classes)}" if p.classes else ""
         n = len(p.test_data().y)
         line = (f"{os.path.basename(path)} (step {p.step}): loss = {result['loss']:.4f}, accuracy = "
                 f"{result['accuracy']:.4f} on {n} test examples ({weights} weights){classes}")
-        if self.args.predict:
+        if self.args.predict is not None:
             self.write_predictions(p)
             line += (f"\nwrote {self.args.predict}: logits and predicted classes of the {n} test examples "
                      f"({weights} weights)")

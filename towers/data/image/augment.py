@@ -93,7 +93,8 @@ def parse_normalize(text, channels: int):
     if len(values) not in (2, 2 * channels) or not all(map(math.isfinite, values)) or \
             min(values[len(values) // 2:]) <= 0:
         raise UserError(f"`normalize` {text!r}: give MEAN,STD (or {channels} means then {channels} stds) on the "
-                        "0..1 pixel scale, std > 0, e.g. 0.5,0.25 or 0.485,0.456,0.406,0.229,0.224,0.225")
+                        "pixels' scale (0..1; 0..255 with `input_scale` 1), std > 0, e.g. 0.5,0.25 or "
+                        "0.485,0.456,0.406,0.229,0.224,0.225")
     half = len(values) // 2
     mean, std = np.float32(values[:half]), np.float32(values[half:])
     return np.broadcast_to(mean, (channels,)).copy(), np.broadcast_to(std, (channels,)).copy()
