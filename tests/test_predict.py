@@ -326,3 +326,43 @@ def test_a_loaded_run_chooses_its_kernels_and_blas_threads_as_a_trainer_of_one_t
             assert np.array_equal(model.predict(d["x_test"]), logits)
             assert backend.name() == "numba"  # what computed them
         assert blas_limits()[:len(before)] == before  # (numba may have loaded a BLAS of its own since)
+
+
+def test_eval_predict_of_unlabelled_data_writes_classes_probabilities_and_file_names(run, tmp_path):
+    # Before: --predict took labelled test data only ("has no key 'y'", "holds no class folders", no label feature).
+    from PIL import Image
+
+    from tests.data.tfrecord.test_convert import example, write_records
+
+    logdir, logits, _ = run
+    d = digits()
+    np.savez(tmp_path / "x.npz", x=d["x_test"])  # examples alone
+    write_records(tmp_path / "x.tfrecords", [example(x=row.tobytes()) for row in d["x_test"]])
+    for data, flags in (("x.npz", ()), ("x.tfrecords", ("--decode", "x:uint8:8,8"))):
+        out = tmp_path / f"{data}.pred.npz"
+        p = run_cli("--logdir", str(logdir), "--test-data", str(tmp_path / data), "--predict", str(out), *flags,
+                    module="towers.eval")
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.strip() == (f"ckpt-00000030.npz (step 30): wrote {out}: predicted classes and probabilities "
+                                    "of 359 unlabelled examples (EMA weights)")
+        with np.load(out) as z:
+            assert sorted(z.files) == ["classes", "logits", "predicted", "probabilities"]
+            assert np.array_equal(z["logits"], logits[True]) and list(z["classes"]) == [str(k) for k in range(10)]
+            assert np.array_equal(z["probabilities"], towers.softmax(logits[True]))
+    # A run trained from images predicts a folder of its own images (beside folders of more: all of them), named
+    # by their paths below it.
+    cfg = Config(**dict(SMALL, n_gpu=1), steps=10, normalize="0.5,0.25", logdir=str(tmp_path / "images"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+    folder = tmp_path / "unlabelled"
+    (folder / "more").mkdir(parents=True)
+    names = [f"{k:03d}.png" for k in range(5)] + ["more/a.png"]
+    for name, pixels in zip(names, d["x_test"][:6]):
+        Image.fromarray(pixels).save(folder / name)
+    out = tmp_path / "folder.pred.npz"
+    p = run_cli("--logdir", str(tmp_path / "images"), "--test-data", str(folder), "--predict", str(out),
+                module="towers.eval")
+    assert p.returncode == 0, p.stderr
+    with np.load(out) as z, towers.load(tmp_path / "images") as model:
+        assert list(z["files"]) == names
+        assert np.array_equal(z["logits"], model.predict(d["x_test"][:6]))

@@ -499,8 +499,9 @@ def evaluate_rows(cifar: str, a) -> int:
     spinning on a core), ``a.repeats`` rounds alternating the rows; with ``--compare-root`` the loaded run of
     that checkout too (the code before a change), on the same run."""
     logdir = tempfile.mkdtemp(prefix="bench-eval-run-")
-    _command_time(["--model", "resnet20", "--n-gpu", "1", "--devices", "cpu", "--steps", "1", "--data", cifar,
-                   "--logdir", logdir], {})
+    subprocess.run([sys.executable, "-m", "towers.train", "--model", "resnet20", "--n-gpu", "1", "--devices", "cpu",
+                    "--steps", "1", "--data", cifar, "--logdir", logdir, "--quiet", "--summary-every", "0"],
+                   check=True, capture_output=True, cwd=ROOT)
     rows = {"Trainer.evaluate() (one CPU tower)": ("trainer-evaluate", {}),
             "towers.load(run).evaluate()": ("loaded-evaluate", dict(logdir=logdir))}
     if a.compare_root:

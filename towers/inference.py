@@ -37,9 +37,9 @@ import numpy
 from types import SimpleNamespace
 
 from towers.config import MODEL_OBJECT, checkpoint_settings
-from towers.data.dataset import OnDemand, TestSet
+from towers.data.dataset import OnDemand, TestSet, check_test_split
 from towers.data.inputs import is_tfrecord
-from towers.data.loading import load_test_data
+from towers.data.loading import labelled, load_test_data, load_unlabelled
 from towers.data.pipeline import DataSpec, describe
 from towers.devices.cpu_threads import input_workers, limit_blas
 from towers.devices.placement import Device, check_host, resolve
@@ -230,6 +230,27 @@ class Predictor:
                 x.close()
         return {"loss": loss, "accuracy": acc}
 
+    def test_labelled(self) -> bool:
+        """Whether the test data (``test_data``'s source) has labels (``towers.data.loading.labelled``): else
+        ``predict_unlabelled`` predicts it."""
+        return labelled(test_spec(self._arrays, **self._test)[0])
+
+    def predict_unlabelled(self, ema: bool = True, batch_size: int = 250) -> tuple[numpy.ndarray, list | None]:
+        """(logits, file names or None) of the test data's source read without labels
+        (``towers.data.loading.load_unlabelled``): every image below a folder (flat or in class folders: the
+        names are their paths below it), an npz's examples, a TFRecord's; made as the run made its test data."""
+        batch = integer(batch_size, 1, "predict: batch_size")
+        spec = test_spec(self._arrays, **self._test)[0]
+        x, names = load_unlabelled(spec, self.example_shape, input_workers(self.config.get("input_workers"), 0))
+        try:
+            if self._spec is None:  # stored examples: those the run trained on, or not
+                check_test_split(x, None, f"{spec.path}: ", spec.x_key, self.example_dtype, self.example_shape)
+            with self.device.scope():
+                return self._replica(ema).predict(x, batch), names
+        finally:
+            if isinstance(x, OnDemand):
+                x.close()
+
     def test_data(self) -> TestSet:
         """The test split ``evaluate()`` and ``predict()`` take without ``x``: the run's `test_data`, else its
         `data`'s x_test/y_test, read alone (``towers.data.loading.load_test_data``: the training data may be
@@ -293,6 +314,19 @@ def run_spec(arrays: dict, path, x_key="x", y_key="y", decode=None) -> DataSpec:
     return spec
 
 
+def test_spec(arrays: dict, data=None, test_data=None, x_key=None, y_key=None, decode=None) -> tuple[DataSpec, bool]:
+    """(the description of a checkpoint's test data, whether it is `data`'s own test split): ``test_data``
+    (else the checkpoint's, unless ``data`` replaces the whole data source), else ``data`` (else the
+    checkpoint's); the keys and ``decode`` the checkpoint's unless given; read as the run read its data
+    (``run_spec``: a model trained from images has its test data made as images too)."""
+    ck = arrays["config"]
+    test = test_data or (None if data else ck.get("test_data"))
+    path = test or data or ck["data"]
+    x_key, y_key = x_key or ck.get("x_key", "x"), y_key or ck.get("y_key", "y")
+    return run_spec(arrays, path, x_key, y_key, decode or (ck.get("decode") if is_tfrecord(path) else None)), \
+        test is None
+
+
 def stored_dtype(arrays: dict) -> numpy.dtype | None:
     """The dtype a checkpoint's training examples were stored as (its fingerprint's): uint8 pixels, or float32
     (the loader makes every float dtype float32); what a loaded run takes, its input transform applied after.
@@ -324,19 +358,15 @@ class TestSets:
         ``y_key``, ``decode``: the checkpoint's unless given.
         """
         ck = arrays["config"]
-        test = test_data or (None if data else ck.get("test_data"))
-        path = test or data or ck["data"]
-        x_key, y_key = x_key or ck.get("x_key", "x"), y_key or ck.get("y_key", "y")
+        spec, own = test_spec(arrays, data, test_data, x_key, y_key, decode)
         shape = tuple(int(v) for v in numpy.ravel(arrays["data/shape"])[1:])
         classes = recorded_classes(arrays)
         stored = json.loads(str(arrays["data/fingerprint"][()])) if "data/fingerprint" in arrays else {}
-        key = (path, test is None, x_key, y_key, shape, int(arrays["data/num_classes"]),
+        key = (spec.path, own, spec.x_key, spec.y_key, shape, int(arrays["data/num_classes"]),
                tuple(classes) if classes else None, stored.get("dtype"))
         if key not in self._sets:
-            # Trained from images (a folder: it recorded its classes): the test split is made as images too.
-            spec = run_spec(arrays, path, x_key, y_key, decode or (ck.get("decode") if is_tfrecord(path) else None))
             ds = load_test_data(spec, shape, key[5], classes, stored.get("dtype"),
-                                workers=input_workers(ck.get("input_workers"), 0), own=test is None)
+                                workers=input_workers(ck.get("input_workers"), 0), own=own)
             if self.loaded is not None:
                 self.loaded(ds)
             self._sets[key] = ds

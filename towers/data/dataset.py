@@ -525,6 +525,16 @@ def test_keys(path: str, x_key: str, y_key: str, own: bool = False, what: str = 
     return x_key, y_key
 
 
+def read_npz_examples(path: str, x_key: str, what: str = "test data", setting: str = "test_data") -> numpy.ndarray:
+    """An npz file's examples alone, under ``x_key`` (data without labels, to predict): read (or mapped),
+    verified and checked as every split's examples are (``check_examples``)."""
+    with _Npz(path, what, setting) as npz:
+        x = npz.array(x_key)
+    if x.ndim < 1 or not len(x):
+        raise UserError(f"{path}: key {x_key!r} holds no examples ({x.dtype} {x.shape})")
+    return check_examples(_host(x), str(path), x_key)
+
+
 def read_npz_pair(path: str, x_key: str, y_key: str, what: str = "data", setting: str = "data"):
     """An npz file's examples and labels under ``x_key``/``y_key``: read (or mapped), verified and validated
     as every split is (``_pair``); what the split must hold besides (not empty, ...) is the caller's check."""
