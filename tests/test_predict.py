@@ -249,7 +249,9 @@ def test_eval_predict_writes_what_predict_gives(run, tmp_path):
         assert p.stdout.splitlines()[1] == (f"wrote {out}: logits and predicted classes of the 359 test examples "
                                             f"({'EMA' if ema else 'raw'} weights)")
         with np.load(out) as z:
-            assert sorted(z.files) == ["labels", "logits", "predicted"]
+            assert sorted(z.files) == ["classes", "labels", "logits", "predicted", "probabilities"]
+            assert list(z["classes"]) == [str(k) for k in range(10)]
+            assert np.array_equal(z["probabilities"], towers.softmax(logits[ema]))
             assert z["logits"].dtype == np.float32 and np.array_equal(z["logits"], logits[ema])
             assert z["predicted"].dtype == np.int64 and np.array_equal(z["predicted"], logits[ema].argmax(axis=1))
             assert np.array_equal(z["labels"], y)
