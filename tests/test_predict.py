@@ -368,3 +368,19 @@ def test_eval_predict_of_unlabelled_data_writes_classes_probabilities_and_file_n
     with np.load(out) as z, towers.load(tmp_path / "images") as model:
         assert list(z["files"]) == names
         assert np.array_equal(z["logits"], model.predict(d["x_test"][:6]))
+
+
+def test_a_loaded_tf_cifar10_run_takes_the_center_crop_of_its_images_as_the_run_did(tmp_path):
+    # Before: the test images were resized to the model's 24 x 24 and then cropped (nothing): towers.eval and
+    # towers.load evaluated other images than the run's own evaluation (the center 24 x 24 of the 32 x 32).
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (60, 32, 32, 3), dtype=np.uint8), rng.integers(0, 3, 60)
+    np.savez(tmp_path / "d.npz", x=x[:40], y=y[:40], x_test=x[40:], y_test=y[40:])
+    cfg = Config(n_gpu=1, devices="cpu", hidden=8, batch_size=8, steps=3, quiet=True, summary_every=0,
+                 augment="tf-cifar10", data=str(tmp_path / "d.npz"), logdir=str(tmp_path / "run"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+        want, evaluated = tr.predict(), tr.evaluate()
+    with towers.load(tmp_path / "run") as model:
+        assert model.evaluate() == evaluated
+        assert np.array_equal(model.predict(x[40:]), want)
