@@ -312,3 +312,28 @@ def test_a_read_only_folder_is_exit_2_and_a_full_disk_exit_1_each_in_its_own_wor
         assert err[0].endswith(f"No space left on device [ENOSPC]; free some space in {folder} or choose another "
                                "-o"), err
     assert p.stdout.strip() == "", p.stdout  # nothing left on the tmpfs: no file, no temporary
+
+
+def test_metadata_names_an_image_folders_classes(tmp_path, capsys):
+    # Before: the metadata carried the class count (towers.classes) and not the names.
+    import json
+
+    from PIL import Image
+    from safetensors import safe_open
+
+    from towers import Config, Trainer
+
+    rng = np.random.default_rng(0)
+    for name in ("cat", "dog", "emu"):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for k in range(4):
+            Image.fromarray(rng.integers(0, 256, (6, 6), dtype=np.uint8)).save(tmp_path / "images" / name / f"{k}.png")
+    cfg = Config(n_gpu=1, devices="cpu", hidden=8, batch_size=4, steps=2, quiet=True, summary_every=0,
+                 data=str(tmp_path / "images"), logdir=str(tmp_path / "run"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+    out = tmp_path / "m.safetensors"
+    assert export(capsys, tmp_path / "run" / "ckpt-00000002.npz", "-o", out)[0] == 0
+    with safe_open(str(out), "np") as f:
+        assert f.metadata()["towers.classes"] == "3"
+        assert json.loads(f.metadata()["towers.class_names"]) == ["cat", "dog", "emu"]

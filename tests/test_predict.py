@@ -211,18 +211,32 @@ def test_load_of_a_logdir_skips_an_unreadable_newest_checkpoint_with_a_notice(ru
     assert any("ckpt-00000040.npz is unreadable" in line for line in notices), notices
 
 
-def test_load_of_an_image_run_takes_what_its_towers_took(tmp_path):
-    # normalize makes the stored uint8 pixels float32 on the image path: the model's inputs, which the checkpoint's
-    # fingerprint (uint8, as stored) does not say alone.
-    cfg = Config(**SMALL, steps=10, normalize="0.5,0.25", logdir=str(tmp_path / "run"))
+@pytest.mark.parametrize("settings", [dict(normalize="0.5,0.25"),
+                                      dict(normalize="8,4", input_scale="1", augment="imagenet")])
+def test_load_of_an_image_run_predicts_from_raw_pixels_as_the_trainer_does(tmp_path, settings):
+    # Before: a --normalize run's loaded model refused the raw uint8 pixels and took x / 255 floats (unnormalized:
+    # wrong logits, silently).  Now it takes the pixels and applies the run's transform: scale, normalize, and the
+    # evaluation crop of its augmentation (imagenet: resize to H / 0.875, center crop), the Trainer's logits.
+    d = digits()
+    cfg = Config(**dict(SMALL, n_gpu=1), steps=10, logdir=str(tmp_path / "run"), **settings)
     with Trainer(cfg) as tr:
         tr.fit()
-        want = tr.predict()
+        want, evaluated = tr.predict(), tr.evaluate()  # its test data, made by its own loader
     with towers.load(tmp_path / "run") as model:
-        assert model.example_dtype == np.float32
-        assert np.array_equal(model.predict(), want)  # its test data made as the run made it
-        with pytest.raises(UserError, match="predict: test examples are uint8 but training examples float32"):
-            model.predict(digits()["x_test"])
+        assert model.example_dtype == np.uint8
+        assert np.array_equal(model.predict(d["x_test"]), want)
+        assert np.array_equal(model.predict(d["x_test"][..., None]), want)  # (N, H, W, 1) alike
+        assert model.evaluate(x=d["x_test"], y=d["y_test"]) == evaluated
+        for x in (d["x_test"] / 255, d["x_test"].astype(np.float32)):  # another scale: one line
+            with pytest.raises(UserError, match=r"^predict: x is float\S+, but this run takes uint8 pixels \(0..255\) "
+                                                r"and scales \(input_scale .*\)(, normalizes \(normalize 0.5,0.25\))? and fits "
+                                                r"(\(augment imagenet\) )?"
+                                                r"itself: give the raw uint8 pixels \(not scaled to 0..1, not "
+                                                r"normalized\)$"):
+                model.predict(x)
+        with pytest.raises(UserError, match=r"^predict: x must be images \(N, H, W, 1\) or \(N, H, W\) of uint8 "
+                                            r"pixels .*, got uint8 \(359, 8, 8, 3\)$"):
+            model.predict(np.repeat(d["x_test"][..., None], 3, axis=3))
 
 
 def test_eval_predict_writes_what_predict_gives(run, tmp_path):
@@ -235,7 +249,9 @@ def test_eval_predict_writes_what_predict_gives(run, tmp_path):
         assert p.stdout.splitlines()[1] == (f"wrote {out}: logits and predicted classes of the 359 test examples "
                                             f"({'EMA' if ema else 'raw'} weights)")
         with np.load(out) as z:
-            assert sorted(z.files) == ["labels", "logits", "predicted"]
+            assert sorted(z.files) == ["classes", "labels", "logits", "predicted", "probabilities"]
+            assert list(z["classes"]) == [str(k) for k in range(10)]
+            assert np.array_equal(z["probabilities"], towers.softmax(logits[ema]))
             assert z["logits"].dtype == np.float32 and np.array_equal(z["logits"], logits[ema])
             assert z["predicted"].dtype == np.int64 and np.array_equal(z["predicted"], logits[ema].argmax(axis=1))
             assert np.array_equal(z["labels"], y)
@@ -261,4 +277,110 @@ def test_eval_predict_errors_are_one_line_and_write_nothing(run, tmp_path):
         "another --predict")
     assert "--predict writes one file, of one checkpoint: not with --watch" in error(
         "--logdir", logdir, "--predict", tmp_path / "w.npz", "--watch")
+    # Before: `--predict ''` evaluated, wrote nothing and exited 0.
+    assert error("--logdir", logdir, "--predict", "") == (
+        "towers.eval: error: --predict is empty: give the output file's path")
     assert sorted(os.listdir(tmp_path)) == ["taken.npz"]
+
+
+def test_a_text_file_as_a_checkpoint_is_said_to_be_no_npz_without_pickle_advice(tmp_path):
+    # Before: NumPy's "contains pickled (object) data ... allow_pickle=" (it is no pickle; the advice is unsafe).
+    text = tmp_path / "notes.txt"
+    text.write_text("step 100: looks good\n")
+    with pytest.raises(UserError) as e:
+        towers.load(text)
+    assert str(e.value) == (f"{text} is not a readable checkpoint (not an npz file: no zip header; give a run's "
+                            "ckpt-*.npz or final.npz)")
+    for module, args in (("towers.eval", ("--checkpoint", text)), ("towers.export", (text, "-o", tmp_path / "o"))):
+        p = run_cli(*map(str, args), module=module)
+        assert p.returncode == 2 and "pickle" not in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+        assert "not an npz file: no zip header" in p.stderr
+    with pytest.raises(UserError, match=r"^towers.load: 5 \(int\) is not a path: give a run.s logdir"):
+        towers.load(5)  # before: TypeError
+
+
+def blas_limits() -> list[int]:
+    from threadpoolctl import threadpool_info
+
+    return [d["num_threads"] for d in threadpool_info() if d["user_api"] == "blas"]
+
+
+def test_a_loaded_run_chooses_its_kernels_and_blas_threads_as_a_trainer_of_one_tower(tmp_path):
+    # Before: a loaded run kept whatever BLAS threads (every core: 2.3-2.5x slower beside a busy process) and
+    # CPU kernels the process had; now it chooses them as the Trainer does (one code: choose_forms, limit_blas),
+    # holds them while open and gives the BLAS threads back when closed.  Batch norm: `auto` takes numba.
+    from towers.ops import backend
+
+    pytest.importorskip("numba")
+    d = digits()
+
+    def layers():
+        return [Flatten(), Dense("fc1", 32), BatchNorm("bn"), ReLU(), Dense("fc2", 10)]
+    before = blas_limits()
+    with Trainer(Config(**dict(SMALL, n_gpu=1), steps=10, logdir=str(tmp_path / "run")), model=layers()) as tr:
+        tr.fit()
+        want = (tr.cpu_kernels, tr.executor.blas_threads, blas_limits())
+        logits = tr.predict(d["x_test"])
+    assert want[0] == "numba" and set(want[2]) == {want[1]}
+    with backend.using("numpy"):  # a process whose last choice was another (or none: a fresh one)
+        with towers.load(tmp_path / "run", model=layers()) as model:
+            assert (model.cpu_kernels, model.blas_threads, blas_limits()) == want
+            assert np.array_equal(model.predict(d["x_test"]), logits)
+            assert backend.name() == "numba"  # what computed them
+        assert blas_limits()[:len(before)] == before  # (numba may have loaded a BLAS of its own since)
+
+
+def test_eval_predict_of_unlabelled_data_writes_classes_probabilities_and_file_names(run, tmp_path):
+    # Before: --predict took labelled test data only ("has no key 'y'", "holds no class folders", no label feature).
+    from PIL import Image
+
+    from tests.data.tfrecord.test_convert import example, write_records
+
+    logdir, logits, _ = run
+    d = digits()
+    np.savez(tmp_path / "x.npz", x=d["x_test"])  # examples alone
+    write_records(tmp_path / "x.tfrecords", [example(x=row.tobytes()) for row in d["x_test"]])
+    for data, flags in (("x.npz", ()), ("x.tfrecords", ("--decode", "x:uint8:8,8"))):
+        out = tmp_path / f"{data}.pred.npz"
+        p = run_cli("--logdir", str(logdir), "--test-data", str(tmp_path / data), "--predict", str(out), *flags,
+                    module="towers.eval")
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.strip() == (f"ckpt-00000030.npz (step 30): wrote {out}: predicted classes and probabilities "
+                                    "of 359 unlabelled examples (EMA weights)")
+        with np.load(out) as z:
+            assert sorted(z.files) == ["classes", "logits", "predicted", "probabilities"]
+            assert np.array_equal(z["logits"], logits[True]) and list(z["classes"]) == [str(k) for k in range(10)]
+            assert np.array_equal(z["probabilities"], towers.softmax(logits[True]))
+    # A run trained from images predicts a folder of its own images (beside folders of more: all of them), named
+    # by their paths below it.
+    cfg = Config(**dict(SMALL, n_gpu=1), steps=10, normalize="0.5,0.25", logdir=str(tmp_path / "images"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+    folder = tmp_path / "unlabelled"
+    (folder / "more").mkdir(parents=True)
+    names = [f"{k:03d}.png" for k in range(5)] + ["more/a.png"]
+    for name, pixels in zip(names, d["x_test"][:6]):
+        Image.fromarray(pixels).save(folder / name)
+    out = tmp_path / "folder.pred.npz"
+    p = run_cli("--logdir", str(tmp_path / "images"), "--test-data", str(folder), "--predict", str(out),
+                module="towers.eval")
+    assert p.returncode == 0, p.stderr
+    with np.load(out) as z, towers.load(tmp_path / "images") as model:
+        assert list(z["files"]) == names
+        assert np.array_equal(z["logits"], model.predict(d["x_test"][:6]))
+
+
+def test_a_loaded_tf_cifar10_run_takes_the_center_crop_of_its_images_as_the_run_did(tmp_path):
+    # Before: the test images were resized to the model's 24 x 24 and then cropped (nothing): towers.eval and
+    # towers.load evaluated other images than the run's own evaluation (the center 24 x 24 of the 32 x 32).
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 256, (60, 32, 32, 3), dtype=np.uint8), rng.integers(0, 3, 60)
+    np.savez(tmp_path / "d.npz", x=x[:40], y=y[:40], x_test=x[40:], y_test=y[40:])
+    cfg = Config(n_gpu=1, devices="cpu", hidden=8, batch_size=8, steps=3, quiet=True, summary_every=0,
+                 augment="tf-cifar10", data=str(tmp_path / "d.npz"), logdir=str(tmp_path / "run"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+        want, evaluated = tr.predict(), tr.evaluate()
+    with towers.load(tmp_path / "run") as model:
+        assert model.evaluate() == evaluated
+        assert np.array_equal(model.predict(x[40:]), want)

@@ -27,6 +27,14 @@ towers.train --model lenet5 --steps 20``, the whole command) with every core
 in BLAS, with the default BLAS threads and with OpenBLAS's shorter thread
 timeout, on the machine as it is and beside one busy process.
 
+``--evaluate-rows`` measures only the evaluation rows: ResNet-20's evaluation
+of 500 test images by the Trainer (``Trainer.evaluate``, one CPU tower) and
+by a loaded run (``towers.load(run).evaluate()``), each in a process of its
+own after a warm-up call, beside one busy process; with ``--compare-root``
+another checkout's loaded run too (before a change)::
+
+    python tools/bench_train.py --evaluate-rows --eval-calls 3 --repeats 2 --compare-root ../base
+
 ``--kernel-rows`` measures only the kernel rows (ResNet-20 2 x 32, LeNet-5
 2 x 50 with Adam, MLP 2 x 100; 2 CPU towers against PyTorch eager on 2
 threads), the median of alternating rounds, each printed with its target and
@@ -294,8 +302,38 @@ def _blas_info(a) -> str:
     return blas_setup(a.threads)
 
 
+def _evaluate_calls(evaluate, calls: int) -> float:
+    """The median seconds of ``calls`` calls of ``evaluate()`` after one warm-up call."""
+    evaluate()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        evaluate()
+        times.append(time.perf_counter() - t0)
+    return float(numpy.median(times))
+
+
+def _trainer_evaluate(a) -> float:
+    """The Trainer's own evaluation of its test data (one CPU tower, the run's model), seconds a call."""
+    from towers import Config, Trainer
+
+    cfg = Config(n_gpu=1, devices="cpu", data=a.data, model=a.model, steps=1, quiet=True, summary_every=0,
+                 logdir=tempfile.mkdtemp(prefix="bench-"))
+    with Trainer(cfg) as trainer:
+        return _evaluate_calls(trainer.evaluate, a.steps)
+
+
+def _loaded_evaluate(a) -> float:
+    """``towers.load(run).evaluate()`` of the run in ``--logdir`` (its test data), seconds a call."""
+    import towers
+
+    with towers.load(a.logdir) as model:
+        return _evaluate_calls(model.evaluate, a.steps)
+
+
 WORKERS = {"blas-info": _blas_info, "towers-loop": _towers_loop, "towers-bare": _towers_bare, "pipeline": _pipeline,
-           "torch": _torch, "tf-mirrored": _tf_mirrored}
+           "torch": _torch, "tf-mirrored": _tf_mirrored, "trainer-evaluate": _trainer_evaluate,
+           "loaded-evaluate": _loaded_evaluate}
 
 
 # -- driver ---------------------------------------------------------------------------
@@ -454,6 +492,44 @@ def load_rows(a) -> int:
     return 0
 
 
+def evaluate_rows(cifar: str, a) -> int:
+    """The evaluation rows: ResNet-20's evaluation of 500 32x32x3 test images, the Trainer's own
+    (``Trainer.evaluate``, one CPU tower) against a loaded run's (``towers.load(logdir).evaluate()``), each in a
+    process of its own after a warm-up call, ``--eval-calls`` calls (median), beside one busy process (a Python
+    spinning on a core), ``a.repeats`` rounds alternating the rows; with ``--compare-root`` the loaded run of
+    that checkout too (the code before a change), on the same run."""
+    logdir = tempfile.mkdtemp(prefix="bench-eval-run-")
+    subprocess.run([sys.executable, "-m", "towers.train", "--model", "resnet20", "--n-gpu", "1", "--devices", "cpu",
+                    "--steps", "1", "--data", cifar, "--logdir", logdir, "--quiet", "--summary-every", "0"],
+                   check=True, capture_output=True, cwd=ROOT)
+    rows = {"Trainer.evaluate() (one CPU tower)": ("trainer-evaluate", {}),
+            "towers.load(run).evaluate()": ("loaded-evaluate", dict(logdir=logdir))}
+    if a.compare_root:
+        rows["towers.load(run).evaluate(), before"] = ("loaded-evaluate", dict(logdir=logdir, root=a.compare_root))
+    cores = len(os.sched_getaffinity(0))
+    print(f"ResNet-20, 500 test images of 32x32x3, {a.eval_calls} calls after a warm-up, {cores} cores, one busy process "
+          f"beside; {_blas_info(a)}", flush=True)
+    runs = {}
+    for r in range(a.repeats):
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            print(f"round {r + 1}: load average before {os.getloadavg()[0]:.2f}", flush=True)
+            for name, (worker, kw) in rows.items():
+                runs.setdefault(name, []).append(_measure_once(cifar, worker, dict(kw, model="resnet20",
+                                                                                   steps=a.eval_calls)))
+                print(f"  {name}: {runs[name][-1]} s a call", flush=True)
+        finally:
+            busy.kill()
+            busy.wait()
+    print("\n| evaluation of 500 images, beside one busy process | s a call (median of rounds) | / Trainer |")
+    print("| --- | --- | --- |")
+    trainer = numpy.median([t for t in runs["Trainer.evaluate() (one CPU tower)"] if t is not None])
+    for name, times in runs.items():
+        t = numpy.median([v for v in times if v is not None]) if any(v is not None for v in times) else None
+        print(f"| {name} | {'n/a' if t is None else f'{t:.2f}'} | {'n/a' if t is None else f'{t / trainer:.2f}x'} |")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -469,6 +545,12 @@ def main(argv=None) -> int:
     ap.add_argument("--load-rows", action="store_true",
                     help="only the load rows: one LeNet-5 tower's BLAS threads, quiet and beside a busy process")
     ap.add_argument("--load-data", help="--load-rows: the training data (default: towers' own, the digits)")
+    ap.add_argument("--evaluate-rows", action="store_true",
+                    help="only the evaluation rows: ResNet-20's Trainer.evaluate against towers.load(run).evaluate(), "
+                         "500 images, beside a busy process (--eval-calls calls each; --compare-root: that checkout's "
+                         "loaded run too)")
+    ap.add_argument("--eval-calls", type=int, default=5, help="--evaluate-rows: timed calls in each process")
+    ap.add_argument("--logdir", help=argparse.SUPPRESS)  # worker mode: the run a loaded-evaluate worker loads
     # worker mode (internal)
     ap.add_argument("--worker", choices=sorted(WORKERS))
     ap.add_argument("--data")
@@ -506,6 +588,8 @@ def main(argv=None) -> int:
     make_data(cifar, 2560, (32, 32, 3))
     if a.kernel_rows:
         return kernel_rows({"mnist": data, "cifar": cifar}, a)
+    if a.evaluate_rows:
+        return evaluate_rows(cifar, a)
     s = a.steps
     have_torch, ref = bool(a.reference_python) or _have("torch"), a.reference_python or sys.executable
     plan = {

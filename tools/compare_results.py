@@ -14,8 +14,8 @@ to it: its own ``towers``, whatever is installed), with ``--quiet
 ``auto``; ``auto,numpy,numba`` checks the CPU ops' NumPy passes and numba's
 loops alike, for models whose ``auto`` leaves numba out).  The jobs: the
 default job with each optimizer, weights mode, 2 hosts in grads and ps,
-LeNet-5, ResNet-20 on the digits and on 32x32x3 synthetic images (made here,
-seeded), the JPEG TFRecord with ``--augment cifar`` at 0 and 2 input workers
+LeNet-5, the digits as images with ``--normalize``, ResNet-20 on the digits
+and on 32x32x3 synthetic images (made here, seeded), the JPEG TFRecord with ``--augment cifar`` at 0 and 2 input workers
 with the decoded-image cache on and off (``../shared/image-samples``; skipped
 without it), and an image folder of PNGs (made here, seeded).  Jobs on 2 hosts
 need Ray (skipped without it) and start a local Ray each (10-20 s on 2
@@ -60,6 +60,7 @@ JOBS = {
     "2 hosts grads": HOSTS,
     "2 hosts ps": HOSTS + ["--sync", "ps"],
     "lenet5": BASE + ["--model", "lenet5", "--steps", "40"],
+    "normalize": BASE + ["--normalize", "0.5,0.25", "--steps", "100"],
     "resnet20 digits": BASE + ["--model", "resnet20", "--steps", "12", "--batch-size", "16"],
     "resnet20 32x32x3": BASE + ["--model", "resnet20", "--steps", "8", "--batch-size", "16", "--data", "{cifar}"],
     "jpeg augment, 0 input workers": BASE + JPEG + ["--input-workers", "0"],

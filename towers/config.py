@@ -23,6 +23,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+from towers.data.dataset import INPUT_SCALES
 from towers.data.image.augment import AUGMENTS, parse_image_size, parse_normalize
 from towers.errors import UserError
 from towers.nn.models import model_defaults
@@ -120,6 +121,11 @@ class Config:
         "x_test/y_test in --data, no --test-data), never trained on: the same examples in every run of one "
         "--seed; for examples held in memory or an npz (see Validation and metrics in docs/training.md)",
         group="data", check=Number(0, 1, high_open=True), resume=NOTE, type="float", metavar="F")
+    input_scale: str = setting(
+        "1/255", "what uint8 examples (pixels) are multiplied by as they become float32, on the device and in "
+        "--normalize: `1/255` (0..1) or `1` (0..255 as floats, as TensorFlow's multi-GPU example feeds them); float "
+        "examples are used as they are (see Data format)", group="data", check=Choice(tuple(INPUT_SCALES)),
+        resume=NOTE, type="str", metavar="S")
     input_workers: int | None = setting(
         None, "TFRecord and images: processes that read, parse, decode and augment ahead of the towers (0: the "
         "input thread; default: one per core not running a CPU tower or the main thread, at most 4)",
@@ -137,8 +143,9 @@ class Config:
         "flip); evaluation takes the center (see Image data in docs/data.md)", group="images", check=Choice(AUGMENTS),
         resume=NOTE, type="str", metavar="NAME")
     normalize: str | None = setting(
-        None, "images: `(x/255 - mean) / std` per channel, MEAN,STD or one of each per channel, e.g. 0.5,0.25 or "
-        "0.485,0.456,0.406,0.229,0.224,0.225 (examples become float32; not with --augment tf-cifar10)",
+        None, "images: `(x/255 - mean) / std` per channel (`(x - mean) / std` with --input-scale 1), MEAN,STD or one "
+        "of each per channel, e.g. 0.5,0.25 or 0.485,0.456,0.406,0.229,0.224,0.225 (examples become float32; not "
+        "with --augment tf-cifar10)",
         group="images", check=Text(parse=_normalize_format), resume=NOTE, type="str | None",
         metavar="MEAN,STD")
     cache_images: bool = switch(

@@ -8,8 +8,12 @@ only the test split is read, and its labels are matched to the checkpoint's
 classes (``data/classes``) by name (``towers.data.loading.load_test_data``).
 The model is built from the checkpoint, and the test split found, by
 ``towers.inference`` (what ``towers.load`` gives in Python).  ``--predict
-OUT.npz`` also writes the test data's logits, predicted classes and labels,
-atomically (``towers.output.files``).  ``--watch`` evaluates each new
+OUT.npz`` also writes the test data's logits, probabilities, predicted
+classes, class names and labels, atomically (``towers.output.files``); test
+data without labels (``towers.data.loading.labelled``: a folder of images
+without class folders, an npz without its labels' key, a TFRecord without a
+label feature) is predicted without an evaluation, its images' paths below
+the folder beside (``files``).  ``--watch`` evaluates each new
 checkpoint as it appears until interrupted.
 """
 from __future__ import annotations
@@ -26,6 +30,7 @@ from towers.errors import UserError
 from towers.data.image.load import describe_classes
 from towers.devices.placement import resolve
 from towers.inference import Predictor, TestSets
+from towers.nn.loss import softmax
 from towers.output.checkpoint import newest_readable, read_checkpoint
 from towers.output.files import check_new_output, write_npz, write_new_output
 
@@ -51,8 +56,10 @@ def build_parser(prog: str = "python -m towers.eval") -> argparse.ArgumentParser
     ap.add_argument("--y-key", help="npz key or TFRecord feature of the labels (default: the checkpoint's)")
     ap.add_argument("--decode", help="TFRecord: NAME:DTYPE[:SHAPE] or NAME:image:H,W,C (default: the checkpoint's)")
     ap.add_argument("--predict", metavar="OUT.npz",
-                    help="also write the test data's logits, predicted classes and labels to this new .npz "
-                         "(arrays logits, predicted, labels)")
+                    help="also write the test data's logits, probabilities, predicted classes, class names and "
+                         "labels to this new .npz (arrays logits, probabilities, predicted, classes, labels); test "
+                         "data without labels (a folder of images, flat or in class folders, an npz with x only, "
+                         "a TFRecord without labels) is predicted only, with its images' paths (files)")
     ap.add_argument("--watch", action="store_true", help="evaluate each new checkpoint in --logdir until interrupted")
     ap.add_argument("--interval", type=float, default=10.0, metavar="SEC",
                     help=f"seconds between polls with --watch (0 < SEC <= {MAX_INTERVAL})")
@@ -80,26 +87,44 @@ class Evaluator:
 
     def evaluate(self, path: str, arrays: dict) -> str:
         """The line that reports the checkpoint's loss and accuracy (and, with ``--predict``, the file written)."""
-        p = self.predictor(path, arrays)
-        result = p.evaluate(ema=self.args.ema)
+        with self.predictor(path, arrays) as p:  # its BLAS threads given back after (the test sets stay)
+            return self._evaluate(path, p)
+
+    def _evaluate(self, path: str, p: Predictor) -> str:
         weights = "EMA" if self.args.ema else "raw"
+        if self.args.predict is not None and not p.test_labelled():
+            return self.write_unlabelled(p, weights)
+        result = p.evaluate(ema=self.args.ema)
         classes = f"; classes {describe_classes(p.classes)}" if p.classes else ""
         n = len(p.test_data().y)
         line = (f"{os.path.basename(path)} (step {p.step}): loss = {result['loss']:.4f}, accuracy = "
                 f"{result['accuracy']:.4f} on {n} test examples ({weights} weights){classes}")
-        if self.args.predict:
+        if self.args.predict is not None:
             self.write_predictions(p)
             line += (f"\nwrote {self.args.predict}: logits and predicted classes of the {n} test examples "
                      f"({weights} weights)")
         return line
 
-    def write_predictions(self, p: Predictor) -> None:
-        """``--predict OUT``: the test data's ``logits`` (float32, examples x classes), ``predicted`` (their
-        argmax: the predicted class) and ``labels`` (int64), written atomically (no partial file, ever)."""
-        logits = p.predict(ema=self.args.ema)
-        arrays = {"logits": logits, "predicted": logits.argmax(axis=1).astype(numpy.int64),
-                  "labels": numpy.asarray(p.test_data().y, dtype=numpy.int64)}
+    def write_predictions(self, p: Predictor, logits=None, **more) -> None:
+        """``--predict OUT``: the test data's ``logits`` (float32, examples x classes), ``probabilities`` (their
+        softmax), ``predicted`` (their argmax: the predicted class), ``classes`` (the class names, label k at k:
+        an image folder's, else the numbers) and ``labels`` (int64; data without labels: ``more``'s arrays
+        instead, ``files``), written atomically (no partial file, ever)."""
+        if logits is None:
+            logits = p.predict(ema=self.args.ema)
+            more = {"labels": numpy.asarray(p.test_data().y, dtype=numpy.int64)}
+        names = p.classes or [str(k) for k in range(p.num_classes)]
+        arrays = {"logits": logits, "probabilities": softmax(logits),
+                  "predicted": logits.argmax(axis=1).astype(numpy.int64), "classes": numpy.array(names), **more}
         write_new_output(self.args.predict, lambda f: write_npz(f, arrays.items()), "--predict")
+
+    def write_unlabelled(self, p: Predictor, weights: str) -> str:
+        """``--predict`` of test data without labels: the predictions alone (``files``: a folder's image paths
+        below it), and the line that says so."""
+        logits, files = p.predict_unlabelled(ema=self.args.ema)
+        self.write_predictions(p, logits, **({} if files is None else {"files": numpy.array(files)}))
+        return (f"{os.path.basename(p.path)} (step {p.step}): wrote {self.args.predict}: predicted classes and "
+                f"probabilities of {len(logits)} unlabelled examples ({weights} weights)")
 
 
 def _warn(line: str) -> None:
@@ -119,7 +144,7 @@ def run(args) -> None:
 
 
 def _run(args, ev: "Evaluator") -> None:
-    if args.predict:
+    if args.predict is not None:
         if args.watch:
             raise UserError("--predict writes one file, of one checkpoint: not with --watch")
         check_new_output(args.predict, "towers.eval", "--predict")  # before any work

@@ -25,7 +25,8 @@ Algorithm: read the npz whole (``numpy.load``, no pickles), take ``params/*`` or
 temporary file that becomes ``OUT`` only when complete (``towers.output.files.atomic_write``; not
 ``save_file``, whose own temporary file and rename would bypass it and whose I/O errors are not
 ``OSError``).  The file's metadata records the layout, which weights, the step and, when known, the
-model.  (safetensors writes the metadata's keys in no fixed order: two exports of one checkpoint hold
+model, its input shape, its class count and (an image folder's) the class names, a JSON list, label k
+at k.  (safetensors writes the metadata's keys in no fixed order: two exports of one checkpoint hold
 the same tensors and header, not always the same bytes.)
 
 Limits: a weight its layer does not declare for the layout asked is refused with a line saying to use
@@ -45,7 +46,7 @@ import numpy as np
 
 from towers.cli import Parser, run_main
 from towers.errors import UserError
-from towers.output.checkpoint import final_checkpoint, non_finite
+from towers.output.checkpoint import final_checkpoint, non_finite, not_a_zip, recorded_classes
 from towers.output.files import check_new_output, write_new_output
 from towers.state import Layout
 
@@ -54,16 +55,22 @@ LAYOUTS = ("towers", "torch", "keras")
 
 def read_weights(path: str, ema: bool) -> tuple[dict, dict]:
     """(name -> float32 array, what is known of the run: ``step`` and, for a checkpoint, ``config`` and the data's
-    ``shape`` and ``classes``) of a checkpoint or final.npz; anything else is a UserError."""
+    ``shape``, ``classes`` (their count) and ``class_names`` (an image folder's, else None)) of a checkpoint or
+    final.npz; anything else is a UserError."""
     what = "give a checkpoint (ckpt-*.npz) or the final.npz of a towers run"
     if os.path.isdir(path):
         raise UserError(f"{path} is a directory: {what}")
     if not os.path.exists(path):
         raise UserError(f"{path} does not exist: {what}")
     try:
+        unzipped = not_a_zip(path)
+        if unzipped:
+            raise UserError(f"{path} is not a readable npz file ({unzipped}): {what}")
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except Exception as e:  # not a zip, cut short, a damaged member, pickles: all "not what we read"
+    except UserError:
+        raise
+    except Exception as e:  # cut short, a damaged member, pickles, unreadable: all "not what we read"
         raise UserError(f"{path} is not a readable npz file ({type(e).__name__}: {e}): {what}") from None
     prefix = "ema/" if ema else "params/"
     named = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
@@ -86,6 +93,7 @@ def read_weights(path: str, ema: bool) -> tuple[dict, dict]:
             raise UserError(f"{path}: its config is not JSON ({e}); {what}") from None
         run["shape"] = tuple(int(v) for v in arrays["data/shape"][1:])
         run["classes"] = int(arrays["data/num_classes"])
+        run["class_names"] = recorded_classes(arrays)
     return {k: np.asarray(v, np.float32) for k, v in named.items()}, run
 
 
@@ -163,6 +171,8 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
     if "config" in run:
         metadata.update({"towers.model": str(run["config"].get("model", "mlp")),
                          "towers.input_shape": json.dumps(list(run["shape"])), "towers.classes": str(run["classes"])})
+        if run["class_names"]:  # an image folder's, label k at k
+            metadata["towers.class_names"] = json.dumps(run["class_names"])
     from safetensors.numpy import save
 
     data = save(tensors, metadata=metadata)

@@ -34,20 +34,24 @@ import os
 
 import numpy
 
-from towers.config import MODEL_OBJECT
-from towers.data.dataset import TestSet
+from types import SimpleNamespace
+
+from towers.config import MODEL_OBJECT, checkpoint_settings
+from towers.data.dataset import OnDemand, TestSet, check_test_split
 from towers.data.inputs import is_tfrecord
-from towers.data.loading import load_test_data
-from towers.data.pipeline import describe
-from towers.devices.cpu_threads import input_workers
-from towers.devices.placement import Device, resolve
+from towers.data.loading import labelled, load_test_data, load_unlabelled
+from towers.data.pipeline import DataSpec, describe
+from towers.devices.cpu_threads import input_workers, limit_blas
+from towers.devices.placement import Device, check_host, resolve
 from towers.errors import UserError, notice
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
+from towers.ops import backend
 from towers.output.checkpoint import model_weights, named_to_flat, newest_readable, read_checkpoint, \
     recorded_classes
 from towers.settings import integer
 from towers.state import Layout, under
+from towers.step.tower import choose_forms
 from towers.trainer import check_inputs
 
 FIX = {"loaded": "it cannot be loaded", "evaluated": "it cannot be evaluated"}
@@ -63,8 +67,10 @@ def load(source: str, model=None) -> "Predictor":
     layers) a run was given in place of a built-in one.  Anything else is a
     ``UserError`` in one line.
     """
-    source = os.fspath(source)
     what = "give a run's logdir, one of its ckpt-*.npz, or its final.npz"
+    if not isinstance(source, (str, bytes, os.PathLike)):
+        raise UserError(f"towers.load: {source!r} ({type(source).__name__}) is not a path: {what}")
+    source = os.fsdecode(source)
     if os.path.isdir(source):
         found = newest_readable(source, notice, "load", lambda newest: f"towers.load({newest!r}) says why it fails")
         if found is None:
@@ -83,10 +89,22 @@ class Predictor:
     Made by ``towers.load`` (or by ``towers.eval``, from the arrays of
     ``towers.output.checkpoint.load_checkpoint``).  Its attributes describe the
     run: ``path`` (the checkpoint read), ``step``, ``config`` (the run's
-    settings, a dict), ``example_shape``, ``example_dtype`` (None when the
-    checkpoint does not record it, before fingerprints), ``num_classes``,
-    ``classes`` (an image folder's class names, label k at k, else None),
-    ``model`` and ``device``.  ``device``: where it runs (default: the first GPU
+    settings, a dict), ``example_shape`` (what the model takes),
+    ``example_dtype`` (what the run's data stored: the dtype ``predict``
+    takes; None when the checkpoint does not record it, before
+    fingerprints), ``num_classes``, ``classes`` (an image folder's class
+    names, label k at k, else None), ``model``, ``device``, and how it
+    computes there, chosen as a ``Trainer`` of one tower on that device
+    chooses (``towers.step.tower.choose_forms``,
+    ``towers.devices.cpu_threads.limit_blas``): ``cpu_kernels`` (``numba`` or
+    ``numpy``) and ``blas_threads`` (None on a GPU), held until ``close``.
+
+    Inputs: ``predict`` and ``evaluate`` take examples as the run's data
+    stored them (uint8 pixels, or floats) and apply the run's own input
+    transform inside, as its loader and towers did (``input_scale``; for a
+    run with image operations, ``normalize`` and the deterministic path of
+    ``augment``: ``towers.data.image.load.made_as_trained``); examples on
+    another scale (floats for a run of uint8 pixels) are refused.  ``device``: where it runs (default: the first GPU
     where there is one, else the CPU); ``test`` and ``test_sets``: what
     ``test_data`` reads (``TestSets.get``'s overrides, and the cache it is
     kept in: ``towers.eval`` shares one between checkpoints); ``purpose``: how
@@ -102,7 +120,12 @@ class Predictor:
         self.example_shape = tuple(int(v) for v in numpy.ravel(arrays["data/shape"])[1:])
         self.num_classes = int(arrays["data/num_classes"])
         self.classes = recorded_classes(arrays)
-        self.example_dtype = trained_dtype(arrays)
+        self.example_dtype = stored_dtype(arrays)
+        self._spec = run_spec(arrays, None, decode=ck.get("decode"))
+        if not self._spec.ops:
+            self._spec = None  # the stored examples are the model's inputs (scaled on the device)
+        elif self.example_dtype is None:
+            self.example_dtype = numpy.dtype(numpy.uint8)  # image operations take uint8 pixels
         self.model = run_model(arrays, path, model)
         self._weights = {ema: named_to_flat(self.model, model_weights(self.model, arrays, "ema" if ema else "params",
                                                                      path, FIX[purpose]))
@@ -111,8 +134,14 @@ class Predictor:
         self._buffers = buffers.join(buffers.check(under(arrays, "buffers"), f"{path} does not fit this model",
                                                    "buffer"))
         self.device = device or resolve(1, None, soft=True).towers[0]  # a GPU when there is one
+        # As a Trainer of one tower on this device computes: its forms of the ops and its BLAS threads.
+        self.settings = SimpleNamespace(**checkpoint_settings(ck))
+        self.cpu_kernels = choose_forms(self.settings, self.model, [self.device])
+        self._forms = backend.current()
+        self.blas_threads, self._blas = limit_blas([self.device], self.settings.blas_threads)
         with self.device.scope():
             self.replica = Replica(self.model, self.device.xp)
+            self.replica.input_scale = self.settings.input_scale
             self.replica.set_buffers(self._buffers)
         self._holds = None  # which weights the replica holds: True the EMA's, False the raw ones
         self._arrays, self._test = arrays, dict(test or {})
@@ -120,43 +149,107 @@ class Predictor:
         self._sets = TestSets() if test_sets is None else test_sets
 
     def _replica(self, ema: bool) -> Replica:
-        """The replica with the weights asked for (call within ``self.device.scope()``)."""
+        """The replica with the weights asked for, the process's forms of the ops this run's again (another
+        ``Trainer`` may have chosen since; call within ``self.device.scope()``)."""
+        backend.restore(self._forms)
         if self._holds is not bool(ema):
             self.replica.set_params(self._weights[bool(ema)])
             self._holds = bool(ema)
         return self.replica
 
     def _check(self, x, y, where: str):
-        return check_inputs(x, y, where, self.example_shape, self.example_dtype, self.num_classes)
+        """(x, y) as the model takes them: ``x`` checked as the ``Trainer`` checks examples, against what the
+        run's data stored, and for a run with image operations made by them (an array made on demand, which
+        the caller closes); ``y`` checked against the classes."""
+        check_host(x, f"{where}: x")
+        x = x if hasattr(x, "dtype") else numpy.asarray(x)
+        uint8 = numpy.dtype(numpy.uint8)
+        if self.example_dtype == uint8 and x.dtype != uint8 and x.dtype.kind in "fiu":
+            raise UserError(f"{where}: x is {x.dtype}, but this run takes uint8 pixels (0..255) and {self._does()} "
+                            "itself: give the raw uint8 pixels (not scaled to 0..1, not normalized)")
+        if self._spec is None:
+            return check_inputs(x, y, where, self.example_shape, self.example_dtype, self.num_classes)
+        c = self.example_shape[-1]
+        if x.ndim not in (3, 4) or x.shape[-1] != c and (x.ndim == 4 or c != 1):
+            grey = " or (N, H, W)" if c == 1 else ""
+            raise UserError(f"{where}: x must be images (N, H, W, {c}){grey} of uint8 pixels (any H x W: they are "
+                            f"fitted as the run fitted its images), got {x.dtype} {tuple(x.shape)}")
+        x, y = check_inputs(x, y, where, x.shape[1:], uint8, self.num_classes)
+        from towers.data.image.load import made_as_trained  # the image path: imported only for it
+        from towers.data.kinds import image_arrays
+
+        labels = numpy.zeros(len(x), numpy.int32) if y is None else y
+        return made_as_trained(self._spec, image_arrays(x, labels, f"{where}: x"), self.example_shape,
+                               f"{where}: x"), y
+
+    def _does(self) -> str:
+        """What the run's input transform does to uint8 pixels, for messages."""
+        s = self.settings
+        done = [f"scales (`input_scale` {s.input_scale})" if s.augment != "tf-cifar10" else "standardizes"]
+        if s.normalize:
+            done.append(f"normalizes (`normalize` {s.normalize})")
+        if self._spec is not None:
+            done.append("fits (`augment` " + s.augment + ")" if s.augment != "none" else "fits")
+        return ", ".join(done[:-1]) + " and " + done[-1] if len(done) > 1 else done[0]
 
     def predict(self, x=None, ema: bool = True, batch_size: int = 250) -> numpy.ndarray:
         """The logits of ``x`` (default: the test data) as a host float32 array (len(x), classes).
 
         As ``Trainer.predict``: the EMA weights (``ema=False``: the raw ones),
-        evaluation mode, chunks of ``batch_size``; ``x`` is checked as the
-        ``Trainer`` checks it, against the shape and dtype the run trained on.
+        evaluation mode, chunks of ``batch_size``.  ``x``: examples as the
+        run's data stored them (see the class doc: the run's input transform
+        is applied here); for the same examples the logits are the
+        ``Trainer``'s.
         """
         batch = integer(batch_size, 1, "predict: batch_size")
-        if x is None:
-            x = self.test_data().x
-        else:
-            x, _ = self._check(x, None, "predict")
-        with self.device.scope():
-            return self._replica(ema).predict(x, batch)
+        made = x is not None
+        x = self.test_data().x if x is None else self._check(x, None, "predict")[0]
+        try:
+            with self.device.scope():
+                return self._replica(ema).predict(x, batch)
+        finally:
+            if made and isinstance(x, OnDemand):
+                x.close()
 
     def evaluate(self, ema: bool = True, x=None, y=None) -> dict:
         """{"loss", "accuracy"} on ``x``, ``y`` (checked as ``Trainer.evaluate`` checks them), or on the test
         data (``test_data``); the loss is the mean cross-entropy without the L2 term."""
         if (x is None) != (y is None):
             raise UserError("evaluate: give both x and y (examples and their labels), or neither for the test data")
+        made = x is not None
         if x is None:
             ds = self.test_data()
             x, y = ds.x, ds.y
         else:
             x, y = self._check(x, y, "evaluate")
-        with self.device.scope():
-            loss, acc = self._replica(ema).evaluate(x, y)
+        try:
+            with self.device.scope():
+                loss, acc = self._replica(ema).evaluate(x, y)
+        finally:
+            if made and isinstance(x, OnDemand):
+                x.close()
         return {"loss": loss, "accuracy": acc}
+
+    def test_labelled(self) -> bool:
+        """Whether the test data (``test_data``'s source) has labels (``towers.data.loading.labelled``): else
+        ``predict_unlabelled`` predicts it."""
+        return labelled(test_spec(self._arrays, **self._test)[0])
+
+    def predict_unlabelled(self, ema: bool = True, batch_size: int = 250) -> tuple[numpy.ndarray, list | None]:
+        """(logits, file names or None) of the test data's source read without labels
+        (``towers.data.loading.load_unlabelled``): every image below a folder (flat or in class folders: the
+        names are their paths below it), an npz's examples, a TFRecord's; made as the run made its test data."""
+        batch = integer(batch_size, 1, "predict: batch_size")
+        spec = test_spec(self._arrays, **self._test)[0]
+        x, names = load_unlabelled(spec, self.example_shape, input_workers(self.config.get("input_workers"), 0))
+        try:
+            if self._spec is None:  # stored examples: those the run trained on, or not
+                check_test_split(x, None, f"{spec.path}: ", spec.x_key, self.example_dtype, self.example_shape)
+            with self.device.scope():
+                return self._replica(ema).predict(x, batch), names
+        finally:
+            if isinstance(x, OnDemand):
+                x.close()
 
     def test_data(self) -> TestSet:
         """The test split ``evaluate()`` and ``predict()`` take without ``x``: the run's `test_data`, else its
@@ -178,9 +271,13 @@ class Predictor:
                 f"{self.example_shape}{dtype} -> {self.num_classes} classes, on {self.device}>")
 
     def close(self) -> None:
-        """Stop the input workers of a TFRecord or image test set it loaded (idempotent)."""
+        """Stop the input workers of a TFRecord or image test set it loaded, and give the process its BLAS
+        threads back (idempotent)."""
         if self._own_sets:
             self._sets.close()
+        if self._blas is not None:
+            self._blas.restore_original_limits()
+            self._blas = None
 
     def __enter__(self) -> "Predictor":
         return self
@@ -202,21 +299,38 @@ def run_model(arrays: dict, path: str, model=None):
     return build_model(spec, shape, int(arrays["data/num_classes"]), ck.get("hidden", 500))
 
 
-def trained_dtype(arrays: dict) -> numpy.dtype | None:
-    """The dtype of the examples a checkpoint's model was trained on, as its towers took them; None when the
-    checkpoint does not record it (written before ``data/fingerprint``).
-
-    The stored dtype (the fingerprint's) is uint8 pixels or float32 (the
-    loader makes every float dtype float32); the image path's transform makes
-    uint8 pixels float32 with ``normalize`` or ``tf-cifar10``
-    (``towers.data.image.augment.transformed_dtype``).
-    """
+def run_spec(arrays: dict, path, x_key="x", y_key="y", decode=None) -> DataSpec:
+    """The description (``towers.data.pipeline``) of ``path`` read as a checkpoint's run read its data: its
+    settings' operations (``normalize``, ``augment``, ``image_size``, ``input_scale``), and an ``Images`` op
+    when the run had one (image operations, or an image folder: it recorded its classes).  ``path`` None:
+    the run's operations alone (what a loaded run applies to the examples it is given)."""
     ck = arrays["config"]
-    if ck.get("normalize") or ck.get("augment", "none") != "none":
-        from towers.data.image.augment import transformed_dtype  # the image path: imported only for it
+    settings = dict(on_error=ck.get("on_error", "stop"), augment=ck.get("augment", "none"),
+                    normalize=ck.get("normalize"), image_size=ck.get("image_size"),
+                    input_scale=ck.get("input_scale", "1/255"))
+    spec = describe(path, x_key, y_key, decode=decode, **settings)
+    if recorded_classes(arrays) is not None or describe(None, decode=ck.get("decode"), **settings).ops:
+        spec = spec.as_images()
+    return spec
 
-        if transformed_dtype(ck.get("augment", "none"), bool(ck.get("normalize"))) != numpy.uint8:
-            return numpy.dtype(numpy.float32)
+
+def test_spec(arrays: dict, data=None, test_data=None, x_key=None, y_key=None, decode=None) -> tuple[DataSpec, bool]:
+    """(the description of a checkpoint's test data, whether it is `data`'s own test split): ``test_data``
+    (else the checkpoint's, unless ``data`` replaces the whole data source), else ``data`` (else the
+    checkpoint's); the keys and ``decode`` the checkpoint's unless given; read as the run read its data
+    (``run_spec``: a model trained from images has its test data made as images too)."""
+    ck = arrays["config"]
+    test = test_data or (None if data else ck.get("test_data"))
+    path = test or data or ck["data"]
+    x_key, y_key = x_key or ck.get("x_key", "x"), y_key or ck.get("y_key", "y")
+    return run_spec(arrays, path, x_key, y_key, decode or (ck.get("decode") if is_tfrecord(path) else None)), \
+        test is None
+
+
+def stored_dtype(arrays: dict) -> numpy.dtype | None:
+    """The dtype a checkpoint's training examples were stored as (its fingerprint's): uint8 pixels, or float32
+    (the loader makes every float dtype float32); what a loaded run takes, its input transform applied after.
+    None when the checkpoint does not record it (written before ``data/fingerprint``)."""
     if "data/fingerprint" not in arrays:
         return None
     stored = json.loads(str(numpy.asarray(arrays["data/fingerprint"])[()])).get("dtype")
@@ -244,24 +358,15 @@ class TestSets:
         ``y_key``, ``decode``: the checkpoint's unless given.
         """
         ck = arrays["config"]
-        test = test_data or (None if data else ck.get("test_data"))
-        path = test or data or ck["data"]
-        x_key, y_key = x_key or ck.get("x_key", "x"), y_key or ck.get("y_key", "y")
+        spec, own = test_spec(arrays, data, test_data, x_key, y_key, decode)
         shape = tuple(int(v) for v in numpy.ravel(arrays["data/shape"])[1:])
         classes = recorded_classes(arrays)
         stored = json.loads(str(arrays["data/fingerprint"][()])) if "data/fingerprint" in arrays else {}
-        key = (path, test is None, x_key, y_key, shape, int(arrays["data/num_classes"]),
+        key = (spec.path, own, spec.x_key, spec.y_key, shape, int(arrays["data/num_classes"]),
                tuple(classes) if classes else None, stored.get("dtype"))
         if key not in self._sets:
-            settings = dict(on_error=ck.get("on_error", "stop"), augment=ck.get("augment", "none"),
-                            normalize=ck.get("normalize"), image_size=ck.get("image_size"))
-            spec = describe(path, x_key, y_key, decode=decode or (ck.get("decode") if is_tfrecord(path) else None),
-                            **settings)
-            # Trained from images (a folder: it recorded its classes): the test split is made as images too.
-            if classes is not None or describe(None, decode=ck.get("decode"), **settings).ops:
-                spec = spec.as_images()
             ds = load_test_data(spec, shape, key[5], classes, stored.get("dtype"),
-                                workers=input_workers(ck.get("input_workers"), 0), own=test is None)
+                                workers=input_workers(ck.get("input_workers"), 0), own=own)
             if self.loaded is not None:
                 self.loaded(ds)
             self._sets[key] = ds

@@ -30,7 +30,7 @@ from towers.config import steps_of_epochs
 from towers.data.batches import BatchSource, InputPosition, Prefetcher, start_batch, workers_of
 from towers.data.device_data import DeviceData, fits_on
 from towers.devices import kernels, matmul
-from towers.devices.cpu_threads import blas_threads, set_blas_threads
+from towers.devices.cpu_threads import limit_blas
 from towers.devices.placement import Placement, to_host
 from towers.executor import Executor
 from towers.nn.replica import Replica
@@ -128,7 +128,8 @@ class LocalExecutor(Executor):
         gpus = sorted({d.index for d in devices if d.is_gpu})
         if gpus:
             if fits_on(devices, self.dataset):
-                self.device_data = DeviceData(devices, streams, self.dataset, cfg.batch_size, cfg.accumulate)
+                self.device_data = DeviceData(devices, streams, self.dataset, cfg.batch_size, cfg.accumulate,
+                                              cfg.input_scale)
             for index in gpus:
                 with devices[0].xp.cuda.Device(index):
                     kernels.warm_up()
@@ -160,8 +161,7 @@ class LocalExecutor(Executor):
         threads = False
         if not any(d.is_gpu for d in devices):
             threads = n > 1 and cfg.cpu_towers == "threads" and reducer.splittable
-            self.blas_threads = cfg.blas_threads or blas_threads(n, serial=not threads, share=self.share.cores)
-            self._blas = set_blas_threads(self.blas_threads)
+        self.blas_threads, self._blas = limit_blas(devices, cfg.blas_threads, threads, self.share.cores)
         self.schedule = make_schedule(cfg, len(self.dataset.x), self.examples_per_step)
         keeper = keeping.build(reducer, self.timer, self.ema, cfg)
         self.engine = StepEngine(self.towers, keeper, self.schedule, l2=cfg.l2, timer=self.timer, threads=threads,
@@ -358,7 +358,8 @@ class LocalExecutor(Executor):
         self.synchronize()
         backend.restore(self._forms)
         with dev.scope():
-            yield Replica.holding(self.model, dev.xp, self.ema.shadow if ema else first.params, first.buffers)
+            yield Replica.holding(self.model, dev.xp, self.ema.shadow if ema else first.params, first.buffers,
+                                  self.cfg.input_scale)
 
     def evaluate(self, ema: bool, x, y, progress=None) -> dict:
         with self._scoring(ema) as r:

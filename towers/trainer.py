@@ -169,7 +169,8 @@ class Trainer:
             # The decoded-image cache is for one host: a cluster's data set travels to its hosts.
             cache = cfg.cache_images_mib if cfg.cache_images and not cluster else None
             spec = describe(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode, on_error=cfg.on_error,
-                            augment=cfg.augment, normalize=cfg.normalize, image_size=cfg.image_size, seed=cfg.seed)
+                            augment=cfg.augment, normalize=cfg.normalize, image_size=cfg.image_size, seed=cfg.seed,
+                            input_scale=cfg.input_scale)
             dataset = load_dataset(spec, workers=input_workers(cfg.input_workers, cpu_towers), cache_mib=cache,
                                    progress=not cfg.quiet)
             self._owned_data = dataset  # its TFRecord workers end with this trainer

@@ -66,15 +66,19 @@ MAX_CLASSES = 1 << 20
 CHUNK_BYTES = 1 << 20  # per step of a value check, a read or a CRC pass: bounded memory, cache-sized (measured fastest)
 _INT32_MAX = int(numpy.iinfo(numpy.int32).max)
 PIXEL_SCALE = numpy.float32(1 / 255)  # uint8 pixels -> [0, 1]
+#: The values of the `input_scale` setting and what uint8 pixels are multiplied by for each: 1/255 (0..1, the
+#: default) or 1 (0..255 as floats, as TensorFlow's multi-GPU example feeds them).
+INPUT_SCALES = {"1/255": PIXEL_SCALE, "1": numpy.float32(1)}
 
 
-def input_scale(dtype) -> numpy.float32 | None:
-    """What examples of ``dtype`` are multiplied by on the device: 1/255 for uint8 pixels, None for floats.
+def input_scale(dtype, setting: str = "1/255") -> numpy.float32 | None:
+    """What examples of ``dtype`` are multiplied by on the device: uint8 pixels by the `input_scale` setting's
+    factor (``INPUT_SCALES``: 1/255 by default), floats not at all (None).
 
     The one place of the rule; staging, device-resident data, evaluation and
     the image pipeline's normalization all ask here.
     """
-    return PIXEL_SCALE if numpy.dtype(dtype) == numpy.uint8 else None
+    return INPUT_SCALES[setting] if numpy.dtype(dtype) == numpy.uint8 else None
 
 
 class OnDemand:
@@ -560,6 +564,12 @@ def _pair(x, y, where: str, xk: str, yk: str):
     return x, y
 
 
+def npz_has(path: str, *keys: str, what: str = "data", setting: str = "data") -> bool:
+    """Whether the npz file ``path`` has every one of ``keys`` (reads only its directory)."""
+    with _Npz(path, what, setting) as npz:
+        return npz.has(*keys)
+
+
 def npz_has_test(path: str, what: str = "test data", setting: str = "test_data") -> bool:
     """Whether the npz file ``path`` holds its own test split, ``x_test`` and ``y_test`` (reads only its
     directory; one without the other is a UserError).
@@ -580,6 +590,16 @@ def test_keys(path: str, x_key: str, y_key: str, own: bool = False, what: str = 
     if own:
         raise UserError(f"{path} has no x_test/y_test: give test data (`test_data`), or data with x_test/y_test")
     return x_key, y_key
+
+
+def read_npz_examples(path: str, x_key: str, what: str = "test data", setting: str = "test_data") -> numpy.ndarray:
+    """An npz file's examples alone, under ``x_key`` (data without labels, to predict): read (or mapped),
+    verified and checked as every split's examples are (``check_examples``)."""
+    with _Npz(path, what, setting) as npz:
+        x = npz.array(x_key)
+    if x.ndim < 1 or not len(x):
+        raise UserError(f"{path}: key {x_key!r} holds no examples ({x.dtype} {x.shape})")
+    return check_examples(_host(x), str(path), x_key)
 
 
 def read_npz_pair(path: str, x_key: str, y_key: str, what: str = "data", setting: str = "data"):

@@ -56,10 +56,10 @@ class DeviceData:
     them; ``stage(i, k, buffer)`` then gathers tower ``i``'s micro-batch ``k``.
     """
 
-    def __init__(self, devices, streams, dataset, batch: int, accumulate: int = 1):
+    def __init__(self, devices, streams, dataset, batch: int, accumulate: int = 1, scale: str = "1/255"):
         self.devices, self.streams, self.batch = list(devices), list(streams), int(batch)
         self.accumulate = int(accumulate)  # micro-batches of ``batch`` rows per tower and step
-        self.scale = input_scale(dataset.x.dtype)
+        self.scale = input_scale(dataset.x.dtype, scale)  # ``scale``: the `input_scale` setting
         shape = (self.batch,) + tuple(dataset.example_shape)
         y32 = numpy.ascontiguousarray(dataset.y, dtype=numpy.int32)
         x_host = numpy.ascontiguousarray(

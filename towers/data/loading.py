@@ -16,7 +16,8 @@ memory, or TFRecord features read on demand (``towers.data.tfrecord.records``).
 With operations, ``towers.data.image.load`` makes them.  Either way the
 examples made on demand are one kind of array (``towers.data.examples``).
 ``load_test_data`` reads a test split alone, for a model a checkpoint
-describes (``towers.eval``): no training data is read.
+describes (``towers.eval``): no training data is read; ``load_unlabelled``
+reads data without labels to predict (``labelled`` tells the two apart).
 
 Notices while loading (an index being built, damaged records skipped) go to
 the ``towers`` logger, which the command lines print.  The TFRecord and image
@@ -25,8 +26,12 @@ readers (and protobuf behind them) are imported when a path needs them, so
 """
 from __future__ import annotations
 
-from towers.data.dataset import (Dataset, OnDemand, TestSet, check_test_split, load_npz, match_test_labels,
-                                 test_label_warnings)
+import os
+
+import numpy
+
+from towers.data.dataset import (Dataset, OnDemand, TestSet, check_test_split, load_npz, match_test_labels, npz_has,
+                                 npz_has_test, read_npz_examples, test_label_warnings)
 from towers.data.inputs import is_tfrecord
 from towers.data.kinds import Npz, kind_of
 from towers.data.pipeline import DataSpec, describe
@@ -126,3 +131,66 @@ def load_test_data(spec: DataSpec, example_shape, num_classes, class_names=None,
             x.close()
         raise
     return TestSet(x, y, test_label_warnings(y))
+
+
+def labelled(spec: DataSpec) -> bool:
+    """Whether the data at ``spec.path`` has labels: an image folder's class folders (a folder with images
+    of its own, beside folders or not, has none), an npz's ``x_test``/``y_test`` or ``y_key``, a TFRecord's
+    label feature (``towers.data.tfrecord.records.label_feature``)."""
+    path = spec.path
+    if os.path.isdir(path):
+        from towers.data.image.folder import EXTENSIONS
+
+        loose = any(f.lower().endswith(EXTENSIONS) and not f.startswith(".") for f in os.listdir(path))
+        return kind_of(path).encoded and not loose  # class folders, and only them
+    if is_tfrecord(path):
+        from towers.data.tfrecord.records import label_feature
+
+        x_key = spec.image_feature or spec.x_key
+        return label_feature(path, x_key, spec.y_key, spec.on_error, notice) is not None
+    return npz_has_test(path) or npz_has(path, spec.y_key)
+
+
+def load_unlabelled(spec: DataSpec, example_shape, workers=0):
+    """(examples, their file names or None) of the data at ``spec.path`` read without labels, to predict, as
+    a trained model of ``example_shape`` takes them: every image below a folder (flat, or in class folders;
+    their paths below it are the names), an npz's ``x_key``, a TFRecord's examples (or its encoded images).
+    A description with operations (a model trained from images) makes the examples by them
+    (``towers.data.image.load.made_as_trained``), else they are the stored ones, which the caller checks
+    against the model's."""
+    path = spec.path
+    names = None
+    if os.path.isdir(path):
+        from towers.data.image.folder import image_files
+        from towers.data.kinds import Split
+        from towers.data.sources import FileSource
+
+        if not spec.ops:
+            raise UserError(f"{path} is a folder of images, but the model was trained on stored arrays (npz, "
+                            "TFRecord features), not images: give its examples as it was trained on them")
+        files = image_files(path)
+        names = [os.path.relpath(f, path) for f in files]
+        split = Split(FileSource(files), numpy.zeros(len(files), numpy.int32))
+    elif is_tfrecord(path):
+        from towers.data.kinds import Split
+        from towers.data.tfrecord.records import encoded_images, load_split
+
+        if spec.image_feature is not None:
+            split = Split(*encoded_images(path, spec.x_key, None, spec.image_feature, spec.on_error, notice))
+        else:
+            x, y = load_split(path, spec.x_key, None, spec.stored, spec.on_error, workers, say=notice)
+            if not spec.ops:
+                return x, None
+            from towers.data.kinds import image_arrays
+
+            split = image_arrays(x[:], y, str(path))
+    else:
+        x = read_npz_examples(path, spec.x_key)
+        if not spec.ops:
+            return x, None
+        from towers.data.kinds import image_arrays
+
+        split = image_arrays(x, numpy.zeros(len(x), numpy.int32), str(path))
+    from towers.data.image.load import made_as_trained
+
+    return made_as_trained(spec, split, example_shape, path, workers, notice), names

@@ -16,7 +16,8 @@ op            what it does to one example                                      s
                                                                                 ``image_size`` text, or None: the
                                                                                 images' own)
 ``Augment``   the named augmentation's random draws (training only)             ``name``, ``seed``
-``Normalize`` ``(x / 255 - mean) / std`` per channel, float32                   ``text`` (MEAN,STD ...)
+``Normalize`` ``(x * scale - mean) / std`` per channel, float32; ``scale``     ``text`` (MEAN,STD ...),
+              1/255 unless `input_scale` says 1                                 ``scale``
 ============  ===============================================================  ==================================
 
 ``Augment`` and ``Normalize`` work on images, so an ``Images`` op comes first
@@ -29,7 +30,7 @@ thread or the workers by its cost.
 
 :func:`describe` builds a description from a path and the named settings of
 the command line and ``Config`` (``decode``, ``augment``, ``normalize``,
-``image_size``, ``seed``); a description can also be written directly.  Only
+``image_size``, ``seed``, ``input_scale``); a description can also be written directly.  Only
 the ``decode`` syntax is checked here (a malformed ``NAME:image:...``, or an
 ``image_size`` that disagrees with it, is a ``UserError``); every other check
 of the settings is the loader's, when it reads the data.  Importing this
@@ -63,9 +64,11 @@ class Augment:
 
 @dataclass(frozen=True)
 class Normalize:
-    """``(x / 255 - mean) / std`` per channel; ``text``: MEAN,STD or the per-channel means then stds."""
+    """``(x * scale - mean) / std`` per channel; ``text``: MEAN,STD or the per-channel means then stds;
+    ``scale``: the `input_scale` setting (``towers.data.dataset.INPUT_SCALES``)."""
 
     text: str
+    scale: str = "1/255"
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,11 @@ class DataSpec:
         n = self.op(Normalize)
         return None if n is None else n.text
 
+    @property
+    def input_scale(self) -> str:
+        n = self.op(Normalize)
+        return "1/255" if n is None else n.scale
+
     def split(self, path) -> "DataSpec":
         """The same operations on ``path`` alone (a test split read by itself: ``towers.eval``)."""
         return replace(self, path=path, test_path=None)
@@ -115,14 +123,15 @@ class DataSpec:
 
 
 def describe(path, x_key="x", y_key="y", test_path=None, *, decode=None, on_error="stop", augment="none",
-             normalize=None, image_size=None, seed=0) -> DataSpec:
+             normalize=None, image_size=None, seed=0, input_scale="1/255") -> DataSpec:
     """The description of ``path`` (and ``test_path``) with the named settings, as the command line gives them.
 
     ``decode`` ``NAME:image:H,W,C`` is an ``Images`` op reading that feature;
     ``NAME:DTYPE[:SHAPE]`` is how the feature is stored (``stored``).  A
     split of encoded images (``towers.data.kinds``: an image folder), ``image_size``, ``augment`` other than
     ``none`` and ``normalize`` each need an ``Images`` op, which then has
-    the decode's feature and size (``image_size`` must agree), else ``image_size``.
+    the decode's feature and size (``image_size`` must agree), else ``image_size``.  ``input_scale``:
+    what ``normalize`` multiplies the pixels by first (the device scales every other uint8 example).
     """
     image = parse_image_decode(decode) if decode else None
     if image is not None and image_size is not None:
@@ -135,7 +144,7 @@ def describe(path, x_key="x", y_key="y", test_path=None, *, decode=None, on_erro
     if augment != "none":
         ops.append(Augment(augment, seed))
     if normalize is not None:
-        ops.append(Normalize(normalize))
+        ops.append(Normalize(normalize, input_scale))
     if image is not None:
         ops.insert(0, Images(image[0], image[1]))
     elif ops or image_size is not None or any(kind_of(p).encoded for p in (path, test_path) if p is not None):

@@ -1,6 +1,6 @@
 """Staging: one tower's slice of the global batch onto its device, as float32.
 
-uint8 pixels travel as uint8 and are scaled by 1/255 on the device.  On a GPU
+uint8 pixels travel as uint8 and are scaled on the device (by 1/255, or as `input_scale` says).  On a GPU
 the copy goes through two pinned host buffers per tower, asynchronously on the
 tower's stream, and an event guards each buffer before it is refilled (the
 event's synchronize is the only host wait, and it is on a copy issued one step
@@ -17,10 +17,10 @@ from towers.devices.placement import empty_pinned
 class Stager:
     """Copies one tower's slice to its device and converts it to float32 there."""
 
-    def __init__(self, device, stream, batch: int, example_shape: tuple, x_dtype):
+    def __init__(self, device, stream, batch: int, example_shape: tuple, x_dtype, scale: str = "1/255"):
         self.device, self.stream = device, stream
         self.xp = device.xp
-        self.scale = input_scale(x_dtype)
+        self.scale = input_scale(x_dtype, scale)  # ``scale``: the `input_scale` setting
         shape = (batch,) + tuple(example_shape)
         with device.scope():
             self.x = self.xp.empty(shape, dtype=numpy.float32)

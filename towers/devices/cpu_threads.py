@@ -81,6 +81,21 @@ def blas_threads(towers: int, serial: bool = False, share: int = 0) -> int:
     return max(1, (share or max(1, cpu_count() - 1)) // towers)
 
 
+def limit_blas(devices, setting: int, threads: bool = False, share: int = 0):
+    """(BLAS threads, the limit's handle) of a process whose towers run on ``devices``; (None, None) with a
+    GPU among them (the CPU then only feeds them).  The one choice of a run's ``Trainer``
+    (``towers.local.LocalExecutor``) and of a loaded run (``towers.inference.Predictor``: one tower).
+
+    ``setting``: `blas_threads` (0: auto, ``blas_threads``); ``threads``: the
+    towers run concurrently in threads (else one after another); ``share``:
+    a cluster host's cores.  Undo with the handle's ``restore_original_limits()``.
+    """
+    if any(d.is_gpu for d in devices):
+        return None, None
+    n = setting or blas_threads(len(devices), serial=not threads, share=share)
+    return n, set_blas_threads(n)
+
+
 def set_blas_threads(n: int):
     """Limit BLAS to ``n`` threads for the whole process; returns a handle to undo it.
 

@@ -60,7 +60,8 @@ class Replica:
     ``params``, when given, is the parameter buffer to use (another
     replica's: the two then share their weights); gradients and buffers are
     always the replica's own.  ``precision``: the format a training step
-    computes in (module doc; ``fp32``: the masters themselves).
+    computes in (module doc; ``fp32``: the masters themselves).  ``input_scale``: the setting that says what
+    ``evaluate`` and ``predict`` multiply uint8 examples by (``towers.data.dataset.input_scale``).
     """
 
     def __init__(self, model: Sequential, xp, dtype=numpy.float32, label_smoothing: float = 0.0, params=None,
@@ -71,6 +72,7 @@ class Replica:
             raise ValueError(f"precision {precision} rounds float32 masters, not {numpy.dtype(dtype)}")
         self.model, self.xp, self.dtype = model, xp, numpy.dtype(dtype)
         self.precision = precision
+        self.input_scale = "1/255"
         self.label_smoothing = float(label_smoothing)
         self.context = StepContext()
         if params is not None and (params.shape != (model.size,) or params.dtype != self.dtype
@@ -119,10 +121,12 @@ class Replica:
         self.train_correct, self.train_seen = None, 0
 
     @classmethod
-    def holding(cls, model: Sequential, xp, params, buffers) -> "Replica":
+    def holding(cls, model: Sequential, xp, params, buffers, input_scale: str = "1/255") -> "Replica":
         """A replica of ``model`` on ``xp`` holding copies of these flat weights and buffers (to evaluate or
-        predict with: an EMA's weights, a run's, without touching the run's replicas)."""
+        predict with: an EMA's weights, a run's, without touching the run's replicas); ``input_scale``: the
+        run's setting."""
         r = cls(model, xp)
+        r.input_scale = input_scale
         r.set_params(params)
         r.set_buffers(buffers)
         return r
@@ -335,8 +339,8 @@ class Replica:
         them, and hold at most ``EVAL_CHUNK_BYTES`` of float32 examples (at
         least one example): large images take fewer a chunk (250 images of
         1024 x 1024 x 3 would be 2.9 GiB at once).  The last one is short,
-        never padded.  uint8 inputs are scaled by 1/255 on the device, as in
-        training.  The logits may live in a workspace that the next chunk
+        never padded.  uint8 inputs are scaled on the device as in training
+        (``input_scale``: by 1/255 unless the setting says 1).  The logits may live in a workspace that the next chunk
         overwrites: use them before asking for it.
         """
         xp = self.xp
@@ -344,7 +348,7 @@ class Replica:
         batch = max(1, min(batch, EVAL_CHUNK_BYTES // max(per_example, 1)))
         for start in range(0, len(x), batch):
             xb = xp.asarray(x[start : start + batch])
-            scale = input_scale(xb.dtype)
+            scale = input_scale(xb.dtype, self.input_scale)
             xb = xb * scale if scale is not None else xb.astype(self.dtype, copy=False)
             yield start, self.forward(xb.astype(self.dtype, copy=False))
 

@@ -84,6 +84,18 @@ def list_checkpoints(logdir: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
+def not_a_zip(path: str) -> str | None:
+    """Why the file at ``path`` cannot be an npz (``empty``, ``not an npz file: no zip header``), or None.
+
+    Checked before ``numpy.load``, which takes any file that is neither a zip
+    nor an .npy for a pickle, and says so with advice about ``allow_pickle``
+    (a text file is no pickle, and loading pickles is unsafe).
+    """
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return None if head == b"PK\x03\x04" else "empty" if not head else "not an npz file: no zip header"
+
+
 def load_checkpoint(path: str, final: bool = False) -> dict:
     """All arrays of a checkpoint, read in full (so zip CRCs are verified).
 
@@ -91,8 +103,13 @@ def load_checkpoint(path: str, final: bool = False) -> dict:
     step: ``load_final``.
     """
     try:
+        unzipped = not_a_zip(path)
+        if unzipped:
+            raise CheckpointError(f"{unzipped}; give a run's ckpt-*.npz or final.npz")
         with numpy.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
+    except CheckpointError:
+        raise
     except Exception as e:  # truncated, corrupt, not a zip, vanished: all "unreadable"
         raise CheckpointError(f"{e.__class__.__name__}: {e}") from None
     if is_final(arrays):

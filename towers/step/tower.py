@@ -116,6 +116,16 @@ class Tower:
         return str(self.device)
 
 
+def choose_forms(cfg, model, devices) -> str:
+    """The process's forms of the ops (``towers.ops.backend.choose``) for ``model``'s towers on ``devices``, from a
+    run's settings (``cpu_kernels``, ``gpu_conv``, ``cuda_graphs``: a ``Config``, or a checkpoint's settings as
+    attributes); returns what runs the CPU's kernels.  The one choice of ``build_towers`` and of a loaded run
+    (``towers.inference.Predictor``, one tower)."""
+    gpus = [d for d in devices if d.is_gpu]
+    return backend.choose(cfg.cpu_kernels, model, len(gpus) < len(devices), cfg.gpu_conv, gpus[0] if gpus else None,
+                          cuda_graphs=cfg.cuda_graphs and bool(gpus))
+
+
 def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, share: bool = False) -> list[Tower]:
     """One tower per placed device, replicas identical (one seeded draw), streams per GPU.
 
@@ -137,8 +147,7 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
     if cfg.cuda_graphs and any(layer.draws_on_host() for layer in model.layers):
         raise UserError("`cuda_graphs` replays each GPU step as it was captured, but dropout draws new masks on the "
                         "host every step: drop `cuda_graphs` (or the dropout layers)")
-    backend.choose(cfg.cpu_kernels, model, len(gpus) < len(placement.towers), cfg.gpu_conv,
-                   gpus[0] if gpus else None, cuda_graphs=graphs)
+    choose_forms(cfg, model, placement.towers)
     # ``share`` (a keeper whose replicas apply the same update to the same
     # weights: grads mode): CPU towers (one process's memory) share the first
     # CPU tower's parameter buffer, and its optimizer step is the only one: the
@@ -163,7 +172,7 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
                 cpu_params = replica.params
             replica.set_params(init)
             replica.context.tower, replica.context.seed = first_tower + i, seed
-        stager = Stager(dev, stream, batch_size, dataset.example_shape, dataset.x.dtype)
+        stager = Stager(dev, stream, batch_size, dataset.example_shape, dataset.x.dtype, cfg.input_scale)
         towers.append(Tower(i, dev, stream, replica, stager, timer.for_tower(i), cfg.accumulate,
                             first_tower + i, shares_params=shares,
                             graphs=StepGraphs(stream, replica.context.scalars, replica.reset_workspaces,

@@ -49,9 +49,11 @@ def test_the_cache_trains_the_weights_of_decoding_every_epoch_and_of_the_decoded
     finally:
         ds.close()
     assert _train(tmp_path / "npz", tmp_path / "decoded.npz", input_workers=0, **images)[0] == streamed
-    # Across a resume: a checkpoint written without the cache goes on with it to the same bytes.
+    # Across a resume: a checkpoint written without the cache goes on with it to the same bytes (given: a resume
+    # takes the settings it is not given from the checkpoint).
     _train(tmp_path / "resumed", path, steps=3, input_workers=1, cache_images=False, **images, **KEYS)
-    assert _train(tmp_path / "resumed", path, resume=True, input_workers=2, **images, **KEYS) == (streamed, True)
+    assert _train(tmp_path / "resumed", path, resume=True, input_workers=2, cache_images=True, **images,
+                  **KEYS) == (streamed, True)
 
 
 def test_an_image_folder_is_cached_to_the_same_weights(tmp_path):

@@ -32,7 +32,7 @@ imagenet      random resized crop (area 0.08-1, aspect 3/4-4/3,    resize the sh
 All of them work on uint8 and hand uint8 on, so batches cross to the devices
 4x smaller and are scaled there, except ``tf-cifar10`` (its brightness,
 contrast and standardization are float by definition) and ``normalize``
-(``(x / 255 - mean) / std`` per channel), which give float32.
+(``(x / 255 - mean) / std`` per channel; ``(x - mean) / std`` with `input_scale` 1), which give float32.
 
 Limits: ``imagenet`` resizes from the encoded image (DCT-scaled for JPEG), so
 an array source is cropped from its stored pixels; ``tf-cifar10`` needs H and
@@ -44,7 +44,7 @@ import math
 
 import numpy as np
 
-from towers.data.dataset import PIXEL_SCALE
+from towers.data.dataset import input_scale
 from towers.data.image import codec
 from towers.errors import UserError
 
@@ -84,7 +84,8 @@ def parse_image_size(text, setting="image_size") -> tuple[int, int, int]:
 
 
 def parse_normalize(text, channels: int):
-    """``MEAN,STD`` or ``M1,M2,M3,S1,S2,S3`` (on the 0..1 scale) -> (mean, std) float32 per channel."""
+    """``MEAN,STD`` or ``M1,M2,M3,S1,S2,S3`` (on the pixels' scale: `input_scale`'s, 0..1 by default) -> (mean,
+    std) float32 per channel."""
     try:
         values = [float(v) for v in str(text).split(",")]
     except ValueError:
@@ -92,7 +93,8 @@ def parse_normalize(text, channels: int):
     if len(values) not in (2, 2 * channels) or not all(map(math.isfinite, values)) or \
             min(values[len(values) // 2:]) <= 0:
         raise UserError(f"`normalize` {text!r}: give MEAN,STD (or {channels} means then {channels} stds) on the "
-                        "0..1 pixel scale, std > 0, e.g. 0.5,0.25 or 0.485,0.456,0.406,0.229,0.224,0.225")
+                        "pixels' scale (0..1; 0..255 with `input_scale` 1), std > 0, e.g. 0.5,0.25 or "
+                        "0.485,0.456,0.406,0.229,0.224,0.225")
     half = len(values) // 2
     mean, std = np.float32(values[:half]), np.float32(values[half:])
     return np.broadcast_to(mean, (channels,)).copy(), np.broadcast_to(std, (channels,)).copy()
@@ -107,12 +109,13 @@ def transformed_dtype(augment: str, normalized: bool) -> np.dtype:
 class Transform:
     """One example -> the towers' array: ``decode`` (H, W, C of the decoded image), ``augment``, ``normalize``.
 
-    ``encoded``: examples are image bytes (else uint8 (H, W, C) arrays).
-    ``shape``/``dtype``: what ``__call__`` returns.  Picklable: it travels to
-    the workers once.
+    ``encoded``: examples are image bytes (else uint8 (H, W, C) arrays);
+    ``scale``: the `input_scale` setting, what ``normalize`` multiplies the
+    pixels by first.  ``shape``/``dtype``: what ``__call__`` returns.
+    Picklable: it travels to the workers once.
     """
 
-    def __init__(self, size, augment="none", normalize=None, seed=0, encoded=True):
+    def __init__(self, size, augment="none", normalize=None, seed=0, encoded=True, scale="1/255"):
         if augment not in AUGMENTS:
             raise UserError(f"`augment` {augment!r} is unknown: use one of {', '.join(AUGMENTS)}")
         self.size, self.augment, self.seed, self.encoded = tuple(size), augment, int(seed), encoded
@@ -120,6 +123,7 @@ class Transform:
         if augment == "tf-cifar10" and min(h, w) < TF_CIFAR_CROP:
             raise UserError(f"`augment` tf-cifar10 crops 24 x 24 but the images are {h} x {w}")
         self.norm = parse_normalize(normalize, c) if normalize else None
+        self.scale = input_scale(np.uint8, scale)
         self.shape = (TF_CIFAR_CROP, TF_CIFAR_CROP, c) if augment == "tf-cifar10" else (h, w, c)
         self.dtype = transformed_dtype(augment, self.norm is not None)
         self.draws = {"none": 0, "cifar": 3, "tf-cifar10": 5, "imagenet": 41}[augment]
@@ -137,7 +141,7 @@ class Transform:
             elif self.augment == "tf-cifar10":
                 image = _tf_cifar10(image, u if train else None)
         if self.norm is not None:
-            image = (image.astype(np.float32) * PIXEL_SCALE - self.norm[0]) / self.norm[1]
+            image = (image.astype(np.float32) * self.scale - self.norm[0]) / self.norm[1]
         return image
 
     def _fitted(self, example, ratio=1.0) -> np.ndarray:

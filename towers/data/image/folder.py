@@ -117,6 +117,26 @@ def scan(root: str, setting: str = "data") -> tuple[list[str], list[str], np.nda
     return classes, paths, np.array(labels, np.int32)
 
 
+def image_files(root: str, setting: str = "test_data") -> list[str]:
+    """Every image below the folder ``root`` (.jpg, .jpeg, .png, in any folder below it; hidden ones left out),
+    sorted by path: data without labels, to predict.  A folder without images is a ``UserError``."""
+    found = []
+    try:
+        for folder, dirs, files in os.walk(root, onerror=_raise):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            found += [os.path.join(folder, f) for f in sorted(files)
+                      if not f.startswith(".") and f.lower().endswith(EXTENSIONS)]
+    except OSError as e:
+        raise UserError(f"`{setting}` {e.filename or root} cannot be listed ({e.strerror or e})") from None
+    if not found:
+        raise UserError(f"`{setting}` {root} holds no .jpg, .jpeg or .png images")
+    return found
+
+
+def _raise(error: OSError):
+    raise error
+
+
 def _header(path: str):
     try:
         with open(path, "rb") as f:

@@ -81,7 +81,7 @@ def _transform(spec: DataSpec, size, encoded: bool, decode_only: bool = False) -
     ``Images`` op alone, what the decoded-image cache keeps)."""
     if decode_only:
         return Transform(size, "none", None, spec.seed, encoded)
-    return Transform(size, spec.augment, spec.normalize, spec.seed, encoded)
+    return Transform(size, spec.augment, spec.normalize, spec.seed, encoded, spec.input_scale)
 
 
 def _made(name, split, transform, pool, spec, say, labels=None) -> Examples:
@@ -176,18 +176,28 @@ def load_image_test(spec: DataSpec, example_shape, workers=0, own=False, say=Non
     ``example_shape`` makes its test split (the deterministic path of its operations), for
     ``towers.data.loading.load_test_data``, which matches the labels to the training classes.
 
-    The example shape is the ``Images`` op's size (the decode's, else ``image_size``), else the training
-    examples' (H, W, C) (images of another size are fitted to it as the training images were), else the
-    test images' own.
+    The images are made by ``made_as_trained``.
+    """
+    test = kind_of(spec.path).images(spec, spec.path, say, test=True, own=own)
+    return made_as_trained(spec, test, example_shape, spec.path, workers, say), test.labels, test.classes
+
+
+def made_as_trained(spec: DataSpec, split, example_shape, name, workers=0, say=None) -> Examples:
+    """The examples of ``split`` made as a run of ``example_shape`` (its model's input) that ``spec`` describes
+    made its test split: its operations' deterministic path (the center of its augmentation, its
+    normalization), by ``workers`` (0: the calling thread).  What ``towers.eval`` evaluates
+    (``load_image_test``) and what a loaded run predicts from (``towers.inference.Predictor``).
+
+    The images are fitted (shorter side, center crop) to the ``Images`` op's size (the decode's, else
+    ``image_size``), else to the model's (H, W) as the training images were, else (``tf-cifar10``, whose
+    model takes its 24 x 24 center) taken at their own size, as the training images were.
     """
     images = _images(spec)
-    test = kind_of(spec.path).images(spec, spec.path, say, test=True, own=own)
-    if images.size is None and len(example_shape) == 3:
+    if images.size is None and len(example_shape) == 3 and spec.augment != "tf-cifar10":
         size = tuple(example_shape)
     else:
-        size = _size(test, images.size)
-    x = _made(spec.path, test, _transform(spec, size, test.source.encoded), Workers(workers), spec, say)
-    return x, test.labels, test.classes
+        size = _size(split, images.size)
+    return _made(name, split, _transform(spec, size, split.source.encoded), Workers(workers), spec, say)
 
 
 def propose(path) -> str | None:

@@ -69,15 +69,28 @@ def _choose(where, columns, n, key, default, candidates, what, setting):
                      f"{_listing(columns, n)}")
 
 
+def label_feature(path, x_key="x", y_key="y", on_error="stop", say=None) -> str | None:
+    """The feature ``load_split`` takes the labels of the TFRecord file or glob ``path`` from (``y_key``, else the
+    one int64 scalar feature besides the examples'), or None: the records hold no labels."""
+    indexes, n, columns = index_split(path, on_error, say)
+    x = x_key[len("context/"):] if x_key.startswith("context/") else x_key
+    candidates = [k for k, c in columns.items() if all(k in i.scalars for i in indexes) and k != x]
+    try:
+        return _choose(path, columns, n, y_key, "y", candidates, "labels", "y_key")
+    except UsageError:
+        return None
+
+
 def load_split(path, x_key="x", y_key="y", decode=None, on_error="stop", workers=2, say=None):
-    """(examples read on demand, ``record_examples``; int32 labels) of the TFRecord file or glob ``path``."""
+    """(examples read on demand, ``record_examples``; int32 labels) of the TFRecord file or glob ``path``;
+    ``y_key`` None: records without labels (the labels are zeros)."""
     indexes, n, columns = index_split(path, on_error, say)
     spec = parse_decode(decode) if decode else None
     x_candidates = [spec[0]] if spec and spec[0] in columns else [
         k for k, c in columns.items() if c.fixed_bytes(n) or (c.kind == KIND_FLOAT and c.dense_shape(n))]
     xname = _choose(path, columns, n, x_key, "x", x_candidates, "examples", "x_key")
     y_candidates = [k for k, c in columns.items() if all(k in i.scalars for i in indexes) and k != xname]
-    yname = _choose(path, columns, n, y_key, "y", y_candidates, "labels", "y_key")
+    yname = None if y_key is None else _choose(path, columns, n, y_key, "y", y_candidates, "labels", "y_key")
     x_column = columns[xname]
     if spec and spec[0] != xname:
         raise UsageError(f"`decode` {decode} names {spec[0]!r} but the examples are {xname!r}: decode the "
@@ -93,14 +106,15 @@ def load_split(path, x_key="x", y_key="y", decode=None, on_error="stop", workers
     else:
         raise UsageError(f"{path}: feature {xname!r} ({x_column.describe(n)}) cannot be examples: give one "
                          "string of fixed length per record with `decode`, or a fixed-length float feature")
-    y = _labels(path, indexes, columns, n, yname)
+    y = np.zeros(n, np.int32) if yname is None else _labels(path, indexes, columns, n, yname)
     return record_examples(path, indexes, xname, x_column.kind, dtype, shape, workers, y), y
 
 
 def encoded_images(path, x_key, y_key, feature, on_error, say=None):
     """(``RecordSource`` of the encoded-image feature ``feature``, int32 labels ``y_key``, class names or None)
     of the TFRecord file or glob ``path``: what the ``Images`` op decodes (``towers.data.kinds``).  The class
-    names are the records' ``image/class/text`` (:func:`class_names`)."""
+    names are the records' ``image/class/text`` (:func:`class_names`); ``y_key`` None: records without labels
+    (zeros, no class names)."""
     indexes, n, columns = index_split(path, on_error, say)
     if x_key not in ("x", feature):
         raise UsageError(f"`decode` names {feature!r} but `x_key` is {x_key!r}: drop `x_key`, or make them agree")
@@ -112,10 +126,12 @@ def encoded_images(path, x_key, y_key, feature, on_error, say=None):
                          f"{feature!r} is {what}; the features: " + "; ".join(
                              f"{k} ({c.describe(n)})" for k, c in sorted(columns.items())))
     labels = [k for k in columns if all(k in i.scalars for i in indexes) and k != feature]
+    source = RecordSource([i.path for i in indexes], feature, *positions(indexes))
+    if y_key is None:
+        return source, np.zeros(n, np.int32), None
     yname = _choose(path, columns, n, y_key, "y", labels, "labels", "y_key")
     labels = _labels(path, indexes, columns, n, yname)
-    return RecordSource([i.path for i in indexes], feature, *positions(indexes)), labels, \
-        class_names(indexes, labels)
+    return source, labels, class_names(indexes, labels)
 
 
 def class_names(indexes, labels) -> list[str] | None:
