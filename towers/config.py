@@ -25,14 +25,14 @@ from pathlib import Path
 
 from towers.data.image.augment import AUGMENTS, parse_image_size, parse_normalize
 from towers.errors import UserError
-from towers.nn.models import model_defaults
+from towers.nn.models import ZERO_INIT_MODELS, model_defaults
 from towers.ops.backend import GPU_CONVS
 from towers.ops.precision import ALLREDUCE_DTYPES, PRECISIONS
 from towers.optim.optimizers import OPTIMIZERS, check_given, check_settings as check_optimizer_settings
 from towers.optim.optimizers import settings as optimizer_settings
 from towers.optim.schedule import SCHEDULES, parse_list, piecewise_values
 from towers.parallel.sync import MODES
-from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Choice, Free, Integer, Number, Text, check_fields,
+from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Bool, Choice, Free, Integer, Number, Text, check_fields,
                              setting, switch, with_settings)
 
 
@@ -136,10 +136,15 @@ class Config:
     # model
     model: str = setting(
         "mlp", "`mlp`, `lenet5`, `cifar10` (TF's CIFAR-10 tutorial model), `resnet20`, `resnet32`, `resnet56` "
-        "(He et al.), or `package.module:function` returning a towers.Sequential or a list of layers (see Models)",
+        "(He et al.'s CIFAR ResNets), `resnet50`, `resnet101`, `resnet152` (ImageNet's, v1.5), `vgg16`, or "
+        "`package.module:function` returning a towers.Sequential or a list of layers (see Models)",
         group="model", check=Free(), resume=REFUSE, type="str", metavar="NAME")
     hidden: int = setting(500, "hidden units of the mlp", group="model", check=Integer(1), resume=REFUSE,
                           type="int", metavar="N", used_when=lambda cfg: cfg.model == "mlp")
+    zero_init_residual: bool = setting(
+        False, "resnet50, resnet101, resnet152: start the last batch norm's gamma of each residual block at 0, so "
+        "each block starts as the identity (Goyal et al.)", group="model", check=Bool(), resume=NOTE, type="bool",
+        used_when=lambda cfg: cfg.model in ZERO_INIT_MODELS)
     # optimization; None: the model's default (towers.nn.models)
     optimizer: str | None = setting(
         None, f"the optimizer: {', '.join(f'`{o}`' for o in OPTIMIZERS)} (default: the model's; mlp, cifar10, "

@@ -45,7 +45,7 @@ from towers.output import checkpoint
 from towers.optim.optimizers import OPTIMIZERS
 from towers.optim.schedule import piecewise_values
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, lock_logdir, writing
-from towers.output.summaries import Reporter, TensorBoard, progress_bar, trim_metrics
+from towers.output.summaries import Reporter, TensorBoard, per_tower, progress_bar, trim_metrics
 
 
 class Extension:
@@ -144,6 +144,7 @@ class LogLine(Every):
                     f"classes = {chance:.4f}) after {step - run.start_step} steps: the run has not learned; "
                     "lower `lr`, or try `optimizer` adam")
         run.reporter.log_step(step, run.loss, run.lr, steps * run.trainer.global_batch / (now - self._t),
+                              run.trainer.executor.running_towers,
                               (now - self._t) / steps, render(note) if note else None)
         self._t, self._step = now, step
 
@@ -366,7 +367,7 @@ class Run:
         parts.append(f"writing {written:.1f} s")
         self.reporter.say(
             f"done: {t.step - self.start_step} steps (to step {t.step}) in {total:.1f} s ({', '.join(parts)}); "
-            f"training {rate:.1f} examples/sec on {towers} tower{'s' if towers > 1 else ''} "
+            f"training {rate:.1f} examples/sec{per_tower(rate, towers)} on {towers} tower{'s' if towers > 1 else ''} "
             f"({t.towers_text()}), {cfg.sync} sync, "
             f"{(exchanges - self.start_exchanges) / max(t.step - self.start_step, 1):.2f} {per_step}"
             f"{scaling_text}; wrote {final}")

@@ -146,7 +146,7 @@ class Trainer:
             spec = describe(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode, on_error=cfg.on_error,
                             augment=cfg.augment, normalize=cfg.normalize, image_size=cfg.image_size, seed=cfg.seed)
             dataset = load_dataset(spec, workers=input_workers(cfg.input_workers, cpu_towers), cache_mib=cache,
-                                   progress=not cfg.quiet)
+                                   progress=not cfg.quiet, seed=cfg.seed)
             self._owned_data = dataset  # its TFRecord workers end with this trainer
         elif not isinstance(dataset, Dataset):
             raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "
@@ -155,7 +155,7 @@ class Trainer:
         self.data_path = cfg.data if shipped is None else None  # where the data came from (None: handed over)
         try:
             self.model = build_model(model if model is not None else cfg.model, dataset.example_shape,
-                                     dataset.num_classes, cfg.hidden)
+                                     dataset.num_classes, cfg.hidden, cfg.zero_init_residual)
             # Sync-BN pools one host's towers (a cluster's hosts check with theirs).
             if not (cluster and cfg.sync_bn):
                 check_batch_statistics(self.model, cfg.batch_size,

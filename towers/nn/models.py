@@ -291,14 +291,14 @@ def build_model(spec, input_shape: tuple, num_classes: int, hidden: int = 500,
     returns a ``Sequential`` (or a list of layers).  A model object (a
     ``Sequential`` or a list of layers) is built as it is.
     """
+    if zero_init_residual and not (isinstance(spec, str) and spec in ZERO_INIT_MODELS):
+        raise UserError(f"`zero_init_residual` applies to {', '.join(ZERO_INIT_MODELS)}, not "
+                        f"{spec if isinstance(spec, str) else 'a model object'}: drop it")
     if not isinstance(spec, str):
         model, where = as_sequential(spec, "the model object"), "the model object"
     elif spec in MODELS:
         fn, where = MODELS[spec].build, f"`model` {spec}"
-        if zero_init_residual:
-            if spec not in ZERO_INIT_MODELS:
-                raise UserError(f"`zero_init_residual` applies to {', '.join(ZERO_INIT_MODELS)}, not {spec}")
-            fn = ZERO_INIT_MODELS[spec]
+        fn = ZERO_INIT_MODELS[spec] if zero_init_residual else fn
         model = fn(input_shape, num_classes, hidden=hidden) if spec == "mlp" else fn(input_shape, num_classes)
     elif ":" in spec:
         where = f"`model` {spec}"

@@ -383,9 +383,11 @@ def diverged(step: int, what: str, last_path: str | None, cause: str | None = No
 
 def config_json(cfg) -> str:
     """The run's settings as JSON, with data paths made absolute (eval may run elsewhere)."""
+    from towers.data.kinds import is_synthetic
+
     d = asdict(cfg)
     for key in ("data", "test_data"):
-        if d.get(key):
+        if d.get(key) and not is_synthetic(d[key]):
             d[key] = os.path.abspath(d[key])
     return json.dumps(d, sort_keys=True)
 
