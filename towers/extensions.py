@@ -236,7 +236,7 @@ class Run:
             raise e.at(self.trainer.step, self.checkpointer.last_path) from None
 
     def start(self) -> None:
-        self.reporter.say(render(settings_line(self.trainer.cfg, self.trainer.model.size)))
+        self.reporter.say(render(settings_line(self.trainer.cfg, self.trainer.model.size, self.trainer.recipe)))
         self._t0 = time.perf_counter()
 
     def wants_loss(self, step: int) -> bool:
@@ -394,21 +394,28 @@ class Run:
             self._lock = None
 
 
-def settings_line(cfg, n_params: int | None = None) -> str:
-    """The settings in effect, first line of a run: the model (and its trainable parameters), the optimizer's
-    hyperparameters (those its file ``reads``), the learning-rate schedule and the recipe's options when they
-    are on (warm-up, label smoothing, sync-BN); the default job's line is the one it always was."""
+def settings_line(cfg, n_params: int | None = None, recipe=None) -> str:
+    """The settings in effect, first line of a run: the model (and its trainable parameters), the model's
+    ``recipe`` when the run took it, the optimizer's hyperparameters (those its file ``reads``), the
+    learning-rate schedule and the recipe's options when they are on (warm-up, label smoothing, sync-BN,
+    augmentation); the default job's line is the one it always was."""
     model = f"model {cfg.model}" + (f" ({n_params:,} trainable parameters)" if n_params is not None else "")
+    if recipe is not None:
+        model += f", recipe {recipe.name}"
     parts = [model, f"optimizer {cfg.optimizer}", f"lr {cfg.lr:g}"]
     if cfg.lr_schedule in (None, "exponential"):
         parts.append(f"lr_decay {cfg.lr_decay:g}")
     elif cfg.lr_schedule == "piecewise":
         bounds, values = piecewise_values(cfg)
-        parts.append(f"lr_schedule piecewise {','.join(map(str, bounds))} -> {','.join(f'{v:g}' for v in values)}")
+        at = "at epochs " if cfg.lr_epochs else ""
+        parts.append(f"lr_schedule piecewise {at}{','.join(f'{b:g}' for b in bounds)} -> "
+                     f"{','.join(f'{v:g}' for v in values)}")
     else:
         parts.append(f"lr_schedule {cfg.lr_schedule}")
     if cfg.warmup_steps:
         parts.append(f"warmup_steps {cfg.warmup_steps}")
+    if cfg.warmup_epochs:
+        parts.append(f"warmup_epochs {cfg.warmup_epochs:g}")
     # The optimizer's hyperparameters, as its file lists them: numbers with their value, flags by name when on.
     hyper = [name if value is True else f"{name} {value:g}" for name in OPTIMIZERS[cfg.optimizer].reads
              if (value := getattr(cfg, name)) is not False]
@@ -419,6 +426,8 @@ def settings_line(cfg, n_params: int | None = None) -> str:
         parts.append(f"label_smoothing {cfg.label_smoothing:g}")
     if cfg.sync_bn:
         parts.append("sync_bn")
+    if cfg.augment not in (None, "none"):
+        parts.append(f"augment {cfg.augment}")
     steps = f"steps {cfg.steps}" if cfg.epochs is None else f"epochs {cfg.epochs} = steps {cfg.steps}"
     parts += [f"ema_decay {cfg.ema_decay:g}", steps, f"sync {cfg.sync}"]
     return "settings: " + ", ".join(parts)

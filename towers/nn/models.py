@@ -5,6 +5,10 @@ layers, a built-in model carries the training settings it is known to train
 well with (``BuiltinModel.defaults``): the optimizer, and for each optimizer the
 learning rate, its decay and the momentum.  ``towers.config`` fills every
 setting the user left unset from these, so ``--model lenet5`` alone trains.
+Some also carry their paper's whole recipe (``Recipe``: batch, schedule in
+epochs, augmentation), which a run takes when its data is what the recipe was
+made for (``model_recipe``: 32x32x3 for the CIFAR models, 3-channel images for
+the ImageNet ResNets).
 A user's model (``package.module:function``, or a model object handed to the
 ``Trainer``) gets the generic defaults (``GENERIC``).
 
@@ -232,10 +236,54 @@ _GOYAL = {"lr": 0.1, "lr_decay": 1.0, "momentum": 0.9, "l2": 1e-4}
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """A model's whole training recipe for the data it was made for, in epochs (so it holds for any data set
+    size and tower count).
+
+    It applies (``applies``) to examples of ``shape`` (None: any image of 3 channels, (H, W, 3)).
+    ``settings`` are ``Config`` settings by name; ``global_batch`` sets ``batch_size`` to its share per
+    tower (rounded, at least 1); ``lr_per_256`` sets ``lr`` to it x the examples of a step / 256 (Goyal
+    et al.'s linear scaling rule).  ``towers.config.Config.resolved`` fills from it only what the user left
+    unset; ``towers.trainer.Trainer`` decides whether it applies (see ``recipe_for``).
+    """
+
+    name: str
+    shape: tuple | None
+    settings: dict
+    global_batch: int | None = None
+    lr_per_256: float | None = None
+
+    def applies(self, example_shape) -> bool:
+        s = tuple(example_shape)
+        return s == self.shape if self.shape is not None else len(s) == 3 and s[2] == 3
+
+
+# He et al. 2016, section 4.2: SGD with momentum 0.9, weight decay 1e-4, batch 128, lr 0.1 divided by 10 at
+# 32k and 48k steps, 64k steps in all, on 45k training images: epochs 91, 136 and 182; pad 4, random crop, flip.
+HE_CIFAR = Recipe("He et al. 2016 (CIFAR-10)", (32, 32, 3), {
+    "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "l2": 1e-4, "lr_schedule": "piecewise",
+    "lr_epochs": "91,136", "epochs": 182, "augment": "cifar"}, global_batch=128)
+# TensorFlow's CIFAR-10 tutorial (cifar10_multi_gpu_train): plain SGD, batch 128 per tower, lr 0.1 divided by
+# 10 every 350 epochs (staircase), 1,000,000 steps of 128 (2,560 epochs of 50k), its 24x24 crops, flips,
+# brightness and contrast; weight decay 0.004 on local3 and local4 (the model's `l2`).
+TF_CIFAR10 = Recipe("TensorFlow's CIFAR-10 tutorial", (32, 32, 3), {
+    "optimizer": "sgd", "lr": 0.1, "momentum": 0.0, "l2": 0.004, "lr_schedule": "piecewise",
+    "lr_epochs": ",".join(str(350 * k) for k in range(1, 8)), "epochs": 2560, "augment": "tf-cifar10",
+    "batch_size": 128})
+# Goyal et al. 2017: SGD momentum 0.9, weight decay 1e-4 (not on batch norm or biases: the models'), 32 images a
+# tower, lr 0.1 x global batch / 256 after a 5-epoch linear warm-up, divided by 10 at epochs 30, 60 and 80 of 90;
+# random resized crops and flips, resize 256 and center crop 224 for evaluation (`augment` imagenet).
+GOYAL = Recipe("Goyal et al. 2017 (ImageNet)", None, {
+    "optimizer": "sgd", "momentum": 0.9, "l2": 1e-4, "lr_schedule": "piecewise", "lr_epochs": "30,60,80",
+    "warmup_epochs": 5.0, "epochs": 90, "augment": "imagenet", "batch_size": 32}, lr_per_256=0.1)
+
+
+@dataclass(frozen=True)
 class BuiltinModel:
     build: Callable[..., Sequential]
     optimizer: str  # the optimizer it uses by default
     defaults: dict = field(default_factory=lambda: GENERIC)  # optimizer -> settings (over GENERIC's)
+    recipe: Recipe | None = None  # its whole recipe, for the data it was made for
 
 
 MODELS: dict[str, BuiltinModel] = {
@@ -249,15 +297,23 @@ MODELS: dict[str, BuiltinModel] = {
     # The tutorial: plain SGD, lr 0.1 decayed by 10x every 350 epochs (here per
     # epoch, continuously: 0.1 ** (1 / 350)), weight decay 0.004.
     "cifar10": BuiltinModel(cifar10, "sgd", {"sgd": {"lr": 0.1, "lr_decay": 0.1 ** (1 / 350), "l2": 0.004},
-                                             "adam": {"l2": 0.004}}),
-    **{f"resnet{6 * n + 2}": BuiltinModel(resnet(n), "sgd", {"sgd": _HE}) for n in (3, 5, 9)},
-    **{f"resnet{d}": BuiltinModel(bottleneck_resnet(b), "sgd", {"sgd": _GOYAL}) for d, b in BOTTLENECK_DEPTHS.items()},
+                                             "adam": {"l2": 0.004}}, TF_CIFAR10),
+    **{f"resnet{6 * n + 2}": BuiltinModel(resnet(n), "sgd", {"sgd": _HE}, HE_CIFAR) for n in (3, 5, 9)},
+    **{f"resnet{d}": BuiltinModel(bottleneck_resnet(b), "sgd", {"sgd": _GOYAL}, GOYAL)
+       for d, b in BOTTLENECK_DEPTHS.items()},
     "vgg16": BuiltinModel(vgg16, "sgd", {"sgd": _GOYAL}),
 }
 
 
 # The models that start each residual block's last batch-norm gamma at 0 with `zero_init_residual`.
 ZERO_INIT_MODELS = {f"resnet{d}": bottleneck_resnet(b, zero_init_residual=True) for d, b in BOTTLENECK_DEPTHS.items()}
+
+
+def model_recipe(spec, example_shape) -> Recipe | None:
+    """The recipe of the built-in model ``spec`` when it applies to examples of ``example_shape``, else None."""
+    entry = MODELS.get(spec) if isinstance(spec, str) else None
+    recipe = entry.recipe if entry else None
+    return recipe if recipe is not None and recipe.applies(example_shape) else None
 
 
 def model_defaults(spec, optimizer: str | None) -> tuple[str, dict]:
