@@ -963,7 +963,8 @@ def _bench(a, tmp, sizes: dict, rounds: int) -> int:
                   "Run it on a GPU machine, or pass --quick for a CPU smoke run", file=sys.stderr)
             return 2
     print(f"{rounds} rounds per row (best kept); per model: timed steps per round, warm-up steps, profiled steps, "
-          "batch per tower: " + "; ".join(f"{m} {s[0]}, {s[1]}, {s[2]}, {MODELS[m][3]}" for m, s in sizes.items()),
+          "batch per tower: " + "; ".join(f"{m} {s[0]}, {s[1]}, {s[2]}, {(a.batch if m in CONV else None) or MODELS[m][3]}"
+                                          for m, s in sizes.items()),
           flush=True)
 
     rows = _plan(gpus, torch_ok, a.models, a.torch_compile, a.gpu_conv, a.batch)
@@ -1034,7 +1035,7 @@ def _measure(a, tmp, rows, sizes: dict, rounds: int, data: dict) -> None:
         cold_error = (r.get("cold") or {}).get("error")
         # The main figures at once, so that a run cut short still shows what it measured.
         got = "" if "error" in res else (f": {res['samples_per_sec']:.0f} samples/s, peak "
-                                         f"{_fmt(_mib(res.get('peak_bytes')))} MiB, loss {res['loss']:.3f}")
+                                         f"{_fmt(_mib(res.get('peak_bytes')))} MiB, loss {_fmt(res['loss'], '{:.3f}')}")
         print(f"  measured {r['name']} in {time.perf_counter() - t0:.1f} s{got}"
               + (f": FAILED {res['error']}" if "error" in res else "")
               + (f" (its cold start-up run FAILED: {cold_error})" if cold_error else ""), flush=True)
