@@ -1085,7 +1085,8 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
     print()
     if not gpus:
         print("NO GPU FOUND: the ratios below compare CPU runs, not the issue's GPU targets")
-    g = {r["name"]: (r.get("result") or {}).get("samples_per_sec") for r in rows}
+    # By the rows' names without the forward-only mark: the ratios of a --forward-only run are inference's.
+    g = {r["name"].removesuffix(", forward only"): (r.get("result") or {}).get("samples_per_sec") for r in rows}
     where = "GPU 0" if gpus else "CPU"
     ratios: dict = {}
     for model, target in (("MLP", 1.0), ("LeNet-5", 0.8)):
@@ -1099,7 +1100,7 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
                    g.get(f"{model} {t} 2 towers sharing {where}, global 200"),
                    g.get(f"{model} PyTorch eager, {where}, b200"), target)
     for model, form in ((m, f) for m in a.models if m in CONV for f in (a.gpu_conv if gpus else ["im2col"])):
-        b, t = MODELS[model][3], towers_label(form)
+        b, t = (a.batch if model in CONV else None) or MODELS[model][3], towers_label(form)
         one, two = g.get(f"{model} {t} 1 tower, {where}, b{b}"), g.get(f"{model} {t} 2 towers sharing {where}, "
                                                                         f"global {2 * b}")
         for variant, target in (("fp32", 1.0), ("amp", None), ("compile", None)):
@@ -1122,7 +1123,9 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
     if a.json:
         report = {"env": env, "settings": dict(models=a.models, sizes={m: dict(zip(("steps", "warmup", "profile_steps"),
                                                                                     s)) for m, s in sizes.items()},
-                                               rounds=rounds, batch_per_tower={m: MODELS[m][3] for m in a.models},
+                                               rounds=rounds, batch_per_tower={m: (a.batch if m in CONV else None) or MODELS[m][3]
+                                                                for m in a.models},
+                                               forward_only=a.forward_only,
                                                torch_compile=a.torch_compile, quick=a.quick),
                   "rows": rows, "main_job": main_job, "ratios": ratios, "total_s": total}
         with atomic_path(a.json) as path:
