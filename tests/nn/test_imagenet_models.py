@@ -104,3 +104,12 @@ def test_vgg16_trains_on_the_cpu_and_its_loss_falls():
         tr.run_steps(20)
         after = tr.evaluate(ema=False, x=x, y=y)["loss"]
     assert after < 0.9 * before, (before, after)
+
+
+def test_zero_init_residual_is_refused_for_models_without_bottleneck_blocks():
+    from towers.errors import UserError
+
+    for spec in ("resnet20", "vgg16", [bottleneck_resnet((1, 1, 1, 1), width=2)((16, 16, 3), 2)]):
+        with pytest.raises(UserError, match="zero_init_residual applies to resnet50, resnet101, resnet152"):
+            build_model(spec if isinstance(spec, str) else spec[0], (16, 16, 3), 2, zero_init_residual=True)
+    assert build_model("resnet101", (16, 16, 3), 2, zero_init_residual=True).output_shape == (2,)
