@@ -337,3 +337,42 @@ def test_metadata_names_an_image_folders_classes(tmp_path, capsys):
     with safe_open(str(out), "np") as f:
         assert f.metadata()["towers.classes"] == "3"
         assert json.loads(f.metadata()["towers.class_names"]) == ["cat", "dog", "emu"]
+
+
+def test_resnet50_exports_into_torchvisions_resnet50_strictly_and_gives_towers_logits():
+    """ResNet-50's weights (random, the batch norms' statistics and affine parameters too) in the torch layout
+    (``towers.export.convert``, what --layout torch writes, through safetensors' bytes): torchvision's own
+    ``resnet50(num_classes=10)`` loads them strictly (every name and shape, ``num_batches_tracked`` too) and in
+    eval mode computes towers' logits on 32x32 images.  (The command line's path, checkpoint to file, is the
+    other tests'; a run of ResNet-50 would take the suite's time.)"""
+    torch = pytest.importorskip("torch")
+    torchvision = pytest.importorskip("torchvision")
+    from safetensors.numpy import save
+    from safetensors.torch import load
+
+    from towers.export import convert
+    from towers.nn.models import build_model
+    from towers.nn.replica import Replica
+
+    model = build_model("resnet50", (32, 32, 3), 10)
+    rng = np.random.default_rng(0)
+    params, buffers = model.init_params(0), model.init_buffers()
+    for name, _, off, size in model.layout():
+        if name.endswith(("gamma", "beta")):
+            params[off: off + size] = rng.uniform(0.5, 1.5, size) if name.endswith("gamma") else rng.normal(0, .1, size)
+    for name, _, off, size in model.buffer_layout():
+        buffers[off: off + size] = rng.normal(0, 0.1, size) if name.endswith("mean") else rng.uniform(0.5, 1.5, size)
+    named = {n: flat[o: o + k].reshape(shape) for flat, layout in ((params, model.layout()),
+                                                                  (buffers, model.buffer_layout()))
+             for n, shape, o, k in layout}
+    net = torchvision.models.resnet50(num_classes=10)
+    net.load_state_dict(load(save(convert(model, named, "torch"))))  # strict
+    net.eval()
+    replica = Replica(model, np)
+    replica.set_params(params)
+    replica.set_buffers(buffers)
+    x = rng.integers(0, 256, (3, 32, 32, 3)).astype(np.float32) / 255
+    ours = np.asarray(replica.forward(x))
+    with torch.no_grad():
+        theirs = net(torch.from_numpy(x.transpose(0, 3, 1, 2).copy())).numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)

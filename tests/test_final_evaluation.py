@@ -19,7 +19,7 @@ from tests.conftest import REPO
 from towers import Config, Dataset, Trainer
 
 DONE = re.compile(r"done: (\d+) steps \(to step \d+\) in ([\d.]+) s \(building ([\d.]+) s, training ([\d.]+) s, "
-                  r"test evaluation ([\d.]+) s, writing ([\d.]+) s\); training ([\d.]+) examples/sec on ")
+                  r"test evaluation ([\d.]+) s, writing ([\d.]+) s\); training ([\d.]+) examples/sec(?:, [\d.]+ per tower)? on ")
 
 
 def slow_to_evaluate() -> Dataset:

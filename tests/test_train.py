@@ -1,5 +1,6 @@
 """The trainer end to end, on the CPU (and through the NCCL stand-in)."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -89,7 +90,11 @@ def test_default_command_trains_on_embedded_data(tmp_path):
         why = ("no CUDA device found" if cupy_installed() else
                "CuPy is not installed (towers[cuda12] or towers[cuda13] for GPUs)")
         assert f"soft placement: {why}, running 2 towers on the CPU with NumPy" in res.stderr
-    assert "step 100, loss = " in res.stdout and "examples/sec; " in res.stdout
+    assert "step 100, loss = " in res.stdout and "examples/sec, " in res.stdout
+    per_tower = re.search(r"\(([\d.]+) examples/sec, ([\d.]+) per tower; ", res.stdout)  # images/s per GPU
+    assert per_tower and float(per_tower[2]) == pytest.approx(float(per_tower[1]) / 2, abs=0.06)
+    done = re.search(r"training ([\d.]+) examples/sec, ([\d.]+) per tower on 2 towers", res.stdout)
+    assert done and float(done[2]) == pytest.approx(float(done[1]) / 2, abs=0.06)
     lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "loss" in m] == list(range(100, 2001, 100))
     assert set(lines[0]) == {"step", "loss", "train_accuracy", "lr", "examples_per_sec"}

@@ -138,8 +138,12 @@ MODELS = {
     "ResNet-20": ("resnet20", 0.1, 0.9, CONV_BATCH, (32, 32, 3), "cifar_shaped.npz"),
     "ResNet-56": ("resnet56", 0.1, 0.9, CONV_BATCH, (32, 32, 3), "cifar_shaped.npz"),
     "CIFAR-10": ("cifar10", 0.1, 0.0, CONV_BATCH, (24, 24, 3), "cifar24_shaped.npz"),
+    # tf_cnn_benchmarks' workload: ImageNet-sized synthetic images (towers' `--data synthetic`), 1000 classes,
+    # batch 64 a tower (--batch 128 for its other row), Goyal et al.'s SGD (lr 0.1, momentum 0.9).
+    "ResNet-50": ("resnet50", 0.1, 0.9, 64, (224, 224, 3), "synthetic:1000"),
 }
-CONV = ("ResNet-20", "ResNet-56", "CIFAR-10")  # the conv nets: --conv-steps, short warm-up, AMP rows
+CONV = ("ResNet-20", "ResNet-56", "CIFAR-10", "ResNet-50")  # the conv nets: --conv-steps, short warm-up, AMP rows
+CLASSES = {"ResNet-50": 1000}  # the others: 10
 DEFAULT_MODELS = ("MLP", "LeNet-5")
 CONV_WARMUP, CONV_PROFILE = 5, 3  # the conv nets' warm-up and profiled steps unless --warmup / --profile-steps
 
@@ -164,6 +168,14 @@ def model_names(text: str) -> list[str]:
     if bad or not out:
         raise ValueError(f"unknown model {', '.join(map(repr, bad))}" if bad else "no model named")
     return out
+
+
+def load_data(model: str, path: str):
+    """The data set of ``model``'s rows: its npz file, or (ResNet-50) towers' synthetic images of its shape."""
+    shape = MODELS[model][4]
+    if path.startswith("synthetic"):
+        return load_dataset(path, image_size=",".join(map(str, shape)))
+    return load_dataset(path)
 
 
 def l2_of(model: str) -> float:
@@ -349,11 +361,13 @@ def _towers_worker(spec) -> dict:
     """One towers configuration: start-up, timed steps, launches, peak device memory."""
     t_launch = spec["t_launch"]
     marks = {"imports": _since(t_launch)}
-    ds = load_dataset(spec["data"])
+    ds = load_data(spec["model"], spec["data"])
     name, lr, momentum, batch = MODELS[spec["model"]][:4]
+    batch = spec.get("batch") or batch
     conv, graphs = split_form(spec.get("gpu_conv", "im2col"))
     cfg = Config(n_gpu=spec["towers"], devices=spec["devices"], model=name, batch_size=batch,
-                 optimizer="sgd", lr=lr, momentum=momentum, quiet=True, gpu_conv=conv, cuda_graphs=graphs)
+                 optimizer="sgd", lr=lr, momentum=momentum, quiet=True, gpu_conv=conv, cuda_graphs=graphs,
+                 precision=spec.get("precision", "fp32"))
     trainer = Trainer(cfg, dataset=ds)
     marks["trainer built"] = _since(t_launch)
     gpus = [] if spec["devices"] == "cpu" else [int(d) for d in spec["devices"].split(",")]
@@ -374,6 +388,9 @@ def _towers_worker(spec) -> dict:
         def step(k):
             trainer.train_step_at(ring[k % RING])
 
+        if spec.get("forward_only"):  # inference: each tower's forward pass (eval mode) on a batch on its device
+            step = _forward_steps(trainer, ds, ring, batch)
+
         step(0)
         trainer.synchronize()
         marks["first step done"] = _since(t_launch)
@@ -382,8 +399,10 @@ def _towers_worker(spec) -> dict:
         sample()
         t = time_steps(step, trainer.synchronize, spec["steps"], spec["warmup"], spec["rounds"], on_warm=sample)
         sample()
-        losses = trainer.train_step_at(ring[0], want_loss=True)
-        loss = sum(float(v) for v in losses) / len(losses)
+        loss = None
+        if not spec.get("forward_only"):
+            losses = trainer.train_step_at(ring[0], want_loss=True)
+            loss = sum(float(v) for v in losses) / len(losses)
         k = t.pop("next_k") + 1
         if spec["devices"] == "cpu":
             launches = {"na": "CPU towers"}
@@ -409,6 +428,26 @@ def _towers_worker(spec) -> dict:
                 data_on_device=on_device, peak_bytes=max(peaks) if peaks else None,
                 peak_source="cupy memory pool high-water (total_bytes), largest GPU" if peaks else None,
                 data_bytes=int(ds.x.nbytes + ds.y.nbytes) if on_device else 0)
+
+
+def _forward_steps(trainer, ds, ring, batch: int, kept: int = 4):
+    """``step(k)`` of ``--forward-only``: every tower's forward pass in evaluation mode on one of ``kept``
+    batches already on its device (float32, scaled as training scales uint8), issued on its stream."""
+    from towers.devices.placement import on_stream
+
+    towers_ = trainer.executor.towers
+    batches = []
+    for t in towers_:
+        with t.device.scope():
+            xp = t.replica.xp
+            batches.append([xp.asarray((ds.x[ring[j][:batch]] * numpy.float32(1 / 255)).astype(numpy.float32))
+                            for j in range(kept)])
+
+    def step(k):
+        for t, xs in zip(towers_, batches):
+            with t.device.scope(), on_stream(t.stream):
+                t.replica.forward(xs[k % kept])
+    return step
 
 
 def _trunc_normal(nn, t, std: float) -> None:
@@ -445,6 +484,11 @@ def _torch_net(torch, model: str):
         # L2 on the convolution and fc weights, not on BN's gamma and beta.
         regularized = [p for p in net.parameters() if p.dim() in (2, 4)]
         return net, regularized
+    elif model == "ResNet-50":  # torchvision's own: towers' resnet50 is it layer for layer (BN eps 1e-5, 0.1)
+        import torchvision
+
+        net = torchvision.models.resnet50(num_classes=CLASSES[model])
+        return net, [p for p in net.parameters() if p.dim() in (2, 4)]  # conv and fc weights, as towers
     elif model == "CIFAR-10":
         # TF's cifar10.inference as towers builds it: conv 5x5x64 SAME, max-pool 3x3 stride 2 SAME, ReLU (after
         # the pool: the same function), LRN, conv 5x5x64, ReLU, LRN, max-pool, fc 384, fc 192, fc 10.  TF's
@@ -478,7 +522,7 @@ def param_counts(model: str, net=None, regularized=None) -> dict:
     A mismatch raises AssertionError: the two rows would not train the same network.
     """
     tname, *_, shape, _ = MODELS[model]
-    ours = build_model(tname, shape, 10)
+    ours = build_model(tname, shape, CLASSES.get(model, 10))
     out = {"towers": ours.size, "towers_l2": ours.n_regularized}
     if net is not None:
         out.update(torch=sum(p.numel() for p in net.parameters()), torch_l2=sum(p.numel() for p in regularized))
@@ -526,8 +570,15 @@ def _torch_worker(spec) -> dict:
     opt = torch.optim.SGD([{"params": weights, "weight_decay": l2_of(model)}, {"params": others}],
                           lr=lr, momentum=momentum)
     ema = [p.detach().clone() for p in params]
+    forward_only = bool(spec.get("forward_only"))
+    if forward_only:
+        net.eval()
     forward = torch.compile(net) if variant == "compile" else net
-    d = numpy.load(spec["data"])
+    if spec["data"].startswith("synthetic"):
+        synthetic = load_data(model, spec["data"])
+        d = {"x": synthetic.x, "y": synthetic.y}
+    else:
+        d = numpy.load(spec["data"])
     gb = spec["batch"]
     image = len(example) == 3  # NHWC colour data: the conv nets
     shape = (gb, 28, 28) if model == "MLP" else (gb, 1, 28, 28)
@@ -556,6 +607,10 @@ def _torch_worker(spec) -> dict:
     def step(k):
         xh, yh = ring[k % RING]
         xb = prepare(xh.to(dev, non_blocking=True))
+        if forward_only:
+            with torch.no_grad(), autocast():
+                last["loss"] = forward(xb)
+            return
         with autocast():
             loss = loss_fn(forward(xb), yh.to(dev, non_blocking=True))
         opt.zero_grad(set_to_none=True)
@@ -577,8 +632,10 @@ def _torch_worker(spec) -> dict:
     t = time_steps(step, sync, spec["steps"], spec["warmup"], spec["rounds"])
     peak = torch.cuda.max_memory_allocated(dev) if gpu else None
     reserved = torch.cuda.max_memory_reserved(dev) if gpu else None
-    with torch.no_grad():  # towers' loss includes its L2 term, S * sum(w**2) / 2: the same here (untimed)
-        loss = float(last["loss"]) + l2_of(model) / 2 * float(sum((w.float() ** 2).sum() for w in weights))
+    loss = None
+    if not forward_only:
+        with torch.no_grad():  # towers' loss includes its L2 term, S * sum(w**2) / 2: the same here (untimed)
+            loss = float(last["loss"]) + l2_of(model) / 2 * float(sum((w.float() ** 2).sum() for w in weights))
     k = t.pop("next_k")
     launches = count_launches(step, sync, spec["profile_steps"], k, 1) if gpu else {"na": "CPU run"}
     return dict(t, global_batch=gb, loss=loss, startup=marks, launches=launches, peak_bytes=peak,
@@ -676,14 +733,16 @@ def model_forms(model: str, forms) -> list[str]:
     return ["im2col"] + (["im2col+graphs"] if any(split_form(f)[1] for f in forms) else [])
 
 
-def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool, forms=("im2col",)) -> list[dict]:
+def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool, forms=("im2col",),
+          batch: int | None = None) -> list[dict]:
     """The rows, model by model: the PyTorch references first (a run cut short keeps them), then towers'
-    configurations (the conv nets once per ``gpu_conv`` form)."""
+    configurations (the conv nets once per ``gpu_conv`` form, and in bf16); ``batch``: the conv nets' batch
+    per tower instead of their own."""
     dev = "0" if gpus else "cpu"
     where = "GPU 0" if gpus else "CPU"
     rows = []
     for model in models:
-        b = MODELS[model][3]
+        b = (batch if model in CONV else None) or MODELS[model][3]
         variants = ["fp32"] + (["amp", "compile"] if model in CONV else [])
         for variant in variants:
             label = TORCH_VARIANTS[variant] + (" fp32" if variant == "fp32" and model in CONV else "")
@@ -708,7 +767,9 @@ def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool, for
             rows.append(dict(name=f"{model} towers N towers on N GPUs", kind="skip",
                              note="skipped: only one GPU" if gpus == 1 else "skipped: no GPU"))
         if model in CONV:
-            rows.append(dict(name=f"{model} towers bf16", kind="skip", note="not implemented (towers has no bf16 yet)"))
+            form = model_forms(model, forms)[0] if gpus else "im2col"
+            rows.append(dict(name=f"{model} {towers_label(form)} bf16 1 tower, {where}, b{b}", kind="towers",
+                             model=model, towers=1, devices=dev, gpu_conv=form, precision="bf16"))
     return rows
 
 
@@ -720,7 +781,8 @@ START_S = {"env": 5.0, "towers": 12.0, "torch": 12.0, "cold": 10.0}
 GRAPHS_S = 5.0  # a +graphs row's warm-up step before its capture, and the capture
 # Milliseconds of one step of one tower at the model's batch on an H100/H200 (docs/performance.md: towers' eager
 # im2col rows, the slowest form; 2 towers sharing take twice as long), PyTorch's rows counted the same.
-STEP_MS = {"MLP": 0.6, "LeNet-5": 1.0, "ResNet-20": 11.0, "ResNet-56": 30.0, "CIFAR-10": 3.5}
+STEP_MS = {"MLP": 0.6, "LeNet-5": 1.0, "ResNet-20": 11.0, "ResNet-56": 30.0, "CIFAR-10": 3.5,
+           "ResNet-50": 150.0}  # ResNet-50 at b64, 224x224: a guess (never run on a GPU here)
 
 
 def estimate_seconds(rows: list[dict], sizes: dict, rounds: int, startup: bool = False,
@@ -863,6 +925,11 @@ def parse_args(argv=None):
     ap.add_argument("--startup", action="store_true",
                     help="also time each towers row's start-up with an empty CuPy kernel cache (a cold run of its "
                          "own per row; off: the rows share one kernel cache, and their start-up is timed once)")
+    ap.add_argument("--forward-only", action="store_true",
+                    help="time inference instead of training steps: each tower's forward pass in evaluation mode "
+                         "(PyTorch: eval mode, no_grad), as tf_cnn_benchmarks' --forward_only")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="the conv nets' batch per tower instead of their own (ResNet-50: 64; e.g. --batch 128)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, on the CPU when there is no GPU")
     ap.add_argument("--no-main-job", action="store_true", help="skip the default main job comparison")
     ap.add_argument("--verbose", action="store_true", help="print the kernel names counted for each row, with their time per step")
@@ -921,6 +988,9 @@ def _bench(a, tmp, sizes: dict, rounds: int) -> int:
     data = {}  # model -> its data file, one per shape
     for model in a.models:
         shape, fname = MODELS[model][4:6]
+        if fname.startswith("synthetic"):  # made in each worker (towers' --data synthetic), no file
+            data[model] = fname
+            continue
         path = os.path.join(tmp, fname)
         if not os.path.exists(path):
             make_data(path, 2000 if a.quick else 10000, shape)
@@ -946,10 +1016,16 @@ def _bench(a, tmp, sizes: dict, rounds: int) -> int:
                   "Run it on a GPU machine, or pass --quick for a CPU smoke run", file=sys.stderr)
             return 2
     print(f"{rounds} rounds per row (best kept); per model: timed steps per round, warm-up steps, profiled steps, "
-          "batch per tower: " + "; ".join(f"{m} {s[0]}, {s[1]}, {s[2]}, {MODELS[m][3]}" for m, s in sizes.items()),
+          "batch per tower: " + "; ".join(f"{m} {s[0]}, {s[1]}, {s[2]}, {(a.batch if m in CONV else None) or MODELS[m][3]}"
+                                          for m, s in sizes.items()),
           flush=True)
 
-    rows = _plan(gpus, torch_ok, a.models, a.torch_compile, a.gpu_conv)
+    rows = _plan(gpus, torch_ok, a.models, a.torch_compile, a.gpu_conv, a.batch)
+    for r in rows:  # every towers row of a conv net at --batch; forward-only rows say so
+        if r["kind"] == "towers" and a.batch and r["model"] in CONV:
+            r["batch"] = a.batch
+        if a.forward_only:
+            r["name"] += ", forward only"
     failed = False
     try:
         _measure(a, tmp, rows, sizes, rounds, data)
@@ -987,8 +1063,9 @@ def _measure(a, tmp, rows, sizes: dict, rounds: int, data: dict) -> None:
             continue
         model = r["model"]
         steps, warmup, profile_steps = sizes[model]
-        spec = {k: r[k] for k in ("model", "devices", "gpu_conv") if k in r}
-        spec.update(data=data[model], steps=steps, warmup=warmup, rounds=rounds, profile_steps=profile_steps)
+        spec = {k: r[k] for k in ("model", "devices", "gpu_conv", "precision", "batch") if k in r}
+        spec.update(data=data[model], steps=steps, warmup=warmup, rounds=rounds, profile_steps=profile_steps,
+                    forward_only=a.forward_only)
         t0 = time.perf_counter()
         if r["kind"] == "towers":
             spec["towers"] = r["towers"]
@@ -1014,7 +1091,7 @@ def _measure(a, tmp, rows, sizes: dict, rounds: int, data: dict) -> None:
         cold_error = (r.get("cold") or {}).get("error")
         # The main figures at once, so that a run cut short still shows what it measured.
         got = "" if "error" in res else (f": {res['samples_per_sec']:.0f} samples/s, peak "
-                                         f"{_fmt(_mib(res.get('peak_bytes')))} MiB, loss {res['loss']:.3f}")
+                                         f"{_fmt(_mib(res.get('peak_bytes')))} MiB, loss {_fmt(res['loss'], '{:.3f}')}")
         for g in res.get("graphs") or []:  # a failed capture's traceback, in the log as it happened
             if g.get("traceback"):
                 print(f"  {r['name']}: the capture failed ({g['refused']}):\n{g['traceback']}", flush=True)
@@ -1067,7 +1144,8 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
     print()
     if not gpus:
         print("NO GPU FOUND: the ratios below compare CPU runs, not the issue's GPU targets")
-    g = {r["name"]: (r.get("result") or {}).get("samples_per_sec") for r in rows}
+    # By the rows' names without the forward-only mark: the ratios of a --forward-only run are inference's.
+    g = {r["name"].removesuffix(", forward only"): (r.get("result") or {}).get("samples_per_sec") for r in rows}
     where = "GPU 0" if gpus else "CPU"
     ratios: dict = {}
     for model, target in (("MLP", 1.0), ("LeNet-5", 0.8)):
@@ -1081,7 +1159,7 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
                    g.get(f"{model} {t} 2 towers sharing {where}, global 200"),
                    g.get(f"{model} PyTorch eager, {where}, b200"), target)
     for model, form in ((m, f) for m in a.models if m in CONV for f in (a.gpu_conv if gpus else ["im2col"])):
-        b, t = MODELS[model][3], towers_label(form)
+        b, t = (a.batch if model in CONV else None) or MODELS[model][3], towers_label(form)
         one, two = g.get(f"{model} {t} 1 tower, {where}, b{b}"), g.get(f"{model} {t} 2 towers sharing {where}, "
                                                                         f"global {2 * b}")
         for variant, target in (("fp32", 1.0), ("amp", None), ("compile", None)):
@@ -1104,7 +1182,9 @@ def _report(a, rows, main_job, env, gpus, sizes, rounds, t_start, failed) -> int
     if a.json:
         report = {"env": env, "settings": dict(models=a.models, sizes={m: dict(zip(("steps", "warmup", "profile_steps"),
                                                                                     s)) for m, s in sizes.items()},
-                                               rounds=rounds, batch_per_tower={m: MODELS[m][3] for m in a.models},
+                                               rounds=rounds, batch_per_tower={m: (a.batch if m in CONV else None) or MODELS[m][3]
+                                                                for m in a.models},
+                                               forward_only=a.forward_only,
                                                torch_compile=a.torch_compile, quick=a.quick),
                   "rows": rows, "main_job": main_job, "ratios": ratios, "total_s": total}
         with atomic_path(a.json) as path:

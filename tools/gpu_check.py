@@ -55,6 +55,9 @@ driver, test or benchmark cannot hang the check):
    streamed to the console and to ``LOGDIR/bench.log`` (a failed CUDA-graph
    capture's traceback included), stopped after ``--bench-timeout`` seconds
    (default ``BENCH_TIMEOUT``; the rows measured by then are kept);
+   With ``--models resnet50``, more benchmark steps follow (``EXTRA_BENCHES``: not in the default run),
+   each under ``--bench-timeout``, written to ``LOGDIR/bench-NAME.json`` and ``.log``, their rows added
+   to the summary;
 5. the summary (``render_summary``), printed last and written to
    ``LOGDIR/summary.md``: the machine, the preflight's versions, the test
    counts and every failing test with its message's first line
@@ -118,6 +121,16 @@ BENCH_ARGS = ("--models resnet20 --conv-steps 20 --warmup 5 --rounds 2 --profile
               "--gpu-conv im2col,cudnn,cudnn+graphs --host-profile")
 # The GPU tests that run first: what the next GPU run checks first (a run stopped at its limit has them).
 FIRST_TESTS = ("tests/gpu/test_gpu_cudnn.py", "tests/gpu/test_gpu_graphs.py")
+# Benchmarks not in the default run, asked for with ``--models``: one benchmark step per entry (its own
+# bench-NAME.json and .log, each under --bench-timeout).  ResNet-50: tf_cnn_benchmarks' workload, 224x224x3
+# synthetic images, batch 64 and 128 a tower, towers fp32 (cuDNN) and bf16 against PyTorch eager fp32, eager
+# AMP bf16 channels-last and torch.compile; then the same forward only (inference).
+EXTRA_BENCHES = {
+    "resnet50": [(f"resnet50-{tag}", f"--models resnet50 --conv-steps 10 --warmup 3 --rounds 2 --profile-steps 2 "
+                  f"--no-main-job --gpu-conv cudnn --torch-compile {extra}")
+                 for tag, extra in (("b64", "--batch 64"), ("b128", "--batch 128"),
+                                    ("b64-forward", "--batch 64 --forward-only"))],
+}
 PER_TEST_TIMEOUT = 120  # pytest-timeout's --timeout, when it is installed
 PROBE_TIMEOUT = 20.0  # nvidia-smi -L and the CuPy probe, run at once
 PREFLIGHT_TIMEOUT = 60.0  # the preflight's imports (nvmath imports its fft, linalg, sparse, tensor modules) and handles
@@ -827,7 +840,15 @@ def main(argv=None) -> int:
                     f"\"{BENCH_ARGS}\" (--bench-args=--quick for one word)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run the pipeline without a GPU (tests skip, the benchmark runs --quick on the CPU)")
+    ap.add_argument("--models", default="", metavar="LIST",
+                    help="benchmarks not in the default run, after it, each under --bench-timeout: "
+                         + ", ".join(EXTRA_BENCHES) + " (ResNet-50 at 224x224 on synthetic data, batch 64 and 128 "
+                         "a tower, and forward only)")
     a = ap.parse_args(argv)
+    a.models = [m.strip().lower() for m in a.models.split(",") if m.strip()]
+    unknown = [m for m in a.models if m not in EXTRA_BENCHES]
+    if unknown:
+        ap.error(f"--models {','.join(unknown)}: use some of {', '.join(EXTRA_BENCHES)}")
     try:
         bench_extra = shlex.split(a.bench_args if a.bench_args is not None else "" if a.cpu_smoke else BENCH_ARGS)
     except ValueError as e:
@@ -923,9 +944,27 @@ def _check(a, logdir: Path, bench_extra: list[str]) -> int:
         bench_error = (f"bench.json is missing (the benchmark was stopped before writing it; see {bench_log})"
                        if not bench_json.exists() else str(e))
 
+    extra_ok, extra_text = True, ""
+    for name, words in (e for m in a.models for e in EXTRA_BENCHES[m]):
+        out_json, out_log = logdir / f"bench-{name}.json", logdir / f"bench-{name}.log"
+        out_json.unlink(missing_ok=True)
+        cmd = [sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--json", str(out_json.resolve()), "--verbose"]
+        cmd += (["--quick"] if a.cpu_smoke else []) + shlex.split(words)
+        print(f"\ngpu_check: benchmark {name} (at most {a.bench_timeout:g} s): {shlex.join(cmd)}", flush=True)
+        step = run_logged(f"benchmark {name}", cmd, out_log, a.bench_timeout, env)
+        steps.append(step)
+        extra_ok &= step.ok
+        try:
+            rows = read_bench(out_json)["rows"]
+        except ValueError as e:
+            rows, extra_text = [], extra_text + f"\nbenchmark {name}: {step.status}; no figures ({e})\n"
+        if rows:
+            extra_text += f"\nbenchmark {name}: {step.status}\n\n| row | samples/s |\n| --- | --- |\n" + "".join(
+                f"| {r.name} | {_fmt_rate(r.samples_per_sec) if r.samples_per_sec is not None else r.note} |\n"
+                for r in rows)
     text = render_summary(facts, suite, suite_step, bench, bench_step, steps, str(logdir), a.cpu_smoke,
-                          bench_error)
-    status = verdict(suite, suite_step, bench_step, a.cpu_smoke)
+                          bench_error) + extra_text
+    status = verdict(suite, suite_step, bench_step, a.cpu_smoke) or (0 if extra_ok else 1)
     said = [ln for ln in (logdir / "cudnn-probe.log").read_text(errors="replace").splitlines()
             if ln.startswith("cudnn_probe: ")]
     text += f"cuDNN probe: {said[-1] if said else 'no summary line'} ({probe_step.status}; {logdir / 'cudnn-probe.log'})\n"

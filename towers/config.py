@@ -26,15 +26,15 @@ from pathlib import Path
 from towers.data.dataset import INPUT_SCALES
 from towers.data.image.augment import AUGMENTS, parse_image_size, parse_normalize
 from towers.errors import UserError
-from towers.nn.models import model_defaults
+from towers.nn.models import ZERO_INIT_MODELS, model_defaults
 from towers.ops.backend import GPU_CONVS
 from towers.ops.precision import ALLREDUCE_DTYPES, PRECISIONS
 from towers.optim.optimizers import OPTIMIZERS, check_given, check_settings as check_optimizer_settings
 from towers.optim.optimizers import settings as optimizer_settings
 from towers.optim.schedule import SCHEDULES, parse_list, piecewise_values
 from towers.parallel.sync import MODES
-from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Choice, Free, Integer, Number, StepsOrEpoch, Text,
-                             check_fields, inherited, setting, switch, tracks_given, with_settings)
+from towers.settings import (BATCH, NOTE, REFUSE, SILENT, Bool, Choice, Free, Integer, Number, StepsOrEpoch,
+                             Text, check_fields, inherited, setting, switch, tracks_given, with_settings)
 
 
 def _default_data() -> str:
@@ -137,11 +137,12 @@ class Config:
         "default: --decode's, or the images' own when all alike", group="images",
         check=Text(parse=parse_image_size), resume=NOTE, type="str | None", metavar="H,W,C",
         shown="`--decode`'s, or the images' own")
-    augment: str = setting(
-        "none", "images, training only: `none`, `cifar` (pad 4, random crop, flip), `tf-cifar10` (TF tutorial: "
+    augment: str | None = setting(
+        None, "images, training only: `none`, `cifar` (pad 4, random crop, flip), `tf-cifar10` (TF tutorial: "
         "24x24 crop, flip, brightness, contrast, per-image standardization), `imagenet` (random resized crop, "
-        "flip); evaluation takes the center (see Image data in docs/data.md)", group="images", check=Choice(AUGMENTS),
-        resume=NOTE, type="str", metavar="NAME")
+        "flip); evaluation takes the center (see Image data in docs/data.md); default `none`, or the model's recipe's",
+        group="images", check=Choice(AUGMENTS, optional=True), resume=NOTE, type="str | None", metavar="NAME",
+        shown="`none`, or the recipe's", model_default=True, fallback="none")
     normalize: str | None = setting(
         None, "images: `(x/255 - mean) / std` per channel (`(x - mean) / std` with --input-scale 1), MEAN,STD or one "
         "of each per channel, e.g. 0.5,0.25 or 0.485,0.456,0.406,0.229,0.224,0.225 (examples become float32; not "
@@ -159,10 +160,15 @@ class Config:
     # model
     model: str = setting(
         "mlp", "`mlp`, `lenet5`, `cifar10` (TF's CIFAR-10 tutorial model), `resnet20`, `resnet32`, `resnet56` "
-        "(He et al.), or `package.module:function` returning a towers.Sequential or a list of layers (see Your own model and layers in docs/models.md)",
+        "(He et al.'s CIFAR ResNets), `resnet50`, `resnet101`, `resnet152` (ImageNet's, v1.5), `vgg16`, or "
+        "`package.module:function` returning a towers.Sequential or a list of layers (see Built-in models and Your own model and layers in docs/models.md)",
         group="model", check=Free(), resume=REFUSE, type="str", metavar="NAME")
     hidden: int = setting(500, "hidden units of the mlp", group="model", check=Integer(1), resume=REFUSE,
                           type="int", metavar="N", used_when=lambda cfg: cfg.model == "mlp")
+    zero_init_residual: bool = setting(
+        False, "resnet50, resnet101, resnet152: start the last batch norm's gamma of each residual block at 0, so "
+        "each block starts as the identity (Goyal et al.)", group="model", check=Bool(), resume=NOTE, type="bool",
+        used_when=lambda cfg: cfg.model in ZERO_INIT_MODELS)
     # optimization; None: the model's default (towers.nn.models)
     optimizer: str | None = setting(
         None, f"the optimizer: {', '.join(f'`{o}`' for o in OPTIMIZERS)} (default: the model's; mlp, cifar10, "
@@ -170,8 +176,10 @@ class Config:
         "read it", group="optimization",
         check=Choice(lambda: tuple(OPTIMIZERS), optional=True), resume=NOTE, type="str | None", metavar="NAME",
         shown="the model's")
-    batch_size: int = setting(100, "examples per tower per step", group="optimization", check=Integer(1),
-                              resume=BATCH, type="int", metavar="B")
+    batch_size: int | None = setting(
+        None, "examples per tower per step (default 100, or the model's recipe's)", group="optimization",
+        check=Integer(1, optional=True), resume=BATCH, type="int | None", metavar="B",
+        shown="100, or the recipe's", model_default=True, fallback=100)
     accumulate: int = setting(
         1, "micro-batches of --batch-size each tower sums before one all-reduce and one update: a step takes "
         "towers x B x K examples (batch norm: statistics per micro-batch; see Gradient accumulation in docs/training.md)",
@@ -227,9 +235,24 @@ class Config:
         None, "piecewise: the learning rates, one more than boundaries, e.g. 0.1,0.01,0.001 (default: --lr "
         "divided by 10 at each boundary)", group="recipes", check=Text(), resume=NOTE, type="str | None",
         metavar="V0,V1,V2", shown="`--lr` / 10 per boundary", follows=("lr_schedule", "lr"))
+    lr_epochs: str | None = setting(
+        None, "piecewise: the epochs where the learning rate changes, instead of --lr-boundaries, e.g. 30,60,80 "
+        "(each becomes the step that epoch ends on, for any data size and tower count)", group="recipes",
+        check=Text(), resume=NOTE, type="str | None", metavar="E1,E2", shown="the recipe's",
+        follows=("lr_schedule",))
     warmup_steps: int = setting(
         0, "linear warm-up: the rate times `(step + 1) / N` for the first N steps (0: none)", group="recipes",
         check=Integer(0), resume=NOTE, type="int", metavar="N")
+    warmup_epochs: float | None = setting(
+        None, "linear warm-up over E epochs instead of --warmup-steps (the ImageNet ResNets' recipe: 5)",
+        group="recipes", check=Number(0, low_open=True, optional=True), resume=NOTE, type="float | None",
+        metavar="E", shown="the recipe's")
+    recipe: str = setting(
+        "auto", "`auto`: a built-in model trains with its paper's whole recipe (batch, schedule in epochs, "
+        "augmentation) when the data read from --data is what it was made for (resnet20/32/56 and cifar10: "
+        "32x32x3; resnet50/101/152: 3-channel images); flags given override it; `none`: the model's plain "
+        "defaults (see Recipes)", group="recipes", check=Choice(("auto", "none")), resume=NOTE, type="str",
+        metavar="auto|none")
     label_smoothing: float = setting(
         0.0, "train on targets `(1 - S) * onehot + S / classes` (0: none)", group="recipes",
         check=Number(0, 1, high_open=True), resume=NOTE, type="float", metavar="S")
@@ -337,16 +360,21 @@ class Config:
         "at each step skipped for an inf or NaN gradient)", group="performance", check=Integer(1), resume=NOTE,
         type="int", metavar="N", used_when=lambda cfg: cfg.precision == "fp16")
 
-    def resolved(self, model=None) -> "Config":
+    def resolved(self, model=None, recipe=None, towers: int = 1) -> "Config":
         """A copy with every unset setting filled in, after checking every setting.
 
         ``model`` is the model object handed to the ``Trainer`` (it then gets
-        the generic defaults, not those of ``self.model``).
+        the generic defaults, not those of ``self.model``).  ``recipe``: a
+        ``towers.nn.models.Recipe`` that applies to the run's data, on
+        ``towers`` towers (``recipe_settings``): it fills what the user left
+        unset before the model's defaults do.
         """
         if not isinstance(self, Config):
             raise UserError(f"settings must be a towers.Config, got {type(self).__name__}")
         cfg = dataclasses.replace(self)  # the checks turn NumPy scalars into Python numbers in the copy
         _check(cfg)
+        if recipe is not None:
+            cfg = dataclasses.replace(cfg, **recipe_settings(cfg, recipe, towers))
         spec = cfg.model if model is None else None
         cfg.optimizer, defaults = model_defaults(spec, cfg.optimizer)
         check_given(cfg)  # before the defaults fill the optimizer's own hyperparameters
@@ -367,6 +395,41 @@ class Config:
 
 
 
+# The settings that choose a learning-rate schedule: one given keeps a recipe's schedule out.
+_SCHEDULE = ("lr_schedule", "lr_boundaries", "lr_values", "lr_epochs", "lr_decay")
+
+
+def recipe_settings(cfg: Config, recipe, towers: int) -> dict:
+    """The settings ``recipe`` (``towers.nn.models.Recipe``) gives a run of ``cfg`` (not resolved) on ``towers``
+    towers: those the user left unset, whole groups at a time.
+
+    The schedule comes whole or not at all (a schedule setting given, or ``staircase``, keeps the
+    recipe's out); so does the step count (``steps`` or ``epochs`` given) and the warm-up (``warmup_steps``
+    given).  ``batch_size`` is the recipe's own or its global batch's share per tower; ``lr`` the
+    recipe's, or ``lr_per_256`` x the examples of a step / 256 (with the batch the run will use).  Another
+    optimizer than the recipe's takes none of the recipe's learning rate and hyperparameters.
+    """
+    given = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) is not None}
+    out = dict(recipe.settings)
+    if recipe.global_batch:
+        out["batch_size"] = max(1, round(recipe.global_batch / towers))
+    if given & set(_SCHEDULE) or cfg.staircase:
+        for k in _SCHEDULE:
+            out.pop(k, None)
+    if {"steps", "epochs"} & given:
+        out.pop("epochs", None)
+    if cfg.warmup_steps:
+        out.pop("warmup_epochs", None)
+    if cfg.optimizer not in (None, out.get("optimizer")):
+        for k in ("lr", *optimizer_settings()):
+            out.pop(k, None)
+    out = {k: v for k, v in out.items() if k not in given}
+    if recipe.lr_per_256 and cfg.lr is None and cfg.optimizer in (None, recipe.settings.get("optimizer")):
+        batch = cfg.batch_size or out.get("batch_size") or FALLBACK["batch_size"]
+        out["lr"] = recipe.lr_per_256 * batch * cfg.accumulate * towers / 256
+    return out
+
+
 def _schedule_defaults(cfg: Config, defaults: dict) -> dict:
     """The schedule settings to fill: explicit ones win, the model's apply only to its own schedule.
 
@@ -375,12 +438,15 @@ def _schedule_defaults(cfg: Config, defaults: dict) -> dict:
     first value); ``lr_decay``, ``decay_steps`` and ``staircase`` belong to ``exponential``.
     """
     filled = {}
-    kind = cfg.lr_schedule or ("piecewise" if cfg.lr_boundaries or cfg.lr_values
+    kind = cfg.lr_schedule or ("piecewise" if cfg.lr_boundaries or cfg.lr_values or cfg.lr_epochs
                                else defaults.get("lr_schedule", "exponential"))
     filled["lr_schedule"] = kind
-    if kind != "piecewise" and (cfg.lr_boundaries or cfg.lr_values):
-        raise UserError(f"`lr_boundaries` and `lr_values` belong to `lr_schedule` piecewise, not {kind}")
-    if kind == "piecewise" and cfg.lr_boundaries is None and defaults.get("lr_boundaries"):
+    if kind != "piecewise" and (cfg.lr_boundaries or cfg.lr_values or cfg.lr_epochs):
+        raise UserError(f"`lr_boundaries`, `lr_epochs` and `lr_values` belong to `lr_schedule` piecewise, not {kind}")
+    if cfg.lr_boundaries and cfg.lr_epochs:
+        raise UserError(f"`lr_boundaries` {cfg.lr_boundaries} (steps) and `lr_epochs` {cfg.lr_epochs} are both "
+                        "given: give one of them")
+    if kind == "piecewise" and cfg.lr_boundaries is None and not cfg.lr_epochs and defaults.get("lr_boundaries"):
         filled["lr_boundaries"] = defaults["lr_boundaries"]
     if cfg.lr_values:
         first = parse_list(cfg.lr_values, "lr_values")[0]
@@ -412,7 +478,10 @@ def _check(cfg: Config) -> None:
     _check_graphs(cfg)
     if cfg.hosts == 1 and cfg.ray_address is not None:
         raise UserError("`ray_address` joins a Ray cluster for several hosts: set `hosts` 2 or more, or drop it")
-    if cfg.hosts > 1 and (cfg.augment != "none" or cfg.normalize is not None or cfg.image_size is not None):
+    if cfg.warmup_steps and cfg.warmup_epochs is not None:
+        raise UserError(f"`warmup_steps` {cfg.warmup_steps} and `warmup_epochs` {cfg.warmup_epochs:g} are both "
+                        "given: give one of them")
+    if cfg.hosts > 1 and (cfg.augment not in (None, "none") or cfg.normalize is not None or cfg.image_size is not None):
         raise UserError("`augment`, `normalize` and `image_size` are for one host so far (the hosts' loader does "
                         "not take them): drop them, or set `hosts` 1")
     if cfg.augment == "tf-cifar10" and cfg.normalize is not None:

@@ -50,7 +50,7 @@ from towers.output import checkpoint
 from towers.optim.optimizers import OPTIMIZERS
 from towers.optim.schedule import piecewise_values
 from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, lock_logdir, writing
-from towers.output.summaries import Reporter, TensorBoard, progress_bar, trim_metrics
+from towers.output.summaries import Reporter, TensorBoard, per_tower, progress_bar, trim_metrics
 
 
 class Extension:
@@ -176,6 +176,7 @@ class LogLine(Every):
                     f"classes = {chance:.4f}) after {step - run.start_step} steps: the run has not learned; "
                     "lower `lr`, or try `optimizer` adam")
         run.reporter.log_step(step, run.loss, run.lr, steps * run.trainer.global_batch / (now - self._t),
+                              run.trainer.executor.running_towers,
                               (now - self._t) / steps, render(note) if note else None, **run.step_figures())
         self._t, self._step = now, step
 
@@ -286,7 +287,7 @@ class Run:
             raise e.at(self.trainer.step, self.checkpointer.last_path) from None
 
     def start(self) -> None:
-        self.reporter.say(render(settings_line(self.trainer.cfg, self.trainer.model.size)))
+        self.reporter.say(render(settings_line(self.trainer.cfg, self.trainer.model.size, self.trainer.recipe)))
         self._t0 = time.perf_counter()
 
     def wants_loss(self, step: int) -> bool:
@@ -447,7 +448,7 @@ class Run:
         parts.append(f"writing {written:.1f} s")
         self.reporter.say(
             f"done: {t.step - self.start_step} steps (to step {t.step}) in {total:.1f} s ({', '.join(parts)}); "
-            f"training {rate:.1f} examples/sec on {towers} tower{'s' if towers > 1 else ''} "
+            f"training {rate:.1f} examples/sec{per_tower(rate, towers)} on {towers} tower{'s' if towers > 1 else ''} "
             f"({t.towers_text()}), {cfg.sync} sync, "
             f"{(exchanges - self.start_exchanges) / max(t.step - self.start_step, 1):.2f} {per_step}"
             f"{scaling_text}{skipped_text}; wrote {final}")
@@ -474,23 +475,30 @@ class Run:
             self._lock = None
 
 
-def settings_line(cfg, n_params: int | None = None) -> str:
-    """The settings in effect, first line of a run: the model (and its trainable parameters), the optimizer's
-    hyperparameters (those its file ``reads``), the learning-rate schedule and the recipe's options when they
-    are on (warm-up, label smoothing, sync-BN, a precision, gradient format or buckets other than the default);
-    the default job's line is the one it always was."""
+def settings_line(cfg, n_params: int | None = None, recipe=None) -> str:
+    """The settings in effect, first line of a run: the model (and its trainable parameters), the model's
+    ``recipe`` when the run took it, the optimizer's hyperparameters (those its file ``reads``), the
+    learning-rate schedule and the recipe's options when they are on (warm-up, label smoothing, sync-BN,
+    augmentation, a precision, gradient format or buckets other than the default); the default job's line is
+    the one it always was."""
     model = f"model {cfg.model}" + (f" ({n_params:,} trainable parameters)" if n_params is not None else "")
+    if recipe is not None:
+        model += f", recipe {recipe.name}"
     parts = [model, f"optimizer {cfg.optimizer}", f"lr {cfg.lr:g}"]
     if cfg.lr_schedule in (None, "exponential"):
         parts.append(f"lr_decay {cfg.lr_decay:g}" + (f" per {cfg.decay_steps} steps" if cfg.decay_steps else "")
                      + (" staircase" if cfg.staircase else ""))
     elif cfg.lr_schedule == "piecewise":
         bounds, values = piecewise_values(cfg)
-        parts.append(f"lr_schedule piecewise {','.join(map(str, bounds))} -> {','.join(f'{v:g}' for v in values)}")
+        at = "at epochs " if cfg.lr_epochs else ""
+        parts.append(f"lr_schedule piecewise {at}{','.join(f'{b:g}' for b in bounds)} -> "
+                     f"{','.join(f'{v:g}' for v in values)}")
     else:
         parts.append(f"lr_schedule {cfg.lr_schedule}")
     if cfg.warmup_steps:
         parts.append(f"warmup_steps {cfg.warmup_steps}")
+    if cfg.warmup_epochs:
+        parts.append(f"warmup_epochs {cfg.warmup_epochs:g}")
     # The optimizer's hyperparameters, as its file lists them: numbers with their value, flags by name when on.
     hyper = [name if value is True else f"{name} {value:g}" for name in OPTIMIZERS[cfg.optimizer].reads
              if (value := getattr(cfg, name)) is not False]
@@ -501,6 +509,8 @@ def settings_line(cfg, n_params: int | None = None) -> str:
         parts.append(f"label_smoothing {cfg.label_smoothing:g}")
     if cfg.sync_bn:
         parts.append("sync_bn")
+    if cfg.augment not in (None, "none"):
+        parts.append(f"augment {cfg.augment}")
     steps = f"steps {cfg.steps}" if cfg.epochs is None else f"epochs {cfg.epochs} = steps {cfg.steps}"
     parts += [f"ema_decay {cfg.ema_decay:g}", steps, f"sync {cfg.sync}"]
     # How a step computes and averages, when not the float32 default.

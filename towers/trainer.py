@@ -27,12 +27,14 @@ Sync points: ``get_weights``, ``state_dict``, ``evaluate``, ``predict`` and
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy
 
 from towers.config import MODEL_OBJECT, Config, resume_settings
 from towers.data.dataset import Dataset, check_examples, check_test_split, hold_out
+from towers.data.kinds import is_synthetic
 from towers.data.loading import load_dataset
 from towers.data.pipeline import describe
 from towers.devices.cpu_threads import input_workers
@@ -40,7 +42,7 @@ from towers.devices.placement import Placement, check_host, resolve
 from towers.errors import TrainingError, UserError, notice
 from towers.executor import Executor
 from towers.local import LocalExecutor
-from towers.nn.models import build_model
+from towers.nn.models import build_model, model_recipe
 from towers.nn.normalization import check_batch_statistics
 from towers.optim.optimizers import SLOTS
 from towers.output import checkpoint
@@ -146,7 +148,9 @@ class Trainer:
                                     "again, Trainer(cfg, model=...), to resume")
             # The newest checkpoint here now: one written after this, before `fit`, is another run's.
             self.seen_checkpoint = max((step for step, _ in checkpoint.list_checkpoints(cfg.logdir)), default=-1)
-        self.cfg = cfg = Config.resolved(cfg, model)
+        given = cfg
+        self.cfg = cfg = Config.resolved(given, model)
+        self.recipe = None  # the model's recipe, when the run takes it (``_take_recipe``)
         cluster = cfg.hosts > 1
         if cluster and (reducer is not None or placement is not None or share is not None):
             raise UserError(f"`hosts` {cfg.hosts}: each host makes its own placement and reducer; "
@@ -168,12 +172,17 @@ class Trainer:
             cpu_towers = 0 if cluster else sum(not d.is_gpu for d in self.placement.towers)
             # The decoded-image cache is for one host: a cluster's data set travels to its hosts.
             cache = cfg.cache_images_mib if cfg.cache_images and not cluster else None
-            spec = describe(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode, on_error=cfg.on_error,
-                            augment=cfg.augment, normalize=cfg.normalize, image_size=cfg.image_size, seed=cfg.seed,
-                            input_scale=cfg.input_scale)
-            dataset = load_dataset(spec, workers=input_workers(cfg.input_workers, cpu_towers), cache_mib=cache,
-                                   progress=not cfg.quiet)
-            self._owned_data = dataset  # its TFRecord workers end with this trainer
+            def load(cfg):
+                spec = describe(cfg.data, cfg.x_key, cfg.y_key, cfg.test_data, decode=cfg.decode,
+                                on_error=cfg.on_error, augment=cfg.augment, normalize=cfg.normalize,
+                                image_size=cfg.image_size, seed=cfg.seed, input_scale=cfg.input_scale)
+                return load_dataset(spec, workers=input_workers(cfg.input_workers, cpu_towers), cache_mib=cache,
+                                    progress=not cfg.quiet, seed=cfg.seed)
+
+            dataset = self._owned_data = load(cfg)  # its TFRecord workers end with this trainer
+            if model is None and not cluster:
+                dataset = self._owned_data = self._take_recipe(given, dataset, load)
+                cfg = self.cfg
         elif not isinstance(dataset, Dataset):
             raise UserError(f"dataset must be a towers.Dataset (Dataset.from_arrays(x, y)), "
                             f"got {type(dataset).__name__}")
@@ -187,7 +196,7 @@ class Trainer:
         self.data_path = cfg.data if shipped is None else None  # where the data came from (None: handed over)
         try:
             self.model = build_model(model if model is not None else cfg.model, dataset.example_shape,
-                                     dataset.num_classes, cfg.hidden)
+                                     dataset.num_classes, cfg.hidden, cfg.zero_init_residual)
             # Sync-BN pools one host's towers (a cluster's hosts check with theirs).
             if not (cluster and cfg.sync_bn):
                 check_batch_statistics(self.model, cfg.batch_size,
@@ -217,6 +226,28 @@ class Trainer:
             for note in self.resumed.notes:
                 notice(note)
         self.build_seconds = time.perf_counter() - started  # the run's building, which `fit`'s done line counts
+
+    def _take_recipe(self, given: Config, dataset: Dataset, load) -> Dataset:
+        """The data set, after the model's recipe (``towers.nn.models.model_recipe``) is taken where it applies.
+
+        It applies with ``recipe`` auto, a built-in model that has one, one host, and training data read from
+        ``data`` (``dataset``, loaded by ``load(cfg)`` with the settings before the recipe) whose examples
+        are the recipe's shape.  ``self.cfg`` is then ``given`` resolved with the recipe on this host's
+        towers.  The recipe's augmentation needs stored pixels (uint8, not synthetic): other data keeps
+        the user's; where the augmentation changes, the data is read again with it (the first read is
+        closed).  A data set handed to the Trainer takes the model's plain defaults.
+        """
+        recipe = model_recipe(self.cfg.model, dataset.example_shape) if self.cfg.recipe == "auto" else None
+        if recipe is None:
+            return dataset
+        if given.augment is None and (is_synthetic(self.cfg.data) or dataset.x.dtype != numpy.uint8):
+            given = dataclasses.replace(given, augment="none")  # nothing to augment: the recipe's stays out
+        self.recipe, before = recipe, self.cfg
+        self.cfg = Config.resolved(given, None, recipe, len(self.placement.towers))
+        if self.cfg.augment == before.augment:
+            return dataset
+        dataset.close()
+        return load(self.cfg)
 
     def _local(self, reducer, share) -> Executor:
         try:

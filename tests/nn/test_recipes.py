@@ -152,3 +152,78 @@ def test_the_settings_line_names_the_recipe_and_the_default_line_is_unchanged():
         assert part in line, (part, line)
     assert "lr_decay" not in line
     assert "lr_schedule cosine" in settings_line(Config(model="resnet20", lr_schedule="cosine").resolved())
+
+
+# -- the models' whole recipes (towers.nn.models.Recipe), in epochs -------------------------------------------
+
+
+def _cifar_npz(path, n=200, shape=(32, 32, 3), dtype=numpy.uint8):
+    rng = numpy.random.default_rng(0)
+    numpy.savez(path, x=rng.integers(0, 256, (n,) + shape).astype(dtype), y=numpy.arange(n) % 10)
+    return str(path)
+
+
+def _built(**kw):
+    from towers import Trainer
+
+    with Trainer(Config(devices="cpu", quiet=True, summary_every=0, **kw)) as tr:
+        return tr.cfg, tr.recipe, [tr.lr_at(s) for s in range(tr.cfg.steps + 1)], tr.global_batch
+
+
+@pytest.mark.parametrize("towers", [1, 2])
+def test_resnet20_on_32x32x3_images_takes_the_papers_recipe_in_epochs(tmp_path, towers):
+    """Global batch 128 whatever the towers, lr 0.1 divided by 10 at epochs 91 and 136, 182 epochs, momentum 0.9,
+    L2 1e-4, pad-and-crop augmentation: the step count and the drops follow the data set's size."""
+    data = _cifar_npz(tmp_path / "c.npz", n=256)
+    cfg, recipe, lrs, batch = _built(model="resnet20", data=data, n_gpu=towers)
+    assert recipe.name.startswith("He et al.") and batch == 128 and cfg.batch_size == 128 // towers
+    assert (cfg.augment, cfg.momentum, cfg.l2, cfg.epochs, cfg.steps) == ("cifar", 0.9, 1e-4, 182, 182 * 2)
+    assert lrs[0] == lrs[181] == 0.1 and lrs[182] == pytest.approx(0.01)  # epoch 91 = step 182 (2 steps an epoch)
+    assert lrs[271] == pytest.approx(0.01) and lrs[272] == pytest.approx(0.001)  # epoch 136
+
+
+def test_the_recipe_stays_out_where_it_does_not_apply_and_given_flags_override_it(tmp_path):
+    # Not 32x32x3 (the digits), a float 32x32x3 set's pixels, `recipe` none: the model's plain defaults, as before.
+    for kw in (dict(), dict(data=_cifar_npz(tmp_path / "a.npz", n=128, shape=(32, 32, 1))),
+               dict(data=_cifar_npz(tmp_path / "b.npz", n=128), recipe="none")):
+        cfg, recipe, _, _ = _built(model="resnet20", steps=1, **kw)
+        assert recipe is None and (cfg.batch_size, cfg.augment, cfg.lr_boundaries) == (100, "none", "32000,48000")
+    # Flags given win: the batch, the steps, the schedule (whole), the augmentation.
+    data = _cifar_npz(tmp_path / "c.npz", n=64)
+    cfg, recipe, lrs, _ = _built(model="resnet20", data=data, n_gpu=2, batch_size=16, steps=8, lr_schedule="cosine")
+    assert recipe is not None and (cfg.batch_size, cfg.steps, cfg.epochs, cfg.lr_schedule, cfg.lr_epochs) == (
+        16, 8, None, "cosine", None)
+    assert cfg.augment == "cifar" and lrs[8] == 0.0
+    cfg, _, _, _ = _built(model="resnet20", data=data, steps=1, batch_size=16, augment="none", optimizer="adam")
+    assert (cfg.augment, cfg.optimizer, cfg.lr, cfg.momentum) == ("none", "adam", 0.001, None)
+    # Float examples of the recipe's shape: the recipe, but nothing to augment.
+    cfg, recipe, _, _ = _built(model="resnet20", data=_cifar_npz(tmp_path / "f.npz", n=128, dtype=numpy.float32),
+                               steps=1)
+    assert recipe is not None and cfg.augment == "none" and cfg.lr_epochs == "91,136"
+
+
+def test_the_imagenet_resnets_take_goyal_et_al_scaled_to_the_global_batch():
+    from towers.nn.models import GOYAL, MODELS, TF_CIFAR10, model_recipe
+
+    assert all(model_recipe(m, (64, 48, 3)) is GOYAL for m in ("resnet50", "resnet101", "resnet152"))
+    assert model_recipe("resnet50", (28, 28)) is None and model_recipe("vgg16", (224, 224, 3)) is None
+    assert MODELS["cifar10"].recipe is TF_CIFAR10
+    cfg = Config(model="resnet50", n_gpu=2).resolved(recipe=GOYAL, towers=2)
+    assert (cfg.batch_size, cfg.lr, cfg.momentum, cfg.l2, cfg.epochs, cfg.augment) == (32, 0.025, 0.9, 1e-4, 90,
+                                                                                         "imagenet")
+    lr = make_schedule(cfg, n_examples=6400, examples_per_step=64)  # 100 steps an epoch
+    assert lr(0) == pytest.approx(0.025 / 500) and lr(499) == lr(2999) == pytest.approx(0.025)  # 5-epoch warm-up
+    assert [lr(s) for s in (3000, 6000, 8000)] == pytest.approx([0.0025, 0.00025, 0.000025])  # epochs 30, 60, 80
+    assert Config(model="resnet50", batch_size=64).resolved(recipe=GOYAL, towers=8).lr == pytest.approx(0.2)
+    tf = Config(model="cifar10").resolved(recipe=TF_CIFAR10, towers=2)  # 128 a tower, /10 every 350 epochs
+    assert (tf.batch_size, tf.momentum, tf.augment, tf.epochs) == (128, 0.0, "tf-cifar10", 2560)
+    assert [make_schedule(tf, 256, 256)(s) for s in (349, 350, 700)] == pytest.approx([0.1, 0.01, 0.001])
+
+
+def test_epoch_settings_are_checked():
+    for kw, msg in [(dict(lr_epochs="30,20"), "increasing epochs"), (dict(lr_epochs="3", lr_boundaries="5"),
+                                                                      "both given"),
+                    (dict(warmup_epochs=2.0, warmup_steps=3), "both given"), (dict(warmup_epochs=-1.0), "warmup_epochs"),
+                    (dict(lr_schedule="cosine", lr_epochs="5"), "piecewise"), (dict(recipe="paper"), "recipe")]:
+        with pytest.raises(UserError, match=msg):
+            Config(**kw).resolved()

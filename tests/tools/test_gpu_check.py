@@ -103,6 +103,7 @@ def test_a_bad_flag_is_one_line_and_status_2(tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--bench-timeout", "0"], "must be > 0"),
     (["--bench-args", "--rounds 'unclosed"], "--bench-args"),
+    (["--models", "vgg16"], "--models vgg16: use some of resnet50"),
     ([], "is a file"),
 ])
 def test_bad_arguments_are_one_line_and_status_2(tmp_path, capsys, args, words):
@@ -286,3 +287,21 @@ def test_the_default_run_fits_its_budget_with_each_models_references_first():
         rows = [r for r in bench_gpu._plan(1, True, [model], False, ["im2col", "cudnn"]) if r["kind"] != "skip"]
         first_towers = next(i for i, r in enumerate(rows) if r["kind"] == "towers")
         assert all(r["kind"] == "towers" for r in rows[first_towers:]), model
+
+
+def test_resnet50_rows_come_when_asked_for_not_in_the_default_run():
+    """tf_cnn_benchmarks' workload: ResNet-50 at 224x224 on synthetic data, towers fp32 and bf16 against PyTorch
+    eager fp32, AMP bf16 channels-last and torch.compile, at batch 64 and 128 a tower, and forward only."""
+    from tools import bench_gpu
+
+    assert "ResNet-50" not in bench_gpu.DEFAULT_MODELS and "resnet50" not in gpu_check.BENCH_ARGS
+    assert bench_gpu.model_names("resnet50") == ["ResNet-50"] and bench_gpu.MODELS["ResNet-50"][4] == (224, 224, 3)
+    rows = bench_gpu._plan(1, True, ["ResNet-50"], True, ("cudnn",), batch=128)
+    names = [r["name"] for r in rows]
+    assert "ResNet-50 towers cudnn 1 tower, GPU 0, b128" in names
+    assert any(r["kind"] == "towers" and r.get("precision") == "bf16" for r in rows)
+    assert {r["variant"] for r in rows if r["kind"] == "torch"} == {"fp32", "amp", "compile"}
+    assert [r["batch"] for r in rows if r["kind"] == "torch" and r["variant"] == "fp32"] == [128, 256]
+    words = [w for _, w in gpu_check.EXTRA_BENCHES["resnet50"]]
+    assert any("--batch 64" in w for w in words) and any("--batch 128" in w for w in words)
+    assert any("--forward-only" in w for w in words)

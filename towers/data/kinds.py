@@ -22,6 +22,9 @@ A kind gives a split in two forms, chosen by the loader from the description:
   TFRecord files give the op's encoded-image feature (``RecordSource``) or
   their raw examples as arrays, an npz its uint8 arrays (``ArraySource``).
 
+A kind that makes its data set whole rather than reading splits (``whole``:
+``synthetic``) gives ``dataset(spec)`` instead, which the loader returns as it is.
+
 Importing this module loads no image or TFRecord code; each kind imports its
 readers when it opens a split.
 """
@@ -48,6 +51,7 @@ class Kind:
 
     name = "data"
     encoded = False  # rows are encoded images: a description of this kind has an ``Images`` op
+    whole = False  # it makes its data set itself (``dataset``), no split is read
 
     def claims(self, path) -> bool:
         raise NotImplementedError
@@ -162,7 +166,61 @@ class Npz(Kind):
         return train
 
 
-KINDS: list[Kind] = [ImageFolder(), Records(), Npz()]
+SYNTHETIC = "synthetic"
+SYNTHETIC_SIZE = (224, 224, 3)  # without `image_size`: ImageNet's training crop
+SYNTHETIC_EXAMPLES = 512  # at least; one per class when there are more classes
+
+
+def is_synthetic(path) -> bool:
+    """Whether ``path`` names synthetic data (``synthetic`` or ``synthetic:CLASSES``), not a file."""
+    return isinstance(path, str) and (path == SYNTHETIC or path.startswith(SYNTHETIC + ":"))
+
+
+class Synthetic(Kind):
+    """``synthetic`` or ``synthetic:CLASSES`` (default 1000): random uint8 images of ``image_size`` (default
+    224,224,3) and labels, made once from the run's seed, for measuring a host without a data set (as
+    ``tf_cnn_benchmarks`` does without ``--data_dir``).
+
+    max(512, CLASSES) examples, label k of example i = i mod CLASSES (every class present), pixels uniform
+    in 0..255 from ``numpy.random.default_rng(seed)``; no test split.  The examples are an array in
+    memory, so GPU towers get them copied once to each device and gather each step's batch there
+    (``towers.data.device_data``): a step costs its compute, its all-reduce and a gather, no input
+    pipeline.  What they learn means nothing; augmentation and normalization are refused (random
+    pixels), as is a test split."""
+
+    name = "synthetic data"
+    whole = True
+
+    def claims(self, path) -> bool:
+        return is_synthetic(path)
+
+    def classes(self, path) -> int:
+        text = path[len(SYNTHETIC) + 1:] if path != SYNTHETIC else "1000"
+        if not text.isdigit() or not 2 <= int(text) <= 2 ** 20:
+            raise UserError(f"`data` {path}: give synthetic or synthetic:CLASSES, CLASSES a whole number from 2 to "
+                            f"{2 ** 20} (e.g. synthetic:1000)")
+        return int(text)
+
+    def dataset(self, spec, seed: int = 0):
+        from towers.data.dataset import Dataset
+        from towers.data.image.augment import parse_image_size
+        from towers.data.pipeline import Images
+
+        classes = self.classes(spec.path)
+        extra = [o for o in spec.ops if not isinstance(o, Images)]
+        if extra or spec.test_path is not None or spec.stored:
+            given = ("`augment` or `normalize`" if extra else "`test_data`" if spec.test_path is not None
+                     else "`decode`")
+            raise UserError(f"`data` {spec.path} makes random images and labels with no test split: {given} "
+                            "does not apply to it; drop it")
+        images = spec.op(Images)
+        size = parse_image_size(images.size) if images is not None and images.size is not None else SYNTHETIC_SIZE
+        n = max(SYNTHETIC_EXAMPLES, classes)
+        x = np.random.default_rng(seed).integers(0, 256, (n,) + size, dtype=np.uint8)
+        return Dataset(x, np.arange(n, dtype=np.int32) % classes, classes)
+
+
+KINDS: list[Kind] = [Synthetic(), ImageFolder(), Records(), Npz()]
 
 
 def kind_of(path) -> Kind:

@@ -39,7 +39,7 @@ from towers.data.tfrecord.schema import UsageError
 from towers.errors import UserError, notice
 
 
-def load_dataset(data, *where, workers=2, cache_mib=None, progress=False, **settings) -> Dataset:
+def load_dataset(data, *where, workers=2, cache_mib=None, progress=False, seed=0, **settings) -> Dataset:
     """Load and validate the training (and test) data ``data`` describes: a ``DataSpec``, or a path (npz,
     TFRecord file or glob of shards, image folder) that ``towers.data.pipeline.describe`` turns into one with
     ``where`` (``x_key``, ``y_key``, ``test_path``) and the named ``settings`` (``decode``, ``on_error``,
@@ -48,8 +48,8 @@ def load_dataset(data, *where, workers=2, cache_mib=None, progress=False, **sett
     How it runs: ``workers`` input worker processes (0: the input thread),
     ``cache_mib`` the budget of the decoded-image cache
     (``towers.data.image.cache``; None or 0: decode every epoch) and
-    ``progress`` shows its decoding as a progress bar.  Every problem is a
-    UserError.  A ``test_path`` file's own ``x_test``/``y_test`` come first,
+    ``progress`` shows its decoding as a progress bar; ``seed`` draws ``synthetic`` data (its
+    ``Augment`` op's seed otherwise).  Every problem is a UserError.  A ``test_path`` file's own ``x_test``/``y_test`` come first,
     then its training keys.
     """
     if isinstance(data, DataSpec):
@@ -57,7 +57,10 @@ def load_dataset(data, *where, workers=2, cache_mib=None, progress=False, **sett
             raise TypeError("load_dataset: a DataSpec already holds its keys and settings")
         spec = data
     else:
-        spec = describe(data, *where, **settings)
+        spec = describe(data, *where, seed=seed, **settings)
+    kind = kind_of(spec.path)
+    if kind.whole:  # made, not read (``synthetic``)
+        return kind.dataset(spec, seed)
     if spec.ops:
         from towers.data.image.load import load_images
 
@@ -113,6 +116,8 @@ def load_test_data(spec: DataSpec, example_shape, num_classes, class_names=None,
     a test folder without one of the classes keeps every other label's meaning.
     """
     path = spec.path
+    if kind_of(path).whole:
+        raise UserError(f"{path} has no test split: give test data (`test_data`)")
     if own and not isinstance(kind_of(path), Npz):
         raise UserError(f"{path} has no x_test/y_test: give test data (`test_data`), or data with x_test/y_test")
     if spec.ops:

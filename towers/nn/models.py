@@ -5,6 +5,10 @@ layers, a built-in model carries the training settings it is known to train
 well with (``BuiltinModel.defaults``): the optimizer, and for each optimizer the
 learning rate, its decay and the momentum.  ``towers.config`` fills every
 setting the user left unset from these, so ``--model lenet5`` alone trains.
+Some also carry their paper's whole recipe (``Recipe``: batch, schedule in
+epochs, augmentation), which a run takes when its data is what the recipe was
+made for (``model_recipe``: 32x32x3 for the CIFAR models, 3-channel images for
+the ImageNet ResNets).
 A user's model (``package.module:function``, or a model object handed to the
 ``Trainer``) gets the generic defaults (``GENERIC``).
 
@@ -18,6 +22,7 @@ from typing import Callable
 
 from towers.errors import UserError
 from towers.nn.conv import Conv2D
+from towers.nn.dropout import Dropout
 from towers.nn.layers import Dense, Flatten, Layer, ReLU, Sequential
 from towers.nn.normalization import LRN, BatchNorm
 from towers.nn.pooling import GlobalAvgPool, MaxPool2D
@@ -120,6 +125,101 @@ def resnet(n: int):
     return build
 
 
+# Batch norm of the ImageNet models: torchvision's epsilon, and its momentum 0.1 written as TensorFlow's decay.
+IMAGENET_BN = dict(momentum=0.9, epsilon=1e-5)
+# Bottleneck blocks per stage (He et al. 2016, table 1).
+BOTTLENECK_DEPTHS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
+
+
+def bottleneck_resnet(blocks=(3, 4, 6, 3), width: int = 64, zero_init_residual: bool = False):
+    """ImageNet's ResNet of bottleneck blocks, v1.5 (``resnet50``: blocks (3, 4, 6, 3); 101: (3, 4, 23, 3);
+    152: (3, 8, 36, 3)), torchvision's ``resnet50`` layer for layer and name for name.
+
+    conv 7x7 stride 2 padding 3 (``width`` filters) + BN + ReLU, max-pool 3x3 stride 2 padding 1, four
+    stages (``layer1`` .. ``layer4``) of bottleneck blocks with ``width`` x 1, 2, 4, 8 inner filters and 4
+    times that out; the first block of stages 2-4 halves height and width: ResNet v1.5 strides its 3x3
+    convolution, not the first 1x1 (torchvision, NVIDIA's recipes; v1 as in Keras' ``ResNet50`` strides
+    the 1x1).  A block (``layerS/i``) is conv 1x1 + BN + ReLU, conv 3x3 (the stride) + BN + ReLU, conv
+    1x1 + BN, added to its shortcut (``downsample/0`` a 1x1 convolution at the stride and
+    ``downsample/1`` a BN where the shape changes, option B; else the identity), then ReLU; then global
+    average pooling and ``fc``.  Any image size ((H, W) or (H, W, C)); each stride rounds up.
+
+    Initialization: convolutions He et al.'s normal(0, sqrt(2 / fan_in)) without bias, BN gamma 1 and
+    beta 0 (with ``zero_init_residual`` the last BN of each block starts at gamma 0: Goyal et al.'s
+    option, each block starts as the identity), ``fc`` truncated normal(0.01) and bias 0.  BN:
+    epsilon 1e-5 and momentum 0.9 (``IMAGENET_BN``: torchvision's 0.1 as the moving average's decay).
+    L2 on the convolution and fc weights, not on BN's gamma and beta or on biases.  At 224x224x3 and
+    1000 classes ``resnet50`` has 25,557,032 parameters, as torchvision's.
+    """
+    def build(input_shape: tuple, num_classes: int) -> Sequential:
+        def conv(scope, filters, k, stride=1):
+            return Conv2D(scope, filters, k, padding=(k - 1) // 2, stride=stride, bias=False, stddev="he",
+                          regularize=True)
+
+        def bn(scope, gamma=1.0):
+            return BatchNorm(scope, gamma_init=gamma, **IMAGENET_BN)
+
+        last = 0.0 if zero_init_residual else 1.0
+        layers = [conv("conv1", width, 7, 2), bn("bn1"), ReLU(), MaxPool2D(3, 2, padding=1)]
+        channels = width
+        for stage, n in enumerate(blocks):
+            inner = width * 2 ** stage
+            for i in range(n):
+                stride = 2 if stage > 0 and i == 0 else 1
+                body = [conv("conv1", inner, 1), bn("bn1"), ReLU(), conv("conv2", inner, 3, stride), bn("bn2"),
+                        ReLU(), conv("conv3", 4 * inner, 1), bn("bn3", last)]
+                shortcut = None
+                if stride != 1 or channels != 4 * inner:
+                    shortcut = [conv("downsample/0", 4 * inner, 1, stride), bn("downsample/1")]
+                layers.append(Residual(body, shortcut, scope=f"layer{stage + 1}/{i}"))
+                channels = 4 * inner
+        return Sequential(layers + [GlobalAvgPool(), Dense("fc", num_classes, stddev=0.01, regularize=True)])
+
+    depth = 3 * sum(blocks) + 2
+    build.__name__ = f"resnet{depth}"
+    build.__doc__ = bottleneck_resnet.__doc__
+    return build
+
+
+# VGG-16's convolutions (filters; "M": a 2x2 max-pool), configuration D of Simonyan and Zisserman.
+VGG16_CONVS = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+
+
+def vgg16(input_shape: tuple, num_classes: int, width: int = 64, hidden: int = 4096) -> Sequential:
+    """VGG-16 (Simonyan and Zisserman's configuration D), torchvision's ``vgg16`` layer for layer and name for name.
+
+    Thirteen 3x3 convolutions padded 1 pixel, with bias, each + ReLU, in five stages of 64, 128, 256, 512,
+    512 filters (``width`` x 1, 2, 4, 8, 8), each stage ended by a 2x2 max-pool; then fully connected
+    ``hidden`` (4096) + ReLU + dropout 0.5, ``hidden`` + ReLU + dropout 0.5, ``num_classes``.  Named as
+    torchvision's ``features.<index>`` and ``classifier.<index>``.  Any image size (the pools round up);
+    the first fully connected layer takes the last pool's (H/32) x (W/32) x 512 values: at 224x224 these
+    are torchvision's 7x7x512 (its adaptive pooling to 7x7 then does nothing), and the model has
+    138,357,544 parameters at 1000 classes, as torchvision's; at other sizes that layer is sized to the
+    image (torchvision would resample to 7x7 instead).
+
+    Initialization: convolutions He et al.'s normal(0, sqrt(2 / fan_in)), the two hidden fully connected
+    layers truncated normal(sqrt(2 / fan_in)) (torchvision's normal(0.01) vanishes at reduced widths: the
+    signal shrinks by 0.01 x sqrt(fan_in) a layer), the last truncated normal(0.01); biases 0.  L2 on the
+    weights, not the biases.  No batch norm.
+    """
+    layers, index, (h, w) = [], 0, tuple(input_shape[:2])
+    for v in VGG16_CONVS:
+        if v == "M":
+            layers.append(MaxPool2D(2))
+            index, h, w = index + 1, -(-h // 2), -(-w // 2)
+            continue
+        layers += [Conv2D(f"features/{index}", v * width // 64, 3, padding=1, stddev="he", regularize=True),
+                   ReLU()]
+        index += 2
+    features = h * w * 8 * width
+    return Sequential(layers + [
+        Flatten(),
+        Dense("classifier/0", hidden, stddev=(2 / features) ** 0.5, regularize=True), ReLU(), Dropout(0.5),
+        Dense("classifier/3", hidden, stddev=(2 / hidden) ** 0.5, regularize=True), ReLU(), Dropout(0.5),
+        Dense("classifier/6", num_classes, stddev=0.01, regularize=True),
+    ])
+
+
 # Per optimizer: the settings a run uses when the user gives none, as each
 # optimizer's file declares them (``towers.optim.optimizers``).  A model's own
 # table overrides these keys, and adds schedule settings (``towers.optim.schedule``).
@@ -131,11 +231,59 @@ _HE = {"lr": 0.1, "lr_decay": 1.0, "momentum": 0.9, "l2": 1e-4, "lr_schedule": "
        "lr_boundaries": "32000,48000"}
 
 
+# Goyal et al.'s optimizer when no recipe applies: SGD, momentum 0.9, weight decay 1e-4, lr 0.1.
+_GOYAL = {"lr": 0.1, "lr_decay": 1.0, "momentum": 0.9, "l2": 1e-4}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A model's whole training recipe for the data it was made for, in epochs (so it holds for any data set
+    size and tower count).
+
+    It applies (``applies``) to examples of ``shape`` (None: any image of 3 channels, (H, W, 3)).
+    ``settings`` are ``Config`` settings by name; ``global_batch`` sets ``batch_size`` to its share per
+    tower (rounded, at least 1); ``lr_per_256`` sets ``lr`` to it x the examples of a step / 256 (Goyal
+    et al.'s linear scaling rule).  ``towers.config.Config.resolved`` fills from it only what the user left
+    unset; ``towers.trainer.Trainer`` decides whether it applies (see ``recipe_for``).
+    """
+
+    name: str
+    shape: tuple | None
+    settings: dict
+    global_batch: int | None = None
+    lr_per_256: float | None = None
+
+    def applies(self, example_shape) -> bool:
+        s = tuple(example_shape)
+        return s == self.shape if self.shape is not None else len(s) == 3 and s[2] == 3
+
+
+# He et al. 2016, section 4.2: SGD with momentum 0.9, weight decay 1e-4, batch 128, lr 0.1 divided by 10 at
+# 32k and 48k steps, 64k steps in all, on 45k training images: epochs 91, 136 and 182; pad 4, random crop, flip.
+HE_CIFAR = Recipe("He et al. 2016 (CIFAR-10)", (32, 32, 3), {
+    "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "l2": 1e-4, "lr_schedule": "piecewise",
+    "lr_epochs": "91,136", "epochs": 182, "augment": "cifar"}, global_batch=128)
+# TensorFlow's CIFAR-10 tutorial (cifar10_multi_gpu_train): plain SGD, batch 128 per tower, lr 0.1 divided by
+# 10 every 350 epochs (staircase), 1,000,000 steps of 128 (2,560 epochs of 50k), its 24x24 crops, flips,
+# brightness and contrast; weight decay 0.004 on local3 and local4 (the model's `l2`).
+TF_CIFAR10 = Recipe("TensorFlow's CIFAR-10 tutorial", (32, 32, 3), {
+    "optimizer": "sgd", "lr": 0.1, "momentum": 0.0, "l2": 0.004, "lr_schedule": "piecewise",
+    "lr_epochs": ",".join(str(350 * k) for k in range(1, 8)), "epochs": 2560, "augment": "tf-cifar10",
+    "batch_size": 128})
+# Goyal et al. 2017: SGD momentum 0.9, weight decay 1e-4 (not on batch norm or biases: the models'), 32 images a
+# tower, lr 0.1 x global batch / 256 after a 5-epoch linear warm-up, divided by 10 at epochs 30, 60 and 80 of 90;
+# random resized crops and flips, resize 256 and center crop 224 for evaluation (`augment` imagenet).
+GOYAL = Recipe("Goyal et al. 2017 (ImageNet)", None, {
+    "optimizer": "sgd", "momentum": 0.9, "l2": 1e-4, "lr_schedule": "piecewise", "lr_epochs": "30,60,80",
+    "warmup_epochs": 5.0, "epochs": 90, "augment": "imagenet", "batch_size": 32}, lr_per_256=0.1)
+
+
 @dataclass(frozen=True)
 class BuiltinModel:
     build: Callable[..., Sequential]
     optimizer: str  # the optimizer it uses by default
     defaults: dict = field(default_factory=lambda: GENERIC)  # optimizer -> settings (over GENERIC's)
+    recipe: Recipe | None = None  # its whole recipe, for the data it was made for
 
 
 MODELS: dict[str, BuiltinModel] = {
@@ -149,9 +297,23 @@ MODELS: dict[str, BuiltinModel] = {
     # The tutorial: plain SGD, lr 0.1 decayed by 10x every 350 epochs (here per
     # epoch, continuously: 0.1 ** (1 / 350)), weight decay 0.004.
     "cifar10": BuiltinModel(cifar10, "sgd", {"sgd": {"lr": 0.1, "lr_decay": 0.1 ** (1 / 350), "l2": 0.004},
-                                             "adam": {"l2": 0.004}}),
-    **{f"resnet{6 * n + 2}": BuiltinModel(resnet(n), "sgd", {"sgd": _HE}) for n in (3, 5, 9)},
+                                             "adam": {"l2": 0.004}}, TF_CIFAR10),
+    **{f"resnet{6 * n + 2}": BuiltinModel(resnet(n), "sgd", {"sgd": _HE}, HE_CIFAR) for n in (3, 5, 9)},
+    **{f"resnet{d}": BuiltinModel(bottleneck_resnet(b), "sgd", {"sgd": _GOYAL}, GOYAL)
+       for d, b in BOTTLENECK_DEPTHS.items()},
+    "vgg16": BuiltinModel(vgg16, "sgd", {"sgd": _GOYAL}),
 }
+
+
+# The models that start each residual block's last batch-norm gamma at 0 with `zero_init_residual`.
+ZERO_INIT_MODELS = {f"resnet{d}": bottleneck_resnet(b, zero_init_residual=True) for d, b in BOTTLENECK_DEPTHS.items()}
+
+
+def model_recipe(spec, example_shape) -> Recipe | None:
+    """The recipe of the built-in model ``spec`` when it applies to examples of ``example_shape``, else None."""
+    entry = MODELS.get(spec) if isinstance(spec, str) else None
+    recipe = entry.recipe if entry else None
+    return recipe if recipe is not None and recipe.applies(example_shape) else None
 
 
 def model_defaults(spec, optimizer: str | None) -> tuple[str, dict]:
@@ -175,17 +337,24 @@ def as_sequential(model, where: str) -> Sequential:
     return model
 
 
-def build_model(spec, input_shape: tuple, num_classes: int, hidden: int = 500) -> Sequential:
+def build_model(spec, input_shape: tuple, num_classes: int, hidden: int = 500,
+                zero_init_residual: bool = False) -> Sequential:
     """``mlp``, ``lenet5``, ``package.module:function``, or a model object.
 
+    ``zero_init_residual``: the bottleneck ResNets start each block's last batch-norm gamma at 0
+    (``bottleneck_resnet``); other models do not take it.
     A user's function is called as ``function(input_shape, num_classes)`` and
     returns a ``Sequential`` (or a list of layers).  A model object (a
     ``Sequential`` or a list of layers) is built as it is.
     """
+    if zero_init_residual and not (isinstance(spec, str) and spec in ZERO_INIT_MODELS):
+        raise UserError(f"`zero_init_residual` applies to {', '.join(ZERO_INIT_MODELS)}, not "
+                        f"{spec if isinstance(spec, str) else 'a model object'}: drop it")
     if not isinstance(spec, str):
         model, where = as_sequential(spec, "the model object"), "the model object"
     elif spec in MODELS:
         fn, where = MODELS[spec].build, f"`model` {spec}"
+        fn = ZERO_INIT_MODELS[spec] if zero_init_residual else fn
         model = fn(input_shape, num_classes, hidden=hidden) if spec == "mlp" else fn(input_shape, num_classes)
     elif ":" in spec:
         where = f"`model` {spec}"

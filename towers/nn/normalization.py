@@ -83,6 +83,10 @@ def _one_minus_decay(momentum: float, step: int) -> float:
     return 1.0 - ema_decay(momentum, step)
 
 
+def _no_batches(a, order):
+    return numpy.zeros((), numpy.int64)
+
+
 def _channels(in_shape: tuple, who: str) -> int:
     if not in_shape:
         raise UserError(f"{who}: needs at least one feature axis, got per-example shape {in_shape}")
@@ -135,9 +139,11 @@ class BatchNorm(Layer):
     Parameters ``gamma`` (1) and ``beta`` (0), buffers ``moving_mean`` (0) and
     ``moving_variance`` (1).  ``scale=False`` / ``center=False`` drop gamma /
     beta (e.g. before a ReLU, where gamma is redundant with the next layer).
-    Exported under Keras' ``BatchNormalization`` names (these) and PyTorch's
-    ``nn.BatchNorm2d`` ones (``weight``, ``bias``, ``running_mean``,
-    ``running_var``), per feature in the framework's order.
+    ``gamma_init`` 0 starts gamma at zero (the last batch norm of a residual block in Goyal et al.'s
+    recipe: each block starts as the identity).  Exported under Keras' ``BatchNormalization`` names
+    (these) and PyTorch's ``nn.BatchNorm2d`` ones (``weight``, ``bias``, ``running_mean``,
+    ``running_var``, and a ``num_batches_tracked`` of 0 beside the running mean, which its strict
+    ``load_state_dict`` asks for), per feature in the framework's order.
     """
 
     keeps_dy = True  # backward reads dy only
@@ -146,16 +152,18 @@ class BatchNorm(Layer):
         return True  # numba's moments sum in float64, NumPy's in float32 GEMVs
 
     def __init__(self, scope: str, momentum: float = 0.99, epsilon: float = 1e-3,
-                 scale: bool = True, center: bool = True):
+                 scale: bool = True, center: bool = True, gamma_init: float = 1.0):
         if not 0 <= momentum < 1 or not epsilon > 0:
             raise UserError(f"{scope}: momentum must be in [0, 1) and epsilon > 0, got {momentum}, {epsilon}")
         self.scope, self.momentum, self.epsilon = scope, float(momentum), float(epsilon)
         self.scale, self.center = bool(scale), bool(center)
+        self.gamma_init = float(gamma_init)
 
     def build(self, in_shape):
         c = self.c = _channels(tuple(in_shape), self.scope)
         self.in_shape = tuple(in_shape)  # its values per channel and example: all but the last axis
-        params = ([Param("gamma", (c,), "constant:1")] if self.scale else []) + (
+        gamma = "constant:1" if self.gamma_init == 1 else f"constant:{self.gamma_init}" if self.gamma_init else "zeros"
+        params = ([Param("gamma", (c,), gamma)] if self.scale else []) + (
             [Param("beta", (c,))] if self.center else [])
         return params + [Param("moving_mean", (c,), trainable=False),
                          Param("moving_variance", (c,), "constant:1", trainable=False, minimum=0.0)], tuple(in_shape)
@@ -164,7 +172,10 @@ class BatchNorm(Layer):
         names = {"torch": ("weight", "bias", "running_mean", "running_var"),
                  "keras": ("gamma", "beta", "moving_mean", "moving_variance")}.get(framework)
         ours = ("gamma", "beta", "moving_mean", "moving_variance")
-        return {} if names is None else {k: Exported(n, rows_in) for k, n in zip(ours, names)}
+        out = {} if names is None else {k: Exported(n, rows_in) for k, n in zip(ours, names)}
+        if framework == "torch":  # nn.BatchNorm2d's counter (read only with momentum=None): 0
+            out["moving_mean"] = (out["moving_mean"], Exported("num_batches_tracked", _no_batches))
+        return out
 
     def forward(self, p, x, ws):
         xp, ctx, c = ws.xp, ws.ctx, self.c

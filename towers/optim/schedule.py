@@ -12,11 +12,14 @@ step (so a resumed run continues the schedule exactly):
 * ``piecewise`` (TensorFlow's ``piecewise_constant``; He et al.'s ResNet
   recipe): ``values[i]`` from ``boundaries[i - 1]`` (inclusive) to
   ``boundaries[i]`` (exclusive), in steps; without ``lr_values``, ``lr`` divided
-  by 10 at each boundary;
+  by 10 at each boundary.  The boundaries are ``lr_boundaries`` (steps) or
+  ``lr_epochs`` (epochs: boundary ``ceil(e * examples_per_epoch /
+  examples_per_step)``, so a recipe holds for any data size and tower count);
 * ``cosine`` (Loshchilov and Hutter, without restarts): ``lr0 * (1 + cos(pi *
   step / steps)) / 2``, from ``lr0`` to 0 at ``steps``;
 * ``warmup_steps`` W > 0 multiplies any of them by ``(step + 1) / W`` while
-  ``step < W`` (Goyal et al.'s linear warm-up).
+  ``step < W`` (Goyal et al.'s linear warm-up); ``warmup_epochs`` E gives W =
+  ``ceil(E * examples_per_epoch / examples_per_step)``.
 """
 from __future__ import annotations
 
@@ -50,13 +53,28 @@ def parse_list(text, name: str, kind=float) -> list:
     return values
 
 
-def piecewise_values(cfg) -> tuple[list[int], list[float]]:
-    """(boundaries, values) of a piecewise schedule, checked: increasing positive boundaries, one more value."""
-    bounds = parse_list(cfg.lr_boundaries, "lr_boundaries", int)
-    if not bounds:
-        raise UserError("`lr_schedule` piecewise needs `lr_boundaries` (steps, e.g. 32000,48000)")
-    if bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise UserError(f"`lr_boundaries` must be increasing steps >= 1, got {cfg.lr_boundaries!r}")
+def steps_of(epochs: float, n_examples: int, examples_per_step: int) -> int:
+    """The steps ``epochs`` epochs of ``n_examples`` take at ``examples_per_step``, rounded up."""
+    return math.ceil(epochs * n_examples / examples_per_step - 1e-9)
+
+
+def piecewise_values(cfg, n_examples: int | None = None, examples_per_step: int | None = None
+                     ) -> tuple[list, list[float]]:
+    """(boundaries, values) of a piecewise schedule, checked: increasing positive boundaries, one more value.
+
+    The boundaries are steps: ``lr_boundaries``, or ``lr_epochs`` turned into steps with ``n_examples`` and
+    ``examples_per_step``; without those two (a check before the data is known) ``lr_epochs`` as epochs."""
+    if cfg.lr_epochs:
+        epochs = parse_list(cfg.lr_epochs, "lr_epochs")
+        if epochs[0] <= 0 or any(b <= a for a, b in zip(epochs, epochs[1:])):
+            raise UserError(f"`lr_epochs` must be increasing epochs > 0, got {cfg.lr_epochs!r}")
+        bounds = epochs if n_examples is None else [steps_of(e, n_examples, examples_per_step) for e in epochs]
+    else:
+        bounds = parse_list(cfg.lr_boundaries, "lr_boundaries", int)
+        if not bounds:
+            raise UserError("`lr_schedule` piecewise needs `lr_boundaries` (steps, e.g. 32000,48000) or `lr_epochs`")
+        if bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise UserError(f"`lr_boundaries` must be increasing steps >= 1, got {cfg.lr_boundaries!r}")
     values = parse_list(cfg.lr_values, "lr_values") or [cfg.lr * 0.1 ** i for i in range(len(bounds) + 1)]
     if len(values) != len(bounds) + 1 or min(values) <= 0:
         raise UserError(f"`lr_values` must be {len(bounds) + 1} numbers > 0 (one more than `lr_boundaries`), "
@@ -66,14 +84,14 @@ def piecewise_values(cfg) -> tuple[list[int], list[float]]:
 
 def make_schedule(cfg, n_examples: int, examples_per_step: int) -> Callable[[int], float]:
     """``lr(step)`` for ``cfg`` (a resolved ``towers.Config``): see the module doc."""
-    kind = cfg.lr_schedule or ("piecewise" if cfg.lr_boundaries else "exponential")
+    kind = cfg.lr_schedule or ("piecewise" if cfg.lr_boundaries or cfg.lr_epochs else "exponential")
     if kind == "exponential":
         def base(step):
             if cfg.decay_steps:
                 return learning_rate(cfg.lr, cfg.lr_decay, step, cfg.decay_steps, cfg.staircase)
             return learning_rate(cfg.lr, cfg.lr_decay, step * examples_per_step, n_examples, cfg.staircase)
     elif kind == "piecewise":
-        bounds, values = piecewise_values(cfg)
+        bounds, values = piecewise_values(cfg, n_examples, examples_per_step)
 
         def base(step):
             return values[sum(step >= b for b in bounds)]
@@ -85,6 +103,8 @@ def make_schedule(cfg, n_examples: int, examples_per_step: int) -> Callable[[int
     else:
         raise UserError(f"`lr_schedule` {kind!r} is unknown: use one of {', '.join(SCHEDULES)}")
     warmup = cfg.warmup_steps
+    if cfg.warmup_epochs:
+        warmup = steps_of(cfg.warmup_epochs, n_examples, examples_per_step)
     if not warmup:
         return base  # exactly today's exponential decay when nothing new is set
 

@@ -410,8 +410,10 @@ def config_json(cfg) -> str:
 
 def comparable(cfg):
     """``cfg`` with its data paths absolute, as a checkpoint stores them (to compare with a checkpoint's)."""
+    from towers.data.kinds import is_synthetic
+
     paths = {k: os.path.abspath(getattr(cfg, k)) for k in DATA_PATHS if isinstance(getattr(cfg, k), str)
-             and getattr(cfg, k)}
+             and getattr(cfg, k) and not is_synthetic(getattr(cfg, k))}
     return replace(cfg, **paths) if paths else cfg
 
 

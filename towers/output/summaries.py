@@ -1,7 +1,8 @@
 """What a run reports: the progress bar, log lines, ``metrics.jsonl`` and TensorBoard events.
 
 Log lines follow the original example:
-``step 100, loss = 0.31 (41234.5 examples/sec; 0.005 sec/batch)``.
+``step 100, loss = 0.31 (41234.5 examples/sec, 20617.3 per tower; 0.005 sec/batch)`` (the
+per-tower rate with several towers).
 They go through ``tqdm.write`` so they don't break the bar.
 
 Every write into the logdir goes through ``towers.output.files.writing``, so a
@@ -60,6 +61,12 @@ def progress_bar(shown: bool, **kw) -> tqdm:
     return tqdm(file=sys.stderr, dynamic_ncols=True, disable=not (shown and sys.stderr.isatty()), **kw)
 
 
+def per_tower(examples_per_sec: float, towers: int) -> str:
+    """``, N per tower`` after a rate of several towers (the images/s per GPU that tf_cnn_benchmarks reports);
+    nothing for one tower."""
+    return f", {examples_per_sec / towers:.1f} per tower" if towers > 1 else ""
+
+
 class Reporter:
     """Progress bar (TTY only, off with --quiet), log lines and the metrics file."""
 
@@ -86,16 +93,17 @@ class Reporter:
         bar, the last lines) takes the lines below it."""
         self.bar.close()
 
-    def log_step(self, step: int, loss: float, lr: float, examples_per_sec: float, sec_per_batch: float,
-                 note: str | None = None, train_accuracy: float | None = None, **scaling) -> None:
+    def log_step(self, step: int, loss: float, lr: float, examples_per_sec: float, towers: int,
+                 sec_per_batch: float, note: str | None = None, train_accuracy: float | None = None,
+                 **scaling) -> None:
         """The log line and its record; ``note`` (a warning) is added to it, and said once even when quiet.
 
         ``train_accuracy``: the step's own (beside the loss); ``scaling``: fp16's ``loss_scale`` and
         ``skipped_steps`` (said when a step was skipped).
         """
         accuracy = "" if train_accuracy is None else f", accuracy = {train_accuracy:.4f}"
-        line = (f"step {step}, loss = {loss:.4f}{accuracy} ({examples_per_sec:.1f} examples/sec; "
-                f"{sec_per_batch:.4f} sec/batch)")
+        line = (f"step {step}, loss = {loss:.4f}{accuracy} ({examples_per_sec:.1f} examples/sec"
+                f"{per_tower(examples_per_sec, towers)}; {sec_per_batch:.4f} sec/batch)")
         if scaling.get("skipped_steps"):
             line += (f"; {scaling['skipped_steps']} steps skipped for fp16 overflow so far, loss scale "
                      f"{scaling['loss_scale']:g}")
