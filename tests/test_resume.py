@@ -83,6 +83,19 @@ def test_a_resume_takes_what_is_given_and_derives_again_what_follows_it(tmp_path
         assert (t.cfg.n_gpu, t.cfg.hidden, t.cfg.optimizer, t.cfg.steps) == (2, 16, "adam", 8)
 
 
+def test_a_setting_given_derives_again_only_what_follows_it_directly(tmp_path):
+    """Before: `--lr 0.5` on a run of `--lr-schedule piecewise --lr-boundaries 2,4` derived `lr_values` again,
+    then (in turn) `lr_schedule` and `lr_boundaries`: the run went on with the model's exponential decay; and
+    `--lr-schedule cosine` on a run of `--lr 0.3` took the model's 0.8 (lr follows lr_values, derived again)."""
+    run = tmp_path / "run"
+    assert main([*SMALL, "--steps", "2", "--lr", "0.3", "--lr-schedule", "piecewise", "--lr-boundaries", "2,4",
+                 "--logdir", str(run)]) == 0
+    with Trainer(Config(logdir=str(run), resume=True, lr=0.5)) as t:
+        assert (t.cfg.lr, t.cfg.lr_schedule, t.cfg.lr_boundaries) == (0.5, "piecewise", "2,4")
+    with Trainer(Config(logdir=str(run), resume=True, lr_schedule="cosine")) as t:
+        assert (t.cfg.lr, t.cfg.lr_schedule, t.cfg.lr_boundaries) == (0.3, "cosine", None)
+
+
 def test_a_trainer_built_with_resume_holds_the_checkpoints_state_before_fit(tmp_path):
     """Before: get_weights, evaluate and predict of Trainer(Config(logdir=..., resume=True)) saw freshly
     initialised weights until fit()."""

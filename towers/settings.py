@@ -355,20 +355,14 @@ def inherited(cls, old: dict, cfg, given) -> dict:
 
     ``old``: the checkpoint's settings, every field present; ``cfg``: the run's (not resolved);
     ``given``: the names it gave explicitly, which it keeps.  Every other setting is the checkpoint's,
-    except one that ``follows`` a setting given with another value than the checkpoint's, or one
-    derived again in turn: the resolution derives it afresh, as in a fresh run (``optimizer`` adam
-    given on a run of sgd gets adam's learning rate, not sgd's).
+    except one that ``follows`` a setting given with another value than the checkpoint's: the
+    resolution derives it afresh, as in a fresh run (``optimizer`` adam given on a run of sgd gets
+    adam's learning rate, not sgd's).  Only those: a setting derived again moves none in turn (``lr``
+    given moves ``lr_values``, which does not move ``lr_schedule``: the schedule stays the run's).
     """
     moved = {name for name in given if name in old and old[name] != getattr(cfg, name)}
-    rest = [f for f in dataclasses.fields(cls) if f.name not in given and f.name in old]
-    again = True
-    while again:  # a setting derived again moves those that follow it
-        again = False
-        for f in rest:
-            if f.name not in moved and moved.intersection(f.metadata["follows"]):
-                moved.add(f.name)
-                again = True
-    return {f.name: old[f.name] for f in rest if f.name not in moved}
+    return {f.name: old[f.name] for f in dataclasses.fields(cls)
+            if f.name not in given and f.name in old and not moved.intersection(f.metadata["follows"])}
 
 
 def used_settings(saved: dict, cls, rule: str) -> list[tuple[str, object]]:
