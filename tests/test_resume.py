@@ -224,6 +224,24 @@ def test_fit_twice_without_a_logdir_keeps_one_run_that_loads(tmp_path, monkeypat
         t.fit()
 
 
+def test_a_resumed_trainers_second_fit_continues_its_own_run(tmp_path):
+    """Before: the second fit() of a Trainer built with `resume` refused the checkpoint its own first fit() wrote,
+    as "written after this Trainer was built with resume (another run on logdir ...)"."""
+    common = dict(devices="cpu", hidden=8, batch_size=50, quiet=True, summary_every=0, logdir=str(tmp_path))
+    with Trainer(Config(**common, steps=2)) as t:
+        t.fit()
+    with Trainer(Config(logdir=str(tmp_path), resume=True, steps=4)) as t:
+        t.fit()
+        t.run_steps(1)  # past its steps, by hand
+        t.fit()
+        assert t.step == 5 and list_checkpoints(str(tmp_path))[0][0] == 5
+        # Another run's checkpoint written since is still refused.
+        with Trainer(Config(logdir=str(tmp_path), resume=True, steps=7)) as other:
+            other.fit()
+        with pytest.raises(UserError, match="was written after this Trainer was built with resume"):
+            t.fit()
+
+
 def test_a_cluster_trainer_stays_usable_after_a_refused_call(local_ray):
     """Before: after a refused set_weights or load_state_dict (a missing key, NaN) every later step of a
     hosts=2 Trainer said "the Ray cluster failed at step 0"."""
