@@ -2,6 +2,7 @@
 built with ``resume`` holds its checkpoint's state, and what a continuation that differs says."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 import towers
 from towers import Config, Trainer, UserError
+from towers.config import resume_settings
 from towers.output.checkpoint import list_checkpoints, load_checkpoint
 from towers.train import main, parse_config
 
@@ -94,6 +96,17 @@ def test_a_setting_given_derives_again_only_what_follows_it_directly(tmp_path):
         assert (t.cfg.lr, t.cfg.lr_schedule, t.cfg.lr_boundaries) == (0.5, "piecewise", "2,4")
     with Trainer(Config(logdir=str(run), resume=True, lr_schedule="cosine")) as t:
         assert (t.cfg.lr, t.cfg.lr_schedule, t.cfg.lr_boundaries) == (0.3, "cosine", None)
+
+
+def test_a_setting_assigned_after_config_is_given_too(tmp_path):
+    """Before: `cfg = Config(logdir=..., resume=True); cfg.steps = 30; cfg.lr = 0.1` resumed to the checkpoint's
+    steps with its learning rate, silently: only the fields passed to Config(...) counted as given."""
+    cfg = Config(logdir=str(tmp_path), resume=True)
+    cfg.steps, cfg.lr, cfg.optimizer = 30, 0.1, None  # None where None is the default: not given
+    assert cfg.given == {"logdir", "resume", "steps", "lr"}
+    saved = dataclasses.asdict(Config(steps=12, lr=0.8).resolved())
+    merged = resume_settings(cfg, saved)
+    assert (merged.steps, merged.lr, merged.optimizer) == (30, 0.1, "sgd")
 
 
 def test_a_trainer_built_with_resume_holds_the_checkpoints_state_before_fit(tmp_path):

@@ -75,7 +75,7 @@ class Config:
     their own files (``towers.optim.optimizers``) and added after ``l2``.
 
     ``given``: the settings its caller passed (a flag typed, a field named in
-    ``Config(...)``; None for a setting whose default is None counts as not
+    ``Config(...)`` or assigned after; None for a setting whose default is None counts as not
     given); a resumed run takes the others from its checkpoint (``resume_settings``).
     A copy made with ``dataclasses.replace`` counts every setting as given.
     """
