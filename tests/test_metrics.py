@@ -169,6 +169,23 @@ def test_validation_split_holds_out_the_same_seeded_examples_never_trained_on(tm
     assert "test_accuracy_ema" in records(tmp_path / "run")[-1]
 
 
+def test_a_resume_with_another_seed_says_its_held_out_examples_were_trained_on(tmp_path, notices):
+    """Before: `--validation-split 0.2`, then `--resume --seed 1` held out other examples, some of them trained on
+    before, with only the notes of a seed and of "other examples" in the data."""
+    path, _, _ = digits_without_test_split(tmp_path)
+    with Trainer(Config(**SMALL, data=str(path), validation_split=0.2, steps=2, logdir=str(tmp_path / "run"))) as tr:
+        tr.fit()
+    notices.clear()
+    with Trainer(Config(logdir=str(tmp_path / "run"), resume=True, steps=3, seed=1)):
+        pass
+    assert any("seed 0 -> 1; validation_split holds out other examples with another seed: some of them were "
+               "trained on" in n for n in notices), notices
+    notices.clear()
+    with Trainer(Config(logdir=str(tmp_path / "run"), resume=True, steps=3, seed=0)):
+        pass
+    assert not any("holds out other examples" in n for n in notices), notices
+
+
 def test_validation_split_is_refused_beside_test_data():
     with pytest.raises(UserError, match="validation_split holds out training examples as the test data, but the "
                                         "data has test data of its own"):

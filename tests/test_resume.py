@@ -2,6 +2,7 @@
 built with ``resume`` holds its checkpoint's state, and what a continuation that differs says."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 import towers
 from towers import Config, Trainer, UserError
+from towers.config import resume_settings
 from towers.output.checkpoint import list_checkpoints, load_checkpoint
 from towers.train import main, parse_config
 
@@ -81,6 +83,30 @@ def test_a_resume_takes_what_is_given_and_derives_again_what_follows_it(tmp_path
     assert parse_config(["--logdir", "x", "--quiet"]).given == {"logdir", "quiet"}
     with Trainer(cfg) as t:
         assert (t.cfg.n_gpu, t.cfg.hidden, t.cfg.optimizer, t.cfg.steps) == (2, 16, "adam", 8)
+
+
+def test_a_setting_given_derives_again_only_what_follows_it_directly(tmp_path):
+    """Before: `--lr 0.5` on a run of `--lr-schedule piecewise --lr-boundaries 2,4` derived `lr_values` again,
+    then (in turn) `lr_schedule` and `lr_boundaries`: the run went on with the model's exponential decay; and
+    `--lr-schedule cosine` on a run of `--lr 0.3` took the model's 0.8 (lr follows lr_values, derived again)."""
+    run = tmp_path / "run"
+    assert main([*SMALL, "--steps", "2", "--lr", "0.3", "--lr-schedule", "piecewise", "--lr-boundaries", "2,4",
+                 "--logdir", str(run)]) == 0
+    with Trainer(Config(logdir=str(run), resume=True, lr=0.5)) as t:
+        assert (t.cfg.lr, t.cfg.lr_schedule, t.cfg.lr_boundaries) == (0.5, "piecewise", "2,4")
+    with Trainer(Config(logdir=str(run), resume=True, lr_schedule="cosine")) as t:
+        assert (t.cfg.lr, t.cfg.lr_schedule, t.cfg.lr_boundaries) == (0.3, "cosine", None)
+
+
+def test_a_setting_assigned_after_config_is_given_too(tmp_path):
+    """Before: `cfg = Config(logdir=..., resume=True); cfg.steps = 30; cfg.lr = 0.1` resumed to the checkpoint's
+    steps with its learning rate, silently: only the fields passed to Config(...) counted as given."""
+    cfg = Config(logdir=str(tmp_path), resume=True)
+    cfg.steps, cfg.lr, cfg.optimizer = 30, 0.1, None  # None where None is the default: not given
+    assert cfg.given == {"logdir", "resume", "steps", "lr"}
+    saved = dataclasses.asdict(Config(steps=12, lr=0.8).resolved())
+    merged = resume_settings(cfg, saved)
+    assert (merged.steps, merged.lr, merged.optimizer) == (30, 0.1, "sgd")
 
 
 def test_a_trainer_built_with_resume_holds_the_checkpoints_state_before_fit(tmp_path):
@@ -209,6 +235,24 @@ def test_fit_twice_without_a_logdir_keeps_one_run_that_loads(tmp_path, monkeypat
                         logdir=str(tmp_path / "mine"))) as t:
         t.fit()
         t.fit()
+
+
+def test_a_resumed_trainers_second_fit_continues_its_own_run(tmp_path):
+    """Before: the second fit() of a Trainer built with `resume` refused the checkpoint its own first fit() wrote,
+    as "written after this Trainer was built with resume (another run on logdir ...)"."""
+    common = dict(devices="cpu", hidden=8, batch_size=50, quiet=True, summary_every=0, logdir=str(tmp_path))
+    with Trainer(Config(**common, steps=2)) as t:
+        t.fit()
+    with Trainer(Config(logdir=str(tmp_path), resume=True, steps=4)) as t:
+        t.fit()
+        t.run_steps(1)  # past its steps, by hand
+        t.fit()
+        assert t.step == 5 and list_checkpoints(str(tmp_path))[0][0] == 5
+        # Another run's checkpoint written since is still refused.
+        with Trainer(Config(logdir=str(tmp_path), resume=True, steps=7)) as other:
+            other.fit()
+        with pytest.raises(UserError, match="was written after this Trainer was built with resume"):
+            t.fit()
 
 
 def test_a_cluster_trainer_stays_usable_after_a_refused_call(local_ray):

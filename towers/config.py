@@ -61,6 +61,12 @@ def _normalize_format(text: str) -> None:
     parse_normalize(text, 3)  # the format; the channel count is checked with the data
 
 
+def _other_held_out(cfg) -> str | None:
+    """Why a change of the seed spoils the validation: it holds out other examples, some of them trained on."""
+    return ("`validation_split` holds out other examples with another `seed`: some of them were trained on"
+            if cfg.validation_split else None)
+
+
 def _cosine_ends(cfg) -> str | None:
     """Why a change of the run's length changes its trajectory: a cosine schedule ends at it."""
     return "`lr_schedule` cosine ends at `steps`" if cfg.lr_schedule == "cosine" else None
@@ -76,7 +82,7 @@ class Config:
     their own files (``towers.optim.optimizers``) and added after ``l2``.
 
     ``given``: the settings its caller passed (a flag typed, a field named in
-    ``Config(...)``; None for a setting whose default is None counts as not
+    ``Config(...)`` or assigned after; None for a setting whose default is None counts as not
     given); a resumed run takes the others from its checkpoint (``resume_settings``).
     A copy made with ``dataclasses.replace`` counts every setting as given.
     """
@@ -220,7 +226,7 @@ class Config:
         "min(D, (1 + n) / (10 + n))`, n = 1 at the first update (see The EMA in docs/training.md)",
         group="optimization", check=Number(0, 1, high_open=True), resume=NOTE, type="float", metavar="D")
     seed: int = setting(0, "seed of the initial weights, the shuffle and dropout masks", group="optimization",
-                        check=Integer(0), resume=NOTE, type="int", metavar="S")
+                        check=Integer(0), resume=NOTE, type="int", metavar="S", note_when=_other_held_out)
     # models' recipes (towers.nn, towers.optim.schedule)
     lr_schedule: str | None = setting(
         None, "`exponential` (decay per epoch, the default), `piecewise` (constant between --lr-boundaries) or "

@@ -336,6 +336,7 @@ class Run:
         if key is not None:
             raise self.diverged(f"{key} holds non-finite values")
         self.checkpointer.write(self.trainer.step, state)
+        self.trainer.seen_checkpoint = self.trainer.step  # its own: a later fit() continues from it
 
     def diverged(self, what: str):
         """The error for a non-finite loss or weights at this step, with its cause when it is the input.

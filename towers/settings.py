@@ -279,24 +279,34 @@ def with_settings(extra: dict, after: str):
 
 
 def tracks_given(cls):
-    """Class decorator (over ``@dataclass``): each instance records the fields its caller passed, as ``given``.
+    """Class decorator (over ``@dataclass``): each instance records the fields its caller passed, or assigned
+    once it was made (``cfg.steps = 30``), as ``given``.
 
-    A field passed as None whose default is None counts as not given (None is "unset" there).
+    A field passed or assigned as None whose default is None counts as not given (None is "unset" there).
     """
-    init = cls.__init__
+    init, setattr_ = cls.__init__, cls.__setattr__
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+
+    def counts(name, value) -> bool:
+        return value is not None or defaults[name] is not None
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         passed = {**dict(zip(names, args)), **kwargs}
-        self.__dict__["_given"] = frozenset(k for k, v in passed.items() if v is not None or defaults[k] is not None)
+        self.__dict__["_given"] = frozenset(k for k, v in passed.items() if counts(k, v))
+
+    def __setattr__(self, name, value):
+        setattr_(self, name, value)
+        if "_given" in self.__dict__ and name in defaults:  # not the __init__'s own
+            given = self.__dict__["_given"]
+            self.__dict__["_given"] = given | {name} if counts(name, value) else given - {name}
 
     def given(self) -> frozenset:
         return self.__dict__.get("_given", frozenset(names))
 
-    cls.__init__ = __init__
+    cls.__init__, cls.__setattr__ = __init__, __setattr__
     cls.given = property(given, doc="The names of the settings its caller passed (see ``tracks_given``).")
     return cls
 
@@ -355,20 +365,14 @@ def inherited(cls, old: dict, cfg, given) -> dict:
 
     ``old``: the checkpoint's settings, every field present; ``cfg``: the run's (not resolved);
     ``given``: the names it gave explicitly, which it keeps.  Every other setting is the checkpoint's,
-    except one that ``follows`` a setting given with another value than the checkpoint's, or one
-    derived again in turn: the resolution derives it afresh, as in a fresh run (``optimizer`` adam
-    given on a run of sgd gets adam's learning rate, not sgd's).
+    except one that ``follows`` a setting given with another value than the checkpoint's: the
+    resolution derives it afresh, as in a fresh run (``optimizer`` adam given on a run of sgd gets
+    adam's learning rate, not sgd's).  Only those: a setting derived again moves none in turn (``lr``
+    given moves ``lr_values``, which does not move ``lr_schedule``: the schedule stays the run's).
     """
     moved = {name for name in given if name in old and old[name] != getattr(cfg, name)}
-    rest = [f for f in dataclasses.fields(cls) if f.name not in given and f.name in old]
-    again = True
-    while again:  # a setting derived again moves those that follow it
-        again = False
-        for f in rest:
-            if f.name not in moved and moved.intersection(f.metadata["follows"]):
-                moved.add(f.name)
-                again = True
-    return {f.name: old[f.name] for f in rest if f.name not in moved}
+    return {f.name: old[f.name] for f in dataclasses.fields(cls)
+            if f.name not in given and f.name in old and not moved.intersection(f.metadata["follows"])}
 
 
 def used_settings(saved: dict, cls, rule: str) -> list[tuple[str, object]]:
