@@ -58,7 +58,7 @@ def test_help_shows_every_value_flags_default():
         assert "default" in helps[flag_name(f)], (flag_name(f), helps[flag_name(f)])
     for flag, default in (("--batch-size", "100"), ("--hidden", "500"), ("--data", "data/digits.npz"),
                           ("--logdir", "runs/<timestamp>"), ("--keep-checkpoints", "5"), ("--seed", "0")):
-        assert f"(default: {default})" in helps[flag], (flag, helps[flag])
+        assert f"(default: {default}" in helps[flag], (flag, helps[flag])
 
 
 def test_help_references_name_their_file():

@@ -734,10 +734,10 @@ def model_forms(model: str, forms) -> list[str]:
 
 
 def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool, forms=("im2col",),
-          batch: int | None = None) -> list[dict]:
+          batch: int | None = None, bf16: bool = False) -> list[dict]:
     """The rows, model by model: the PyTorch references first (a run cut short keeps them), then towers'
-    configurations (the conv nets once per ``gpu_conv`` form, and in bf16); ``batch``: the conv nets' batch
-    per tower instead of their own."""
+    configurations (the conv nets once per ``gpu_conv`` form, and with ``bf16`` in bf16 too); ``batch``: the
+    conv nets' batch per tower instead of their own."""
     dev = "0" if gpus else "cpu"
     where = "GPU 0" if gpus else "CPU"
     rows = []
@@ -766,7 +766,7 @@ def _plan(gpus: int, torch_ok: bool, models: list[str], torch_compile: bool, for
         else:
             rows.append(dict(name=f"{model} towers N towers on N GPUs", kind="skip",
                              note="skipped: only one GPU" if gpus == 1 else "skipped: no GPU"))
-        if model in CONV:
+        if model in CONV and bf16:
             form = model_forms(model, forms)[0] if gpus else "im2col"
             rows.append(dict(name=f"{model} {towers_label(form)} bf16 1 tower, {where}, b{b}", kind="towers",
                              model=model, towers=1, devices=dev, gpu_conv=form, precision="bf16"))
@@ -928,6 +928,9 @@ def parse_args(argv=None):
     ap.add_argument("--forward-only", action="store_true",
                     help="time inference instead of training steps: each tower's forward pass in evaluation mode "
                          "(PyTorch: eval mode, no_grad), as tf_cnn_benchmarks' --forward_only")
+    ap.add_argument("--bf16", action="store_true",
+                    help="also a towers --precision bf16 row per conv net (bf16 still rounds inside float32 buffers "
+                         "on GPUs: it measures that emulation, not bf16 storage)")
     ap.add_argument("--batch", type=int, default=None,
                     help="the conv nets' batch per tower instead of their own (ResNet-50: 64; e.g. --batch 128)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, on the CPU when there is no GPU")
@@ -1020,7 +1023,7 @@ def _bench(a, tmp, sizes: dict, rounds: int) -> int:
                                           for m, s in sizes.items()),
           flush=True)
 
-    rows = _plan(gpus, torch_ok, a.models, a.torch_compile, a.gpu_conv, a.batch)
+    rows = _plan(gpus, torch_ok, a.models, a.torch_compile, a.gpu_conv, a.batch, a.bf16)
     for r in rows:  # every towers row of a conv net at --batch; forward-only rows say so
         if r["kind"] == "towers" and a.batch and r["model"] in CONV:
             r["batch"] = a.batch

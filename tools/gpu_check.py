@@ -127,7 +127,7 @@ FIRST_TESTS = ("tests/gpu/test_gpu_cudnn.py", "tests/gpu/test_gpu_graphs.py")
 # AMP bf16 channels-last and torch.compile; then the same forward only (inference).
 EXTRA_BENCHES = {
     "resnet50": [(f"resnet50-{tag}", f"--models resnet50 --conv-steps 10 --warmup 3 --rounds 2 --profile-steps 2 "
-                  f"--no-main-job --gpu-conv cudnn --torch-compile {extra}")
+                  f"--no-main-job --gpu-conv cudnn --torch-compile --bf16 {extra}")
                  for tag, extra in (("b64", "--batch 64"), ("b128", "--batch 128"),
                                     ("b64-forward", "--batch 64 --forward-only"))],
 }

@@ -130,7 +130,7 @@ class Config:
     input_scale: str = setting(
         "1/255", "what uint8 examples (pixels) are multiplied by as they become float32, on the device and in "
         "--normalize: `1/255` (0..1) or `1` (0..255 as floats, as TensorFlow's multi-GPU example feeds them); float "
-        "examples are used as they are (see Data format)", group="data", check=Choice(tuple(INPUT_SCALES)),
+        "examples are used as they are (see npz files in docs/data.md)", group="data", check=Choice(tuple(INPUT_SCALES)),
         resume=NOTE, type="str", metavar="S")
     input_workers: int | None = setting(
         None, "TFRecord and images: processes that read, parse, decode and augment ahead of the towers (0: the "
@@ -148,7 +148,7 @@ class Config:
         "24x24 crop, flip, brightness, contrast, per-image standardization), `imagenet` (random resized crop, "
         "flip); evaluation takes the center (see Image data in docs/data.md); default `none`, or the model's recipe's",
         group="images", check=Choice(AUGMENTS, optional=True), resume=NOTE, type="str | None", metavar="NAME",
-        shown="`none`, or the recipe's", model_default=True, fallback="none")
+        shown="`none`, or the recipe's", model_default="recipe", fallback="none")
     normalize: str | None = setting(
         None, "images: `(x/255 - mean) / std` per channel (`(x - mean) / std` with --input-scale 1), MEAN,STD or one "
         "of each per channel, e.g. 0.5,0.25 or 0.485,0.456,0.406,0.229,0.224,0.225 (examples become float32; not "
@@ -167,7 +167,7 @@ class Config:
     model: str = setting(
         "mlp", "`mlp`, `lenet5`, `cifar10` (TF's CIFAR-10 tutorial model), `resnet20`, `resnet32`, `resnet56` "
         "(He et al.'s CIFAR ResNets), `resnet50`, `resnet101`, `resnet152` (ImageNet's, v1.5), `vgg16`, or "
-        "`package.module:function` returning a towers.Sequential or a list of layers (see Built-in models and Your own model and layers in docs/models.md)",
+        "`package.module:function` returning a towers.Sequential or a list of layers (see Your own model and layers in docs/models.md)",
         group="model", check=Free(), resume=REFUSE, type="str", metavar="NAME")
     hidden: int = setting(500, "hidden units of the mlp", group="model", check=Integer(1), resume=REFUSE,
                           type="int", metavar="N", used_when=lambda cfg: cfg.model == "mlp")
@@ -183,9 +183,9 @@ class Config:
         check=Choice(lambda: tuple(OPTIMIZERS), optional=True), resume=NOTE, type="str | None", metavar="NAME",
         shown="the model's")
     batch_size: int | None = setting(
-        None, "examples per tower per step (default 100, or the model's recipe's)", group="optimization",
+        None, "examples per tower per step (default: 100, or the model's recipe's)", group="optimization",
         check=Integer(1, optional=True), resume=BATCH, type="int | None", metavar="B",
-        shown="100, or the recipe's", model_default=True, fallback=100)
+        shown="100, or the recipe's", model_default="recipe", fallback=100)
     accumulate: int = setting(
         1, "micro-batches of --batch-size each tower sums before one all-reduce and one update: a step takes "
         "towers x B x K examples (batch norm: statistics per micro-batch; see Gradient accumulation in docs/training.md)",

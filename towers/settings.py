@@ -213,7 +213,8 @@ def setting(default, help: str, *, group: str, check: Check, resume: str, type: 
     ``shown``: the default as the flag table writes it (else derived from ``default``);
     ``used_when(cfg)``: whether the resolved run uses the setting (a change of an unused one is silent);
     ``model_default``: None-valued until the model's (optimizer's) defaults fill it, to ``fallback``
-    when neither gives one (it then ``follows`` ``optimizer`` too);
+    when neither gives one (it then ``follows`` ``optimizer`` too); ``"recipe"``: filled by the model's recipe
+    (``towers.nn.models.model_recipe``), not by the optimizer's defaults (it then ``follows`` ``recipe``);
     ``follows``: the settings it is derived from when not given: on a resume that gives one of them
     another value, it is derived again instead of taken from the checkpoint (``inherited``);
     ``note_when(cfg)``: a change that ``resume`` calls silent is a note in the runs where it holds;
@@ -224,7 +225,8 @@ def setting(default, help: str, *, group: str, check: Check, resume: str, type: 
         raise ValueError(f"resume rule {resume!r}: use one of {RULES}")
     if group not in GROUPS:
         raise ValueError(f"group {group!r}: use one of {tuple(GROUPS)} (a new group is declared in GROUPS)")
-    follows = tuple(follows) + (("optimizer",) if model_default and "optimizer" not in follows else ())
+    source = "recipe" if model_default == "recipe" else "optimizer"
+    follows = tuple(follows) + ((source,) if model_default and source not in follows else ())
     meta = dict(help=" ".join(help.split()), group=group, check=check, resume=resume, type=type,
                 metavar=metavar, shown=shown, used_when=used_when, model_default=bool(model_default),
                 fallback=fallback, follows=follows, note_when=note_when, gpu_only=gpu_only)

@@ -296,7 +296,7 @@ def test_resnet50_rows_come_when_asked_for_not_in_the_default_run():
 
     assert "ResNet-50" not in bench_gpu.DEFAULT_MODELS and "resnet50" not in gpu_check.BENCH_ARGS
     assert bench_gpu.model_names("resnet50") == ["ResNet-50"] and bench_gpu.MODELS["ResNet-50"][4] == (224, 224, 3)
-    rows = bench_gpu._plan(1, True, ["ResNet-50"], True, ("cudnn",), batch=128)
+    rows = bench_gpu._plan(1, True, ["ResNet-50"], True, ("cudnn",), batch=128, bf16=True)
     names = [r["name"] for r in rows]
     assert "ResNet-50 towers cudnn 1 tower, GPU 0, b128" in names
     assert any(r["kind"] == "towers" and r.get("precision") == "bf16" for r in rows)
@@ -304,4 +304,4 @@ def test_resnet50_rows_come_when_asked_for_not_in_the_default_run():
     assert [r["batch"] for r in rows if r["kind"] == "torch" and r["variant"] == "fp32"] == [128, 256]
     words = [w for _, w in gpu_check.EXTRA_BENCHES["resnet50"]]
     assert any("--batch 64" in w for w in words) and any("--batch 128" in w for w in words)
-    assert any("--forward-only" in w for w in words)
+    assert any("--forward-only" in w for w in words) and all("--bf16" in w for w in words)
