@@ -257,7 +257,7 @@ class Config:
         "auto", "`auto`: a built-in model trains with its paper's whole recipe (batch, schedule in epochs, "
         "augmentation) when the data read from --data is what it was made for (resnet20/32/56 and cifar10: "
         "32x32x3; resnet50/101/152: 3-channel images); flags given override it; `none`: the model's plain "
-        "defaults (see Recipes)", group="recipes", check=Choice(("auto", "none")), resume=NOTE, type="str",
+        "defaults (see Recipes in docs/models.md)", group="recipes", check=Choice(("auto", "none")), resume=NOTE, type="str",
         metavar="auto|none")
     label_smoothing: float = setting(
         0.0, "train on targets `(1 - S) * onehot + S / classes` (0: none)", group="recipes",
