@@ -21,6 +21,9 @@ without it), and an image folder of PNGs (made here, seeded).  Jobs on 2 hosts
 need Ray (skipped without it) and start a local Ray each (10-20 s on 2
 cores).
 
+``--ignore ema/`` records instead the md5 of final.npz's other arrays (``digest``), for a change meant to
+move one part only (the EMA's convention): the weights must still match byte for byte.
+
 Deterministic jobs must match byte for byte.  ``--sync async`` is
 nondeterministic by design (the server applies whichever host's gradient
 arrives first), so it runs in the first mode only: its one-step job runs
@@ -98,16 +101,31 @@ def synthetic_folder(path: Path) -> None:
             Image.fromarray(a).save(path / f"class{k}" / f"{j:03d}.png")
 
 
-def train(checkout: str, args: list[str]) -> tuple[str, str]:
-    """(md5 of final.npz, stdout) of one job run from ``checkout``."""
+def digest(path: str, ignore: tuple = ()) -> str:
+    """md5 of the file ``path``; with ``ignore`` (key prefixes, e.g. ``ema/``), md5 of its other arrays instead
+    (each key, dtype, shape and bytes, in key order): what stays the same where a change moved only those."""
+    if not ignore:
+        with open(path, "rb") as f:
+            return hashlib.md5(f.read()).hexdigest()
+    h = hashlib.md5()
+    with numpy.load(path) as z:
+        for key in sorted(k for k in z.files if not k.startswith(ignore)):
+            a = z[key]
+            h.update(f"{key} {a.dtype.str} {a.shape}".encode())
+            h.update(numpy.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def train(checkout: str, args: list[str], ignore: tuple = ()) -> tuple[str, str]:
+    """(md5 of final.npz, or of its arrays but those ``ignore`` names: ``digest``; stdout) of one job run from
+    ``checkout``."""
     with tempfile.TemporaryDirectory() as logdir:
         env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
         p = subprocess.run([sys.executable, "-m", "towers.train", *args, "--logdir", logdir], cwd=checkout,
                            env=env, capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"{' '.join(args)}: exit {p.returncode}\n{p.stderr}")
-        with open(os.path.join(logdir, "final.npz"), "rb") as f:
-            return hashlib.md5(f.read()).hexdigest(), p.stdout
+        return digest(os.path.join(logdir, "final.npz"), ignore), p.stdout
 
 
 def runnable(name: str) -> bool:
@@ -120,7 +138,7 @@ def runnable(name: str) -> bool:
     return not name.startswith("jpeg") or SAMPLES.exists()
 
 
-def run(checkout: str, out: str, names: list[str], modes: list[str]) -> None:
+def run(checkout: str, out: str, names: list[str], modes: list[str], ignore: tuple = ()) -> None:
     record = {}
     with tempfile.TemporaryDirectory(prefix="compare-results-") as tmp:
         cifar, folder = Path(tmp) / "cifar32.npz", Path(tmp) / "folder"
@@ -133,7 +151,7 @@ def run(checkout: str, out: str, names: list[str], modes: list[str]) -> None:
             for mode in modes:
                 key = name if len(modes) == 1 else f"{name} / {mode}"
                 args = [a.format(cifar=cifar, folder=folder) for a in JOBS[name]] + ["--cpu-kernels", mode]
-                record[key] = train(checkout, args)[0]
+                record[key] = train(checkout, args, ignore)[0]
                 print(f"{key:34s} {record[key]}", flush=True)
     if "async" in names and runnable("async"):
         kernels = ["--cpu-kernels", modes[0]]
@@ -190,6 +208,8 @@ def main(argv=None) -> int:
     r.add_argument("out")
     r.add_argument("--jobs", help=f"comma-separated, of: {', '.join([*JOBS, 'async'])} (default: all)")
     r.add_argument("--modes", default="auto", help="--cpu-kernels values to run each job with (default: auto)")
+    r.add_argument("--ignore", default="", help="comma-separated key prefixes of final.npz left out of the record "
+                   "(e.g. ema/: the md5 of the other arrays, for a change meant to move the EMA only)")
     c = sub.add_parser("compare", help="print two records side by side; exit 1 where they differ")
     c.add_argument("a")
     c.add_argument("b")
@@ -200,7 +220,7 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in JOBS and n != "async"]
     if unknown:
         ap.error(f"unknown jobs {unknown}: use names of {', '.join([*JOBS, 'async'])}")
-    run(args.checkout, args.out, names, args.modes.split(","))
+    run(args.checkout, args.out, names, args.modes.split(","), tuple(p for p in args.ignore.split(",") if p))
     return 0
 
 
