@@ -30,8 +30,8 @@ every host's GPUs, or on CPU hosts a shared-memory mean on one node
 are ``SynchronousServer`` and ``AsynchronousServer`` (``towers.cluster.ps``).
 
 Adding a mode: a ``HostKeeping`` subclass (its wiring, its host loop, and a
-server loop if it has a server) and one ``MODES`` entry naming it (docs/training.md,
-Keeping replicas together).
+server loop if it has a server) and one ``MODES`` entry naming it (docs/architecture.md,
+Sync modes).
 
 Sync points: ``run_steps`` and ``check`` wait for every host (and the
 server); what happens inside a segment is the mode's (its docstring).

@@ -47,11 +47,11 @@ hosts only) and whose ``hosts`` keeps a cluster's hosts together
 server; imported only with ``hosts`` > 1, so one host never imports
 ``towers.cluster``).  The setting's check, the default checkpoint interval,
 the one-host executor and the cluster's driver all look the mode up here,
-once; adding a mode is adding an entry (docs/training.md, Keeping replicas together).
+once; adding a mode is adding an entry (docs/architecture.md, Sync modes).
 
 Limits: between averages the replicas differ by design, so they are compared
 only right after an average; a single process that owns every device has no
-true asynchronous mode (see the table in docs/training.md).
+true asynchronous mode (docs/architecture.md, Sync modes).
 """
 from __future__ import annotations
 
