@@ -250,8 +250,8 @@ class Config:
         0, "linear warm-up: the rate times `(step + 1) / N` for the first N steps (0: none)", group="recipes",
         check=Integer(0), resume=NOTE, type="int", metavar="N")
     warmup_epochs: float | None = setting(
-        None, "linear warm-up over E epochs instead of --warmup-steps (the ImageNet ResNets' recipe: 5)",
-        group="recipes", check=Number(0, low_open=True, optional=True), resume=NOTE, type="float | None",
+        None, "linear warm-up over E epochs instead of --warmup-steps (the ImageNet ResNets' recipe: 5; 0: none)",
+        group="recipes", check=Number(0, optional=True), resume=NOTE, type="float | None",
         metavar="E", shown="the recipe's")
     recipe: str = setting(
         "auto", "`auto`: a built-in model trains with its paper's whole recipe (batch, schedule in epochs, "
@@ -380,7 +380,7 @@ class Config:
         cfg = dataclasses.replace(self)  # the checks turn NumPy scalars into Python numbers in the copy
         _check(cfg)
         if recipe is not None:
-            cfg = dataclasses.replace(cfg, **recipe_settings(cfg, recipe, towers))
+            cfg = dataclasses.replace(cfg, **recipe_settings(cfg, recipe, towers, self.given))
         spec = cfg.model if model is None else None
         cfg.optimizer, defaults = model_defaults(spec, cfg.optimizer)
         check_given(cfg)  # before the defaults fill the optimizer's own hyperparameters
@@ -405,13 +405,13 @@ class Config:
 _SCHEDULE = ("lr_schedule", "lr_boundaries", "lr_values", "lr_epochs", "lr_decay")
 
 
-def recipe_settings(cfg: Config, recipe, towers: int) -> dict:
+def recipe_settings(cfg: Config, recipe, towers: int, explicit=frozenset()) -> dict:
     """The settings ``recipe`` (``towers.nn.models.Recipe``) gives a run of ``cfg`` (not resolved) on ``towers``
     towers: those the user left unset, whole groups at a time.
 
     The schedule comes whole or not at all (a schedule setting given, or ``staircase``, keeps the
     recipe's out); so does the step count (``steps`` or ``epochs`` given) and the warm-up (``warmup_steps``
-    given).  ``batch_size`` is the recipe's own or its global batch's share per tower; ``lr`` the
+    other than 0, or given in ``explicit``, the settings the caller named: ``--warmup-steps 0`` is no warm-up).  ``batch_size`` is the recipe's own or its global batch's share per tower; ``lr`` the
     recipe's, or ``lr_per_256`` x the examples of a step / 256 (with the batch the run will use).  Another
     optimizer than the recipe's takes none of the recipe's learning rate and hyperparameters.
     """
@@ -424,7 +424,7 @@ def recipe_settings(cfg: Config, recipe, towers: int) -> dict:
             out.pop(k, None)
     if {"steps", "epochs"} & given:
         out.pop("epochs", None)
-    if cfg.warmup_steps:
+    if cfg.warmup_steps or "warmup_steps" in explicit:
         out.pop("warmup_epochs", None)
     if cfg.optimizer not in (None, out.get("optimizer")):
         for k in ("lr", *optimizer_settings()):

@@ -27,7 +27,7 @@ Sync points: ``get_weights``, ``state_dict``, ``evaluate``, ``predict`` and
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import time
 
 import numpy
@@ -241,7 +241,8 @@ class Trainer:
         if recipe is None:
             return dataset
         if given.augment is None and (is_synthetic(self.cfg.data) or dataset.x.dtype != numpy.uint8):
-            given = dataclasses.replace(given, augment="none")  # nothing to augment: the recipe's stays out
+            given = copy.copy(given)  # keeps which settings the user gave (``Config.given``), as a replace would not
+            given.augment = "none"  # nothing to augment: the recipe's stays out
         self.recipe, before = recipe, self.cfg
         self.cfg = Config.resolved(given, None, recipe, len(self.placement.towers))
         if self.cfg.augment == before.augment:

@@ -227,3 +227,23 @@ def test_epoch_settings_are_checked():
                     (dict(lr_schedule="cosine", lr_epochs="5"), "piecewise"), (dict(recipe="paper"), "recipe")]:
         with pytest.raises(UserError, match=msg):
             Config(**kw).resolved()
+
+
+def test_a_warm_up_given_as_none_turns_the_recipes_warm_up_off():
+    """`--warmup-steps 0` or `--warmup-epochs 0` given: no warm-up, as a flag given overrides the recipe (the
+    recipe's 5 epochs stayed with the first; the second was refused)."""
+    from towers.nn.models import GOYAL
+
+    for kw in (dict(warmup_steps=0), dict(warmup_epochs=0.0)):
+        cfg = Config(model="resnet50", **kw).resolved(recipe=GOYAL, towers=2)
+        lr = make_schedule(cfg, n_examples=6400, examples_per_step=64)
+        assert not cfg.warmup_epochs and lr(0) == lr(499) == pytest.approx(0.025), kw
+    assert Config(model="resnet50").resolved(recipe=GOYAL, towers=2).warmup_epochs == 5.0  # not given: the recipe's
+
+
+def test_synthetic_data_keeps_the_recipes_warm_up_and_drops_only_its_augmentation():
+    """The Trainer drops the recipe's augmentation for data it cannot augment, and nothing else: the settings the
+    user gave stay what they were (``warmup_steps`` not given: the recipe's warm-up)."""
+    cfg, recipe, lrs, _ = _built(model="resnet50", data="synthetic:2", image_size="32,32,3", steps=3)
+    assert recipe is not None and (cfg.augment, cfg.warmup_epochs, cfg.lr_epochs) == ("none", 5.0, "30,60,80")
+    assert lrs[0] < lrs[1] < lrs[2]  # warming up
