@@ -86,7 +86,7 @@ def _params():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_kernel_module_compiles(arch):
-    ptx = compile_cuda(kernels.source(), "towers_kernels", arch=arch)
+    ptx = compile_cuda(kernels.source(), "towers_kernels", kernels.MODULE_OPTIONS, arch)  # as the build compiles it
     for op in elementwise.made():  # the generated kernels in the module round as NumPy's passes
         if op.in_module:
             _rounds_as_numpy(_function(ptx, "towers_" + op.name), op.name)

@@ -17,8 +17,9 @@ made, and derives:
 
 Every form performs the definition's operations in its order, each rounded to
 the arrays' dtype, so they give the same bits on the same inputs
-(``tests/ops/test_elementwise.py``; the GPU's kernel text is compared with the
-validated one in ``tests/ops/test_cuda_form.py``).
+(``tests/ops/test_elementwise.py``; the kernel's statements run on the CPU in
+``tests/ops/test_cuda_emitter.py``, compiled by NVRTC in
+``tests/devices/test_kernels_compile.py``, on a GPU in ``tests/gpu/``).
 
 ``op(*args)`` takes the definition's arguments in its order (arrays and
 scalars), then the output-only arrays, and writes the outputs in place.  It

@@ -34,7 +34,7 @@ definition (``towers.ops.elementwise``): NumPy passes block by block over the
 flat buffers, a numba loop (one pass, the run's compiled CPU form), and one
 CUDA kernel (one launch per replica and step).  Each performs the same
 operations in the same order, so they give the same bits
-(``tests/ops/test_update_forms.py``, ``tests/ops/test_cuda_form.py``).  The update
+(``tests/ops/test_update_forms.py``, ``tests/ops/test_cuda_emitter.py``).  The update
 must be elementwise: no reduction over the buffer.
 
 State buffers (``slots``) have the parameters' flat layout, so checkpoints name
