@@ -363,7 +363,7 @@ def test_tf32_is_opt_in_and_restored():
 def test_each_optimizers_fused_kernel_gives_its_numpy_updates_bits(variant, ema):
     """Every optimizer of the registry in each variant (``tests/ops/test_update_forms.py``, which covers the
     registry): the one-kernel GPU update (with the EMA fused, or without) gives the bits of the CPU's NumPy
-    passes (both derived from its one definition, ``towers.ops.cuda_form``: no FMA contraction, the same
+    passes (both derived from its one definition, ``towers.ops.codegen.cuda_form``: no FMA contraction, the same
     order)."""
     import cupy
 

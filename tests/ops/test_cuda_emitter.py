@@ -1,4 +1,4 @@
-"""The CUDA emitter (``towers.ops.cuda_form``) writes the definition's operations one per statement, in its order.
+"""The CUDA emitter (``towers.ops.codegen.cuda_form``) writes the definition's operations one per statement, in its order.
 
 Every generated kernel of the process (the layers' ops, every optimizer of
 the registry in each variant with and without the EMA, the EMA's own update,
@@ -29,8 +29,8 @@ import towers  # noqa: F401 - the layers' ops
 from tests.conftest import cpu_form
 from tests.ops.test_new_ops import _load
 from tests.ops.test_update_forms import VARIANTS
-from towers.ops import cuda_form, elementwise
-from towers.ops.elementwise import Elementwise
+from towers.ops.codegen import cuda_form, elementwise
+from towers.ops.codegen.elementwise import Elementwise
 from towers.optim.ema import EMA
 from towers.optim.optimizers import OPTIMIZERS
 

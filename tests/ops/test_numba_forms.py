@@ -21,7 +21,8 @@ from towers.errors import UserError
 from towers.nn.context import StepContext
 from towers.nn.layers import Workspace
 from towers.nn.normalization import BatchNorm
-from towers.ops import backend, elementwise, numba_jit
+from towers.ops import backend, numba_jit
+from towers.ops.codegen import elementwise
 
 numba = pytest.importorskip("numba", reason="numba is not installed: the compiled CPU forms are optional")
 
