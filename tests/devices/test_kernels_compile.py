@@ -10,12 +10,12 @@ asks for a device first, so the program is built through
   (``towers.devices.kernels.source()``), and every name of ``kernel_names()``
   is a ``__global__`` function in it;
 * every optimizer update (``Optimizer._op``, generated from the optimizer's
-  one definition: ``towers.ops.cuda_form``) of every optimizer of the
+  one definition: ``towers.ops.codegen.cuda_form``) of every optimizer of the
   registry, in each of its variants, with and without the EMA, with the
   kernel's own compile options;
 * the EMA's standalone update (``EMA.update`` on the GPU);
 * every other generated kernel compiled on its own that the process has made
-  (``towers.ops.elementwise.made``): none is left out.
+  (``towers.ops.codegen.elementwise.made``): none is left out.
 
 Every generated kernel and the update kernels are checked for what makes them
 round as NumPy's passes do: no ``fma.`` in the machine code, IEEE division and
@@ -28,7 +28,7 @@ import pytest
 
 import towers  # noqa: F401 - registers the layers' kernels into the module
 from towers.devices import kernels
-from towers.ops import elementwise
+from towers.ops.codegen import elementwise
 from towers.optim import ema
 from towers.optim.ema import EMA
 from towers.optim.optimizers import OPTIMIZERS
@@ -86,7 +86,7 @@ def _params():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_kernel_module_compiles(arch):
-    ptx = compile_cuda(kernels.source(), "towers_kernels", arch=arch)
+    ptx = compile_cuda(kernels.source(), "towers_kernels", kernels.MODULE_OPTIONS, arch)  # as the build compiles it
     for op in elementwise.made():  # the generated kernels in the module round as NumPy's passes
         if op.in_module:
             _rounds_as_numpy(_function(ptx, "towers_" + op.name), op.name)
@@ -135,14 +135,14 @@ def test_every_generated_kernel_made_so_far_compiles(arch):
 
 
 def _compiles_on_its_own(kernel, arch) -> None:
-    from towers.ops.cuda_form import OPTIONS
+    from towers.ops.codegen.cuda_form import OPTIONS
 
     assert f"void {kernel.name}(" in kernel.source
     _rounds_as_numpy(compile_cuda(kernel.source, kernel.name, OPTIONS, arch), kernel.name)
 
 
 def _rounds_as_numpy(ptx: str, name: str) -> None:
-    """The kernel rounds each product and sum on its own, as NumPy's passes do (``towers.ops.cuda_form``): no
+    """The kernel rounds each product and sum on its own, as NumPy's passes do (``towers.ops.codegen.cuda_form``): no
     fused multiply-add in its machine code, and IEEE-rounded division and square root."""
     assert "fma." not in ptx, f"{name}: NVRTC contracted a multiply-add into an FMA (compile with --fmad=false)"
     for op in re.findall(r"\b(div|sqrt)\.(\w+)\.f32", ptx):

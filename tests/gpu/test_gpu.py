@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import DIGITS, cuda_count, cupy_performance_warnings_fail, run_cli
+from tests.ops.test_update_forms import VARIANTS as UPDATE_VARIANTS
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset
 from towers.devices.placement import resolve, to_host
@@ -358,21 +359,17 @@ def test_tf32_is_opt_in_and_restored():
 
 
 @pytest.mark.parametrize("ema", [True, False])
-@pytest.mark.parametrize("kw", [dict(optimizer="sgd"), dict(optimizer="sgd", momentum=0.9),
-                                dict(optimizer="sgd", momentum=0.9, nesterov=True), dict(optimizer="adam"),
-                                dict(optimizer="adamw", weight_decay=0.1),
-                                dict(optimizer="rmsprop", momentum=0.5, rmsprop_centered=True),
-                                dict(optimizer="rmsprop")])
-def test_each_optimizers_fused_kernel_gives_its_numpy_updates_bits(kw, ema):
-    """Every optimizer of the registry: the one-kernel GPU update (with the EMA fused, or without) gives the
-    bits of the CPU's NumPy passes (both derived from its one definition, ``towers.ops.cuda_form``: no FMA
-    contraction, the same order)."""
+@pytest.mark.parametrize("variant", list(UPDATE_VARIANTS))
+def test_each_optimizers_fused_kernel_gives_its_numpy_updates_bits(variant, ema):
+    """Every optimizer of the registry in each variant (``tests/ops/test_update_forms.py``, which covers the
+    registry): the one-kernel GPU update (with the EMA fused, or without) gives the bits of the CPU's NumPy
+    passes (both derived from its one definition, ``towers.ops.codegen.cuda_form``: no FMA contraction, the same
+    order)."""
     import cupy
 
     from towers.optim.ema import EMA
     from towers.optim.optimizers import OPTIMIZERS
 
-    cfg = Config(**kw).resolved()
     rng = np.random.default_rng(2)
     p0, grads = rng.normal(size=1000).astype(np.float32), rng.normal(size=(6, 1000)).astype(np.float32)
     grads[:, ::97] *= 1e-3  # small and large gradients: rounding differences would show
@@ -380,7 +377,7 @@ def test_each_optimizers_fused_kernel_gives_its_numpy_updates_bits(kw, ema):
     for xp in (np, cupy):
         p = xp.array(p0)  # a copy: the CPU's update must not move the GPU's start
         shadow = EMA(p, 0.99) if ema else None
-        opt = OPTIMIZERS[cfg.optimizer].from_config(cfg, p, shadow)
+        opt = OPTIMIZERS[variant.split("-")[0]](p, ema=shadow, **UPDATE_VARIANTS[variant])
         for step, g in enumerate(grads):
             opt.step(xp.asarray(g), 0.01 * (1 + step % 3), step)
         results.append((to_host(p), to_host(shadow.shadow) if ema else None,

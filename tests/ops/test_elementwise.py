@@ -1,4 +1,4 @@
-"""The forms derived from one definition (``towers.ops.elementwise``) give the definition's bits.
+"""The forms derived from one definition (``towers.ops.codegen.elementwise``) give the definition's bits.
 
 Each definition below is traced once; its NumPy passes and its numba loop run
 on the same inputs (special values included: NaN, infinities, signed zeros,
@@ -14,9 +14,9 @@ import numpy
 import pytest
 
 from tests.conftest import cpu_form
-from towers.ops.elementwise import Elementwise
-from towers.ops.expr import maximum, sqrt, trace, where
-from towers.ops.numpy_form import HOST_BLOCK_BYTES
+from towers.ops.codegen.elementwise import Elementwise
+from towers.ops.codegen.expr import maximum, sqrt, trace, where
+from towers.ops.codegen.numpy_form import HOST_BLOCK_BYTES
 
 
 def _mean_both(a, b, s):

@@ -38,7 +38,7 @@ def _nvrtc_compiles(kernel) -> None:
     """The generated kernel through NVRTC for sm_80 and sm_90, its machine code free of FMA (skips without NVRTC)."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed")
     from tests.devices import test_kernels_compile as compile_test  # skips this test where NVRTC does not load
-    from towers.ops.cuda_form import OPTIONS
+    from towers.ops.codegen.cuda_form import OPTIONS
 
     for arch in compile_test.ARCHS:
         compile_test._rounds_as_numpy(compile_test.compile_cuda(kernel.source, kernel.name, OPTIONS, arch),

@@ -21,7 +21,8 @@ from towers.errors import UserError
 from towers.nn.context import StepContext
 from towers.nn.layers import Workspace
 from towers.nn.normalization import BatchNorm
-from towers.ops import backend, elementwise, numba_jit
+from towers.ops import backend, numba_jit
+from towers.ops.codegen import elementwise
 
 numba = pytest.importorskip("numba", reason="numba is not installed: the compiled CPU forms are optional")
 
@@ -483,3 +484,18 @@ def test_two_trainers_fitting_in_two_threads_each_train_with_their_own_forms(tmp
     for kernels in ("numba", "numpy"):
         assert all(want[kernels][k].tobytes() == v.tobytes() for k, v in got[kernels].items()), kernels
     assert any(want["numba"][k].tobytes() != want["numpy"][k].tobytes() for k in want["numpy"])
+
+
+def test_a_kernels_own_error_goes_up_without_a_cache_notice(notices):
+    """A call that fails through a fresh compile too is the kernel's error, not its cache's: raised, no notice."""
+    import numba
+
+    from towers.ops import batch_norm
+
+    fresh = numba_jit.Kernel(batch_norm.moments_loop.py_func)
+    with pytest.raises(numba.core.errors.TypingError):
+        fresh("not an array")
+    assert not [m for m in notices if "numba's cache" in m]
+    x = numpy.arange(8, dtype=numpy.float32).reshape(4, 2)
+    shift, off, var = fresh(x)  # the kernel still runs
+    numpy.testing.assert_allclose(shift + off, x.mean(axis=0), rtol=1e-6)

@@ -3,7 +3,7 @@
 The update is written once (``Optimizer.update``, with the EMA's ``ema``);
 the reference here evaluates that definition directly on the whole slice
 ``part`` (each operation one allocating NumPy pass over the whole slice).
-The forms derived from it (``towers.ops.elementwise``): the NumPy passes,
+The forms derived from it (``towers.ops.codegen.elementwise``): the NumPy passes,
 block by block (``host_blocks``) with scratch reused in place, and numba's
 compiled loop, one element at a time.  Buffers span several blocks, end in a
 partial one, and ``part`` starts mid-block.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import cpu_form
-from towers.ops.numpy_form import HOST_BLOCK_BYTES, host_blocks
+from towers.ops.codegen.numpy_form import HOST_BLOCK_BYTES, host_blocks
 from towers.optim.ema import EMA, ema, ema_decay
 from towers.optim.optimizers import OPTIMIZERS
 

@@ -12,7 +12,7 @@ so later runs load it without compiling; ``warm_up`` loads every kernel on
 the current device before the first step.  A part registered after the first
 compile would be missing from the compiled module, so ``register`` refuses it
 (an op made later, an optimizer's update, compiles on its own:
-``towers.ops.cuda_form.Kernel``).
+``towers.ops.codegen.cuda_form.Kernel``).
 
 ``launch`` calls a kernel's loaded CUDA function directly, a grid-stride loop
 over ``n`` elements on the current stream (a small model's step is bound by the
@@ -85,6 +85,9 @@ _TAIL = r"""}  // extern "C"
 
 _OWN_NAMES = ("gather_u8", "gather_f32")
 _PARTS: list = []  # (CUDA text, kernel names) registered by other modules, in import order
+#: NVRTC options of the module: NVRTC's defaults (its generated kernels write every product ``__fmul_rn``,
+#: which never contracts into an FMA; ``towers.ops.codegen.cuda_form``).
+MODULE_OPTIONS: tuple = ()
 _FROZEN: list = []  # the module's text, fixed by the first compile
 _KERNELS: dict = {}
 
@@ -124,7 +127,7 @@ def raw_kernel(name: str):
 
         if not _FROZEN:
             _FROZEN.append(source())
-        k = _KERNELS[name] = cupy.RawKernel(_FROZEN[0], "towers_" + name)
+        k = _KERNELS[name] = cupy.RawKernel(_FROZEN[0], "towers_" + name, options=MODULE_OPTIONS)
     return k
 
 

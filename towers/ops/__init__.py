@@ -1,8 +1,8 @@
 """The ops: each op's arithmetic written once, its NumPy, compiled-CPU and GPU forms beside it or derived from it.
 
 Kernels are organized by op, not by backend.  An elementwise op is a
-definition, a Python function of one element (``towers.ops.expr``), from which
-``towers.ops.elementwise`` derives every form; an op whose forms must differ
+definition, a Python function of one element (``towers.ops.codegen.expr``), from which
+``towers.ops.codegen.elementwise`` derives every form; an op whose forms must differ
 (a reduction over windows or channels, an index gather) keeps them side by
 side in its own module:
 

@@ -1,4 +1,4 @@
-"""ReLU: forward, backward, and a residual block's ``relu(h + s)``, each written once (``towers.ops.elementwise``).
+"""ReLU: forward, backward, and a residual block's ``relu(h + s)``, each written once (``towers.ops.codegen.elementwise``).
 
 ===================  =========================================  ===================================
 op                   definition                                 forms
@@ -19,8 +19,8 @@ it (``towers.ops.backend``).
 """
 from __future__ import annotations
 
-from towers.ops.elementwise import Elementwise
-from towers.ops.expr import maximum, where
+from towers.ops.codegen.elementwise import Elementwise
+from towers.ops.codegen.expr import maximum, where
 
 
 def _relu(x):

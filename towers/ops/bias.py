@@ -18,7 +18,7 @@ import numpy
 
 from towers.devices.kernels import on_host
 from towers.devices.matmul import sgemm
-from towers.ops.elementwise import Elementwise
+from towers.ops.codegen.elementwise import Elementwise
 
 bias_add = Elementwise("bias_add", lambda y, b: y + b, ("y",), rows=("b",), compiled=False)
 

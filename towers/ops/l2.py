@@ -1,4 +1,4 @@
-"""L2's gradient, ``g += w * s`` (the product rounded first), written once (``towers.ops.elementwise``).
+"""L2's gradient, ``g += w * s`` (the product rounded first), written once (``towers.ops.codegen.elementwise``).
 
 Two NumPy passes (a multiply into scratch, an add), or one compiled pass where
 the process chose it (``towers.ops.backend``), or one kernel
@@ -7,7 +7,7 @@ the process chose it (``towers.ops.backend``), or one kernel
 """
 from __future__ import annotations
 
-from towers.ops.elementwise import Elementwise
+from towers.ops.codegen.elementwise import Elementwise
 
 # add_scaled(g, w, s): g = g + w * s.
 add_scaled = Elementwise("add_scaled", lambda g, w, s: g + w * s, ("g",), scalars=("s",))

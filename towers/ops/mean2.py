@@ -6,7 +6,7 @@ process chose it (``towers.ops.backend``), or one kernel: the same bits.
 """
 from __future__ import annotations
 
-from towers.ops.elementwise import Elementwise
+from towers.ops.codegen.elementwise import Elementwise
 
 
 def _mean2(a, b, s):

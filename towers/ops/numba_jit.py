@@ -3,7 +3,7 @@
 Each op module declares its compiled form as a plain Python loop, wrapped by
 ``kernel(fn, warm)`` (a hand-written loop: a window op, batch norm) or made
 from its definition's source by ``from_source`` (an elementwise op,
-``towers.ops.numba_form``).  Nothing here imports numba until a kernel is
+``towers.ops.codegen.numba_form``).  Nothing here imports numba until a kernel is
 first compiled (``towers.ops.backend`` decides whether one ever is): a run
 that keeps NumPy's passes never pays numba's start (about 0.75 s: its import,
 then LLVM's).
@@ -23,9 +23,14 @@ with the file's modification time, which a file written once keeps.
 
 numba writes its cache atomically, but a file damaged afterwards (a disk
 error, a copy cut short) makes numba raise at the first call of its kernel
-(``UnpicklingError``, ``EOFError``, ...) in every run.  A cache is a cache: a
-kernel whose cached code does not load is compiled again, with a notice
-naming the folder, and its index is written anew (``_recompiling_cache``).  Where numba finds no writable place for its
+(``UnpicklingError``, ``EOFError``, ...) in every run.  A cache is a cache:
+where a call of a cached kernel raises, the kernel's index and data files are
+removed from its cache folder (``dispatcher.stats.cache_path``; numba names
+them ``<source file's stem>.<function>-<line>.pyXY.nbi`` and ``.<n>.nbc``) and the call is
+made again through a new dispatcher, which compiles the kernel and caches it
+anew; where that call succeeds, the cache was at fault and a notice names the
+folder (once a folder and process); where it raises too, the error is the
+kernel's own and goes up.  Where numba finds no writable place for its
 cache at all, kernels are compiled in every run, with a notice.
 
 The kernels release the GIL (``nogil``), so CPU tower threads run them at once.
@@ -83,7 +88,36 @@ class Kernel:
         d = self._dispatcher
         if d is None:
             d = self.compiled()
-        return d(*args)
+        try:
+            return d(*args)
+        except MemoryError:
+            raise
+        except Exception as e:  # whatever a damaged pickle or object code raises, or the kernel's own error
+            if not _STATE.get("cache", True):
+                raise
+            return self._compiled_again(d, e, args)
+
+    def _compiled_again(self, failed, error, args):
+        """The call of a fresh dispatcher after the kernel's cache files are removed (module doc)."""
+        folder = failed.stats.cache_path
+        fn = self.py_func
+        stem = os.path.splitext(os.path.basename(fn.__code__.co_filename))[0]
+        prefix = f"{stem}.{fn.__qualname__}-{fn.__code__.co_firstlineno}.py"
+        with _LOCK:
+            with contextlib.suppress(OSError):
+                for name in os.listdir(folder):
+                    if name.startswith(prefix) and name.endswith((".nbi", ".nbc")):
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(folder, name))
+            fresh = _jit(fn)
+            result = fresh(*args)  # raises the kernel's own error: the cache was not at fault
+            self._dispatcher = fresh
+            if folder not in _DAMAGED:
+                _DAMAGED.add(folder)
+                notice(f"CPU kernels: numba's cache in {folder} does not load "
+                       f"({fn.__name__}: {type(error).__name__}: {error}); compiling the kernels again "
+                       "(a second or two) and caching them anew")
+        return result
 
     def compiled(self):
         """The numba dispatcher (made on the first call)."""
@@ -181,47 +215,10 @@ def _jit(fn):
     numba = numba_module()
     if _STATE.get("cache", True):
         try:
-            dispatcher = numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
-            # What numba's Dispatcher.enable_caching does (cache=True), with the cache that recompiles.
-            dispatcher._cache = _recompiling_cache()(dispatcher.py_func)
-            return dispatcher
+            return numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
         except RuntimeError as e:  # numba found no writable place for its cache
             _STATE["cache"] = False
             notice(f"CPU kernels: numba cannot cache them ({e}); they are compiled at every start "
                    "(about a second each): set NUMBA_CACHE_DIR to a writable folder")
     return numba.njit(nogil=True, cache=False, error_model="numpy")(fn)
 
-
-def _recompiling_cache():
-    """numba's per-function disk cache, which compiles again where its files do not load (module doc).
-
-    numba loads a kernel's cached code (``load_overload``) when the kernel is
-    first called for a signature; a damaged index or data file raises there,
-    on every start.  Here that load gives nothing instead, so numba compiles
-    the kernel and saves it (``save_overload``), after the index is removed:
-    numba's save reads the index first and would raise on it again (a data
-    file it names is then written anew, as numba numbers them).
-    """
-    if "recompiling" in _STATE:
-        return _STATE["recompiling"]
-    from numba.core.caching import FunctionCache
-
-    class _Recompiling(FunctionCache):
-        def load_overload(self, sig, target_context):
-            try:
-                return super().load_overload(sig, target_context)
-            except MemoryError:
-                raise
-            except Exception as e:  # whatever a damaged pickle or object code raises
-                index = self._cache_file._index_path
-                with contextlib.suppress(OSError):
-                    os.unlink(index)
-                if self.cache_path not in _DAMAGED:
-                    _DAMAGED.add(self.cache_path)
-                    notice(f"CPU kernels: numba's cache in {self.cache_path} does not load "
-                           f"({self._py_func.__name__}: {type(e).__name__}: {e}); compiling the kernels again "
-                           "(a second or two) and caching them anew")
-                return None
-
-    _STATE["recompiling"] = _Recompiling
-    return _Recompiling

@@ -29,7 +29,7 @@ Why integer arithmetic rather than ``ml_dtypes``' bfloat16: the rounding
 happens in place on the float32 buffers the layers already use (no second
 dtype, no copies), the kernel does the same integer steps, and the library
 needs no new dependency (``ml_dtypes`` is the tests' reference).  Why not an
-``Elementwise`` definition (``towers.ops.expr``): the definitions have no
+``Elementwise`` definition (``towers.ops.codegen.expr``): the definitions have no
 integer arithmetic and no access to a float's bits, so the forms sit side by
 side here instead.
 

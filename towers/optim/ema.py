@@ -14,7 +14,7 @@ passes its step count plus one; weights mode passes the number of weight
 averages so far, this one included).
 
 ``ema_decay`` is the first line, ``ema`` the second, written once as a function
-of one element (``towers.ops.expr``): the optimizers fuse it into the first
+of one element (``towers.ops.codegen.expr``): the optimizers fuse it into the first
 replica's update (``towers.optim.optimizers.base``: one pass, one kernel), it
 runs on its own after each weight average in weights mode (``EMA.update``, an
 ``Elementwise`` op of it), and batch norm's moving statistics follow the same
@@ -26,7 +26,7 @@ the first tower's device.
 from __future__ import annotations
 
 from towers.devices.placement import array_module
-from towers.ops.elementwise import Elementwise
+from towers.ops.codegen.elementwise import Elementwise
 
 
 def ema_decay(decay: float, num_updates: int) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from towers.ops.expr import sqrt
+from towers.ops.codegen.expr import sqrt
 from towers.optim.optimizers.base import Optimizer
 from towers.settings import Number, hyperparameter
 

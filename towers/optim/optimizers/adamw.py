@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from towers.errors import UserError
-from towers.ops.expr import sqrt
+from towers.ops.codegen.expr import sqrt
 from towers.optim.optimizers.adam import moments
 from towers.optim.optimizers.base import Optimizer
 from towers.optim.schedule import piecewise_values

@@ -23,18 +23,18 @@ declares, beside its update:
   numbers its update reads per step (computed on the host in float64, then
   rounded to the buffers' dtype: bias corrections, ``lr``);
 * ``update(p, g, slot, k)``: the update itself, written once, as a function of
-  one element (``towers.ops.expr``): ``p`` and ``g`` the parameter and its
+  one element (``towers.ops.codegen.expr``): ``p`` and ``g`` the parameter and its
   gradient, ``slot`` its slots (read ``slot.adam_m``, assign the new value to
   it), ``k`` the scalars (``k.lr``); it returns the new parameter.  Python
   ``if`` on the optimizer's own settings chooses a variant (SGD's momentum).
 
 The base class appends the EMA (``towers.optim.ema.ema``, when this replica
 holds it) to the update and derives every form of the whole from that one
-definition (``towers.ops.elementwise``): NumPy passes block by block over the
+definition (``towers.ops.codegen.elementwise``): NumPy passes block by block over the
 flat buffers, a numba loop (one pass, the run's compiled CPU form), and one
 CUDA kernel (one launch per replica and step).  Each performs the same
 operations in the same order, so they give the same bits
-(``tests/ops/test_update_forms.py``, ``tests/ops/test_cuda_form.py``).  The update
+(``tests/ops/test_update_forms.py``, ``tests/ops/test_cuda_emitter.py``).  The update
 must be elementwise: no reduction over the buffer.
 
 State buffers (``slots``) have the parameters' flat layout, so checkpoints name
@@ -50,8 +50,8 @@ import types
 import numpy
 
 from towers.devices.placement import array_module
-from towers.ops import expr
-from towers.ops.elementwise import Elementwise
+from towers.ops.codegen import expr
+from towers.ops.codegen.elementwise import Elementwise
 from towers.optim.ema import ema
 
 _OPS: dict = {}  # the update's argument order and traced text -> its Elementwise (one per distinct arithmetic, shared by replicas)
@@ -131,7 +131,7 @@ class Optimizer:
         ``part`` (CPU only) limits the update to a slice of the flat buffer;
         ``grads`` is then that slice's gradients.  One call of the update's op:
         one kernel on a GPU, one compiled pass or the blocked NumPy passes on
-        the CPU (``towers.ops.elementwise``).
+        the CPU (``towers.ops.codegen.elementwise``).
         """
         if part is None:
             part = slice(None)

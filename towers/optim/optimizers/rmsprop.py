@@ -11,7 +11,7 @@ when centered (a resume that turns ``rmsprop_centered`` on starts it at zero).
 """
 from __future__ import annotations
 
-from towers.ops.expr import sqrt
+from towers.ops.codegen.expr import sqrt
 from towers.optim.optimizers.base import Optimizer
 from towers.settings import NOTE, Number, hyperparameter, switch
 

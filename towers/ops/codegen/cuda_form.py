@@ -1,6 +1,6 @@
 """An elementwise op's GPU form: the CUDA C text of one kernel, its body the definition, one thread an element.
 
-From the traced definition (``towers.ops.expr``) this module writes a
+From the traced definition (``towers.ops.codegen.expr``) this module writes a
 ``__global__`` function: a grid-stride loop over ``n`` elements whose body
 reads element ``i`` of every array it uses (a row operand: element ``i %
 cols``) into a local named as the array, computes every operation of the
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy
 
-from towers.ops.expr import Traced, render
+from towers.ops.codegen.expr import Traced, render
 
 # Products never contract into a fused multiply-add (module doc); np_max is NumPy's maximum.
 _SPELLING = {"mul": "__fmul_rn({0}, {1})", "sqrt": "sqrtf({0})", "max": "np_max({0}, {1})",

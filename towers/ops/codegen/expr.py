@@ -12,7 +12,7 @@ which are fixed when the function is traced, never on the traced values::
 
 Called with ``Expr`` arguments (``trace``), the function records every
 operation as a node of a DAG, in the order the function performs them; the
-forms of the op are rendered from that DAG (``towers.ops.numpy_form``,
+forms of the op are rendered from that DAG (``towers.ops.codegen.numpy_form``,
 ``numba_form``, ``cuda_form``), so each performs the same float operations on
 the same operands.  Called with NumPy or CuPy arrays or float scalars, the
 same function computes directly, each operation a whole-array pass: the
@@ -24,7 +24,7 @@ otherwise promote float32 arithmetic to float64); a comparison is a boolean,
 usable only as ``where``'s condition.  ``maximum`` is ``numpy.maximum``
 (NaN wins; the second operand on ties).  Limits: no integer arithmetic, no
 reductions, no access to other elements (a row operand, one value per column,
-is the one exception: ``towers.ops.elementwise``).
+is the one exception: ``towers.ops.codegen.elementwise``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """An elementwise op's compiled CPU form: one loop over the elements, its body the definition, for numba.
 
-From the traced definition (``towers.ops.expr``) this module writes the Python
+From the traced definition (``towers.ops.codegen.expr``) this module writes the Python
 source of a function that loops over flat C-contiguous arrays: each iteration
 reads element ``i`` of every array it uses (a row operand: element ``i %
 cols``), computes every operation of the definition in its order, one local
@@ -11,7 +11,7 @@ one pass over memory instead of one per operation, with the same roundings:
 * constants are made of the arrays' dtype (``x.dtype.type(1.0)``) before the
   loop: an int or float64 constant would make numba compute a float32
   expression in float64 (it promotes int x float32 to float64);
-* the scalars are given in the arrays' dtype (``towers.ops.elementwise`` casts
+* the scalars are given in the arrays' dtype (``towers.ops.codegen.elementwise`` casts
   them), for the same reason;
 * numba does not contract ``a * b + c`` into a fused multiply-add (no
   ``fastmath``), and divides by zero as NumPy does (``error_model="numpy"``);
@@ -20,7 +20,7 @@ one pass over memory instead of one per operation, with the same roundings:
 """
 from __future__ import annotations
 
-from towers.ops.expr import Traced, render
+from towers.ops.codegen.expr import Traced, render
 
 # maximum as NumPy's: NaN wins, else the larger (the first on ties)
 _SPELLING = {"sqrt": "numpy.sqrt({0})", "max": "{0} if ({0} > {1} or {0} != {0}) else {1}",

@@ -1,15 +1,15 @@
 """An elementwise op: its arithmetic written once, its NumPy, compiled-CPU and GPU forms derived from it.
 
 ``Elementwise(name, definition, outputs)`` traces the definition (a Python
-function of one element of each array, ``towers.ops.expr``) once, when it is
+function of one element of each array, ``towers.ops.codegen.expr``) once, when it is
 made, and derives:
 
-* the array form (``towers.ops.numpy_form``): one in-place NumPy pass per
+* the array form (``towers.ops.codegen.numpy_form``): one in-place NumPy pass per
   operation, block by block on host arrays; CuPy runs the same passes for
   device arrays the kernel does not take (not float32, or too large);
-* the compiled CPU form (``towers.ops.numba_form``): one loop whose body is the
+* the compiled CPU form (``towers.ops.codegen.numba_form``): one loop whose body is the
   definition, compiled by numba on first use (``towers.ops.numba_jit``);
-* the GPU form (``towers.ops.cuda_form``): one CUDA kernel, registered into the
+* the GPU form (``towers.ops.codegen.cuda_form``): one CUDA kernel, registered into the
   one CUDA module (``towers.devices.kernels``) when the op is made at import
   (``module=True``: the layers' ops), or compiled on its own (an optimizer's
   update, made when the optimizer is; an op made after the module's first
@@ -17,8 +17,9 @@ made, and derives:
 
 Every form performs the definition's operations in its order, each rounded to
 the arrays' dtype, so they give the same bits on the same inputs
-(``tests/ops/test_elementwise.py``; the GPU's kernel text is compared with the
-validated one in ``tests/ops/test_cuda_form.py``).
+(``tests/ops/test_elementwise.py``; the kernel's statements run on the CPU in
+``tests/ops/test_cuda_emitter.py``, compiled by NVRTC in
+``tests/devices/test_kernels_compile.py``, on a GPU in ``tests/gpu/``).
 
 ``op(*args)`` takes the definition's arguments in its order (arrays and
 scalars), then the output-only arrays, and writes the outputs in place.  It
@@ -41,12 +42,12 @@ import numpy
 from towers.devices import kernels as device
 from towers.devices.placement import array_module
 from towers.ops.backend import compiled as host_loops_chosen
-from towers.ops.cuda_form import Kernel as CudaKernel
-from towers.ops.cuda_form import source as cuda_text
-from towers.ops.numba_form import source as numba_text
+from towers.ops.codegen.cuda_form import Kernel as CudaKernel
+from towers.ops.codegen.cuda_form import source as cuda_text
+from towers.ops.codegen.numba_form import source as numba_text
 from towers.ops.numba_jit import from_source, on_warm_up
-from towers.ops.expr import trace
-from towers.ops.numpy_form import NumpyForm
+from towers.ops.codegen.expr import trace
+from towers.ops.codegen.numpy_form import NumpyForm
 
 _i = numpy.int32
 _MADE: list = []  # every op made in this process (the compile test compiles each one's kernel)

@@ -1,6 +1,6 @@
 """An elementwise op's array form: one in-place NumPy (or CuPy) pass per operation of its definition.
 
-From the traced definition (``towers.ops.expr``) this module writes the
+From the traced definition (``towers.ops.codegen.expr``) this module writes the
 Python source of one function that runs every operation as a ufunc call with
 ``out=``, in the definition's order, then compiles it (``exec``) once per op:
 
@@ -42,7 +42,7 @@ import threading
 
 import numpy
 
-from towers.ops.expr import Traced, render
+from towers.ops.codegen.expr import Traced, render
 
 # Bytes of each buffer in one block of a blocked host pass.  Several in-place
 # NumPy passes over one block (Adam + EMA: 15 passes over 6 buffers) then run in
