@@ -204,17 +204,15 @@ class Synthetic(Kind):
     def dataset(self, spec, seed: int = 0):
         from towers.data.dataset import Dataset
         from towers.data.image.augment import parse_image_size
-        from towers.data.pipeline import Images
 
         classes = self.classes(spec.path)
-        extra = [o for o in spec.ops if not isinstance(o, Images)]
+        extra = spec.transforms
         if extra or spec.test_path is not None or spec.stored:
             given = ("`augment` or `normalize`" if extra else "`test_data`" if spec.test_path is not None
                      else "`decode`")
             raise UserError(f"`data` {spec.path} makes random images and labels with no test split: {given} "
                             "does not apply to it; drop it")
-        images = spec.op(Images)
-        size = parse_image_size(images.size) if images is not None and images.size is not None else SYNTHETIC_SIZE
+        size = parse_image_size(spec.image_size) if spec.image_size is not None else SYNTHETIC_SIZE
         n = max(SYNTHETIC_EXAMPLES, classes)
         x = np.random.default_rng(seed).integers(0, 256, (n,) + size, dtype=np.uint8)
         return Dataset(x, np.arange(n, dtype=np.int32) % classes, classes)

@@ -104,6 +104,17 @@ class DataSpec:
         return None if images is None else images.feature
 
     @property
+    def image_size(self) -> str | None:
+        """The ``Images`` op's size (``H,W[,C]`` as given), or None: no such op, or the images' own size."""
+        images = self.op(Images)
+        return None if images is None else images.size
+
+    @property
+    def transforms(self) -> tuple:
+        """The operations that change examples after they are read: every op but ``Images``."""
+        return tuple(o for o in self.ops if not isinstance(o, Images))
+
+    @property
     def normalize(self) -> str | None:
         n = self.op(Normalize)
         return None if n is None else n.text
