@@ -139,24 +139,29 @@ def _bf16():
         return None
 
 
+def cuda_and_cudnn() -> str | None:
+    """Why cuDNN's convolutions cannot run here (no CUDA device, cuDNN not usable), or None."""
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001
+        return f"no CUDA device ({type(e).__name__}: {e}); run it on a GPU machine"
+    return cudnn.available() or None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    try:
-        import cupy
-
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001
-        print(f"bench_conv: error: no CUDA device ({type(e).__name__}: {e}); run it on a GPU machine",
-              file=sys.stderr)
-        return 2
-    why = cudnn.available()
+    why = cuda_and_cudnn()
     if why:
         print(f"bench_conv: error: {why}", file=sys.stderr)
         return 2
+    import cupy
+
     results = []
     for shape in SHAPES:
         row = {"shape": "HxWxC->F/s {}x{}x{}->{}/{}".format(*shape)}

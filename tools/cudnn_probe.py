@@ -182,18 +182,14 @@ def main(argv=None) -> int:
     if a.describe:
         rows = describe_all(models, a.batch)
     else:
-        try:
-            import cupy
+        from tools.bench_conv import cuda_and_cudnn
 
-            cupy.cuda.runtime.getDeviceCount()
-        except Exception as e:  # noqa: BLE001
-            print(f"cudnn_probe: error: no CUDA device ({type(e).__name__}: {e}); run it on a GPU machine, or "
-                  "pass --describe", file=sys.stderr)
-            return 2
-        why = cudnn.available()
+        why = cuda_and_cudnn()
         if why:
-            print(f"cudnn_probe: error: {why}", file=sys.stderr)
+            print(f"cudnn_probe: error: {why} (or pass --describe)", file=sys.stderr)
             return 2
+        import cupy
+
         rows = []
         for model in models:
             for s in conv_shapes(model, a.batch):
