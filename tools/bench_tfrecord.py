@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from tools import tfrecord_to_npz
-from towers.output.files import write_npz
+from towers.files import write_npz
 from towers.data.tfrecord.framing import TFRecordReader
 from towers.data.tfrecord.columns import ColumnStore
 from towers.data.tfrecord.proto import SequenceExample

@@ -35,7 +35,7 @@ import zlib
 import numpy as np
 
 from towers.errors import info
-from towers.output.files import ArraySource, atomic_path, write_npz
+from towers.files import ArraySource, atomic_path, write_npz
 
 RETRIES = 1  # more tries of a failed download; pooch waits 1 s before the first
 TIMEOUT_S = 60  # seconds without a byte from the server before a download fails

@@ -19,7 +19,7 @@ plain names that do not depend on the number of towers:
 The learning rate and the EMA decay are functions of ``step``, and everything
 else is scratch, so this is all a bit-identical resume needs.
 
-Every file is written atomically (``towers.output.files``): a temporary file in
+Every file is written atomically (``towers.files``): a temporary file in
 an owned folder beside the target is fsynced, renamed over the target, and the
 directory is fsynced.  A
 crash (even SIGKILL) at any moment leaves the old file or the complete new one,
@@ -46,7 +46,7 @@ from towers.ops import backend
 from towers.parallel.sync import MODES
 from towers.settings import NOTE, REFUSE, SILENT, note_reasons, resume_changes, show, used_settings
 from towers.state import Layout, under
-from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, remove_stale, writing
+from towers.files import DiskError, atomic_save_npz, atomic_write_text, remove_stale, writing
 
 FORMAT = 1
 INDEX = "checkpoint"  # the TensorFlow-style text file naming the latest checkpoint

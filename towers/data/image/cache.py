@@ -245,7 +245,7 @@ def fill(cache: CachedSource, stage, pool, sid: int, progress: bool = False) -> 
     workers busy.  A chunk that raised (a record that failed its checks) is made again row by row here, so
     that only its failing rows carry the error.  The converter's ``--decode NAME:image`` decodes through
     here too (``towers.data.image.convert``), into a mapped file."""
-    from towers.output.summaries import progress_bar
+    from towers.errors import progress_bar
 
     n = len(stage.source)
     step = fill_rows(cache.array[0].nbytes if n else 1, pool.n)

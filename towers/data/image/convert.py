@@ -26,7 +26,7 @@ from towers.data.stages import Transformed
 from towers.data.tfrecord.schema import UsageError
 from towers.data.workers import Workers
 from towers.devices.cpu_threads import cpu_count
-from towers.output.files import ArraySource
+from towers.files import ArraySource
 
 
 class UndecodableImage(Exception):

@@ -15,7 +15,7 @@ whatever the number of records.
 of ``shared/tfrecord-samples/README.md`` (``F.present``, ``F.row_lengths``,
 ``F.values``, ``F.value_lengths``, the dense ``F`` when every record has the
 same count; ``context/`` and ``feature_lists/`` prefixes once any record has
-feature lists) as :class:`~towers.output.files.ArraySource` objects, without
+feature lists) as :class:`~towers.files.ArraySource` objects, without
 reading them.  Per-column statistics (presence, min/max values per record,
 min/max byte lengths) are kept on the fly for the dense decision and for
 ``--schema``.
@@ -29,7 +29,7 @@ import os
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from towers.output.files import ArraySource
+from towers.files import ArraySource
 from towers.data.tfrecord.framing import TFRecordError
 from towers.data.tfrecord.proto import KIND_BYTES, KIND_FLOAT, KIND_INT64, KIND_NAMES, KIND_OF_FIELD, SequenceExample
 
