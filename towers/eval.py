@@ -31,8 +31,8 @@ from towers.data.image.load import describe_classes
 from towers.devices.placement import resolve
 from towers.inference import Predictor, TestSets
 from towers.nn.loss import softmax
-from towers.output.checkpoint import newest_readable, read_checkpoint
 from towers.files import check_new_output, write_npz, write_new_output
+from towers.output.checkpoint import newest_readable, read_checkpoint
 
 
 MAX_INTERVAL = 86400  # seconds between --watch polls; a longer wait is a typo, not a schedule

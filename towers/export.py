@@ -46,8 +46,8 @@ import numpy as np
 
 from towers.cli import Parser, run_main
 from towers.errors import UserError
-from towers.output.checkpoint import final_checkpoint, non_finite, not_a_zip, recorded_classes
 from towers.files import check_new_output, write_new_output
+from towers.output.checkpoint import final_checkpoint, non_finite, not_a_zip, recorded_classes
 from towers.state import Layout
 
 LAYOUTS = ("towers", "torch", "keras")

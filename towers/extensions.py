@@ -45,11 +45,12 @@ import time
 
 import numpy
 
+from towers import resume
 from towers.errors import UserError, progress_bar, render
-from towers.output import checkpoint
+from towers.files import DiskError, atomic_save_npz, atomic_write_text, writing
 from towers.optim.optimizers import OPTIMIZERS
 from towers.optim.schedule import piecewise_values
-from towers.files import DiskError, atomic_save_npz, atomic_write_text, writing
+from towers.output import checkpoint
 from towers.output.logdir import lock_logdir
 from towers.output.summaries import Reporter, TensorBoard, per_tower, trim_metrics
 
@@ -246,9 +247,9 @@ class Run:
             resumed = trainer.resumed
             continues = cfg.resume or (own is not None and os.path.realpath(logdir) == os.path.realpath(own))
             if cfg.resume:
-                checkpoint.refuse_newer(logdir, trainer.seen_checkpoint)
+                resume.refuse_newer(logdir, trainer.seen_checkpoint)
             elif not continues:
-                checkpoint.refuse_overwrite(logdir)
+                resume.refuse_overwrite(logdir)
             trainer.logdir = logdir
             mine = [p for step, p in checkpoint.list_checkpoints(logdir) if step <= trainer.step] if continues else []
             run.checkpointer.last_path = mine[0] if mine else None
