@@ -46,7 +46,7 @@ Write an ``.npz`` whose arrays are streamed from files, never held in memory.
 
 ``numpy.savez`` needs every array in memory at once.  :func:`write_npz`
 instead writes each member of the zip archive as an ``.npy`` header followed
-by the raw bytes of an :class:`ArraySource`, copied in blocks, so a 10 GB
+by the raw bytes of an :class:`ArrayBytes`, copied in blocks, so a 10 GB
 output costs a few MiB of memory.  The result is an ordinary npz archive
 (ZIP64 where needed) that ``numpy.load`` reads.
 Members carry a fixed timestamp, so identical arrays give byte-identical files
@@ -232,7 +232,7 @@ def _fsync(path, flags):
 _BLOCK = 8 << 20
 
 
-class ArraySource:
+class ArrayBytes:
     """An array to write: a dtype, a shape and where its C-order bytes come from.
 
     Either ``array`` (in memory) or ``path`` (a raw file of exactly
@@ -326,7 +326,7 @@ class _Archive(zipfile.ZipFile):
 
 
 def write_npz(path, entries, compress=False):
-    """Write ``entries``, ``(key, ArraySource or array)`` pairs, to the npz file ``path`` (or file object).
+    """Write ``entries``, ``(key, ArrayBytes or array)`` pairs, to the npz file ``path`` (or file object).
 
     Members carry a fixed timestamp, so equal arrays give byte-identical files.
     Any exception, a KeyboardInterrupt or another BaseException included,
@@ -343,8 +343,8 @@ def write_npz(path, entries, compress=False):
         # Not ``with ZipFile``: its close on the way out would write (or fail) after an error.
         archive = _Archive(out, "w", method, allowZip64=True)
         for key, source in entries:
-            if not isinstance(source, ArraySource):
-                source = ArraySource.of(np.asanyarray(source))
+            if not isinstance(source, ArrayBytes):
+                source = ArrayBytes.of(np.asanyarray(source))
             if source.dtype.hasobject:
                 raise ValueError(f"{key}: object arrays would need pickles, which npz files here never hold")
             header = {"descr": np.lib.format.dtype_to_descr(source.dtype), "fortran_order": False,

@@ -68,7 +68,7 @@ class Schema:
 
 
 def _decoded(store, name, dtype, shape, spec):
-    """ArraySource of a bytes feature read as ``dtype`` with shape (N, *shape)."""
+    """ArrayBytes of a bytes feature read as ``dtype`` with shape (N, *shape)."""
     column = store.find(name)
     if column is None or column.is_list:
         raise UsageError(f"--decode {spec}: no feature {name!r}; see --schema for the names")
