@@ -22,7 +22,7 @@ import numpy as np
 
 from towers.data.image import cache
 from towers.data.image.augment import Transform
-from towers.data.stages import Transformed
+from towers.data.jobs import Transformed
 from towers.data.tfrecord.schema import UsageError
 from towers.data.workers import Workers
 from towers.devices.cpu_threads import cpu_count
@@ -92,11 +92,11 @@ def decode_images(column, n, size, folder, workers=None, ends_of_files=()):
     if n == 0:
         open(out_path, "wb").close()
         return ArrayBytes(np.uint8, (0,) + tuple(size), out_path)
-    stage = _Decode(SpilledImages(column.values.path, ends, column.key, ends_of_files), Transform(size))
+    job = _Decode(SpilledImages(column.values.path, ends, column.key, ends_of_files), Transform(size))
     pixels = cache.CachedSource(np.memmap(out_path, np.uint8, "w+", shape=(n,) + tuple(size)), "decoded images")
     pool = Workers(cpu_count() if workers is None else workers)
     try:
-        cache.fill(pixels, stage, pool, pool.add(stage))
+        cache.fill(pixels, job, pool, pool.add(job))
     finally:
         pool.close()
     pixels.array.flush()
