@@ -24,8 +24,8 @@ from towers import Config, Dataset, Trainer, TrainingError, UserError
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset
 from towers.devices.placement import cupy_installed
+from towers.files import atomic_save_npz
 from towers.output.checkpoint import list_checkpoints, load_checkpoint
-from towers.output.files import atomic_save_npz
 
 SMALL = ["--devices", "cpu", "--hidden", "16", "--batch-size", "50", "--quiet"]
 

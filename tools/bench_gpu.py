@@ -124,7 +124,7 @@ from towers import Config, Trainer  # noqa: E402
 from towers.data.batches import BatchSource  # noqa: E402
 from towers.data.loading import load_dataset  # noqa: E402
 from towers.nn.models import build_model, model_defaults  # noqa: E402
-from towers.output.files import atomic_path  # noqa: E402
+from towers.files import atomic_path  # noqa: E402
 
 BATCH = 100  # per tower for the MLP and LeNet-5, as the issue asks
 CONV_BATCH = 128  # per tower for the conv nets (He et al.'s and the tutorial's batch)

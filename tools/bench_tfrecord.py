@@ -10,10 +10,10 @@ mnist_t10k_head1000.tfrecords`` beside the repository), then:
 
 1. times the whole conversion (``python -m tools.tfrecord_to_npz``, in
    process, CRC checks on as always) and prints records/s;
-2. times each stage alone to show where the time goes: framing + both CRCs
+2. times each part alone to show where the time goes: framing + both CRCs
    (:class:`~tools.tfrecord.TFRecordReader`), the protobuf parse alone,
    column assembly (parse + extraction + spill, minus the parse), and the
-   npz write.  Stages are timed in separate passes (this pass holds the
+   npz write.  Parts are timed in separate passes (this pass holds the
    whole input in memory, unlike the converter), so they add up only
    roughly to the whole.
 """
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from tools import tfrecord_to_npz
-from towers.output.files import write_npz
+from towers.files import write_npz
 from towers.data.tfrecord.framing import TFRecordReader
 from towers.data.tfrecord.columns import ColumnStore
 from towers.data.tfrecord.proto import SequenceExample
@@ -61,14 +61,14 @@ def _parse_only(batches):
             parse(payload)  # discarded at once, as in the converter
 
 
-def stages(path, spill_dir):
+def parts(path, spill_dir):
     """Seconds spent in framing+CRC, parse, column assembly and npz write."""
     batches = []
     t_frame, _ = _timed(lambda: batches.extend(TFRecordReader(path)))
     t_parse, _ = _timed(lambda: _parse_only(batches))
     store = ColumnStore(spill_dir)
     t_columns, _ = _timed(lambda: [store.add(b, path) for b in batches])
-    t_write, _ = _timed(lambda: write_npz(os.path.join(spill_dir, "stage.npz"), store.entries()))
+    t_write, _ = _timed(lambda: write_npz(os.path.join(spill_dir, "part.npz"), store.entries()))
     return {"framing + CRC": t_frame, "protobuf parse": t_parse,
             "column assembly (extract + spill)": t_columns - t_parse, "npz write": t_write}
 
@@ -92,9 +92,9 @@ def main(argv=None):
             best = min(_timed(lambda: tfrecord_to_npz.main([data, "-o", out]))[0] for _ in range(args.repeat))
         print(f"end to end: {best:.3f} s = {n / best:,.0f} records/s, {size_mb / best:.0f} MB/s "
               f"(best of {args.repeat})")
-        parts = stages(data, work)
-        total = sum(parts.values())
-        for name, seconds in parts.items():
+        timed = parts(data, work)
+        total = sum(timed.values())
+        for name, seconds in timed.items():
             print(f"  {name:34s} {seconds:6.3f} s  {100 * seconds / total:4.0f}%  "
                   f"{seconds / n * 1e6:5.2f} us/record")
     finally:

@@ -8,7 +8,7 @@ SIGTERM 143, and anything else is a bug and keeps its traceback.
 
 Within ``sigterm_raises`` SIGTERM raises ``Terminated``, which unwinds like
 ``KeyboardInterrupt``: the library's writers clean up on any ``BaseException``
-(``towers.output.files``: no partial output, no temporary file), and the
+(``towers.files``: no partial output, no temporary file), and the
 command line exits 143 = 128 + SIGTERM, as it exits 130 = 128 + SIGINT on
 Ctrl-C.  The library never installs a signal handler: a Python program keeps
 its own.

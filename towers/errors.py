@@ -4,13 +4,14 @@ Messages name settings in backticks, `sync`, the name of the ``towers.Config``
 field.  For Python users they show the bare name (``sync``); within a command
 line's ``flags_in_messages()`` they show the flag (``--sync``) instead: this is
 the one place where settings become flags.  Notes a run prints go through
-``render`` too.
+``render`` too; ``progress_bar`` is the other thing a library call shows the user on stderr.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import re
+import sys
 
 _SETTING = re.compile(r"`([a-z][a-z0-9_]*)`")
 # Settings a message names otherwise: soft placement is on by default, so the
@@ -52,6 +53,15 @@ def info(text: str) -> None:
     """:func:`notice` at INFO: what a library call says on the way (the converters' and the fetcher's default
     ``say``; their command lines print these lines themselves)."""
     notice(text, logging.INFO)
+
+
+def progress_bar(shown: bool, **kw):
+    """The one kind of progress bar (training steps, the decoded-image cache, the converters): tqdm on
+    stderr, drawn only when ``shown`` and stderr is a terminal, so a redirected stderr (a log file, a
+    pipe) gets no bar; ``kw`` are tqdm's (``total``, ``unit``, ``desc``, ...)."""
+    from tqdm import tqdm
+
+    return tqdm(file=sys.stderr, dynamic_ncols=True, disable=not (shown and sys.stderr.isatty()), **kw)
 
 
 class _Message(Exception):

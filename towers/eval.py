@@ -9,7 +9,7 @@ classes (``data/classes``) by name (``towers.data.loading.load_test_data``).
 The model is built from the checkpoint, and the test split found, by
 ``towers.inference`` (what ``towers.load`` gives in Python).  ``--predict
 OUT.npz`` also writes the test data's logits, probabilities, predicted
-classes, class names and labels, atomically (``towers.output.files``); test
+classes, class names and labels, atomically (``towers.files``); test
 data without labels (``towers.data.loading.labelled``: a folder of images
 without class folders, an npz without its labels' key, a TFRecord without a
 label feature) is predicted without an evaluation, its images' paths below
@@ -31,8 +31,8 @@ from towers.data.image.load import describe_classes
 from towers.devices.placement import resolve
 from towers.inference import Predictor, TestSets
 from towers.nn.loss import softmax
+from towers.files import check_new_output, write_npz, write_new_output
 from towers.output.checkpoint import newest_readable, read_checkpoint
-from towers.output.files import check_new_output, write_npz, write_new_output
 
 
 MAX_INTERVAL = 86400  # seconds between --watch polls; a longer wait is a typo, not a schedule

@@ -127,7 +127,7 @@ class Executor(abc.ABC):
                         "examples to train_step(x, y)")
 
     def next_gradients(self, want_loss: bool = False):
-        """Stages 1-3 on the run's next batch, without an update (a parameter server applies it).
+        """Phases 1-3 on the run's next batch, without an update (a parameter server applies it).
 
         Returns (the towers' losses when asked, else None; their mean
         gradient, a host flat array valid until the next step; their mean

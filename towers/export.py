@@ -22,7 +22,7 @@ the EMA's weights and the buffers, which is what towers evaluates with.
 
 Algorithm: read the npz whole (``numpy.load``, no pickles), take ``params/*`` or ``ema/*`` and
 ``buffers/*``, convert, serialize with ``safetensors.numpy.save`` (bytes) and write those into a
-temporary file that becomes ``OUT`` only when complete (``towers.output.files.atomic_write``; not
+temporary file that becomes ``OUT`` only when complete (``towers.files.atomic_write``; not
 ``save_file``, whose own temporary file and rename would bypass it and whose I/O errors are not
 ``OSError``).  The file's metadata records the layout, which weights, the step and, when known, the
 model, its input shape, its class count and (an image folder's) the class names, a JSON list, label k
@@ -46,8 +46,8 @@ import numpy as np
 
 from towers.cli import Parser, run_main
 from towers.errors import UserError
+from towers.files import check_new_output, write_new_output
 from towers.output.checkpoint import final_checkpoint, non_finite, not_a_zip, recorded_classes
-from towers.output.files import check_new_output, write_new_output
 from towers.state import Layout
 
 LAYOUTS = ("towers", "torch", "keras")

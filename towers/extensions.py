@@ -31,7 +31,7 @@ call ``trainer.synchronize()`` first).  Log lines and summaries come every
 (``default_interval``).
 
 The logdir belongs to one live run: ``Run.open`` locks it before writing
-anything there (``towers.output.files.lock_logdir``) and ``Run.close``
+anything there (``towers.output.logdir.lock_logdir``) and ``Run.close``
 releases it.  A failed write (full disk, read-only) stops the run with a
 ``DiskError`` naming the file, the step and the last complete checkpoint;
 writers still open are then closed without a second error.
@@ -45,12 +45,14 @@ import time
 
 import numpy
 
-from towers.errors import UserError, render
-from towers.output import checkpoint
+from towers import resume
+from towers.errors import UserError, progress_bar, render
+from towers.files import DiskError, atomic_save_npz, atomic_write_text, writing
 from towers.optim.optimizers import OPTIMIZERS
 from towers.optim.schedule import piecewise_values
-from towers.output.files import DiskError, atomic_save_npz, atomic_write_text, lock_logdir, writing
-from towers.output.summaries import Reporter, TensorBoard, per_tower, progress_bar, trim_metrics
+from towers.output import checkpoint
+from towers.output.logdir import lock_logdir
+from towers.output.summaries import Reporter, TensorBoard, per_tower, trim_metrics
 
 
 class Extension:
@@ -245,9 +247,9 @@ class Run:
             resumed = trainer.resumed
             continues = cfg.resume or (own is not None and os.path.realpath(logdir) == os.path.realpath(own))
             if cfg.resume:
-                checkpoint.refuse_newer(logdir, trainer.seen_checkpoint)
+                resume.refuse_newer(logdir, trainer.seen_checkpoint)
             elif not continues:
-                checkpoint.refuse_overwrite(logdir)
+                resume.refuse_overwrite(logdir)
             trainer.logdir = logdir
             mine = [p for step, p in checkpoint.list_checkpoints(logdir) if step <= trainer.step] if continues else []
             run.checkpointer.last_path = mine[0] if mine else None

@@ -47,8 +47,8 @@ from towers.errors import UserError, notice
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
 from towers.ops import backend
-from towers.output.checkpoint import model_weights, named_to_flat, newest_readable, read_checkpoint, \
-    recorded_classes
+from towers.output.checkpoint import named_to_flat, newest_readable, read_checkpoint, recorded_classes
+from towers.resume import model_weights
 from towers.settings import integer
 from towers.state import Layout, under
 from towers.step.tower import choose_forms

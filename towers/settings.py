@@ -314,7 +314,7 @@ def tracks_given(cls):
 
 
 def check_fields(cfg, late: bool) -> None:
-    """Every field's own check of the given stage (early: before the defaults are filled in)."""
+    """Every field's own check at the given point (early: before the defaults are filled in)."""
     for f in dataclasses.fields(cfg):
         check = f.metadata["check"]
         if check.late == late:

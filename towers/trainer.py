@@ -32,6 +32,7 @@ import time
 
 import numpy
 
+from towers import resume
 from towers.config import MODEL_OBJECT, Config, resume_settings
 from towers.data.dataset import Dataset, check_examples, check_test_split, hold_out
 from towers.data.kinds import is_synthetic
@@ -124,7 +125,7 @@ class Trainer:
     manager, or ``close()``.
 
     With ``resume`` the run in ``logdir`` is continued from its newest usable
-    checkpoint (``towers.output.checkpoint.resume_point``), read first: every
+    checkpoint (``towers.resume.resume_point``), read first: every
     setting ``cfg`` does not give is the checkpoint's (``towers.config.resume_settings``),
     and once built the trainer holds the checkpoint's state (``resumed``: its
     path, step and notes, each note also a notice), so ``get_weights``,
@@ -140,7 +141,7 @@ class Trainer:
         cfg = cfg if cfg is not None else Config()
         found = None
         if isinstance(cfg, Config) and cfg.resume is True and isinstance(cfg.logdir, str) and cfg.logdir:
-            found = checkpoint.resume_point(cfg.logdir)
+            found = resume.resume_point(cfg.logdir)
             if found is not None:
                 cfg = resume_settings(cfg, found[1]["config"])
                 if model is None and cfg.model == MODEL_OBJECT:
@@ -219,7 +220,7 @@ class Trainer:
         self.cfg = self.executor.cfg  # with the steps `epochs` gives (``towers.config.steps_of_epochs``)
         if found is not None:
             try:
-                self.resumed = checkpoint.resume(self, found)
+                self.resumed = resume.resume(self, found)
             except BaseException:
                 self.close()
                 raise

@@ -21,7 +21,7 @@ from towers.data.pipeline import DataSpec, describe
 
 
 class NpySource:
-    """Row k: the array in ``paths[k]``, read as stored (a ``Gather`` stage calls ``read_rows``), or one at a
+    """Row k: the array in ``paths[k]``, read as stored (a ``Gather`` job calls ``read_rows``), or one at a
     time as an H x W x C image for the ``Images`` op (``read``)."""
 
     encoded = False

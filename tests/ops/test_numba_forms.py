@@ -256,7 +256,7 @@ def test_without_a_writable_cache_the_kernels_are_compiled_each_run(monkeypatch,
     monkeypatch.setattr(numba_jit, "_STATE", {})
     monkeypatch.setattr(numba.core.caching.CacheImpl, "_locator_classes", [])  # no writable place found
     assert backend.available("auto")
-    fresh = numba_jit.Kernel(batch_norm.moments_loop.py_func)  # a new dispatcher, as a new process makes
+    fresh = numba_jit.NumbaKernel(batch_norm.moments_loop.py_func)  # a new dispatcher, as a new process makes
     x = numpy.arange(8, dtype=numpy.float32).reshape(4, 2)
     shift, off, var = fresh(x)
     assert any("numba cannot cache them" in m and "NUMBA_CACHE_DIR" in m for m in notices)
@@ -492,7 +492,7 @@ def test_a_kernels_own_error_goes_up_without_a_cache_notice(notices):
 
     from towers.ops import batch_norm
 
-    fresh = numba_jit.Kernel(batch_norm.moments_loop.py_func)
+    fresh = numba_jit.NumbaKernel(batch_norm.moments_loop.py_func)
     with pytest.raises(numba.core.errors.TypingError):
         fresh("not an array")
     assert not [m for m in notices if "numba's cache" in m]

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from tests.test_reliability import tmpfs, train
+from towers import files
 from towers.errors import TrainingError
-from towers.output import files
-from towers.output.files import atomic_save_npz
+from towers.files import atomic_save_npz
 from towers.output.summaries import TensorBoard
 
 

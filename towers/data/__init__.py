@@ -2,7 +2,7 @@
 
     description  ->  source  ->  per-example ops  ->  sampler  ->  worker pool  ->  batches  ->  staging
     (DataSpec)       (rows)      (decode, augment,    (which rows,  (runs the       (in order,     (a tower's slice
-                                  normalize)           in order)     stage)          ahead)         onto its device)
+                                  normalize)           in order)     job)            ahead)         onto its device)
 
 - **description** (``pipeline.py``: ``DataSpec``, ``describe``): the data
   set said once as data: its source (paths, keys, how a TFRecord feature is
@@ -26,14 +26,14 @@
   that fits the budget is decoded once (``image/cache.py``: the decode's
   pixels, before augmentation) and then read from memory (``CachedSource``),
   the cheap operations after it in the input thread.
-- **stage** (``stages.py``): what a worker runs for a chunk of rows, the
+- **job** (``jobs.py``): what a worker runs for a chunk of rows, the
   operations bound to their source: ``Gather`` (rows as stored, a chunk at a
   time) or ``Transformed`` (each row read and transformed).
 - **sampler** (``batches.py``: ``Sampler``): the seeded per-epoch permutation
   and the input position (``data/epoch``, ``data/index``), kept and
   serialized once.
 - **worker pool** (``workers.py``: ``Workers``): one pool of processes,
-  each fed through its own pipe, that runs a stage on a chunk of rows
+  each fed through its own pipe, that runs a job on a chunk of rows
   straight into the batch's shared memory; ``workers=0`` runs it in the
   input thread.  The image converter decodes through it too.
 - **batches** (``batches.py``: ``BatchSource``, ``Prefetcher``, ``Batch``):

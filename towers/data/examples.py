@@ -1,16 +1,16 @@
-"""The examples of a data set made on demand, as one array-like: a pipeline stage and the worker pool behind it.
+"""The examples of a data set made on demand, as one array-like: a worker job and the pool behind it.
 
 :class:`Examples` is the examples array of every data set whose rows are
-made on demand: raw TFRecord records (a ``Gather`` stage), encoded images,
-image folders and arrays to augment (a ``Transformed`` stage), a
+made on demand: raw TFRecord records (a ``Gather`` job), encoded images,
+image folders and arrays to augment (a ``Transformed`` job), a
 decoded-image cache (gathered, or transformed after it).  The loader
-(``towers.data.loading``) builds the stage; this array only runs it.  It has
+(``towers.data.loading``) builds the job; this array only runs it.  It has
 what the batch code needs from an examples array (``shape``, ``dtype``,
 ``len``, ``x[index array]``, ``x[a:b]``: ``towers.data.dataset.OnDemand``)
 and ``submit(rows, epochs, y)``, which starts one batch in the input workers
 (``towers.data.workers``; ``workers=0``: in the calling thread) and returns
 its ``towers.data.batches.Batch``.  With ``epochs`` (training:
-``towers.data.batches.start_batch`` passes each example's epoch) a stage
+``towers.data.batches.start_batch`` passes each example's epoch) a job
 with random draws augments; without (indexing, evaluation) it takes the
 deterministic path.
 
@@ -48,30 +48,30 @@ REPORTED = 10
 
 
 class Examples(OnDemand):
-    """The rows of ``stage`` (``towers.data.stages``) made by ``workers`` (a ``Workers`` pool).
+    """The rows of ``job`` (``towers.data.jobs``) made by ``workers`` (a ``Workers`` pool).
 
     ``labels``: the rows' labels (a replacement is of the same class);
     ``on_error``/``say``: see the module docstring; ``stored``: the source
-    the examples come from (default the stage's: the files or records behind
+    the examples come from (default the job's: the files or records behind
     a decoded-image cache), which the data's fingerprint is of
     (``towers.data.fingerprint``); ``rows``: what a row is called in an
     IndexError; ``own_workers``: the pool is this array's alone.
     """
 
-    def __init__(self, name, stage, workers: Workers, labels=None, on_error="stop", say=None, stored=None,
+    def __init__(self, name, job, workers: Workers, labels=None, on_error="stop", say=None, stored=None,
                  rows="examples", own_workers=False):
-        self.name, self.stage, self.rows = name, stage, rows
-        self.stored = stage.source if stored is None else stored
+        self.name, self.job, self.rows = name, job, rows
+        self.stored = job.source if stored is None else stored
         self._labels, self._on_error, self._say, self._own = labels, on_error, say, own_workers
-        self._workers, self._sid = workers, workers.add(stage)
-        self.shape = (len(stage.source),) + tuple(stage.shape)
-        self.dtype = stage.dtype
+        self._workers, self._jid = workers, workers.add(job)
+        self.shape = (len(job.source),) + tuple(job.shape)
+        self.dtype = job.dtype
         self.ndim = len(self.shape)
         self.skipped = 0
         self._lock = threading.Lock()  # the input thread and the main thread both read; close swaps the pool
 
     def __getstate__(self):
-        return dict(self.__dict__, _lock=None)  # the pool travels as its count and stages (Workers.__getstate__)
+        return dict(self.__dict__, _lock=None)  # the pool travels as its count and jobs (Workers.__getstate__)
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -87,11 +87,11 @@ class Examples(OnDemand):
     def submit(self, rows, epochs=None, y=None) -> Batch:
         """Start making ``rows`` (``epochs``: each row's, for its draws); the batch carries the labels ``y``."""
         rows = np.asarray(rows, np.int64)
-        epochs = None if epochs is None or not self.stage.draws else np.asarray(epochs, np.int64)
+        epochs = None if epochs is None or not self.job.draws else np.asarray(epochs, np.int64)
         with self._lock:
-            workers, sid = self._workers, self._sid
+            workers, jid = self._workers, self._jid
         try:
-            return workers.start(sid, rows, epochs, y, functools.partial(self._replace, rows, epochs))
+            return workers.start(jid, rows, epochs, y, functools.partial(self._replace, rows, epochs))
         except InputError as e:  # made in the calling thread; a worker gone before the send
             raise TrainingError(str(e)) from None
 
@@ -102,7 +102,7 @@ class Examples(OnDemand):
             workers = self._workers
             if self._own:
                 self._workers = Workers(workers.n)
-                self._sid = self._workers.add(self.stage)
+                self._jid = self._workers.add(self.job)
         workers.close()
 
     def _replace(self, rows, epochs, out, failed) -> None:
@@ -122,7 +122,7 @@ class Examples(OnDemand):
                     continue
                 one = out[k:k + 1]
                 # The replacement takes the draws of the row it stands for (epoch, row).
-                if not self.stage.make(self.stage.refs([j]), None if epochs is None else epochs[k:k + 1],
+                if not self.job.make(self.job.refs([j]), None if epochs is None else epochs[k:k + 1],
                                        rows[k:k + 1], one):
                     break
             else:

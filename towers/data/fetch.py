@@ -35,7 +35,7 @@ import zlib
 import numpy as np
 
 from towers.errors import info
-from towers.output.files import ArraySource, atomic_path, write_npz
+from towers.files import ArrayBytes, atomic_path, write_npz
 
 RETRIES = 1  # more tries of a failed download; pooch waits 1 s before the first
 TIMEOUT_S = 60  # seconds without a byte from the server before a download fails
@@ -274,7 +274,7 @@ def fetch(name, out_dir, base_url=None, files=None, say=info, progress=True, ret
         arrays = spec["read"](paths)
         out = os.path.join(out_dir, f"{name}.npz")
         with atomic_path(out) as tmp:
-            write_npz(tmp, [(key, ArraySource.of(array)) for key, array in arrays.items()])
+            write_npz(tmp, [(key, ArrayBytes.of(array)) for key, array in arrays.items()])
     except BaseException:
         for folder in made:  # deepest first, each if still empty (verified files are kept, and their folders)
             with contextlib.suppress(OSError):

@@ -14,7 +14,7 @@ A kind gives a split in two forms, chosen by the loader from the description:
 - ``stored``: (examples as stored, int32 labels), for a description without
   per-example operations.  By default the split's rows gathered by its
   source's ``read_rows`` in input workers of its own
-  (``towers.data.examples.Examples`` over a ``Gather`` stage); an npz gives
+  (``towers.data.examples.Examples`` over a ``Gather`` job); an npz gives
   its arrays themselves (in memory or mapped), TFRecord files their raw
   records.
 - ``images``: a :class:`Split` (source, labels, class names, stored size)
@@ -63,7 +63,7 @@ class Kind:
     def stored(self, spec, path, workers, say, test=False, own=False):
         """(examples as stored, int32 labels) of the split at ``path``, read by ``workers`` of its own."""
         from towers.data.examples import Examples
-        from towers.data.stages import Gather
+        from towers.data.jobs import Gather
         from towers.data.workers import Workers
 
         split = self.open(spec, path, say, test, own)

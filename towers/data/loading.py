@@ -1,7 +1,7 @@
 """The loader: a data set's description (``towers.data.pipeline.DataSpec``) run into a validated ``Dataset``.
 
 ``load_dataset`` takes a description, or builds one from a path and the
-named settings (``describe``), and runs it.  The data path has three stages:
+named settings (``describe``), and runs it.  The data path has three parts:
 
 1. **sources** give random access to examples by row: npz members (read or
    memory-mapped), TFRecord records behind a record index, image files of a

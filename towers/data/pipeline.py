@@ -24,7 +24,7 @@ op            what it does to one example                                      s
 whenever there is one of them.  No operation: the examples are the stored
 arrays.  The loader, not the caller, decides where each operation runs
 (``towers.data.image.load``): the input workers make the rows
-(``towers.data.stages.Transformed``), the decode's output is kept in memory
+(``towers.data.jobs.Transformed``), the decode's output is kept in memory
 when it fits (the decoded-image cache) and what follows it runs in the input
 thread or the workers by its cost.
 

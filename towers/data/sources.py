@@ -1,12 +1,12 @@
-"""Sources, the first stage of the data pipeline: random access to examples by row number.
+"""Sources, the first part of the data pipeline: random access to examples by row number.
 
 A source is small and picklable (paths and per-row positions, no open
 files), so the input workers (``towers.data.workers``) rebuild it once
 and then read rows themselves.  ``refs(rows)`` picks what a chunk of rows
 needs to travel to a worker, ``read(ref)`` turns one of them into the
 example, ``where(ref)`` names it in a message; a source of rows made a chunk
-at a time has ``read_rows(refs, out)`` and ``example_shape`` instead.  A stage
-(``towers.data.stages``) runs the transforms (``towers.data.image.augment``)
+at a time has ``read_rows(refs, out)`` and ``example_shape`` instead.  A job
+(``towers.data.jobs``) runs the transforms (``towers.data.image.augment``)
 on what ``read`` returns, or gathers with ``read_rows``.  ``encoded`` says
 whether rows are encoded images (the decoded-image cache applies).  Which
 source a path gets is its kind's choice (``towers.data.kinds``).

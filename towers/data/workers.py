@@ -1,10 +1,10 @@
 """Input worker processes, the one pool of the data pipeline: rows made in parallel, batches in shared memory.
 
-A :class:`Workers` pool serves the stages (``towers.data.stages``) of a data
+A :class:`Workers` pool serves the jobs (``towers.data.jobs``) of a data
 set's examples made on demand (``towers.data.examples.Examples``: training
 and test share the pool) and of the converter's decode
-(``towers.data.image.convert``).  ``start(sid, rows...)`` hands a batch to
-the workers as chunks of rows; a worker makes its rows with the stage
+(``towers.data.image.convert``).  ``start(jid, rows...)`` hands a batch to
+the workers as chunks of rows; a worker makes its rows with the job
 (``make``: each example read and transformed, or a raw TFRecord chunk
 gathered whole by its source) and writes the results straight into
 a shared-memory block that the main process allocated for the whole batch, so
@@ -79,7 +79,7 @@ STOP_SECONDS = 5  # how long a worker has to end on SIGTERM before SIGKILL
 
 # -- in the worker processes --------------------------------------------------------------------------------
 
-_STAGES: list = []  # the stages by id, in this worker
+_JOBS: list = []  # the jobs by id, in this worker
 _BLOCKS: OrderedDict = OrderedDict()  # shared-memory blocks attached, by name, least recently used first
 
 
@@ -96,10 +96,10 @@ def _keep_heap() -> None:
         pass  # not glibc: its allocator's defaults
 
 
-def _serve(conn, stages, parent: int) -> None:
+def _serve(conn, jobs, parent: int) -> None:
     """A worker's life: chunks from ``conn``, each answered in turn with ("ok", failures) or ("error", exception)."""
     _keep_heap()
-    _STAGES[:] = stages
+    _JOBS[:] = jobs
     # Ctrl-C reaches the whole process group: the main process stops the run and then these workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A worker spawned while the run handles SIGTERM would inherit SIG_IGN: stop() must still end it.
@@ -132,10 +132,10 @@ def _block(name: str):
     return block
 
 
-def _run_chunk(sid, name, offset, shape, dtype, refs, epochs, indices):
+def _run_chunk(jid, name, offset, shape, dtype, refs, epochs, indices):
     out = np.ndarray((len(refs),) + tuple(shape), dtype, buffer=_block(name).buf, offset=offset)
     try:
-        return _STAGES[sid].make(refs, epochs, indices, out)
+        return _JOBS[jid].make(refs, epochs, indices, out)
     finally:
         del out  # the block may be closed later: no view may outlive this call
 
@@ -181,9 +181,9 @@ class _Worker:
     be waited for from different threads).
     """
 
-    def __init__(self, context, stages, parent: int):
+    def __init__(self, context, jobs, parent: int):
         self._conn, theirs = context.Pipe()
-        self.process = context.Process(target=_serve, args=(theirs, stages, parent), daemon=True,
+        self.process = context.Process(target=_serve, args=(theirs, jobs, parent), daemon=True,
                                        name="towers-input-worker")
         self.process.start()
         theirs.close()  # the worker's exit then reads here as the end of the pipe
@@ -251,11 +251,11 @@ def _closed() -> UserError:
 
 
 class Workers:
-    """``n`` worker processes shared by the stages registered with ``add`` (0: run in the calling thread)."""
+    """``n`` worker processes shared by the jobs registered with ``add`` (0: run in the calling thread)."""
 
     def __init__(self, n: int):
         self.n = int(n)
-        self._stages: list = []
+        self._jobs: list = []
         self._pool = None  # a _Worker per process, once started
         self._turn = 0  # the worker that gets the next chunk
         self._free: dict[int, list] = {}  # block size -> (block, its last batch's tickets) not in use
@@ -267,22 +267,22 @@ class Workers:
         self._finalizer = None
 
     def __getstate__(self):
-        # Pickled to other processes (Ray hosts): the stages and the count travel; the pool and blocks do not.
-        return {"n": self.n, "stages": self._stages}
+        # Pickled to other processes (Ray hosts): the jobs and the count travel; the pool and blocks do not.
+        return {"n": self.n, "jobs": self._jobs}
 
     def __setstate__(self, state):
         self.__init__(state["n"])
-        self._stages = state["stages"]
+        self._jobs = state["jobs"]
 
-    def add(self, stage) -> int:
-        """Register a stage (``towers.data.stages``) before the first batch; its id."""
+    def add(self, job) -> int:
+        """Register a job (``towers.data.jobs``) before the first batch; its id."""
         if self._pool is not None:
             raise RuntimeError("Workers.add after the workers started")
-        self._stages.append(stage)
-        return len(self._stages) - 1
+        self._jobs.append(job)
+        return len(self._jobs) - 1
 
-    def start(self, sid: int, rows, epochs=None, y=None, repair=None) -> Batch:
-        """Start making the examples ``rows`` (row numbers of stage ``sid``; ``epochs``: training draws); the
+    def start(self, jid: int, rows, epochs=None, y=None, repair=None) -> Batch:
+        """Start making the examples ``rows`` (row numbers of job ``jid``; ``epochs``: training draws); the
         batch carries the labels ``y`` and answers rows that cannot be made with ``repair`` (``Batch``).
 
         One chunk for the next worker in turn while at least as many chunks
@@ -293,13 +293,13 @@ class Workers:
         """
         if self._closed:
             raise _closed()
-        stage = self._stages[sid]
+        job = self._jobs[jid]
         rows = np.asarray(rows, np.int64)
-        example, dtype = stage.shape, stage.dtype
+        example, dtype = job.shape, job.dtype
         shape = (len(rows),) + tuple(example)
         if self.n == 0 or len(rows) == 0:
             out = np.empty(shape, dtype)
-            failures = stage.make(stage.refs(rows), epochs, rows, out)
+            failures = job.make(job.refs(rows), epochs, rows, out)
             return Batch(out, y, [_Ticket(failures=failures)], [(0, len(rows))], repair)
         row_bytes = int(np.prod(example)) * dtype.itemsize
         tickets: list = []  # filled below; the block goes back to the free list with them
@@ -319,8 +319,8 @@ class Workers:
             self._turn = (self._turn + len(bounds)) % self.n
         # Sent outside the lock: a full pipe must not hold up the other thread's batches or a block's return.
         for worker, (a, b) in zip(turns, bounds):
-            tickets.append(worker.send((sid, block.name, a * row_bytes, example, dtype.str,
-                                        stage.refs(rows[a:b]), None if epochs is None else epochs[a:b], rows[a:b])))
+            tickets.append(worker.send((jid, block.name, a * row_bytes, example, dtype.str,
+                                        job.refs(rows[a:b]), None if epochs is None else epochs[a:b], rows[a:b])))
         return Batch(out, y, tickets, bounds, repair)
 
     def _take(self, nbytes: int):
@@ -348,7 +348,7 @@ class Workers:
         """The workers, started on first use."""
         if self._pool is None:
             context = spawn_context()
-            self._pool = [_Worker(context, self._stages, os.getpid()) for _ in range(self.n)]
+            self._pool = [_Worker(context, self._jobs, os.getpid()) for _ in range(self.n)]
             # Workers never closed (a Python user without close()) still end, and their blocks are unlinked,
             # when this object is collected or the interpreter exits.
             self._finalizer = weakref.finalize(self, _release, self._pool, self._blocks)
@@ -368,8 +368,8 @@ class Workers:
         _release(pool, self._blocks)
         for block in free:
             block.close()
-        for stage in self._stages:
-            stage.close()
+        for job in self._jobs:
+            job.close()
 
 
 def _release(pool, blocks) -> None:

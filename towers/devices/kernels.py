@@ -12,7 +12,7 @@ so later runs load it without compiling; ``warm_up`` loads every kernel on
 the current device before the first step.  A part registered after the first
 compile would be missing from the compiled module, so ``register`` refuses it
 (an op made later, an optimizer's update, compiles on its own:
-``towers.ops.codegen.cuda_form.Kernel``).
+``towers.ops.codegen.cuda_form.CudaKernel``).
 
 ``launch`` calls a kernel's loaded CUDA function directly, a grid-stride loop
 over ``n`` elements on the current stream (a small model's step is bound by the

@@ -48,7 +48,7 @@ from towers.errors import notice
 
 _LOCK = threading.RLock()
 _STATE: dict = {}  # "numba": the module or the ImportError; "cache": whether disk caching works
-_ALL: list = []  # every Kernel made
+_ALL: list = []  # every NumbaKernel made
 _WARM: list = []  # what warm_up calls: each kernel's (and each op's, for its loop made on demand) warm-up
 _DAMAGED: set = set()  # cache folders whose damage was noticed (one notice a folder and process)
 
@@ -69,7 +69,7 @@ def numba_module():
     return found
 
 
-class Kernel:
+class NumbaKernel:
     """A plain Python loop and, once compiled, its numba dispatcher; ``warm()`` gives it arguments that load
     (or compile) its machine code for float32 now, not in a timed step."""
 
@@ -135,21 +135,21 @@ def kernel(warm=None):
     """Decorator: the loop below as a compiled CPU kernel; ``warm()`` returns tiny float32 arguments for it
     (``warm_up`` calls it with them)."""
     def wrap(fn):
-        k = Kernel(fn, warm)
+        k = NumbaKernel(fn, warm)
         on_warm_up(k.warm)
         return k
 
     return wrap
 
 
-def from_source(source: str, name: str, warm=None) -> Kernel:
-    """The function ``name`` of the generated ``source`` (``import numpy`` is prepended) as a ``Kernel``."""
+def from_source(source: str, name: str, warm=None) -> NumbaKernel:
+    """The function ``name`` of the generated ``source`` (``import numpy`` is prepended) as a ``NumbaKernel``."""
     text = "import numpy\n\n\n" + source
     folder = _forms_folder()
     if folder is None:
         scope: dict = {}
         exec(compile(text, f"<{name}>", "exec"), scope)
-        return Kernel(scope[name], warm)
+        return NumbaKernel(scope[name], warm)
     path = os.path.join(folder, f"{name}_{hashlib.sha1(text.encode()).hexdigest()[:16]}.py")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -166,7 +166,7 @@ def from_source(source: str, name: str, warm=None) -> Kernel:
             module = importlib.util.module_from_spec(spec)
             sys.modules[module_name] = module
             spec.loader.exec_module(module)
-    return Kernel(getattr(module, name), warm)
+    return NumbaKernel(getattr(module, name), warm)
 
 
 def _forms_folder():
@@ -200,7 +200,7 @@ def on_warm_up(fn) -> None:
 
 
 def kernels() -> list:
-    """Every ``Kernel`` made so far (hand-written ones at import; an op's when its loop is first needed)."""
+    """Every ``NumbaKernel`` made so far (hand-written ones at import; an op's when its loop is first needed)."""
     return list(_ALL)
 
 

@@ -5,7 +5,7 @@ Log lines follow the original example:
 per-tower rate with several towers).
 They go through ``tqdm.write`` so they don't break the bar.
 
-Every write into the logdir goes through ``towers.output.files.writing``, so a
+Every write into the logdir goes through ``towers.files.writing``, so a
 full or read-only disk is a ``DiskError`` naming the file, raised in the
 training thread at the step that wrote it.
 """
@@ -22,7 +22,8 @@ import time
 import numpy
 from tqdm import tqdm
 
-from towers.output.files import atomic_write_text, writing
+from towers.errors import progress_bar
+from towers.files import atomic_write_text, writing
 
 METRICS = "metrics.jsonl"
 
@@ -52,13 +53,6 @@ def _record_step(line: str) -> int | None:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def progress_bar(shown: bool, **kw) -> tqdm:
-    """The one kind of progress bar (training steps, the decoded-image cache, the converters): tqdm on
-    stderr, drawn only when ``shown`` and stderr is a terminal, so a redirected stderr (a log file, a
-    pipe) gets no bar; ``kw`` are tqdm's (``total``, ``unit``, ``desc``, ...)."""
-    return tqdm(file=sys.stderr, dynamic_ncols=True, disable=not (shown and sys.stderr.isatty()), **kw)
 
 
 def per_tower(examples_per_sec: float, towers: int) -> str:

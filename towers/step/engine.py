@@ -2,16 +2,16 @@
 
 A step on one global batch of ``towers x batch_size x accumulate`` host
 examples (or, with the training set on the GPUs, its row indices) runs four
-named stages per tower:
+named phases per tower:
 
 1. stage:      the tower's contiguous slice onto its device (``Tower.compute``);
 2. compute:    forward and backward into the tower's flat gradient buffer;
-               with ``accumulate`` K > 1, stages 1-2 run once per micro-batch
+               with ``accumulate`` K > 1, phases 1-2 run once per micro-batch
                of ``batch_size`` rows and the buffer ends as their mean
                gradient (``Replica.mean_loss_and_grads``);
 3. all-reduce: in grads mode, ``reducer.average`` over every tower's
                gradient buffer (``towers.parallel.reducers``); with
-               gradient buckets it runs inside stage 2, each bucket once
+               gradient buckets it runs inside phase 2, each bucket once
                every tower's backward has finished its layers (the keeper's
                ``buckets()``, whose hooks each tower's backward is given:
                ``towers.parallel.overlap``);
@@ -19,17 +19,17 @@ named stages per tower:
                replica applies the same one and the first also updates the
                EMA in the same pass.
 
-Stages 3-4 and what happens between steps belong to the keeper
+Phases 3-4 and what happens between steps belong to the keeper
 (``towers.parallel.sync``): ``GradientAveraging`` (3 then 4 on every tower)
 or ``PeriodicAveraging`` (weights mode: 4 on each tower alone, and every K
 steps an average of the weights, optimizer state and model buffers, which
 the EMA follows).  A ``shared`` keeper needs every tower's gradients before
 any update.
 
-Who runs the stages is the *worker* layout, the one difference between the
+Who runs the phases is the *worker* layout, the one difference between the
 two ways towers run:
 
-* one worker owning every tower (GPU towers, whose stages are queued on their
+* one worker owning every tower (GPU towers, whose phases are queued on their
   streams tower after tower; serial CPU towers): compute each tower, then the
   keeper's update over whole buffers;
 * one worker per tower, concurrently on ``towers.devices.cpu_threads`` threads
@@ -46,7 +46,7 @@ count, whether losses are wanted), one object made per call and bound to it;
 what is constant per worker (its slice ``part`` of the buffers) is looked up
 by its first tower.  With the training set on the GPUs the step's
 row indices are uploaded once, before the workers start, and each worker's
-gather reads the index buffer of its own step's upload (``Step.staged``).  ``gradients`` is stages 1-3 alone, through the
+gather reads the index buffer of its own step's upload (``Step.staged``).  ``gradients`` is phases 1-3 alone, through the
 gradient keeper's ``reduce``, for a parameter server's hosts
 (``towers.cluster.ps``: the server applies the update).
 
@@ -219,7 +219,7 @@ class StepEngine:
         self.keeper.update(self.towers, part, s.lr, s.step, on, **s.averaged)
 
     def _compute(self, i: int, s: Step):
-        """Tower ``i``'s slice (rows ``i*r .. (i+1)*r`` of the host batch, or of the device rows) through stages 1-2.
+        """Tower ``i``'s slice (rows ``i*r .. (i+1)*r`` of the host batch, or of the device rows) through phases 1-2.
 
         ``r`` is the tower's ``rows``: ``batch_size`` x ``accumulate``, run as that many micro-batches.
         """
@@ -240,10 +240,10 @@ class StepEngine:
         self.timer.step_done()
         return losses
 
-    # -- a parameter server's host: stages 1-3 without the update (a GradientAveraging keeper) ----
+    # -- a parameter server's host: phases 1-3 without the update (a GradientAveraging keeper) ----
 
     def gradients(self, x, y, want_loss: bool = False):
-        """Stages 1-3 without the update: every tower's ``grads`` ends as the mean gradient (the server
+        """Phases 1-3 without the update: every tower's ``grads`` ends as the mean gradient (the server
         applies it: ``towers.cluster.ps``); the step count does not move."""
         self.synchronize()
         if self._pool is not None and self.towers[0].replica.context.sync is not None:

@@ -60,7 +60,7 @@ class Tower:
 
     def compute(self, x, y, l2: float, want_loss: bool, step: int, stage=None, loss_scale: float = 1.0,
                 ready=None):
-        """Stages 1-2 over the tower's ``accumulate`` micro-batches: each onto the device, forward, backward.
+        """Phases 1-2 over the tower's ``accumulate`` micro-batches: each onto the device, forward, backward.
 
         ``x``, ``y``: the tower's ``rows`` host examples, micro-batch k being
         rows ``k*B .. (k+1)*B``; or ``stage(k)`` puts micro-batch k on the
@@ -103,7 +103,7 @@ class Tower:
             yield batch
 
     def update(self, grads, lr: float, step: int, part: slice | None = None, timer=None) -> None:
-        """Stage 4: this replica's optimizer step (``part``: a slice of the flat buffers, CPU only).
+        """Phase 4: this replica's optimizer step (``part``: a slice of the flat buffers, CPU only).
 
         Nothing for a tower that ``shares_params``: the owner's step updated the buffer they share.
         """

@@ -28,7 +28,7 @@ def _train(logdir, data, steps=7, resume=False, **settings):
     cfg = Config(data=str(data), devices="cpu", n_gpu=2, batch_size=20, steps=steps, logdir=str(logdir), quiet=True,
                  checkpoint_every=3, summary_every=0, resume=resume, **settings)
     with Trainer(cfg) as t:
-        cached = isinstance(getattr(getattr(t.dataset.x, "stage", None), "source", None), CachedSource)
+        cached = isinstance(getattr(getattr(t.dataset.x, "job", None), "source", None), CachedSource)
         t.fit()
     return _md5(os.path.join(logdir, "final.npz")), cached
 
@@ -71,7 +71,7 @@ def test_a_set_over_the_budget_streams_with_a_notice_of_the_size_it_needs(tmp_pa
     over = load_dataset(path, **decode, workers=0, cache_mib=1)
     under = load_dataset(path, **decode, workers=0, cache_mib=2)
     try:
-        assert isinstance(over.x.stage.source, RecordSource) and isinstance(under.x.stage.source, CachedSource)
+        assert isinstance(over.x.job.source, RecordSource) and isinstance(under.x.job.source, CachedSource)
         lines = list(notices)
         assert sum("need 1.1 MiB, over cache_images_mib 1:" in line and "set cache_images_mib 2 or more" in line
                    for line in lines) == 1, lines
@@ -191,7 +191,7 @@ def test_a_file_rewritten_before_the_cache_reads_it_is_noticed_and_one_rewritten
     _rewrite_in_place(path, x, y, order)
     ds = load_dataset(path, **KEYS, workers=2, augment="cifar", cache_mib=64)
     try:
-        assert isinstance(ds.x.stage.source, CachedSource)
+        assert isinstance(ds.x.job.source, CachedSource)
         others = np.setdiff1d(np.arange(len(y)), [i, j])[:40]
         ds.x.submit(others, np.zeros(40, np.int64)).examples()  # the rows that were checked are served
         with pytest.raises(TrainingError) as info:  # as without the cache: when the moved record is read
@@ -218,7 +218,7 @@ def test_the_decoding_bar_stays_out_of_redirected_stderr(tmp_path, capsys):
     path = _records(tmp_path / "d.tfrecords", x, y)
     ds = load_dataset(path, KEYS["x_key"], KEYS["y_key"], decode=DECODE, workers=0, cache_mib=64, progress=True)
     try:
-        assert isinstance(ds.x.stage.source, CachedSource)  # decoded into the cache: the bar's place
+        assert isinstance(ds.x.job.source, CachedSource)  # decoded into the cache: the bar's place
     finally:
         ds.close()
     err = capsys.readouterr().err

@@ -507,14 +507,14 @@ class _OddSource:
 def test_an_answer_that_cannot_be_read_does_not_shift_the_next():
     import concurrent.futures
 
-    from towers.data.stages import Transformed
+    from towers.data.jobs import Transformed
     from towers.data.workers import Workers
 
     workers = Workers(1)
-    sid = workers.add(Transformed(_OddSource(), Transform((2, 2, 1), "none", encoded=False)))
+    jid = workers.add(Transformed(_OddSource(), Transform((2, 2, 1), "none", encoded=False)))
     waiter = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        bad, good = workers.start(sid, [0, 1]), workers.start(sid, [1, 2])
+        bad, good = workers.start(jid, [0, 1]), workers.start(jid, [1, 2])
         with pytest.raises(RuntimeError, match="answer cannot be read"):
             bad.wait()
         out, failed = waiter.submit(good.wait).result(timeout=30)  # a shifted answer would never come

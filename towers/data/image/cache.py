@@ -1,6 +1,6 @@
 """The decoded-image cache: a training set of encoded images decoded once, then served from memory.
 
-Decoding is the costly stage of an encoded-image set (JPEG or PNG in
+Decoding is the costly step of an encoded-image set (JPEG or PNG in
 TFRecord records, an image folder), and without a cache every epoch decodes
 every image again.  When the decoded training set fits under the budget
 (``cache_images_mib``), :func:`fill` decodes it once, before the first
@@ -8,7 +8,7 @@ step, into one uint8 (N, H, W, C) array, and the training array
 (``towers.data.examples.Examples``) then reads a :class:`CachedSource`
 over that array instead of the files.
 
-**What is cached.**  The decode stage only: each image decoded and fitted to
+**What is cached.**  The decode only: each image decoded and fitted to
 H x W (``Transform`` with ``augment`` none: resize the shorter side, center
 crop; a no-op for images already H x W), before augmentation and
 normalization.  Those still run on every read, with the same per-example
@@ -239,15 +239,15 @@ class CachedSource(ArraySource):
         return tuple(self.array.shape[1:])
 
 
-def fill(cache: CachedSource, stage, pool, sid: int, progress: bool = False) -> None:
-    """Make every row of ``stage`` (a ``towers.data.stages.Transformed`` decode, registered with ``pool`` as
-    ``sid``) into ``cache.array``, recording what fails in ``cache.bad``; two batches in flight keep the
+def fill(cache: CachedSource, job, pool, jid: int, progress: bool = False) -> None:
+    """Make every row of ``job`` (a ``towers.data.jobs.Transformed`` decode, registered with ``pool`` as
+    ``jid``) into ``cache.array``, recording what fails in ``cache.bad``; two batches in flight keep the
     workers busy.  A chunk that raised (a record that failed its checks) is made again row by row here, so
     that only its failing rows carry the error.  The converter's ``--decode NAME:image`` decodes through
     here too (``towers.data.image.convert``), into a mapped file."""
-    from towers.output.summaries import progress_bar
+    from towers.errors import progress_bar
 
-    n = len(stage.source)
+    n = len(job.source)
     step = fill_rows(cache.array[0].nbytes if n else 1, pool.n)
     starts = list(range(0, n, step))
     with progress_bar(progress, total=n, desc="decoding images", unit="img", leave=False) as bar:
@@ -255,21 +255,21 @@ def fill(cache: CachedSource, stage, pool, sid: int, progress: bool = False) -> 
         for k, a in enumerate(starts + [None, None]):
             if a is not None:
                 rows = np.arange(a, min(a + step, n), dtype=np.int64)
-                pending.append((rows, _start(pool, sid, rows)))
+                pending.append((rows, _start(pool, jid, rows)))
             if len(pending) > 1 or (a is None and pending):  # two batches in flight keep the workers busy
                 rows, batch = pending.pop(0)
-                _take(cache, stage, rows, batch)
+                _take(cache, job, rows, batch)
                 bar.update(len(rows))
 
 
-def _start(pool, sid, rows):
+def _start(pool, jid, rows):
     try:
-        return pool.start(sid, rows)
+        return pool.start(jid, rows)
     except InputError as e:
         return e
 
 
-def _take(cache, stage, rows, batch) -> None:
+def _take(cache, job, rows, batch) -> None:
     try:
         if isinstance(batch, Exception):
             raise batch
@@ -279,7 +279,7 @@ def _take(cache, stage, rows, batch) -> None:
     except TFRecordError:
         for r in rows.tolist():
             try:
-                failed = stage.make(stage.refs([r]), None, [r], cache.array[r:r + 1])
+                failed = job.make(job.refs([r]), None, [r], cache.array[r:r + 1])
             except TFRecordError as e:
                 cache.bad[r] = e
                 continue

@@ -22,11 +22,11 @@ import numpy as np
 
 from towers.data.image import cache
 from towers.data.image.augment import Transform
-from towers.data.stages import Transformed
+from towers.data.jobs import Transformed
 from towers.data.tfrecord.schema import UsageError
 from towers.data.workers import Workers
 from towers.devices.cpu_threads import cpu_count
-from towers.output.files import ArraySource
+from towers.files import ArrayBytes
 
 
 class UndecodableImage(Exception):
@@ -78,7 +78,7 @@ class _Decode(Transformed):
 
 
 def decode_images(column, n, size, folder, workers=None, ends_of_files=()):
-    """ArraySource of the ``n`` encoded images of ``column`` (a spilled bytes column) as uint8 (n, *size).
+    """ArrayBytes of the ``n`` encoded images of ``column`` (a spilled bytes column) as uint8 (n, *size).
 
     ``workers``: input worker processes (None: one per core; 0: this process).  ``ends_of_files``: (path,
     records so far) after each input file, to name an image that does not decode.
@@ -91,12 +91,12 @@ def decode_images(column, n, size, folder, workers=None, ends_of_files=()):
     out_path = os.path.join(folder, f"{column.key.replace('/', '_')}.decoded")
     if n == 0:
         open(out_path, "wb").close()
-        return ArraySource(np.uint8, (0,) + tuple(size), out_path)
-    stage = _Decode(SpilledImages(column.values.path, ends, column.key, ends_of_files), Transform(size))
+        return ArrayBytes(np.uint8, (0,) + tuple(size), out_path)
+    job = _Decode(SpilledImages(column.values.path, ends, column.key, ends_of_files), Transform(size))
     pixels = cache.CachedSource(np.memmap(out_path, np.uint8, "w+", shape=(n,) + tuple(size)), "decoded images")
     pool = Workers(cpu_count() if workers is None else workers)
     try:
-        cache.fill(pixels, stage, pool, pool.add(stage))
+        cache.fill(pixels, job, pool, pool.add(job))
     finally:
         pool.close()
     pixels.array.flush()
@@ -104,4 +104,4 @@ def decode_images(column, n, size, folder, workers=None, ends_of_files=()):
     if pixels.bad:
         bad = pixels.bad[min(pixels.bad)]
         raise bad if isinstance(bad, Exception) else UndecodableImage(bad)
-    return ArraySource(np.uint8, (n,) + tuple(size), out_path)
+    return ArrayBytes(np.uint8, (n,) + tuple(size), out_path)

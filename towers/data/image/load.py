@@ -17,7 +17,7 @@ another kind                  its own (``Kind.open``)
 ============================  ================================================================
 
 and the operations one ``Transform`` (``towers.data.image.augment``), run by
-a ``Transformed`` stage (``towers.data.stages``) in the input workers
+a ``Transformed`` job (``towers.data.jobs``) in the input workers
 (``towers.data.workers``), behind one ``Examples`` array a split
 (``towers.data.examples``).  The example shape is the ``Images`` op's size
 (``decode``'s, else ``image_size``), else (folders) the images' own when they
@@ -49,7 +49,7 @@ from towers.data.image.augment import Transform, parse_image_size
 from towers.data.inputs import expand_inputs
 from towers.data.kinds import kind_of
 from towers.data.pipeline import DataSpec, Images
-from towers.data.stages import Gather, Transformed
+from towers.data.jobs import Gather, Transformed
 from towers.data.tfrecord.framing import TFRecordError, TFRecordReader
 from towers.data.tfrecord.proto import SequenceExample
 from towers.data.workers import Workers
@@ -91,7 +91,7 @@ def _made(name, split, transform, pool, spec, say, labels=None) -> Examples:
 
 
 def _cache(spec, train, size, pool):
-    """The cache of ``train`` (empty), the stage that reads it, the pool that serves it, and the decode stage
+    """The cache of ``train`` (empty), the job that reads it, the pool that serves it, and the decode job
     with its id in ``pool`` (registered before the pool starts).
 
     Which operations run where: with no augmentation or normalization the
@@ -105,9 +105,9 @@ def _cache(spec, train, size, pool):
     cached = cache.CachedSource(np.zeros((len(train.source),) + tuple(size), np.uint8), "decoded images")
     decode = Transformed(train.source, _transform(spec, size, True, decode_only=True))
     light = spec.augment in ("none", "cifar") and spec.normalize is None
-    stage = Gather(cached) if spec.augment == "none" and spec.normalize is None else \
+    job = Gather(cached) if spec.augment == "none" and spec.normalize is None else \
         Transformed(cached, _transform(spec, size, False))
-    return cached, stage, Workers(0) if light else pool, decode, pool.add(decode)
+    return cached, job, Workers(0) if light else pool, decode, pool.add(decode)
 
 
 def load_images(spec: DataSpec, workers=2, cache_mib=None, progress=False, say=None) -> Dataset:
@@ -144,8 +144,8 @@ def load_images(spec: DataSpec, workers=2, cache_mib=None, progress=False, say=N
         if why is not None and say:
             say(streams + why)
     if fill is not None:
-        cached, stage, served_by, decode, decode_sid = fill
-        cached_x = Examples(str(path), stage, served_by, train.labels, spec.on_error, say, train.source)
+        cached, job, served_by, decode, decode_jid = fill
+        cached_x = Examples(str(path), job, served_by, train.labels, spec.on_error, say, train.source)
     tx = ty = None
     if test is not None:
         ty = match_test_labels(train.classes, test.classes, test.labels, test_path, n_classes)
@@ -153,7 +153,7 @@ def load_images(spec: DataSpec, workers=2, cache_mib=None, progress=False, say=N
         tx = _made(test_path or path, test, _transform(spec, size, test.source.encoded), pool, spec, say, ty)
     if fill is not None:
         try:
-            cache.fill(cached, decode, pool, decode_sid, progress)
+            cache.fill(cached, decode, pool, decode_jid, progress)
         except MemoryError:  # a batch of the fill could not be allocated: stream, the cache goes
             fill = cached = cached_x = None
             if say:

@@ -21,7 +21,7 @@ asks to re-encode.  ``shards`` N writes ``OUT-00000-of-0000N`` ...,
 records dealt out in order, as contiguous runs.
 
 Limits: the encoded records are held in memory until they are written
-(about the size of the output).  Outputs are written as :mod:`towers.output.files` describes: all shards appear
+(about the size of the output).  Outputs are written as :mod:`towers.files` describes: all shards appear
 together at the end, and an error, Ctrl-C or SIGTERM leaves none.  A usage
 mistake is a ``UserError`` (``UsageError``), found before anything is written.
 """
@@ -39,7 +39,7 @@ from towers.data.tfrecord.index import CLASS_TEXT
 from towers.data.tfrecord.proto import SequenceExample
 from towers.data.tfrecord.schema import UsageError
 from towers.errors import UserError
-from towers.output.files import atomic_path, check_new_output, output_folder, refuse_overwriting_inputs
+from towers.files import atomic_path, check_new_output, output_folder, refuse_overwriting_inputs
 
 _FORMAT = {"jpeg": b"JPEG", "png": b"PNG", "other": b""}
 

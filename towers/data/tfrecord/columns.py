@@ -15,7 +15,7 @@ whatever the number of records.
 of ``shared/tfrecord-samples/README.md`` (``F.present``, ``F.row_lengths``,
 ``F.values``, ``F.value_lengths``, the dense ``F`` when every record has the
 same count; ``context/`` and ``feature_lists/`` prefixes once any record has
-feature lists) as :class:`~towers.output.files.ArraySource` objects, without
+feature lists) as :class:`~towers.files.ArrayBytes` objects, without
 reading them.  Per-column statistics (presence, min/max values per record,
 min/max byte lengths) are kept on the fly for the dense decision and for
 ``--schema``.
@@ -29,7 +29,7 @@ import os
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from towers.output.files import ArraySource
+from towers.files import ArrayBytes
 from towers.data.tfrecord.framing import TFRecordError
 from towers.data.tfrecord.proto import KIND_BYTES, KIND_FLOAT, KIND_INT64, KIND_NAMES, KIND_OF_FIELD, SequenceExample
 
@@ -65,7 +65,7 @@ class _Spill:
             count -= n
 
     def source(self, dtype=None, shape=None):
-        return ArraySource(dtype or self.dtype, shape or (self.size,), self.path)
+        return ArrayBytes(dtype or self.dtype, shape or (self.size,), self.path)
 
     def array(self):
         """The values kept in memory (None when they were not kept)."""
@@ -209,7 +209,7 @@ class _Column(ColumnStats):
             setattr(self, "max_" + what, high if old_high is None else max(high, old_high))
 
     def entries(self, n, prefix):
-        """The npz keys of this column as (key, ArraySource)."""
+        """The npz keys of this column as (key, ArrayBytes)."""
         key = prefix + self.key
         values = self.values or _Spill(None, "", np.float32)
         out = [(key + ".present", self.present.source())]
@@ -294,7 +294,7 @@ class ColumnStore:
         return ("context/", "feature_lists/") if self.sequence else ("", "feature_lists/")
 
     def entries(self):
-        """All (key, ArraySource) pairs in the npz convention, sorted by feature name."""
+        """All (key, ArrayBytes) pairs in the npz convention, sorted by feature name."""
         context_prefix, list_prefix = self.prefixes()
         out = []
         for name in sorted(self.context):

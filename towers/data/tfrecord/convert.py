@@ -5,8 +5,8 @@ Each input is a path or a glob; a glob's matches are read in sorted order and
 all inputs are concatenated in the order given.  The pipeline per file is
 :class:`towers.data.tfrecord.framing.TFRecordReader` (framing, both CRCs, decompression)
 -> :class:`towers.data.tfrecord.columns.ColumnStore` (protobuf parse, columns
-spilled to an owned temporary folder beside the output, see :mod:`towers.output.files`) ->
-:func:`towers.output.files.write_npz` into a temporary file that is renamed to the output
+spilled to an owned temporary folder beside the output, see :mod:`towers.files`) ->
+:func:`towers.files.write_npz` into a temporary file that is renamed to the output
 only when everything succeeded.  An output that is one of the inputs is refused
 before anything is read.
 
@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 
 from towers.errors import info
-from towers.output.files import atomic_path, check_new_output, output_folder, refuse_overwriting_inputs, write_npz
+from towers.files import atomic_path, check_new_output, output_folder, refuse_overwriting_inputs, write_npz
 from towers.data.tfrecord.framing import TFRecordReader
 from towers.data.tfrecord.columns import ColumnStore
 from towers.data.tfrecord.schema import UsageError, decoded_shape, parse_decode, parse_image_decode
@@ -68,7 +68,7 @@ class Schema:
 
 
 def _decoded(store, name, dtype, shape, spec):
-    """ArraySource of a bytes feature read as ``dtype`` with shape (N, *shape)."""
+    """ArrayBytes of a bytes feature read as ``dtype`` with shape (N, *shape)."""
     column = store.find(name)
     if column is None or column.is_list:
         raise UsageError(f"--decode {spec}: no feature {name!r}; see --schema for the names")
@@ -112,7 +112,7 @@ def _entries(store, decode, x, y, input_workers, ends=()):
 
 
 def _progress(total, shown):
-    from towers.output.summaries import progress_bar
+    from towers.errors import progress_bar
     return progress_bar(shown, total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="converting")
 
 

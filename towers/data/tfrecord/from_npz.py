@@ -11,7 +11,7 @@ npz gives the same npz.  The kind comes from the dtype of ``F.values``:
 uint8 with ``value_lengths`` is bytes, floating is float (written as float32),
 integer is int64.
 
-The output is written as :mod:`towers.output.files` describes (never over the input,
+The output is written as :mod:`towers.files` describes (never over the input,
 no partial output or temporaries on failure, Ctrl-C or SIGTERM).  An input that
 is damaged or is no zip at all is :class:`NpzError` (the command line's status 1),
 as a damaged TFRecord is for ``tools.tfrecord_to_npz``: a file cut short and a
@@ -32,7 +32,7 @@ import zlib
 import numpy as np
 from numpy.lib import format as npy
 
-from towers.output.files import atomic_path, check_new_output, output_folder, refuse_overwriting_inputs
+from towers.files import atomic_path, check_new_output, output_folder, refuse_overwriting_inputs
 from towers.data.tfrecord.framing import TFRecordWriter
 from towers.data.tfrecord.proto import SequenceExample
 from towers.data.tfrecord.schema import UsageError

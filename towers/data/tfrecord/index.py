@@ -42,7 +42,7 @@ from towers.data.inputs import expand_inputs
 from towers.data.tfrecord.columns import ColumnStats, ColumnStore
 from towers.data.tfrecord.framing import FOOTER, HEADER, TFRecordError, TFRecordReader, header_intact
 from towers.errors import UserError
-from towers.output.files import DiskError, atomic_save_npz
+from towers.files import DiskError, atomic_save_npz
 
 INDEX_FORMAT = 3  # 2: the records' CRCs; 3: the class texts
 # The bytes feature that names each record's class in TensorFlow's ImageNet layout (``build_imagenet_data.py``;

@@ -12,7 +12,7 @@ training from the file's ``tools.tfrecord_to_npz`` conversion.
    feature), the labels ``y_key`` (int64, one per record); a missing or
    ambiguous choice is a one-line error listing the features.
 3. **Reading** (:func:`record_examples`): the one examples array
-   (``towers.data.examples.Examples``) over a ``Gather`` stage, whose
+   (``towers.data.examples.Examples``) over a ``Gather`` job, whose
    ``submit(indices)`` reads one global batch, in the calling thread
    (``workers=0``, the input thread) or in the input workers
    (``towers.data.workers``: the one pool, which decodes and augments images
@@ -41,7 +41,7 @@ import numpy as np
 
 from towers.data.examples import Examples
 from towers.data.sources import RawRecordSource, RecordSource
-from towers.data.stages import Gather
+from towers.data.jobs import Gather
 from towers.data.workers import Workers
 from towers.data.tfrecord.index import (  # noqa: F401  (file_index, index_cache_paths: the index's API, here too)
     CLASS_TEXT, file_index, index_cache_paths, index_split, positions)

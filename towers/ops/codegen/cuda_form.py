@@ -7,14 +7,14 @@ cols``) into a local named as the array, computes every operation of the
 definition in its order, one ``const`` local each, and stores the outputs
 last.  An op of a layer is registered into the one CUDA module of
 ``towers.devices.kernels``; an optimizer's update (one kernel per variant,
-made when the optimizer is) is compiled on its own by ``Kernel``.
+made when the optimizer is) is compiled on its own by ``CudaKernel``.
 
 Exactness, so that the kernel gives the CPU forms' bits on the same inputs:
 
 * every product is ``__fmul_rn(a, b)``: NVRTC never contracts it with a
   following add into a fused multiply-add (it would by default:
   ``--fmad=true``), so each product and sum rounds on its own, as NumPy's
-  passes do; ``Kernel`` also compiles with ``--fmad=false``
+  passes do; ``CudaKernel`` also compiles with ``--fmad=false``
   (``OPTIONS``), and ``tests/devices/test_kernels_compile.py`` checks the machine
   code of every generated kernel for ``fma.``;
 * ``/`` and ``sqrtf`` are IEEE-rounded (NVRTC's defaults ``-prec-div`` and
@@ -86,7 +86,7 @@ def source(traced: Traced, params: tuple, name: str, restrict: bool = False) -> 
     return "\n".join(lines)
 
 
-class Kernel:
+class CudaKernel:
     """A generated kernel compiled on its own (``OPTIONS``), launched over the op's arrays
     (``towers.devices.kernels.launch``).  CuPy compiles it on its first launch and caches the binary on disk
     (``CUPY_CACHE_DIR``), so later runs skip NVRTC."""

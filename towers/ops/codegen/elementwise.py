@@ -42,7 +42,7 @@ import numpy
 from towers.devices import kernels as device
 from towers.devices.placement import array_module
 from towers.ops.backend import compiled as host_loops_chosen
-from towers.ops.codegen.cuda_form import Kernel as CudaKernel
+from towers.ops.codegen.cuda_form import CudaKernel
 from towers.ops.codegen.cuda_form import source as cuda_text
 from towers.ops.codegen.numba_form import source as numba_text
 from towers.ops.numba_jit import from_source, on_warm_up
@@ -118,7 +118,7 @@ class Elementwise:
     # -- the forms
 
     def loop(self):
-        """The compiled CPU form (a ``numba_jit.Kernel``; its source written and imported on the first call)."""
+        """The compiled CPU form (a ``numba_jit.NumbaKernel``; its source written and imported on the first call)."""
         if self._loop is None:
             with _LOCK:
                 if self._loop is None:
@@ -126,7 +126,7 @@ class Elementwise:
         return self._loop
 
     def kernel(self):
-        """The GPU form compiled on its own (``cuda_form.Kernel``), for an op outside the one module."""
+        """The GPU form compiled on its own (``cuda_form.CudaKernel``), for an op outside the one module."""
         if self._kernel is None:
             with _LOCK:
                 if self._kernel is None:

@@ -1,5 +1,8 @@
 """Files written whole or not at all, never over the user's data: the one writer of towers and tools/.
 
+The lowest layer of file output: it imports nothing of towers but ``towers.errors``, so the data
+converters (``towers.data``), a run's output (``towers.output``) and the commands all write through it.
+
 Atomic outputs
 --------------
 Writing an output without ever hurting the user's data: temporaries, atomic rename, refusals.
@@ -43,7 +46,7 @@ Write an ``.npz`` whose arrays are streamed from files, never held in memory.
 
 ``numpy.savez`` needs every array in memory at once.  :func:`write_npz`
 instead writes each member of the zip archive as an ``.npy`` header followed
-by the raw bytes of an :class:`ArraySource`, copied in blocks, so a 10 GB
+by the raw bytes of an :class:`ArrayBytes`, copied in blocks, so a 10 GB
 output costs a few MiB of memory.  The result is an ordinary npz archive
 (ZIP64 where needed) that ``numpy.load`` reads.
 Members carry a fixed timestamp, so identical arrays give byte-identical files
@@ -57,14 +60,12 @@ command line prints as one line.  ``DiskError`` is the one type for a failed
 write, a run's or a converter's (exit status 1).
 
 One lock file, ``lock``, proves a live owner wherever one is needed: a logdir
-(``lock_logdir``: a logdir belongs to one live run) and each owned temporary
-folder (``output_folder``: a dead writer's folder is removed).  It is an
-``flock`` held for the owner's life; the kernel drops it when the process
-dies, however it dies, so a dead owner's lock file never blocks.  A
-logdir's lock file holds the owner's pid and host, for the message a second
-run gets (a folder's holds nothing: nobody asks).  A logdir's lock file is
-never deleted: unlinking a lock file lets a third
-process lock a new inode while the second still holds the old one.
+(``towers.output.logdir.lock_logdir``: a logdir belongs to one live run) and
+each owned temporary folder (``output_folder``: a dead writer's folder is
+removed).  It is an ``flock`` (:func:`try_lock`) held for the owner's life;
+the kernel drops it when the process dies, however it dies, so a dead
+owner's lock file never blocks.  A folder's lock file holds nothing (nobody
+asks who holds it).
 """
 from __future__ import annotations
 
@@ -73,9 +74,7 @@ import errno
 import os
 import re
 import shutil
-import socket
 import tempfile
-import time
 import zipfile
 
 import numpy as np
@@ -136,7 +135,7 @@ def remove_stale(directory):
         if fd is None:
             continue
         try:
-            if _flock(fd):
+            if try_lock(fd):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
         except OSError:
@@ -146,7 +145,7 @@ def remove_stale(directory):
     return removed
 
 
-def _flock(fd: int) -> bool:
+def try_lock(fd: int) -> bool:
     """Take the exclusive lock on ``fd`` without waiting: False when a live process holds it."""
     try:
         if fcntl is not None:  # (Windows: no flock, so no proof of an owner)
@@ -154,12 +153,6 @@ def _flock(fd: int) -> bool:
     except BlockingIOError:
         return False
     return True
-
-
-def _claim(fd: int) -> None:
-    """Write this process's pid and host into the held lock file ``fd`` (for the message a second owner gets)."""
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
 
 
 @contextlib.contextmanager
@@ -186,7 +179,7 @@ def output_folder(output, removed=None, flag=None):
     lock = None
     try:
         lock = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        _flock(lock)  # a new folder: nobody else can hold it (nobody asks who holds it: no pid written)
+        try_lock(lock)  # a new folder: nobody else can hold it (nobody asks who holds it: no pid written)
         yield folder
     except OSError as exc:
         if exc.errno in _FULL:
@@ -239,7 +232,7 @@ def _fsync(path, flags):
 _BLOCK = 8 << 20
 
 
-class ArraySource:
+class ArrayBytes:
     """An array to write: a dtype, a shape and where its C-order bytes come from.
 
     Either ``array`` (in memory) or ``path`` (a raw file of exactly
@@ -333,7 +326,7 @@ class _Archive(zipfile.ZipFile):
 
 
 def write_npz(path, entries, compress=False):
-    """Write ``entries``, ``(key, ArraySource or array)`` pairs, to the npz file ``path`` (or file object).
+    """Write ``entries``, ``(key, ArrayBytes or array)`` pairs, to the npz file ``path`` (or file object).
 
     Members carry a fixed timestamp, so equal arrays give byte-identical files.
     Any exception, a KeyboardInterrupt or another BaseException included,
@@ -350,8 +343,8 @@ def write_npz(path, entries, compress=False):
         # Not ``with ZipFile``: its close on the way out would write (or fail) after an error.
         archive = _Archive(out, "w", method, allowZip64=True)
         for key, source in entries:
-            if not isinstance(source, ArraySource):
-                source = ArraySource.of(np.asanyarray(source))
+            if not isinstance(source, ArrayBytes):
+                source = ArrayBytes.of(np.asanyarray(source))
             if source.dtype.hasobject:
                 raise ValueError(f"{key}: object arrays would need pickles, which npz files here never hold")
             header = {"descr": np.lib.format.dtype_to_descr(source.dtype), "fortran_order": False,
@@ -479,40 +472,3 @@ def writing(path: str, verb: str = "write"):
         yield
     except OSError as e:
         raise DiskError(path, e, verb) from None
-
-
-# -- one live run per logdir ---------------------------------------------------------------
-
-def lock_logdir(logdir: str) -> int:
-    """Lock ``logdir`` for this process; the lock file's descriptor (close it to release).
-
-    A logdir locked by a live process is a ``UserError`` naming that process; a
-    lock file that cannot be written is a ``DiskError``.
-    """
-    path = os.path.join(logdir, LOCK)
-    with writing(path):
-        # Not O_TRUNC: the owner's pid stays readable until the lock is ours.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    try:
-        if not _flock(fd):
-            raise UserError(f"`logdir` {logdir} is in use by another run ({_owner(fd)}, see {path}): "
-                            "wait for it to end, or choose another `logdir`")
-        with writing(path):
-            _claim(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _owner(fd: int, wait: float = 1.0) -> str:
-    """'pid N on host H' from a held lock file (its owner may not have written it yet)."""
-    deadline = time.monotonic() + wait
-    while True:
-        words = os.pread(fd, 256, 0).decode(errors="replace").split()
-        if words or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    if not words:
-        return "pid unknown"
-    return f"pid {words[0]}" + (f" on host {words[1]}" if len(words) > 1 else "")

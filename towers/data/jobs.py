@@ -1,6 +1,6 @@
-"""Stages: what an input worker runs for a chunk of rows, the per-example operations bound to their source.
+"""Jobs: what an input worker runs for a chunk of rows, the per-example operations bound to their source.
 
-A stage is what the worker pool (``towers.data.workers``) registers and
+A job is what the worker pool (``towers.data.workers``) registers and
 runs: ``make(refs, epochs, indices, out)`` writes the rows ``refs`` (what
 ``refs(rows)`` picked to travel) into ``out`` and returns the ``(k,
 message)`` of those that cannot be made; ``shape`` and ``dtype`` are one
@@ -17,7 +17,7 @@ are not sent).  Two kinds, chosen once by the loader (``towers.data.loading``):
   randomness from (seed, epoch, index), so the result does not depend on
   which worker makes it; without, it takes the deterministic path.
 
-A stage is small and picklable (its source's paths and positions, the
+A job is small and picklable (its source's paths and positions, the
 transform's settings): it travels to each worker once.
 """
 from __future__ import annotations
