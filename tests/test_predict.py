@@ -384,3 +384,15 @@ def test_a_loaded_tf_cifar10_run_takes_the_center_crop_of_its_images_as_the_run_
     with towers.load(tmp_path / "run") as model:
         assert model.evaluate() == evaluated
         assert np.array_equal(model.predict(x[40:]), want)
+
+
+def test_eval_predict_of_a_folder_without_images_says_so(run, tmp_path):
+    # Before: for a run trained on stored arrays, "D is a folder of images, but the model was trained on stored
+    # arrays ...": it holds no image (and a folder of images is predicted, fitted to the model's examples).
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("no images here\n")
+    p = run_cli("--logdir", str(run[0]), "--test-data", str(tmp_path / "notes"), "--predict",
+                str(tmp_path / "p.npz"), module="towers.eval")
+    assert p.returncode == 2 and p.stderr.strip() == (
+        f"towers.eval: error: --test-data {tmp_path / 'notes'} holds no .jpg, .jpeg or .png images"), p.stderr
+    assert not (tmp_path / "p.npz").exists()

@@ -170,10 +170,9 @@ def load_unlabelled(spec: DataSpec, example_shape, workers=0):
         from towers.data.kinds import Split
         from towers.data.sources import FileSource
 
-        if not spec.ops:
-            raise UserError(f"{path} is a folder of images, but the model was trained on stored arrays (npz, "
-                            "TFRecord features), not images: give its examples as it was trained on them")
-        files = image_files(path)
+        files = image_files(path)  # (a folder without images: one line naming it)
+        if not spec.ops:  # (``describe`` gives a folder of images an ``Images`` op: a description made by hand)
+            raise UserError(f"{path} is a folder of images: its description needs an `Images` op to read them")
         names = [os.path.relpath(f, path) for f in files]
         split = Split(FileSource(files), numpy.zeros(len(files), numpy.int32))
     elif is_tfrecord(path):
