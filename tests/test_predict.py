@@ -396,3 +396,27 @@ def test_eval_predict_of_a_folder_without_images_says_so(run, tmp_path):
     assert p.returncode == 2 and p.stderr.strip() == (
         f"towers.eval: error: --test-data {tmp_path / 'notes'} holds no .jpg, .jpeg or .png images"), p.stderr
     assert not (tmp_path / "p.npz").exists()
+
+
+def test_eval_predict_of_records_whose_labels_are_ambiguous_asks_for_them_as_evaluation_does(run, tmp_path):
+    # Before: records with two int64 features (label, id) and no `y` were "unlabelled" to --predict (exit 0,
+    # no evaluation, no labels written), while the same command without --predict asked which is the labels.
+    from tests.data.tfrecord.test_convert import example, write_records
+
+    logdir, logits, _ = run
+    d = digits()
+    records = tmp_path / "t.tfrecords"
+    write_records(records, [example(x=row.tobytes(), label=int(k), id=i)
+                            for i, (row, k) in enumerate(zip(d["x_test"], d["y_test"]))])
+    common = ("--logdir", str(logdir), "--test-data", str(records), "--decode", "x:uint8:8,8")
+    out = tmp_path / "p.npz"
+    for predict in ((), ("--predict", str(out))):
+        p = run_cli(*common, *predict, module="towers.eval")
+        last = (p.stderr.strip().splitlines() or [""])[-1]  # (after the index's notice)
+        assert p.returncode == 2 and "Traceback" not in p.stderr and last.startswith("towers.eval: error: ") and \
+            "no feature 'y' and 2 candidates (id, label) for the labels; pick one with --y-key" in last, p.stderr
+    assert not out.exists()
+    p = run_cli(*common, "--y-key", "label", "--predict", str(out), module="towers.eval")
+    assert p.returncode == 0, p.stderr
+    with np.load(out) as z:
+        assert np.array_equal(z["labels"], d["y_test"]) and np.array_equal(z["logits"], logits[True])
