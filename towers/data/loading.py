@@ -144,10 +144,9 @@ def labelled(spec: DataSpec) -> bool:
     label feature (``towers.data.tfrecord.records.label_feature``)."""
     path = spec.path
     if os.path.isdir(path):
-        from towers.data.image.folder import EXTENSIONS
+        from towers.data.image.folder import has_loose_images
 
-        loose = any(f.lower().endswith(EXTENSIONS) and not f.startswith(".") for f in os.listdir(path))
-        return kind_of(path).encoded and not loose  # class folders, and only them
+        return kind_of(path).encoded and not has_loose_images(path)  # class folders, and only them
     if is_tfrecord(path):
         from towers.data.tfrecord.records import label_feature
 

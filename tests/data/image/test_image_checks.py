@@ -384,3 +384,19 @@ def test_stored_images_of_other_channels_than_the_runs_are_one_line_before_train
                 "--logdir", str(tmp_path / "run"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "run").exists()  # refused before the logdir is made
+
+
+def test_a_class_folder_named_like_an_image_is_a_class_to_labelled_as_to_scan(tmp_path):
+    # labelled() (eval --predict: labelled or not) and scan() tell an image of the folder's own the same way
+    # (one rule, folder.has_loose_images).  Before: a class folder "b.png" was a loose image to labelled(), so
+    # --predict of this labelled folder predicted it as unlabelled images.
+    from towers.data.image.folder import scan
+    from towers.data.loading import labelled
+    from towers.data.pipeline import describe
+
+    x, y = _images(6)
+    root = _folder(tmp_path / "d", x, y, names=("a", "b.png", "c"))
+    assert scan(root)[0] == ["a", "b.png", "c"]
+    assert labelled(describe(root))
+    (tmp_path / "d" / "loose.png").write_bytes(codec.encode(x[0][:, :, None], "png"))
+    assert not labelled(describe(root))
