@@ -420,3 +420,25 @@ def test_eval_predict_of_records_whose_labels_are_ambiguous_asks_for_them_as_eva
     assert p.returncode == 0, p.stderr
     with np.load(out) as z:
         assert np.array_equal(z["labels"], d["y_test"]) and np.array_equal(z["logits"], logits[True])
+
+
+def test_a_loaded_image_run_refuses_one_image_without_its_batch_axis(tmp_path):
+    # Before: one grey image (H, W, 1) was taken as H images (W, 1), fitted to the run's size: H rows of logits,
+    # exit 0; one colour image (H, W, 3) as H grey images 3 pixels wide (a broadcast ValueError).
+    d = digits()
+    x = d["x_test"][:20]
+    for name, pixels in (("grey", x[..., None]), ("colour", np.repeat(x[..., None], 3, axis=3))):
+        data = tmp_path / f"{name}.npz"
+        np.savez(data, x=np.concatenate([pixels] * 10), y=np.tile(d["y_test"][:20], 10))
+        cfg = Config(n_gpu=1, devices="cpu", hidden=8, batch_size=20, steps=2, quiet=True, summary_every=0,
+                     normalize="0.5,0.25", data=str(data), logdir=str(tmp_path / name))
+        with Trainer(cfg) as tr:
+            tr.fit()
+        c = pixels.shape[-1]
+        with towers.load(tmp_path / name) as model:
+            assert model.predict(pixels).shape == (20, 10)
+            assert np.allclose(model.predict(pixels[:1]), model.predict(pixels)[:1], rtol=1e-5, atol=1e-5)
+            with pytest.raises(UserError, match=rf"^predict: x must be images \(N, H, W, {c}\)" + (
+                    r" or \(N, H, W\)" if c == 1 else "") + rf" of uint8 pixels .*, got uint8 \(8, 8, {c}\): one "
+                    r"image needs its batch axis \(x\[None\]\)$"):
+                model.predict(pixels[0])
