@@ -442,3 +442,17 @@ def test_a_loaded_image_run_refuses_one_image_without_its_batch_axis(tmp_path):
                     r" or \(N, H, W\)" if c == 1 else "") + rf" of uint8 pixels .*, got uint8 \(8, 8, {c}\): one "
                     r"image needs its batch axis \(x\[None\]\)$"):
                 model.predict(pixels[0])
+
+
+def test_eval_predict_of_a_synthetic_run_says_it_has_no_test_split_as_eval_does(tmp_path):
+    # Before: with --predict, "test data file synthetic:10 does not exist: set --test-data to an .npz or TFRecord
+    # file" (synthetic data is no file); without it, the line below.
+    cfg = Config(n_gpu=1, devices="cpu", hidden=8, batch_size=8, steps=1, quiet=True, summary_every=0,
+                 data="synthetic:10", image_size="8,8,3", logdir=str(tmp_path / "run"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+    for predict in ((), ("--predict", str(tmp_path / "p.npz"))):
+        p = run_cli("--logdir", str(tmp_path / "run"), *predict, module="towers.eval")
+        assert p.returncode == 2 and p.stderr.strip() == (
+            "towers.eval: error: synthetic:10 has no test split: give test data (--test-data)"), p.stderr
+    assert not (tmp_path / "p.npz").exists()

@@ -141,8 +141,11 @@ def load_test_data(spec: DataSpec, example_shape, num_classes, class_names=None,
 def labelled(spec: DataSpec) -> bool:
     """Whether the data at ``spec.path`` has labels: an image folder's class folders (a folder with images
     of its own, beside folders or not, has none), an npz's ``x_test``/``y_test`` or ``y_key``, a TFRecord's
-    label feature (``towers.data.tfrecord.records.label_feature``)."""
+    label feature (``towers.data.tfrecord.records.label_feature``); data a kind makes whole (``synthetic``)
+    has labels (and no test split: ``load_test_data`` says so)."""
     path = spec.path
+    if kind_of(path).whole:
+        return True
     if os.path.isdir(path):
         from towers.data.image.folder import has_loose_images
 
