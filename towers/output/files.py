@@ -415,6 +415,14 @@ def check_new_output(out: str, command: str, flag: str, example: str = "out.npz"
         raise UserError(f"{out} exists: {command} writes no file over another; remove it or choose another {flag}")
     folder = os.path.dirname(os.path.abspath(out))
     if os.path.isdir(folder):
+        try:
+            limit = os.pathconf(folder, "PC_NAME_MAX")
+        except (OSError, ValueError):  # a file system that does not say: the write names what fails
+            return
+        size = len(os.fsencode(os.path.basename(out)))
+        if limit and size > limit:
+            raise UserError(f"cannot write {out}: its name is {size} bytes, more than the {limit} that {folder} "
+                            f"takes; choose a shorter {flag}")
         return
     blocker = folder
     while not os.path.lexists(blocker) and os.path.dirname(blocker) != blocker:

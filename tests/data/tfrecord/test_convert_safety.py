@@ -443,6 +443,18 @@ def test_an_output_that_names_a_folder_not_there_is_refused_before_reading(tail,
     assert os.listdir(tmp_path / "new") == []
 
 
+def test_an_output_name_too_long_for_its_folder_is_refused_before_reading(tmp_path, capsys):
+    # Before: each converter read its input, then exited 1 naming a hidden temporary file (".aaa...tmp-5191-x4e4lozm/
+    # output.partial: File name too long; check the path, its permissions and free space").
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    out = tmp_path / ("a" * (limit + 1))
+    for module, source in _converters(tmp_path):
+        assert_one_line(cli(module, capsys, source, "-o", out), 2,
+                        f"error: cannot write {out}: its name is {limit + 1} bytes, more than the {limit} that "
+                        f"{tmp_path} takes; choose a shorter -o")
+    assert sorted(os.listdir(tmp_path)) == ["photos"]
+
+
 def test_an_output_below_a_file_names_the_file(tmp_path, capsys):
     # Before: images_to_tfrecord -o file.npz/x said "the folder .../file.npz does not exist; create it first".
     from tools import images_to_tfrecord
