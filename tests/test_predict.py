@@ -456,3 +456,25 @@ def test_eval_predict_of_a_synthetic_run_says_it_has_no_test_split_as_eval_does(
         assert p.returncode == 2 and p.stderr.strip() == (
             "towers.eval: error: synthetic:10 has no test split: give test data (--test-data)"), p.stderr
     assert not (tmp_path / "p.npz").exists()
+
+
+def test_eval_predict_of_a_folder_never_puts_another_images_logits_on_a_files_row(tmp_path):
+    # Before: for a run trained with on_error skip, an image of the folder that does not decode was replaced by
+    # another one: its row (files: 000.png) held the other image's logits, exit 0, a notice on stderr alone.
+    from PIL import Image
+
+    d = digits()
+    cfg = Config(**dict(SMALL, n_gpu=1), steps=2, normalize="0.5,0.25", on_error="skip", logdir=str(tmp_path / "run"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for k in range(4):
+        Image.fromarray(d["x_test"][k]).save(folder / f"{k:03d}.png")
+    (folder / "000.png").write_bytes(b"not an image")
+    out = tmp_path / "p.npz"
+    p = run_cli("--logdir", str(tmp_path / "run"), "--test-data", str(folder), "--predict", str(out),
+                module="towers.eval")
+    assert p.returncode == 1 and not out.exists(), (p.returncode, p.stderr)
+    assert p.stderr.strip().splitlines()[-1].startswith(f"towers.eval: error: {folder / '000.png'}: not a "
+                                                        "decodable image"), p.stderr

@@ -27,6 +27,7 @@ readers (and protobuf behind them) are imported when a path needs them, so
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy
 
@@ -164,7 +165,9 @@ def load_unlabelled(spec: DataSpec, example_shape, workers=0):
     their paths below it are the names), an npz's ``x_key``, a TFRecord's examples (or its encoded images).
     A description with operations (a model trained from images) makes the examples by them
     (``towers.data.image.load.made_as_trained``), else they are the stored ones, which the caller checks
-    against the model's."""
+    against the model's.  Each row is its own example: an image or record that cannot be made stops the
+    prediction, whatever ``spec.on_error`` says (``skip`` would put another example's logits on its row)."""
+    spec = replace(spec, on_error="stop")
     path = spec.path
     names = None
     if os.path.isdir(path):
