@@ -186,7 +186,7 @@ def test_keras_loads_the_towers_layout(tmp_path, capsys, runs, digits):
 
 
 @pytest.mark.parametrize("case", ["missing", "directory", "not npz", "not a checkpoint", "output exists",
-                                  "no such folder", "a file for a folder", "read-only folder"])
+                                  "no such folder", "a file for a folder", "read-only folder", "output a folder"])
 def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, runs, case):
     checkpoint = list_checkpoints(str(runs["mlp"]))[0][1]
     out = tmp_path / "out" / "w.safetensors"
@@ -210,6 +210,9 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, runs, case):
     elif case == "a file for a folder":
         (tmp_path / "file").write_text("")
         out, expected = tmp_path / "file" / "w.safetensors", "file is a file, not a folder; choose another -o"
+    elif case == "output a folder":  # before: "for example OUT/out.npz", a name for another kind of file
+        out = out.parent
+        expected = f"-o {out} is a directory: give a file path, for example {out / 'model.safetensors'}"
     elif case == "read-only folder":
         if os.geteuid() == 0:
             pytest.skip("root writes into a read-only folder")
@@ -219,6 +222,9 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, runs, case):
     assert status == 2 and len(err) == 1 and err[0].startswith("towers.export: error: ") and expected in err[0], err
     if case == "output exists":
         assert out.read_bytes() == b"keep me"
+    elif case == "output a folder":
+        assert os.listdir(out) == []
+        return
     else:
         assert not out.exists()
     if out.parent.is_dir():

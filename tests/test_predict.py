@@ -384,3 +384,97 @@ def test_a_loaded_tf_cifar10_run_takes_the_center_crop_of_its_images_as_the_run_
     with towers.load(tmp_path / "run") as model:
         assert model.evaluate() == evaluated
         assert np.array_equal(model.predict(x[40:]), want)
+
+
+def test_eval_predict_of_a_folder_without_images_says_so(run, tmp_path):
+    # Before: for a run trained on stored arrays, "D is a folder of images, but the model was trained on stored
+    # arrays ...": it holds no image (and a folder of images is predicted, fitted to the model's examples).
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("no images here\n")
+    p = run_cli("--logdir", str(run[0]), "--test-data", str(tmp_path / "notes"), "--predict",
+                str(tmp_path / "p.npz"), module="towers.eval")
+    assert p.returncode == 2 and p.stderr.strip() == (
+        f"towers.eval: error: --test-data {tmp_path / 'notes'} holds no .jpg, .jpeg or .png images"), p.stderr
+    assert not (tmp_path / "p.npz").exists()
+
+
+def test_eval_predict_of_records_whose_labels_are_ambiguous_asks_for_them_as_evaluation_does(run, tmp_path):
+    # Before: records with two int64 features (label, id) and no `y` were "unlabelled" to --predict (exit 0,
+    # no evaluation, no labels written), while the same command without --predict asked which is the labels.
+    from tests.data.tfrecord.test_convert import example, write_records
+
+    logdir, logits, _ = run
+    d = digits()
+    records = tmp_path / "t.tfrecords"
+    write_records(records, [example(x=row.tobytes(), label=int(k), id=i)
+                            for i, (row, k) in enumerate(zip(d["x_test"], d["y_test"]))])
+    common = ("--logdir", str(logdir), "--test-data", str(records), "--decode", "x:uint8:8,8")
+    out = tmp_path / "p.npz"
+    for predict in ((), ("--predict", str(out))):
+        p = run_cli(*common, *predict, module="towers.eval")
+        last = (p.stderr.strip().splitlines() or [""])[-1]  # (after the index's notice)
+        assert p.returncode == 2 and "Traceback" not in p.stderr and last.startswith("towers.eval: error: ") and \
+            "no feature 'y' and 2 candidates (id, label) for the labels; pick one with --y-key" in last, p.stderr
+    assert not out.exists()
+    p = run_cli(*common, "--y-key", "label", "--predict", str(out), module="towers.eval")
+    assert p.returncode == 0, p.stderr
+    with np.load(out) as z:
+        assert np.array_equal(z["labels"], d["y_test"]) and np.array_equal(z["logits"], logits[True])
+
+
+def test_a_loaded_image_run_refuses_one_image_without_its_batch_axis(tmp_path):
+    # Before: one grey image (H, W, 1) was taken as H images (W, 1), fitted to the run's size: H rows of logits,
+    # exit 0; one colour image (H, W, 3) as H grey images 3 pixels wide (a broadcast ValueError).
+    d = digits()
+    x = d["x_test"][:20]
+    for name, pixels in (("grey", x[..., None]), ("colour", np.repeat(x[..., None], 3, axis=3))):
+        data = tmp_path / f"{name}.npz"
+        np.savez(data, x=np.concatenate([pixels] * 10), y=np.tile(d["y_test"][:20], 10))
+        cfg = Config(n_gpu=1, devices="cpu", hidden=8, batch_size=20, steps=2, quiet=True, summary_every=0,
+                     normalize="0.5,0.25", data=str(data), logdir=str(tmp_path / name))
+        with Trainer(cfg) as tr:
+            tr.fit()
+        c = pixels.shape[-1]
+        with towers.load(tmp_path / name) as model:
+            assert model.predict(pixels).shape == (20, 10)
+            assert np.allclose(model.predict(pixels[:1]), model.predict(pixels)[:1], rtol=1e-5, atol=1e-5)
+            with pytest.raises(UserError, match=rf"^predict: x must be images \(N, H, W, {c}\)" + (
+                    r" or \(N, H, W\)" if c == 1 else "") + rf" of uint8 pixels .*, got uint8 \(8, 8, {c}\): one "
+                    r"image needs its batch axis \(x\[None\]\)$"):
+                model.predict(pixels[0])
+
+
+def test_eval_predict_of_a_synthetic_run_says_it_has_no_test_split_as_eval_does(tmp_path):
+    # Before: with --predict, "test data file synthetic:10 does not exist: set --test-data to an .npz or TFRecord
+    # file" (synthetic data is no file); without it, the line below.
+    cfg = Config(n_gpu=1, devices="cpu", hidden=8, batch_size=8, steps=1, quiet=True, summary_every=0,
+                 data="synthetic:10", image_size="8,8,3", logdir=str(tmp_path / "run"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+    for predict in ((), ("--predict", str(tmp_path / "p.npz"))):
+        p = run_cli("--logdir", str(tmp_path / "run"), *predict, module="towers.eval")
+        assert p.returncode == 2 and p.stderr.strip() == (
+            "towers.eval: error: synthetic:10 has no test split: give test data (--test-data)"), p.stderr
+    assert not (tmp_path / "p.npz").exists()
+
+
+def test_eval_predict_of_a_folder_never_puts_another_images_logits_on_a_files_row(tmp_path):
+    # Before: for a run trained with on_error skip, an image of the folder that does not decode was replaced by
+    # another one: its row (files: 000.png) held the other image's logits, exit 0, a notice on stderr alone.
+    from PIL import Image
+
+    d = digits()
+    cfg = Config(**dict(SMALL, n_gpu=1), steps=2, normalize="0.5,0.25", on_error="skip", logdir=str(tmp_path / "run"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for k in range(4):
+        Image.fromarray(d["x_test"][k]).save(folder / f"{k:03d}.png")
+    (folder / "000.png").write_bytes(b"not an image")
+    out = tmp_path / "p.npz"
+    p = run_cli("--logdir", str(tmp_path / "run"), "--test-data", str(folder), "--predict", str(out),
+                module="towers.eval")
+    assert p.returncode == 1 and not out.exists(), (p.returncode, p.stderr)
+    assert p.stderr.strip().splitlines()[-1].startswith(f"towers.eval: error: {folder / '000.png'}: not a "
+                                                        "decodable image"), p.stderr

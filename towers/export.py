@@ -156,7 +156,7 @@ def export(path: str, out: str, ema: bool = False, layout: str = "towers") -> di
     disk, I/O error) a DiskError; either way ``out`` is not written."""
     if layout not in LAYOUTS:
         raise UserError(f"--layout {layout!r} is unknown: use one of {', '.join(LAYOUTS)}")
-    check_new_output(out, "export", "-o")
+    check_new_output(out, "export", "-o", "model.safetensors")
     named, run = read_weights(path, ema)
     metadata = {"format": "pt" if layout == "torch" else "np", "towers.layout": layout,
                 "towers.weights": "ema" if ema else "raw", "towers.step": str(run["step"])}

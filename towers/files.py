@@ -382,6 +382,11 @@ def atomic_write_text(path, text: str) -> None:
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR)
 
 
+def names_folder(out: str) -> bool:
+    """Whether the path ``out`` can only name a folder (it ends with a separator, ``.`` or ``..``)."""
+    return os.path.basename(out) in ("", ".", "..")
+
+
 def check_new_output(out: str, command: str, flag: str, example: str = "out.npz") -> None:
     """A ``UserError`` unless ``out`` can be a new file: a path, not a folder, none there yet, in a folder that
     exists (or a ``UserError`` naming the file that stands where a folder of the path should be).
@@ -396,10 +401,21 @@ def check_new_output(out: str, command: str, flag: str, example: str = "out.npz"
         raise UserError(f"{flag} is empty: give the output file's path")
     if os.path.isdir(out):
         raise UserError(f"{flag} {out} is a directory: give a file path, for example {os.path.join(out, example)}")
+    if names_folder(out):  # new/ or new/.: a folder that is not there (yet)
+        raise UserError(f"{flag} {out} names a folder, not a file: give a file path, for example "
+                        f"{os.path.join(os.path.normpath(out), example)}")
     if os.path.lexists(out):
         raise UserError(f"{out} exists: {command} writes no file over another; remove it or choose another {flag}")
     folder = os.path.dirname(os.path.abspath(out))
     if os.path.isdir(folder):
+        try:
+            limit = os.pathconf(folder, "PC_NAME_MAX")
+        except (OSError, ValueError):  # a file system that does not say: the write names what fails
+            return
+        size = len(os.fsencode(os.path.basename(out)))
+        if limit and size > limit:
+            raise UserError(f"cannot write {out}: its name is {size} bytes, more than the {limit} that {folder} "
+                            f"takes; choose a shorter {flag}")
         return
     blocker = folder
     while not os.path.lexists(blocker) and os.path.dirname(blocker) != blocker:

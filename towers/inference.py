@@ -170,10 +170,13 @@ class Predictor:
         if self._spec is None:
             return check_inputs(x, y, where, self.example_shape, self.example_dtype, self.num_classes)
         c = self.example_shape[-1]
-        if x.ndim not in (3, 4) or x.shape[-1] != c and (x.ndim == 4 or c != 1):
+        # (N, H, W) is grey images only; one image (H, W, C) is not H images (W, C): its last axis says so.
+        alone = x.ndim == 3 and x.shape[-1] == c
+        if alone or x.ndim not in (3, 4) or (x.ndim == 4 and x.shape[-1] != c) or (x.ndim == 3 and c != 1):
             grey = " or (N, H, W)" if c == 1 else ""
             raise UserError(f"{where}: x must be images (N, H, W, {c}){grey} of uint8 pixels (any H x W: they are "
-                            f"fitted as the run fitted its images), got {x.dtype} {tuple(x.shape)}")
+                            f"fitted as the run fitted its images), got {x.dtype} {tuple(x.shape)}"
+                            + (": one image needs its batch axis (x[None])" if alone else ""))
         x, y = check_inputs(x, y, where, x.shape[1:], uint8, self.num_classes)
         from towers.data.image.load import made_as_trained  # the image path: imported only for it
         from towers.data.kinds import image_arrays

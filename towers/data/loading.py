@@ -27,6 +27,7 @@ readers (and protobuf behind them) are imported when a path needs them, so
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy
 
@@ -141,13 +142,15 @@ def load_test_data(spec: DataSpec, example_shape, num_classes, class_names=None,
 def labelled(spec: DataSpec) -> bool:
     """Whether the data at ``spec.path`` has labels: an image folder's class folders (a folder with images
     of its own, beside folders or not, has none), an npz's ``x_test``/``y_test`` or ``y_key``, a TFRecord's
-    label feature (``towers.data.tfrecord.records.label_feature``)."""
+    label feature (``towers.data.tfrecord.records.label_feature``); data a kind makes whole (``synthetic``)
+    has labels (and no test split: ``load_test_data`` says so)."""
     path = spec.path
+    if kind_of(path).whole:
+        return True
     if os.path.isdir(path):
-        from towers.data.image.folder import EXTENSIONS
+        from towers.data.image.folder import has_loose_images
 
-        loose = any(f.lower().endswith(EXTENSIONS) and not f.startswith(".") for f in os.listdir(path))
-        return kind_of(path).encoded and not loose  # class folders, and only them
+        return kind_of(path).encoded and not has_loose_images(path)  # class folders, and only them
     if is_tfrecord(path):
         from towers.data.tfrecord.records import label_feature
 
@@ -162,7 +165,9 @@ def load_unlabelled(spec: DataSpec, example_shape, workers=0):
     their paths below it are the names), an npz's ``x_key``, a TFRecord's examples (or its encoded images).
     A description with operations (a model trained from images) makes the examples by them
     (``towers.data.image.load.made_as_trained``), else they are the stored ones, which the caller checks
-    against the model's."""
+    against the model's.  Each row is its own example: an image or record that cannot be made stops the
+    prediction, whatever ``spec.on_error`` says (``skip`` would put another example's logits on its row)."""
+    spec = replace(spec, on_error="stop")
     path = spec.path
     names = None
     if os.path.isdir(path):
@@ -170,10 +175,9 @@ def load_unlabelled(spec: DataSpec, example_shape, workers=0):
         from towers.data.kinds import Split
         from towers.data.sources import FileSource
 
-        if not spec.ops:
-            raise UserError(f"{path} is a folder of images, but the model was trained on stored arrays (npz, "
-                            "TFRecord features), not images: give its examples as it was trained on them")
-        files = image_files(path)
+        files = image_files(path)  # (a folder without images: one line naming it)
+        if not spec.ops:  # (``describe`` gives a folder of images an ``Images`` op: a description made by hand)
+            raise UserError(f"{path} is a folder of images: its description needs an `Images` op to read them")
         names = [os.path.relpath(f, path) for f in files]
         split = Split(FileSource(files), numpy.zeros(len(files), numpy.int32))
     elif is_tfrecord(path):

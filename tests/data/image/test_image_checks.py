@@ -367,3 +367,36 @@ def test_a_block_is_never_registered_with_the_resource_tracker(monkeypatch):
         unlink(made)
         made.close()
     assert registered == []
+
+
+def test_stored_images_of_other_channels_than_the_runs_are_one_line_before_training(tmp_path):
+    # Before: colour (N, H, W, 3) test arrays beside grey training images passed the loader and ended the run at
+    # its first evaluation, after training, with "ValueError: could not broadcast input array from shape
+    # (12,12,3) into shape (12,12,1)" (exit 1); towers.eval and eval --predict of such an npz did the same.
+    x, y = _images(30)
+    train = _numbered_folder(tmp_path / "train", x, y)
+    np.savez(tmp_path / "rgb.npz", x=np.repeat(x[..., None], 3, axis=3), y=y)
+    want = (r"rgb.npz: the images have 3 channels but the run's have 1 \(12, 12, 1\): give images of 1 "
+            r"channel \(N, H, W, 1\) or \(N, H, W\)")
+    with pytest.raises(UserError, match=want):
+        load_dataset(train, test_path=str(tmp_path / "rgb.npz"), workers=0)
+    r = run_cli("--data", train, "--test-data", str(tmp_path / "rgb.npz"), "--devices", "cpu", "--steps", "1",
+                "--logdir", str(tmp_path / "run"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "run").exists()  # refused before the logdir is made
+
+
+def test_a_class_folder_named_like_an_image_is_a_class_to_labelled_as_to_scan(tmp_path):
+    # labelled() (eval --predict: labelled or not) and scan() tell an image of the folder's own the same way
+    # (one rule, folder.has_loose_images).  Before: a class folder "b.png" was a loose image to labelled(), so
+    # --predict of this labelled folder predicted it as unlabelled images.
+    from towers.data.image.folder import scan
+    from towers.data.loading import labelled
+    from towers.data.pipeline import describe
+
+    x, y = _images(6)
+    root = _folder(tmp_path / "d", x, y, names=("a", "b.png", "c"))
+    assert scan(root)[0] == ["a", "b.png", "c"]
+    assert labelled(describe(root))
+    (tmp_path / "d" / "loose.png").write_bytes(codec.encode(x[0][:, :, None], "png"))
+    assert not labelled(describe(root))

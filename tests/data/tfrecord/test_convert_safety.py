@@ -420,6 +420,41 @@ def test_an_empty_output_is_refused(shards, tmp_path, capsys, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["photos"]
 
 
+@pytest.mark.parametrize("tail", ["/", "/."])
+def test_an_output_that_names_a_folder_not_there_is_refused_before_reading(tail, tmp_path, capsys):
+    # Before: -o new/ (a folder path that does not exist) read the whole input, then exited 1 naming a hidden
+    # temporary file ("..tmp-4130-avej0dia/output.partial: Not a directory; check ... free space"); towers.export
+    # and eval --predict said "Not a directory [ENOTDIR]: ... make <its parent> writable".
+    for module, source in _converters(tmp_path):
+        out = f"{tmp_path / 'new'}{tail}"
+        assert_one_line(cli(module, capsys, source, "-o", out), 2,
+                        f"error: -o {out} names a folder, not a file: give a file path, for example "
+                        f"{os.path.join(tmp_path / 'new', '')}")
+    assert sorted(os.listdir(tmp_path)) == ["photos"]
+    # Shards of a folder's path: before, -o new/ --shards 2 into an existing folder wrote new/-00000-of-00002 and
+    # new/-00001-of-00002, exit 0.
+    from tools import images_to_tfrecord
+
+    (tmp_path / "new").mkdir()
+    out = f"{tmp_path / 'new'}{tail}"
+    assert_one_line(cli(images_to_tfrecord, capsys, tmp_path / "photos", "-o", out, "--shards", "2"), 2,
+                    f"error: -o {out} is a directory: give a file path, for example "
+                    f"{os.path.join(out, 'out.tfrecords')}")
+    assert os.listdir(tmp_path / "new") == []
+
+
+def test_an_output_name_too_long_for_its_folder_is_refused_before_reading(tmp_path, capsys):
+    # Before: each converter read its input, then exited 1 naming a hidden temporary file (".aaa...tmp-5191-x4e4lozm/
+    # output.partial: File name too long; check the path, its permissions and free space").
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    out = tmp_path / ("a" * (limit + 1))
+    for module, source in _converters(tmp_path):
+        assert_one_line(cli(module, capsys, source, "-o", out), 2,
+                        f"error: cannot write {out}: its name is {limit + 1} bytes, more than the {limit} that "
+                        f"{tmp_path} takes; choose a shorter -o")
+    assert sorted(os.listdir(tmp_path)) == ["photos"]
+
+
 def test_an_output_below_a_file_names_the_file(tmp_path, capsys):
     # Before: images_to_tfrecord -o file.npz/x said "the folder .../file.npz does not exist; create it first".
     from tools import images_to_tfrecord

@@ -98,7 +98,7 @@ def scan(root: str, setting: str = "data") -> tuple[list[str], list[str], np.nda
     except OSError as e:
         raise UserError(f"`{setting}` {root} cannot be listed ({e.strerror or e})") from None
     layout = f"expected {os.path.join(root, '<class>', '*.jpg')} (one folder per class, .jpg, .jpeg or .png)"
-    loose = [e.name for e in entries if _is_image(e.name) and not e.is_dir()]
+    loose = _loose(entries)
     if loose:
         shown = ", ".join(loose[:3]) + (", ..." if len(loose) > 3 else "")
         raise UserError(f"`{setting}` {root} holds {len(loose)} image(s) outside any class folder ({shown}): "
@@ -115,6 +115,21 @@ def scan(root: str, setting: str = "data") -> tuple[list[str], list[str], np.nda
         paths += files
         labels += [k] * len(files)
     return classes, paths, np.array(labels, np.int32)
+
+
+def _loose(entries) -> list[str]:
+    """The names of the images among a folder's ``entries`` (``os.scandir``'s): in no class folder."""
+    return [e.name for e in entries if _is_image(e.name) and not e.is_dir()]
+
+
+def has_loose_images(root: str) -> bool:
+    """Whether the folder ``root`` holds images of its own, outside any class folder (data without labels to
+    ``towers.data.loading.labelled``; refused by :func:`scan`)."""
+    try:
+        with os.scandir(root) as entries:
+            return bool(_loose(entries))
+    except OSError:
+        return False  # scan() or image_files() names what is wrong
 
 
 def image_files(root: str, setting: str = "test_data") -> list[str]:

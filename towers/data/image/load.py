@@ -85,7 +85,14 @@ def _transform(spec: DataSpec, size, encoded: bool, decode_only: bool = False) -
 
 
 def _made(name, split, transform, pool, spec, say, labels=None) -> Examples:
-    """The examples of ``split`` made by ``transform`` in ``pool``."""
+    """The examples of ``split`` made by ``transform`` in ``pool``; stored images (not encoded: decoding gives
+    the transform's channels) of other channels than the transform's are a UserError, here rather than at the
+    first batch (a test split's: after training)."""
+    have, c = split.size[-1] if split.size is not None and not split.source.encoded else None, transform.size[-1]
+    if have is not None and have != c:
+        grey = " or (N, H, W)" if c == 1 else ""
+        raise UserError(f"{name}: the images have {have} channel{'s' * (have != 1)} but the run's have {c} "
+                        f"{tuple(transform.size)}: give images of {c} channel{'s' * (c != 1)} (N, H, W, {c}){grey}")
     return Examples(str(name), Transformed(split.source, transform), pool,
                     split.labels if labels is None else labels, spec.on_error, say)
 

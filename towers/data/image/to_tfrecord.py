@@ -39,7 +39,7 @@ from towers.data.tfrecord.index import CLASS_TEXT
 from towers.data.tfrecord.proto import SequenceExample
 from towers.data.tfrecord.schema import UsageError
 from towers.errors import UserError
-from towers.files import atomic_path, check_new_output, output_folder, refuse_overwriting_inputs
+from towers.files import atomic_path, check_new_output, names_folder, output_folder, refuse_overwriting_inputs
 
 _FORMAT = {"jpeg": b"JPEG", "png": b"PNG", "other": b""}
 
@@ -113,7 +113,8 @@ def convert(input: str, output: str, encode: str | None = None, quality: int = 9
     if is_folder and test:
         raise UsageError("--test picks an npz's x_test/y_test; give the test folder itself instead")
     scanned = folder.scan(input, "input") if is_folder else None
-    outputs = shard_paths(output, shards) if output else [output]  # ('' is refused as it is)
+    # ('' and a folder's path, new/, are refused as they are: not a prefix of shards named -00000-of-00002)
+    outputs = shard_paths(output, shards) if output and not names_folder(output) else [output]
     for out in outputs:  # every image of a folder is an input: none is written over
         refuse_overwriting_inputs(out, scanned[1] if is_folder else [input])
         check_new_output(out, "images_to_tfrecord", "-o", "out.tfrecords")

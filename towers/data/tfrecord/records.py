@@ -71,13 +71,17 @@ def _choose(where, columns, n, key, default, candidates, what, setting):
 
 def label_feature(path, x_key="x", y_key="y", on_error="stop", say=None) -> str | None:
     """The feature ``load_split`` takes the labels of the TFRecord file or glob ``path`` from (``y_key``, else the
-    one int64 scalar feature besides the examples'), or None: the records hold no labels."""
+    one int64 scalar feature besides the examples'), or None: the records hold no labels (no ``y_key``, and for
+    the default ``y`` no int64 scalar feature either).  Several candidates for the default are the
+    ``UsageError`` that ``load_split`` gives: records with labels, which it cannot tell."""
     indexes, n, columns = index_split(path, on_error, say)
     x = x_key[len("context/"):] if x_key.startswith("context/") else x_key
     candidates = [k for k, c in columns.items() if all(k in i.scalars for i in indexes) and k != x]
     try:
         return _choose(path, columns, n, y_key, "y", candidates, "labels", "y_key")
     except UsageError:
+        if y_key == "y" and len(candidates) > 1:
+            raise
         return None
 
 
