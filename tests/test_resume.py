@@ -297,3 +297,17 @@ def test_a_script_from_standard_input_that_needs_input_workers_is_told_they_need
     assert p.stdout.startswith("UserError input workers start with spawn, which runs the main script again in each "
                                "worker from its file, but this one has none (<stdin>: read from standard input"), \
         (p.stdout, p.stderr)
+
+
+def test_what_belongs_to_one_launch_is_never_taken_from_the_checkpoint(tmp_path):
+    """A run launched quiet, profiled, with placement logged and a Ray address: its resume without those
+    flags prints as it is launched now, and looks for no cluster at the old address."""
+    run = tmp_path / "run"
+    assert main(["--hidden", "16", "--batch-size", "50", "--summary-every", "0", "--steps", "4", "--quiet",
+                 "--profile", "--log-placement", "--logdir", str(run)]) == 0
+    saved = load_checkpoint(str(run / "ckpt-00000004.npz"))["config"]
+    saved = {**saved, "ray_address": "10.0.0.9:6379", "measure_scaling": True}  # as a cluster run's would hold
+    cfg = resume_settings(parse_config(["--logdir", str(run), "--resume", "--steps", "6"]), saved)
+    assert (cfg.quiet, cfg.profile, cfg.log_placement, cfg.measure_scaling, cfg.ray_address) == (
+        False, False, False, False, None)
+    assert (cfg.hidden, cfg.batch_size, cfg.steps) == (16, 50, 6)  # the run's own settings are still taken

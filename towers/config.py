@@ -607,8 +607,9 @@ def checkpoint_settings(saved: dict) -> dict:
     return full
 
 
-# What a resumed run never takes from its checkpoint: where the run is, and that it resumes.
-OWN = ("logdir", "resume")
+# What a resumed run never takes from its checkpoint: where the run is, that it resumes, and what belongs to
+# this launch rather than to the run (what it prints, where its Ray cluster is: an old address may be gone).
+OWN = ("logdir", "resume", "quiet", "profile", "measure_scaling", "log_placement", "ray_address")
 
 
 def resume_settings(cfg: Config, saved: dict) -> Config:
