@@ -26,9 +26,9 @@ error, a copy cut short) makes numba raise at the first call of its kernel
 (``UnpicklingError``, ``EOFError``, ...) in every run.  A cache is a cache:
 where a call of a cached kernel raises, the kernel's index and data files are
 removed from its cache folder (``dispatcher.stats.cache_path``; numba names
-them ``<source file's stem>.<function>-<line>.pyXY.nbi`` and ``.<n>.nbc``) and the call is
-made again through a new dispatcher, which compiles the kernel and caches it
-anew; where that call succeeds, the cache was at fault and a notice names the
+them ``<source file's stem>.<qualified name>-<line>.pyXY.nbi`` and ``.<n>.nbc``,
+the qualified name without ``<`` and ``>``) and the call is made again through
+a new dispatcher, which compiles the kernel and caches it anew; where that call succeeds, the cache was at fault and a notice names the
 folder (once a folder and process); where it raises too, the error is the
 kernel's own and goes up.  Where numba finds no writable place for its
 cache at all, kernels are compiled in every run, with a notice.
@@ -102,7 +102,8 @@ class NumbaKernel:
         folder = failed.stats.cache_path
         fn = self.py_func
         stem = os.path.splitext(os.path.basename(fn.__code__.co_filename))[0]
-        prefix = f"{stem}.{fn.__qualname__}-{fn.__code__.co_firstlineno}.py"
+        qualname = fn.__qualname__.replace("<", "").replace(">", "")  # as numba names it: no <locals>' brackets
+        prefix = f"{stem}.{qualname}-{fn.__code__.co_firstlineno}.py"
         with _LOCK:
             with contextlib.suppress(OSError):
                 for name in os.listdir(folder):
