@@ -69,7 +69,7 @@ def resume_point(logdir: str) -> tuple[str, dict] | None:
     (``latest_checkpoint``); those skipped on the way, and a fresh start, are
     notices (``towers.errors.notice``).  Folders of writers killed mid-write
     are removed first.  Read when the ``Trainer`` is built: its settings are
-    the run's (``towers.config.resumed``) before anything else is made.
+    the run's (``towers.config.resume_settings``) before anything else is made.
     """
     if os.path.isdir(logdir):
         remove_stale(logdir)  # what writers killed mid-write left behind

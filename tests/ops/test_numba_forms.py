@@ -301,6 +301,39 @@ def test_a_damaged_cache_is_compiled_again_with_a_notice(monkeypatch, tmp_path, 
     assert not notices
 
 
+def _made_in_a_function():
+    """A loop defined inside a function: its qualname holds ``<locals>``, which numba leaves out of its file names."""
+    def add_one(a):
+        for i in range(a.shape[0]):
+            a[i] += numpy.float32(1)
+
+    return add_one
+
+
+def test_a_damaged_cache_of_a_loop_made_in_a_function_is_compiled_again(monkeypatch, tmp_path, notices):
+    """numba names a nested loop's cache files without ``<`` and ``>`` (``...make.locals.loop-N``): the damaged
+    index must be found and removed under that name, or the fresh dispatcher loads it again and every run raises.
+    Another Python's files of the same loop in that folder stay."""
+    import numba.core.config
+
+    monkeypatch.setattr(numba.core.config, "CACHE_DIR", str(tmp_path))  # NUMBA_CACHE_DIR, for this test
+    monkeypatch.setattr(numba_jit, "_DAMAGED", set())
+    a = numpy.zeros(3, numpy.float32)
+    numba_jit.NumbaKernel(_made_in_a_function())(a)  # compiled and cached
+    (index,) = tmp_path.rglob("*.nbi")
+    assert "locals" in index.name and "<" not in index.name
+    index.write_bytes(b"garbage")  # numba: UnpicklingError
+    other = index.with_name(index.name.replace(f".py{sys.version_info[0]}{sys.version_info[1]}", ".py27"))
+    other.write_bytes(b"another Python's index")  # the same folder, another interpreter's cache: not ours to remove
+    numba_jit.NumbaKernel(_made_in_a_function())(a)  # a new process's dispatcher: compiled again
+    assert other.exists()
+    numpy.testing.assert_array_equal(a, numpy.full(3, 2, numpy.float32))
+    assert [m for m in notices if f"cache in {index.parent} does not load" in m], notices
+    notices.clear()
+    numba_jit.NumbaKernel(_made_in_a_function())(a)  # the rewritten cache loads
+    assert not notices
+
+
 def test_a_resume_notes_a_change_of_the_kernels_that_ran(tmp_path, notices):
     """The checkpoint records what ran batch norm (numba or numpy), not the setting: auto is either."""
     import towers

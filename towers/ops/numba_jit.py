@@ -26,11 +26,12 @@ error, a copy cut short) makes numba raise at the first call of its kernel
 (``UnpicklingError``, ``EOFError``, ...) in every run.  A cache is a cache:
 where a call of a cached kernel raises, the kernel's index and data files are
 removed from its cache folder (``dispatcher.stats.cache_path``; numba names
-them ``<source file's stem>.<function>-<line>.pyXY.nbi`` and ``.<n>.nbc``) and the call is
-made again through a new dispatcher, which compiles the kernel and caches it
-anew; where that call succeeds, the cache was at fault and a notice names the
-folder (once a folder and process); where it raises too, the error is the
-kernel's own and goes up.  Where numba finds no writable place for its
+them ``<source file's stem>.<qualified name>-<line>.pyXY.nbi`` and ``.<n>.nbc``,
+the qualified name without ``<`` and ``>``; another Python's files are left)
+and the call is made again through a new dispatcher, which compiles the
+kernel and caches it anew; where that call succeeds, the cache was at fault
+and a notice names the folder (once a folder and process); where it raises
+too, the error is the kernel's own and goes up.  Where numba finds no writable place for its
 cache at all, kernels are compiled in every run, with a notice.
 
 The kernels release the GIL (``nogil``), so CPU tower threads run them at once.
@@ -102,7 +103,9 @@ class NumbaKernel:
         folder = failed.stats.cache_path
         fn = self.py_func
         stem = os.path.splitext(os.path.basename(fn.__code__.co_filename))[0]
-        prefix = f"{stem}.{fn.__qualname__}-{fn.__code__.co_firstlineno}.py"
+        qualname = fn.__qualname__.replace("<", "").replace(">", "")  # as numba names it: no <locals>' brackets
+        v = sys.version_info
+        prefix = f"{stem}.{qualname}-{fn.__code__.co_firstlineno}.py{v[0]}{v[1]}{getattr(sys, 'abiflags', '')}."
         with _LOCK:
             with contextlib.suppress(OSError):
                 for name in os.listdir(folder):
