@@ -24,7 +24,10 @@ with the file's modification time, which a file written once keeps.
 numba writes its cache atomically, but a file damaged afterwards (a disk
 error, a copy cut short) makes numba raise at the first call of its kernel
 (``UnpicklingError``, ``EOFError``, ...) in every run.  A cache is a cache:
-where a call of a cached kernel raises, the kernel's index and data files are
+where a call of a cached kernel raises before its dispatcher holds machine
+code (the load failed; once it holds code, an error is the kernel's own and
+goes up at once: a second run would start from half-written buffers), the
+kernel's index and data files are
 removed from its cache folder (``dispatcher.stats.cache_path``; numba names
 them ``<source file's stem>.<qualified name>-<line>.pyXY.nbi`` and ``.<n>.nbc``,
 the qualified name without ``<`` and ``>``; another Python's files are left)
@@ -94,7 +97,9 @@ class NumbaKernel:
         except MemoryError:
             raise
         except Exception as e:  # whatever a damaged pickle or object code raises, or the kernel's own error
-            if not _STATE.get("cache", True):
+            # A dispatcher that holds machine code loaded it: the error is the kernel's own (running it again
+            # would start from buffers it has half written); only a load that failed is the cache's doing.
+            if not _STATE.get("cache", True) or d.signatures:
                 raise
             return self._compiled_again(d, e, args)
 
