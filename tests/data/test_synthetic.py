@@ -39,3 +39,28 @@ def test_training_on_synthetic_data_logs_images_per_second_per_tower(tmp_path):
     assert "no test data" in res.stdout
     with np.load(tmp_path / "final.npz") as z:
         assert z["params/fc/weights"].shape == (64, 10)
+
+
+
+# Each built-in model at a size its layers allow (tests/nn/test_imagenet_models.py has the ImageNet ones at 224).
+SIZES = {"mlp": "8,8,1", "lenet5": "28,28,1", "cifar10": "24,24,3", "resnet20": "8,8,3", "resnet32": "8,8,3",
+         "resnet56": "8,8,3", "resnet50": "32,32,3", "resnet101": "32,32,3", "resnet152": "32,32,3",
+         "vgg16": "32,32,3"}
+
+
+def test_the_sizes_name_every_built_in_model():
+    from towers.nn.models import MODELS
+
+    assert set(SIZES) == set(MODELS)
+
+
+@pytest.mark.parametrize("model", SIZES)
+def test_every_built_in_model_trains_on_synthetic_data(model):
+    from towers import Config, Trainer
+
+    cfg = Config(model=model, data="synthetic:10", image_size=SIZES[model], devices="cpu", n_gpu=1, batch_size=2,
+                 steps=2, quiet=True, summary_every=0, input_workers=0)
+    with Trainer(cfg) as tr:
+        tr.run_steps(2)
+        assert tr.step == 2
+        assert all(np.isfinite(w).all() for w in tr.get_weights().values())
