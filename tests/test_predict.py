@@ -164,6 +164,38 @@ def test_load_needs_no_training_data_and_checks_inputs_against_the_checkpoint(tm
                 call()
 
 
+def test_load_of_a_validation_split_run_evaluates_the_examples_it_held_out(tmp_path):
+    """Before: `train.npz has no x_test/y_test: give test data`, from towers.load and towers.eval alike."""
+    d = digits()
+    np.savez(tmp_path / "train.npz", x=d["x"], y=d["y"])  # no test split of its own
+    cfg = Config(**SMALL, steps=10, data=str(tmp_path / "train.npz"), validation_split=0.2,
+                 logdir=str(tmp_path / "run"))
+    with Trainer(cfg) as tr:
+        tr.fit()
+        evaluated = {ema: tr.evaluate(ema=ema) for ema in (True, False)}
+        n = len(tr.dataset.y_test)
+    assert n == round(0.2 * len(d["y"]))
+    with towers.load(tmp_path / "run") as model:
+        assert len(model.test_data().y) == n
+        for ema in (True, False):  # one tower here, two there: equal up to the sum's rounding
+            got = model.evaluate(ema=ema)
+            assert got["accuracy"] == evaluated[ema]["accuracy"]
+            assert got["loss"] == pytest.approx(evaluated[ema]["loss"], rel=1e-5)
+    p = run_cli("--logdir", str(tmp_path / "run"), module="towers.eval")
+    assert p.returncode == 0, p.stderr
+    assert f"accuracy = {evaluated[True]['accuracy']:.4f} on {n} test examples (EMA weights)" in p.stdout
+    x = d["x"].copy()
+    x[0] = 15 - x[0]  # one example changed: the split no longer finds the same examples to hold out
+    np.savez(tmp_path / "train.npz", x=x, y=d["y"])
+    p = run_cli("--logdir", str(tmp_path / "run"), module="towers.eval")
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert "changed since (other examples)" in p.stderr and "give test data" in p.stderr
+    os.unlink(tmp_path / "train.npz")
+    with pytest.raises(UserError, match=r"held out .?validation_split.? 0.2 of .?data.? .*train.npz as its test "
+                                        r"data, which cannot be read again \(.*does not exist"):
+        towers.load(tmp_path / "run").evaluate()
+
+
 def test_load_of_a_model_object_run_takes_the_model_again(tmp_path):
     d = digits()
 

@@ -37,9 +37,10 @@ import numpy
 from types import SimpleNamespace
 
 from towers.config import MODEL_OBJECT, checkpoint_settings
-from towers.data.dataset import OnDemand, TestSet, check_test_split
+from towers.data.dataset import OnDemand, TestSet, check_test_split, hold_out, test_label_warnings
+from towers.data.fingerprint import changes as fingerprint_changes
 from towers.data.inputs import is_tfrecord
-from towers.data.loading import labelled, load_test_data, load_unlabelled
+from towers.data.loading import labelled, load_dataset, load_test_data, load_unlabelled
 from towers.data.pipeline import DataSpec, describe
 from towers.devices.cpu_threads import input_workers, limit_blas
 from towers.devices.placement import Device, check_host, resolve
@@ -236,6 +237,8 @@ class Predictor:
     def test_labelled(self) -> bool:
         """Whether the test data (``test_data``'s source) has labels (``towers.data.loading.labelled``): else
         ``predict_unlabelled`` predicts it."""
+        if held_out_split(self._arrays, self._test.get("data"), self._test.get("test_data")):
+            return True  # training examples, with their labels
         return labelled(test_spec(self._arrays, **self._test)[0])
 
     def predict_unlabelled(self, ema: bool = True, batch_size: int = 250) -> tuple[numpy.ndarray, list | None]:
@@ -257,7 +260,8 @@ class Predictor:
     def test_data(self) -> TestSet:
         """The test split ``evaluate()`` and ``predict()`` take without ``x``: the run's `test_data`, else its
         `data`'s x_test/y_test, read alone (``towers.data.loading.load_test_data``: the training data may be
-        gone), labelled in the run's classes; loaded once."""
+        gone), labelled in the run's classes; for a run with `validation_split`, the examples it held out of
+        its `data` (``held_out_test``); loaded once."""
         return self._sets.get(self._arrays, **self._test)
 
     def get_weights(self, ema: bool = False) -> dict[str, numpy.ndarray]:
@@ -330,6 +334,45 @@ def test_spec(arrays: dict, data=None, test_data=None, x_key=None, y_key=None, d
         test is None
 
 
+def held_out_split(arrays: dict, data=None, test_data=None) -> float:
+    """The checkpoint's `validation_split` where its test data is the split it held out of its training data
+    (no `test_data`, given or recorded, and no other ``data`` in place of its own), else 0."""
+    ck = arrays["config"]
+    if test_data or data or ck.get("test_data"):
+        return 0.0
+    return float(ck.get("validation_split") or 0.0)
+
+
+def held_out_test(arrays: dict, spec: DataSpec) -> TestSet:
+    """The examples a run of `validation_split` held out of its training data ``spec`` as its test data:
+    the data read again whole (``towers.data.loading.load_dataset``, with the run's `seed`: synthetic data is
+    made again) and split by ``towers.data.dataset.hold_out`` with the run's `validation_split` and `seed`,
+    as the ``Trainer`` split it.  What stays to train on is checked against the checkpoint's record of its
+    training examples (their shape and fingerprint, ``towers.data.fingerprint``): data gone or changed since
+    the run holds out other examples, and is a UserError.  Limits: the whole training data is read, and a
+    change outside the fingerprint's sample of a large array is not noticed."""
+    ck = arrays["config"]
+    split, seed = ck["validation_split"], ck.get("seed", 0)
+    again = f"the run held out `validation_split` {split:g} of `data` {spec.path} as its test data"
+    fix = "restore the data as it was, or give test data (`test_data`)"
+    try:
+        whole = load_dataset(spec, workers=0, seed=seed)
+    except UserError as e:
+        raise UserError(f"{again}, which cannot be read again ({e}): {fix}") from None
+    try:
+        ds = hold_out(whole, split, seed)
+    finally:
+        whole.close()
+    shape = tuple(int(v) for v in numpy.ravel(arrays["data/shape"]))
+    differs = ([] if tuple(ds.x.shape) == shape else [f"examples {shape} -> {tuple(ds.x.shape)} after the split"])
+    if not differs and "data/fingerprint" in arrays:
+        differs = fingerprint_changes(json.loads(str(numpy.asarray(arrays["data/fingerprint"])[()])), ds.fingerprint)
+    if differs:
+        raise UserError(f"{again}, which changed since ({', '.join(differs)}): the examples held out now are "
+                        f"not those; {fix}")
+    return TestSet(ds.x_test, ds.y_test, test_label_warnings(ds.y_test))
+
+
 def stored_dtype(arrays: dict) -> numpy.dtype | None:
     """The dtype a checkpoint's training examples were stored as (its fingerprint's): uint8 pixels, or float32
     (the loader makes every float dtype float32); what a loaded run takes, its input transform applied after.
@@ -358,18 +401,24 @@ class TestSets:
         alone; without one, the test split of ``data`` (else the checkpoint's): an npz's ``x_test``/
         ``y_test``.  The training data is never read: what the test split is checked and matched against
         (example shape, classes and their names, the stored dtype) is in the checkpoint.  ``x_key``,
-        ``y_key``, ``decode``: the checkpoint's unless given.
+        ``y_key``, ``decode``: the checkpoint's unless given.  A run of `validation_split` without test
+        data is evaluated on the examples it held out (``held_out_test``: its training data is read).
         """
         ck = arrays["config"]
         spec, own = test_spec(arrays, data, test_data, x_key, y_key, decode)
         shape = tuple(int(v) for v in numpy.ravel(arrays["data/shape"])[1:])
         classes = recorded_classes(arrays)
         stored = json.loads(str(arrays["data/fingerprint"][()])) if "data/fingerprint" in arrays else {}
+        split = held_out_split(arrays, data, test_data) if own else 0.0
+        held = (split, ck.get("seed", 0), stored.get("labels"), stored.get("examples")) if split else None
         key = (spec.path, own, spec.x_key, spec.y_key, shape, int(arrays["data/num_classes"]),
-               tuple(classes) if classes else None, stored.get("dtype"))
+               tuple(classes) if classes else None, stored.get("dtype"), held)
         if key not in self._sets:
-            ds = load_test_data(spec, shape, key[5], classes, stored.get("dtype"),
-                                workers=input_workers(ck.get("input_workers"), 0), own=own)
+            if held:
+                ds = held_out_test(arrays, spec)
+            else:
+                ds = load_test_data(spec, shape, key[5], classes, stored.get("dtype"),
+                                    workers=input_workers(ck.get("input_workers"), 0), own=own)
             if self.loaded is not None:
                 self.loaded(ds)
             self._sets[key] = ds
