@@ -5,7 +5,10 @@ data, with the EMA weights by default (``--no-ema``: the raw ones), as the
 original's ``mnist_eval.py`` does.  The model and the data come from the
 checkpoint's configuration unless ``--data``/``--test-data`` say otherwise;
 only the test split is read, and its labels are matched to the checkpoint's
-classes (``data/classes``) by name (``towers.data.loading.load_test_data``).
+classes (``data/classes``) by name (``towers.data.loading.load_test_data``);
+a run of ``--validation-split`` without test data is evaluated on the
+examples it held out, its training data read again and split as it was
+(``towers.inference.held_out_test``).
 The model is built from the checkpoint, and the test split found, by
 ``towers.inference`` (what ``towers.load`` gives in Python).  ``--predict
 OUT.npz`` also writes the test data's logits, probabilities, predicted

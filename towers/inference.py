@@ -399,7 +399,7 @@ class TestSets:
 
         ``test_data`` (else the checkpoint's, unless ``data`` replaces the whole data source) is read
         alone; without one, the test split of ``data`` (else the checkpoint's): an npz's ``x_test``/
-        ``y_test``.  The training data is never read: what the test split is checked and matched against
+        ``y_test``.  The training data is not read (but for `validation_split`, below): what the test split is checked and matched against
         (example shape, classes and their names, the stored dtype) is in the checkpoint.  ``x_key``,
         ``y_key``, ``decode``: the checkpoint's unless given.  A run of `validation_split` without test
         data is evaluated on the examples it held out (``held_out_test``: its training data is read).
