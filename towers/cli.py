@@ -82,8 +82,13 @@ def sigterm_raises():
 def exit_status(exc: BaseException, more: dict | None = None) -> tuple[int, str] | None:
     """(status, message) for an exception a user can cause, or None (a bug: let it raise).
 
-    ``more`` maps a tool's own exception types to their status.
+    ``more`` maps a tool's own exception types to their status.  A signal's exception (Ctrl-C's
+    ``KeyboardInterrupt``, SIGTERM's ``Terminated``) raised while C code checks for signals may come out
+    wrapped, as a ``SystemError`` caused by it (Ray's ``wait``, seen in a SIGTERM test): it is that signal's.
     """
+    cause = exc.__cause__
+    if isinstance(exc, SystemError) and isinstance(cause, (KeyboardInterrupt, Terminated)):
+        return exit_status(cause, more)
     for kind, status in (more or {}).items():
         if isinstance(exc, kind):  # (its `settings` as flags too: a tool's own types need not be UserErrors)
             return status, render(f"error: {exc}")
