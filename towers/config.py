@@ -334,6 +334,11 @@ class Config:
         "operations (`numpy`); batch norm's and those convolutions' results agree to float32 rounding, the rest bit "
         "for bit (a resume notes a change of what ran them)",
         group="performance", check=Choice(("auto", "numba", "numpy")), resume=SILENT, type="str", metavar="MODE")
+    nccl_timeout: float = setting(
+        0.0, "seconds each host sync point of GPU towers on several GPUs waits for NCCL's all-reduces, polling "
+        "NCCL's asynchronous errors: a failed all-reduce (a peer gone) stops the run with one line instead of "
+        "hanging it; 0: off, the streams are waited for as CUDA does (not yet run on a GPU)", group="performance",
+        check=Number(0), resume=SILENT, type="float", metavar="S", gpu_only=True)
     tf32: bool = switch("GPU float32 matmuls (dense and convolution GEMMs) on TF32 tensor cores: faster, about 3e-4 "
         "relative error (off: plain float32)", group="performance", resume=NOTE, gpu_only=True)
     gpu_conv: str = setting(

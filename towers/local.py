@@ -165,7 +165,7 @@ class LocalExecutor(Executor):
         self.schedule = make_schedule(cfg, len(self.dataset.x), self.examples_per_step)
         keeper = keeping.build(reducer, self.timer, self.ema, cfg)
         self.engine = StepEngine(self.towers, keeper, self.schedule, l2=cfg.l2, timer=self.timer, threads=threads,
-                                 device_data=self.device_data, sync_bn=cfg.sync_bn)
+                                 device_data=self.device_data, sync_bn=cfg.sync_bn, nccl_timeout=cfg.nccl_timeout)
         self.model_state = ModelState([t.replica for t in self.towers], self.model, [t.scope for t in self.towers])
         # What was built above (initial weights, the EMA's shadow, optimizer
         # slots, the training set on the devices) was copied on CuPy's legacy

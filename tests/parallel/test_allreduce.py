@@ -121,7 +121,7 @@ def test_an_asynchronous_nccl_error_stops_the_run_with_one_line_not_a_hang(stand
     from towers.errors import TrainingError
     from tests.conftest import DIGITS
 
-    cfg = Config(n_gpu=2, devices="cpu", hidden=32, batch_size=50)
+    cfg = Config(n_gpu=2, devices="cpu", hidden=32, batch_size=50, nccl_timeout=600.0)
     ds = load_dataset(str(DIGITS))
     tr = Trainer(cfg, dataset=ds, reducer=standin.reducer(2))
     try:
@@ -141,6 +141,24 @@ def test_an_asynchronous_nccl_error_stops_the_run_with_one_line_not_a_hang(stand
         assert [c for c in standin.calls if c[0] == "abort"] == [("abort", 0), ("abort", 1)]
     finally:
         tr.close()
+
+
+def test_the_poll_is_off_by_default_until_a_gpu_run_checks_it(standin):
+    """Without `nccl_timeout` a host sync point asks NCCL nothing (the streams are waited for as before)."""
+    from towers import Config, Trainer
+    from towers.data.batches import BatchSource
+    from towers.data.loading import load_dataset
+    from tests.conftest import DIGITS
+
+    cfg = Config(n_gpu=2, devices="cpu", hidden=32, batch_size=50)
+    assert cfg.nccl_timeout == 0
+    ds = load_dataset(str(DIGITS))
+    with Trainer(cfg, dataset=ds, reducer=standin.reducer(2)) as tr:
+        for r in tr.executor.replicas:
+            standin.register(r.grads)
+        tr.train_step(*BatchSource(ds, 100, cfg.seed).next_batch())
+        tr.synchronize()
+    assert not any(c[0] == "check_async_error" for c in standin.calls)
 
 
 def test_an_all_reduce_that_never_finishes_times_out_with_one_line(standin):

@@ -13,14 +13,16 @@ rank).  Two ranks on one GPU are refused by NCCL, so towers sharing a GPU are
 reduced on the device first.  NCCL's AVG multiplies by 1/N before summing, so
 results can differ from ``sum / N`` in the last bit when N is not a power of two.
 
-Waiting (``wait``, at every host sync point of the step engine): NCCL reports a
-failed collective (a peer gone, a network error) asynchronously, and the
-all-reduce then never finishes: a plain stream synchronize would hang.  So the
-host polls instead: every ``POLL_S`` seconds it asks each communicator for its
-asynchronous error (``check_async_error``, NCCL's ``ncclCommGetAsyncError``)
-and each rank's stream whether its work is done; an error, or work not done
-within ``WAIT_TIMEOUT`` seconds, aborts the communicators and raises one
-``TrainingError`` line (exit status 1 from the command line), never a hang.
+Waiting (``wait``, at every host sync point of the step engine, with the
+``nccl_timeout`` setting; off by default until a GPU run has checked it): NCCL
+reports a failed collective (a peer gone, a network error) asynchronously, and
+the all-reduce then never finishes: a plain stream synchronize would hang.  So
+the host polls instead: every ``POLL_S`` seconds it asks each communicator for
+its asynchronous error (``check_async_error``, NCCL's
+``ncclCommGetAsyncError``) and each rank's stream whether its work is done; an
+error, or work not done within the timeout, aborts the communicators and
+raises one ``TrainingError`` line (exit status 1 from the command line), never
+a hang.
 
 The NCCL module is injected at one place: the ``nccl`` argument (default
 ``cupy.cuda.nccl``).  Tests pass a host-memory stand-in with the same call
@@ -46,7 +48,6 @@ from towers.errors import TrainingError, UserError
 from towers.devices.placement import GPU_EXTRAS, Device
 
 
-WAIT_TIMEOUT = 600.0  # seconds a host sync point waits for the queued all-reduces before it gives up
 POLL_S = 0.0005  # seconds between two polls of the streams and of NCCL's asynchronous errors
 
 
@@ -167,7 +168,7 @@ class NcclAllReduce:
             nccl.groupEnd()  # nothing is enqueued before this returns
         self._issued.update(stream for _, _, stream in calls)
 
-    def wait(self, timeout: float = WAIT_TIMEOUT) -> None:
+    def wait(self, timeout: float) -> None:
         """Return when every stream an all-reduce was queued on since the last ``wait`` is done; a communicator's
         asynchronous error, or ``timeout`` seconds passing first, aborts the communicators and raises a
         ``TrainingError`` (module doc).  Polls every ``POLL_S`` seconds; the streams' other work counts too."""

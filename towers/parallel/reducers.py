@@ -71,9 +71,10 @@ class Reducer:
         queues nothing on streams (a host mean), is itself."""
         return self
 
-    def wait(self) -> None:
-        """Return when the averages queued on streams are done (the step engine's host sync points); a reducer
-        that can fail asynchronously (NCCL) raises ``TrainingError`` instead of hanging.  Default: nothing queued."""
+    def wait(self, timeout: float) -> None:
+        """Return when the averages queued on streams are done (the step engine's host sync points, with
+        ``nccl_timeout``); a reducer that can fail asynchronously (NCCL) raises ``TrainingError`` within
+        ``timeout`` seconds instead of hanging.  Default: nothing queued."""
 
     def close(self) -> None:
         """Release communicators (idempotent)."""
@@ -152,8 +153,8 @@ class NcclMean(Reducer):
     def average(self, buffers: list) -> None:
         self.comm.average(buffers, self.stream_ptrs)
 
-    def wait(self) -> None:
-        self.comm.wait()
+    def wait(self, timeout: float) -> None:
+        self.comm.wait(timeout)
 
     def on_streams(self, streams: list) -> "NcclMean":
         """The same communicators on ``streams`` (one per rank); closing either closes them."""
@@ -177,8 +178,8 @@ class Hierarchical(Reducer):
         self.across.average([buffers[i] for i in self.local.leaders])
         self.local.scatter(buffers)
 
-    def wait(self) -> None:
-        self.across.wait()
+    def wait(self, timeout: float) -> None:
+        self.across.wait(timeout)
 
     def on_streams(self, streams: list) -> "Hierarchical":
         return Hierarchical(self.local.on_streams(streams),
@@ -223,8 +224,8 @@ class Counted(Reducer):
     def on_streams(self, streams: list) -> "Counted":
         return Counted(self.reducer.on_streams(streams), self._tally)
 
-    def wait(self) -> None:
-        self.reducer.wait()
+    def wait(self, timeout: float) -> None:
+        self.reducer.wait(timeout)
 
     def close(self) -> None:
         self.reducer.close()

@@ -118,8 +118,9 @@ class StepEngine:
     """
 
     def __init__(self, towers: list, keeper, schedule, *, l2: float, timer, threads: bool = False,
-                 device_data=None, sync_bn: bool = False):
+                 device_data=None, sync_bn: bool = False, nccl_timeout: float = 0.0):
         self.towers, self.schedule = towers, schedule
+        self.nccl_timeout = nccl_timeout  # host sync points poll NCCL this long (0: they wait as CUDA does)
         self.keeper = keeper
         self.l2, self.timer, self.device_data = l2, timer, device_data
         self.step = 0
@@ -279,10 +280,11 @@ class StepEngine:
             self._pool.wait()
 
     def synchronize(self) -> None:
-        """Host sync point: tower threads and GPU streams finish what was issued (the all-reduces polled first for
-        NCCL's asynchronous errors: ``Reducer.wait``)."""
+        """Host sync point: tower threads and GPU streams finish what was issued (with ``nccl_timeout``, the
+        all-reduces polled first for NCCL's asynchronous errors: ``Reducer.wait``)."""
         self._wait_threads()
-        self.keeper.reducer.wait()
+        if self.nccl_timeout:
+            self.keeper.reducer.wait(self.nccl_timeout)
         for t in self.towers:
             if t.stream is not None:
                 t.stream.synchronize()
