@@ -216,7 +216,8 @@ class Run:
         # Log lines and summaries: as set, else a curve of about 20 points however short the run.
         self.log_every = cfg.log_every if cfg.log_every is not None else default_interval(cfg.steps)
         self.summary_every = cfg.summary_every if cfg.summary_every is not None else self.log_every
-        self.skipped_at_start = trainer.loss_scaling().get("skipped_steps", 0)  # fp16: set again after a resume
+        # fp16: the steps skipped before this run (a resumed trainer loaded its checkpoint's count when built).
+        self.skipped_at_start = trainer.loss_scaling().get("skipped_steps", 0)
         n_test = 0 if trainer.dataset.x_test is None else len(trainer.dataset.x_test)
         self.test_examples = (f"{n_test} held-out training examples (validation_split {cfg.validation_split:g})"
                               if cfg.validation_split else f"{n_test} test examples")
@@ -259,7 +260,6 @@ class Run:
                     atomic_write_text(classes, "".join(f"{name}\n" for name in trainer.dataset.class_names))
             # The figures of this run (steps, examples/sec, all-reduces/step) count from here.
             run.start_step, run.start_exchanges = trainer.step, trainer.executor.communication()[0]
-            run.skipped_at_start = trainer.loss_scaling().get("skipped_steps", 0)
             run._step = trainer.step
             if continues or trainer.step:
                 trim_metrics(logdir, trainer.step)  # the steps after the checkpoint are redone
