@@ -84,7 +84,7 @@ def test_a_missing_data_set_the_fetcher_writes_names_the_fetch_command(tmp_path)
     import pytest
 
     from towers.errors import UserError
-    from towers.trainer import Trainer
+    from towers.run.trainer import Trainer
 
     with pytest.raises(UserError) as e:
         Trainer(Config(model="lenet5", data=str(tmp_path / "data" / "mnist.npz")))

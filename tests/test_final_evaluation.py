@@ -1,5 +1,5 @@
 """The final evaluation is seen and counted: a bar on a terminal (nothing in redirected output), its time on
-the test accuracy line, and the done line's time is the whole run's (towers/extensions.py, ``Run._finish``)."""
+the test accuracy line, and the done line's time is the whole run's (towers/run/extensions.py, ``Run._finish``)."""
 from __future__ import annotations
 
 import fcntl

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import DIGITS
 from towers import Config, Dataset, Trainer, UserError
 from towers.data.batches import BatchSource
-from towers.extensions import default_interval, settings_line
+from towers.run.extensions import default_interval, settings_line
 from towers.nn.replica import Replica
 
 SMALL = dict(n_gpu=2, devices="cpu", hidden=16, batch_size=50, quiet=True, summary_every=0)

@@ -155,7 +155,7 @@ def test_read_only_logdir_at_start_is_one_line_and_changes_nothing(tmp_path):
 KILLED = """
 import os, signal, sys
 from towers import Config, Trainer
-from towers.extensions import Extension
+from towers.run.extensions import Extension
 
 class KillAt(Extension):  # SIGKILL the process at a chosen step: a crash, deterministically placed
     def due(self, step, last_step):

@@ -80,7 +80,7 @@ from towers.data.dataset import Dataset
 from towers.data.loading import load_dataset
 from towers.data.tfrecord.from_npz import write_examples
 from towers.devices.cpu_threads import input_workers
-from towers.trainer import Trainer
+from towers.run.trainer import Trainer
 
 MNIST = Path(__file__).resolve().parents[1].parent / "shared" / "datasets" / "mnist24k.npz"
 BATCH = 100  # per tower; 2 towers

@@ -13,14 +13,19 @@ The folders follow the data flow of a step::
     towers/nn/        layers, models, the loss, one replica's flat buffers
     towers/parallel/  the all-reduce, sync modes, the replica check
     towers/optim/     learning-rate schedule, the optimizers, the EMA
-    towers/output/    atomic files, checkpoints, logs, TensorBoard
+    towers/output/    checkpoints, logs, TensorBoard
+    towers/step/      one step over a host's towers: stage, forward and backward, average, update
+    towers/run/       the ``Trainer``, its executors (``local``; ``cluster/`` for ``hosts`` > 1), the loop,
+                      its extensions, profiling, resume policy
+    towers/cluster/   hosts as Ray actors (imported only for ``hosts`` > 1)
 
-and at the top: ``config`` (settings), ``trainer`` (the ``Trainer``, the
-public API) over an ``executor`` (``local``: this process's towers;
-``cluster/``: host actors on Ray, imported only for ``hosts`` > 1), ``loop``
-(segments of steps), ``extensions`` (the loop's side concerns),
-``profiling``, ``inference`` (``towers.load``: a finished run's model for
-predictions) and the command lines ``train`` and ``eval``.
+and at the top: the public API (``Trainer``, ``Config``, ``load``), the
+settings (``config``, ``settings``), ``inference`` (``towers.load``: a
+finished run's model for predictions), low utilities (``errors``,
+``files``: atomic writes and npz, ``state``) and the command lines:
+``train``, ``eval``, ``export``, ``fetch_data`` and the converters
+``tfrecord_to_npz``, ``npz_to_tfrecord``, ``images_to_tfrecord`` (their
+shared parsing in ``cli``).
 
     >>> import towers
     >>> with towers.Trainer(towers.Config(n_gpu=2, devices="cpu", steps=500)) as tr:
@@ -45,7 +50,7 @@ from towers.nn.loss import softmax
 from towers.nn.normalization import LRN, BatchNorm
 from towers.nn.pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from towers.nn.residual import PadShortcut, Residual
-from towers.trainer import Trainer
+from towers.run.trainer import Trainer
 
 __all__ = ["Config", "Trainer", "ClusterTrainer", "Dataset", "load_dataset", "load", "Predictor", "softmax",
            "Sequential", "Dense", "ReLU", "Flatten",

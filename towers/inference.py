@@ -14,7 +14,7 @@ progress, made from settings and training data: towers, optimizer state,
 an input thread, an all-reduce.  A finished run's checkpoint holds the
 model, its raw and EMA weights and the description of its data, and
 inference needs nothing more: one replica on one device.  What the two share
-is one piece of code each: the input check (``towers.trainer.check_inputs``),
+is one piece of code each: the input check (``towers.run.trainer.check_inputs``),
 the forward pass in chunks (``Replica.predict``, ``Replica.evaluate``).
 
 Algorithm: the raw and the EMA weights are checked against the model's
@@ -49,11 +49,11 @@ from towers.nn.models import build_model
 from towers.nn.replica import Replica
 from towers.ops import backend
 from towers.output.checkpoint import named_to_flat, newest_readable, read_checkpoint, recorded_classes
-from towers.resume import model_weights
+from towers.run.resume import model_weights
 from towers.settings import integer
 from towers.state import Layout, under
 from towers.step.tower import choose_forms
-from towers.trainer import check_inputs
+from towers.run.trainer import check_inputs
 
 FIX = {"loaded": "it cannot be loaded", "evaluated": "it cannot be evaluated"}
 

@@ -16,7 +16,7 @@ from towers.cli import Parser, run_main, show_notices, sigterm_raises, warn_abou
 from towers.config import Config
 from towers.errors import flags_in_messages
 from towers.settings import GROUPS, flag_name, help_text, metavar
-from towers.trainer import Trainer
+from towers.run.trainer import Trainer
 
 def _number(kind):
     def parse(text):

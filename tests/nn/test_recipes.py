@@ -8,7 +8,7 @@ import pytest
 
 from towers.config import Config
 from towers.errors import UserError
-from towers.extensions import settings_line
+from towers.run.extensions import settings_line
 from towers.nn.models import build_model, model_defaults
 from towers.optim.ema import EMA
 from towers.optim.optimizers import SGD

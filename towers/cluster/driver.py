@@ -18,7 +18,7 @@ Who calls whom:
   shared memory on one node, the object store across nodes; NCCL on GPUs);
   ps/async hosts and the server meet on a shared-memory board;
 * per segment (up to the next step where a log line, checkpoint, summary,
-  replica check or user extension is due; the loop, ``towers.loop``, is one
+  replica check or user extension is due; the loop, ``towers.run.loop``, is one
   host's): the keeper's ``run_steps(n)``, ``run_steps`` on every host (and
   ``serve(n)`` on the server), waiting for all of them through ``wait``,
   which polls every ``POLL_S`` so a dead host is seen within a second;
@@ -49,7 +49,7 @@ from towers.config import steps_of_epochs
 from towers.data.batches import BatchSource
 from towers.errors import TrainingError, UserError
 from towers.errors import notice as say_notice
-from towers.executor import Executor
+from towers.run.executor import Executor
 from towers.optim.schedule import make_schedule
 from towers.parallel.sync import MODES
 
@@ -63,7 +63,7 @@ def core_shares(host_info: list[dict]) -> list[int]:
     CPU hosts on one machine split its cores less one, as one host's towers
     split them (``towers.devices.cpu_threads.blas_threads``: the spare core is
     the machine's, left once), at least one each: each host's BLAS is sized
-    from its share (``towers.local.Share``) instead of every host taking them
+    from its share (``towers.run.local.Share``) instead of every host taking them
     all, which on 2 cores made 2 hosts x 1 tower run at 0.16x of 1 host x 2
     towers (each sgemm's threads spinning against the other host's).  A host
     alone on its machine, and GPU hosts, get 0: one host's rule.  OpenBLAS sums some products in another order with

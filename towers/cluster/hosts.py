@@ -10,7 +10,7 @@ makes the host's ``LocalExecutor`` (through a one-host ``Trainer``, ``hosts``
 (its boards, its NCCL layout) and handed over.  The host runs whatever
 keeper it is given and knows no sync mode.
 
-The host's executor is a ``Share`` of the run (``towers.local``): it draws
+The host's executor is a ``Share`` of the run (``towers.run.local``): it draws
 the run's global batches of ``hosts x towers x batch_size x accumulate``
 examples from the shared seeded permutation and keeps its towers' rows, host
 order then tower order: the examples each tower sees are those of one host
@@ -31,7 +31,7 @@ from towers.cluster.session import same_priority
 from towers.cluster.state import Answering
 from towers.devices.cpu_threads import cpu_count
 from towers.devices.placement import resolve
-from towers.local import Share
+from towers.run.local import Share
 
 
 def _losses(losses) -> list[float] | None:

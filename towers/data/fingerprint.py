@@ -1,7 +1,7 @@
 """The fingerprint of a training set: what a checkpoint records so that a resume notices other data.
 
 A resume checks the data's shape, class count and class names against the
-checkpoint's and refuses a change (``towers.resume``).  Data of
+checkpoint's and refuses a change (``towers.run.resume``).  Data of
 the same shape can still differ: labels permuted, float32 pixels 0..16
 where uint8 ones were (the input scale changes), other examples.  Such a
 change does not stop a run, but its continuation follows another

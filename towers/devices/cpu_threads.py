@@ -84,7 +84,7 @@ def blas_threads(towers: int, serial: bool = False, share: int = 0) -> int:
 def limit_blas(devices, setting: int, threads: bool = False, share: int = 0):
     """(BLAS threads, the limit's handle) of a process whose towers run on ``devices``; (None, None) with a
     GPU among them (the CPU then only feeds them).  The one choice of a run's ``Trainer``
-    (``towers.local.LocalExecutor``) and of a loaded run (``towers.inference.Predictor``: one tower).
+    (``towers.run.local.LocalExecutor``) and of a loaded run (``towers.inference.Predictor``: one tower).
 
     ``setting``: `blas_threads` (0: auto, ``blas_threads``); ``threads``: the
     towers run concurrently in threads (else one after another); ``share``:

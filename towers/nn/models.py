@@ -244,7 +244,7 @@ class Recipe:
     ``settings`` are ``Config`` settings by name; ``global_batch`` sets ``batch_size`` to its share per
     tower (rounded, at least 1); ``lr_per_256`` sets ``lr`` to it x the examples of a step / 256 (Goyal
     et al.'s linear scaling rule).  ``towers.config.Config.resolved`` fills from it only what the user left
-    unset; ``towers.trainer.Trainer`` decides whether it applies (see ``recipe_for``).
+    unset; ``towers.run.trainer.Trainer`` decides whether it applies (see ``recipe_for``).
     """
 
     name: str

@@ -190,7 +190,7 @@ class Replica:
         a 0-d device array when ``want_loss`` (it is not fetched to the host
         here: that would be a sync point), else None.  ``timer(phase)``,
         when given, returns a context that times the ``forward`` and
-        ``backward`` phases (``towers.profiling``).  A run's steps go
+        ``backward`` phases (``towers.run.profiling``).  A run's steps go
         through ``mean_loss_and_grads``, whose loss is the data loss alone.
         """
         loss = self.mean_loss_and_grads(((x, labels),), 1, l2, want_loss, timer)

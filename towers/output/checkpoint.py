@@ -1,7 +1,7 @@
 """The checkpoint format: what a checkpoint holds, how it is written, found and read.
 
 Whether a run may continue from one, and what a continuation notes, is the
-resume policy (``towers.resume``), which reads checkpoints through this module;
+resume policy (``towers.run.resume``), which reads checkpoints through this module;
 this module knows the files, not the settings.
 
 A checkpoint ``ckpt-<step, 8 digits>.npz`` in the run's logdir holds, under
@@ -129,7 +129,7 @@ def load_checkpoint(path: str, final: bool = False) -> dict:
 
 def is_final(arrays: dict) -> bool:
     """Whether an npz's arrays are a run's ``final.npz``: ``params/*``, ``ema/*`` and ``step``, nothing of a
-    checkpoint's format (``towers.extensions.Run.finish`` writes it)."""
+    checkpoint's format (``towers.run.extensions.Run.finish`` writes it)."""
     return "step" in arrays and "format" not in arrays and any(k.startswith("params/") for k in arrays)
 
 
@@ -316,7 +316,7 @@ def check_classes(state: dict, dataset, where: str, fix: str) -> None:
 class Checkpointer:
     """Writes ``ckpt-*.npz`` files and the index, keeps the newest ``keep``.
 
-    When is the ``towers.extensions.Checkpoints`` extension's business; it also
+    When is the ``towers.run.extensions.Checkpoints`` extension's business; it also
     refuses non-finite state before ``write``, so every checkpoint on disk, and
     ``last_path``, holds finite weights.
     """

@@ -254,7 +254,7 @@ def test_augmented_training_does_not_depend_on_workers_and_resumes_exactly(tmp_p
 
 def test_a_cluster_hosts_slices_are_augmented_as_the_one_process_batches(tmp_path):
     from towers.data.batches import BatchSource
-    from towers.local import Rows
+    from towers.run.local import Rows
 
     x, y = _images()
     ds = load_dataset(_records(tmp_path / "d.tfrecords", x, y), "image/encoded", "image/class/label",

@@ -1,10 +1,10 @@
 """The training loop, one for every executor: segments of steps to ``cfg.steps``, the extensions between them.
 
 ``fit(trainer, extensions)`` is what ``Trainer.fit`` and the command line run,
-on one host or several (``towers.executor``):
+on one host or several (``towers.run.executor``):
 
 1. the extensions are checked, then the logdir is opened and locked and the
-   run resumed or refused (``towers.extensions.Run.open``);
+   run resumed or refused (``towers.run.extensions.Run.open``);
 2. a segment runs up to the next step where an extension is due (a log
    line, checkpoint, summary, replica check or the user's; ``Run.next_stop``)
    with ``run_steps``: locally step by step, each batch from the background
@@ -16,7 +16,7 @@ on one host or several (``towers.executor``):
    ``final.npz`` and the summary line.
 
 The loop talks to the trainer through its public API and to the executor
-through ``towers.executor.Executor`` only, so the step engine knows nothing
+through ``towers.run.executor.Executor`` only, so the step engine knows nothing
 of logdirs, and extensions nothing of towers or hosts.
 
 ``scaling(trainer, rate)``: the scaling efficiency against a fresh one-tower
@@ -31,8 +31,8 @@ import time
 
 from towers.devices.placement import Placement
 from towers.errors import UserError
-from towers.extensions import Extension, Run
-from towers.profiling import scaling_efficiency
+from towers.run.extensions import Extension, Run
+from towers.run.profiling import scaling_efficiency
 
 
 def fit(trainer, extensions=()) -> dict:
@@ -60,11 +60,11 @@ def check_extensions(extensions) -> list:
     try:
         extensions = list(extensions)
     except TypeError:
-        raise UserError(f"fit(extensions=...) takes a list of towers.extensions.Extension objects, "
+        raise UserError(f"fit(extensions=...) takes a list of towers.run.extensions.Extension objects, "
                         f"got {type(extensions).__name__}") from None
     for e in extensions:
         if not isinstance(e, Extension):
-            raise UserError(f"fit(extensions=...): {e!r} is a {type(e).__name__}, not a towers.extensions.Extension: "
+            raise UserError(f"fit(extensions=...): {e!r} is a {type(e).__name__}, not a towers.run.extensions.Extension: "
                             "subclass Extension and override due(step, last_step) and __call__(run)")
     return extensions
 

@@ -6,7 +6,7 @@ as loaded in this process and the model's description, and checks what a
 user passes in; everything that depends on where the towers are is asked of
 its executor, one of two:
 
-* ``towers.local.LocalExecutor``: this process's towers (``Tower``, the
+* ``towers.run.local.LocalExecutor``: this process's towers (``Tower``, the
   ``StepEngine``, the reducer, the EMA) and its input (the seeded global
   batches and the input position); one host;
 * ``towers.cluster.driver.ClusterExecutor``: host actors on Ray, each
@@ -21,8 +21,8 @@ server answers the state, weight and evaluation ones for the weights it
 holds; a parameter server's hosts step through ``next_gradients`` and
 ``set_flat``, nothing reached around the protocol.
 
-The loop (``towers.loop.fit``) drives either the same way: it asks the
-extensions (``towers.extensions.Run``) where the next log line, checkpoint,
+The loop (``towers.run.loop.fit``) drives either the same way: it asks the
+extensions (``towers.run.extensions.Run``) where the next log line, checkpoint,
 summary, replica check or user extension is due, runs the steps up to there
 with ``run_steps`` (a segment), then calls the extensions due.  The
 learning-rate schedule is each executor's ``schedule``, made by

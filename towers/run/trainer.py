@@ -3,9 +3,9 @@
 ``Trainer(cfg)`` checks the settings (``towers.config``), resolves the
 placement (``towers.devices.placement``; one host), loads the data
 (``towers.data.loading``) and describes the model (``towers.nn.models``), then
-hands the towers to an executor (``towers.executor``, the protocol):
+hands the towers to an executor (``towers.run.executor``, the protocol):
 
-* one host (``hosts`` 1): ``towers.local.LocalExecutor``, this process's
+* one host (``hosts`` 1): ``towers.run.local.LocalExecutor``, this process's
   towers, step engine, reducer and input;
 * several hosts: ``towers.cluster.driver.ClusterExecutor``, host actors on Ray
   (Ray is imported only then), each a one-host ``Trainer`` with its share of
@@ -16,7 +16,7 @@ steps (``train_step``, ``run_steps``), weights (``get_weights``/
 ``set_weights``), state (``state_dict``/``load_state_dict``), evaluation
 (``evaluate``), the learning rate (``lr``/``lr_at``, one schedule:
 ``towers.optim.schedule.make_schedule``) and the loop (``fit``, in
-``towers.loop``).  What a user passes in is checked here, once.  Every
+``towers.run.loop``).  What a user passes in is checked here, once.  Every
 question goes to the executor through a named method of the ``Executor``
 protocol; the executor's own parts (a ``LocalExecutor``'s ``towers``,
 ``engine``, ``ema``, ``replicas``; a ``ClusterExecutor``'s ``host_pids()``)
@@ -32,7 +32,7 @@ import time
 
 import numpy
 
-from towers import resume
+from towers.run import resume
 from towers.config import MODEL_OBJECT, Config, resume_settings
 from towers.data.dataset import Dataset, check_examples, check_test_split, hold_out
 from towers.data.kinds import is_synthetic
@@ -41,8 +41,8 @@ from towers.data.pipeline import describe
 from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import Placement, check_host, resolve
 from towers.errors import TrainingError, UserError, notice
-from towers.executor import Executor
-from towers.local import LocalExecutor
+from towers.run.executor import Executor
+from towers.run.local import LocalExecutor
 from towers.nn.models import build_model, model_recipe
 from towers.nn.normalization import check_batch_statistics
 from towers.optim.optimizers import SLOTS
@@ -115,7 +115,7 @@ class Trainer:
     tests pass one over the NCCL stand-in); ``placement`` a resolved
     ``Placement`` (default: from ``cfg``).  Those two are one host's: with
     ``hosts`` > 1 each host makes its own.  ``share``: a host's part of a
-    cluster's run (``towers.local.Share``; the host actors pass it);
+    cluster's run (``towers.run.local.Share``; the host actors pass it);
     ``nccl``: a module (or its import name) standing in for ``cupy.cuda.nccl``
     in the host actors (tests pass ``nccl_standin``).
 
@@ -125,7 +125,7 @@ class Trainer:
     manager, or ``close()``.
 
     With ``resume`` the run in ``logdir`` is continued from its newest usable
-    checkpoint (``towers.resume.resume_point``), read first: every
+    checkpoint (``towers.run.resume.resume_point``), read first: every
     setting ``cfg`` does not give is the checkpoint's (``towers.config.resume_settings``),
     and once built the trainer holds the checkpoint's state (``resumed``: its
     path, step and notes, each note also a notice), so ``get_weights``,
@@ -528,10 +528,10 @@ class Trainer:
         Writes into ``cfg.logdir`` (default: a new ``runs/<timestamp>`` folder):
         checkpoints, summaries, ``metrics.jsonl`` and ``final.npz``; resumes
         from its latest checkpoint with ``cfg.resume``.  ``extensions``
-        (``towers.extensions.Extension`` objects) are called after the
-        built-in ones.  The loop itself is ``towers.loop.fit``.
+        (``towers.run.extensions.Extension`` objects) are called after the
+        built-in ones.  The loop itself is ``towers.run.loop.fit``.
         """
-        from towers.loop import fit
+        from towers.run.loop import fit
 
         self._open()
         return fit(self, extensions)

@@ -45,7 +45,7 @@ import time
 
 import numpy
 
-from towers import resume
+from towers.run import resume
 from towers.errors import UserError, progress_bar, render
 from towers.files import DiskError, atomic_save_npz, atomic_write_text, writing
 from towers.optim.optimizers import OPTIMIZERS

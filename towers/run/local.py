@@ -32,7 +32,7 @@ from towers.data.device_data import DeviceData, fits_on
 from towers.devices import kernels, matmul
 from towers.devices.cpu_threads import limit_blas
 from towers.devices.placement import Placement, to_host
-from towers.executor import Executor
+from towers.run.executor import Executor
 from towers.nn.replica import Replica
 from towers.ops import backend
 from towers.optim.ema import EMA
@@ -41,7 +41,7 @@ from towers.optim.schedule import make_schedule
 from towers.output import checkpoint
 from towers.parallel.reducers import Reducer, make_reducer
 from towers.parallel.sync import MODES
-from towers.profiling import PhaseTimer
+from towers.run.profiling import PhaseTimer
 from towers.step.engine import StepEngine, check_indices
 from towers.step.tower import ModelState, build_towers
 
