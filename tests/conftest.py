@@ -122,21 +122,10 @@ def run_cli(*args: str, module: str = "towers.train", timeout: int = 120) -> sub
 @contextlib.contextmanager
 def cpu_form(which: str):
     """Inside the block host arrays take the ops' NumPy passes (``"numpy"``) or numba's compiled loops
-    (``"numba"``: the test skips without numba), whatever a ``Trainer`` built earlier chose."""
-    from towers.ops import backend
+    (``"numba"``: the test skips without numba): the current forms (``towers.ops.forms``)."""
+    from towers.ops import forms
 
     if which == "numba":
         pytest.importorskip("numba", reason="numba is not installed: the compiled CPU forms are optional")
-    with backend.using(which):
+    with forms.host(which).active():
         yield
-
-
-@pytest.fixture(autouse=True)
-def _numpy_forms_between_tests():
-    """Each test starts with the NumPy passes, as a fresh process does: a ``Trainer`` a test builds chooses the
-    process's form of the ops (``towers.ops.backend``), which would otherwise carry over to the next test."""
-    from towers.ops import backend
-
-    backend.use(False)
-    yield
-    backend.use(False)

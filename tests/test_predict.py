@@ -341,7 +341,7 @@ def test_a_loaded_run_chooses_its_kernels_and_blas_threads_as_a_trainer_of_one_t
     # Before: a loaded run kept whatever BLAS threads (every core: 2.3-2.5x slower beside a busy process) and
     # CPU kernels the process had; now it chooses them as the Trainer does (one code: choose_forms, limit_blas),
     # holds them while open and gives the BLAS threads back when closed.  Batch norm: `auto` takes numba.
-    from towers.ops import backend
+    from towers.ops import forms
 
     pytest.importorskip("numba")
     d = digits()
@@ -354,11 +354,11 @@ def test_a_loaded_run_chooses_its_kernels_and_blas_threads_as_a_trainer_of_one_t
         want = (tr.cpu_kernels, tr.executor.blas_threads, blas_limits())
         logits = tr.predict(d["x_test"])
     assert want[0] == "numba" and set(want[2]) == {want[1]}
-    with backend.using("numpy"):  # a process whose last choice was another (or none: a fresh one)
+    with forms.host("numpy").active():  # a caller inside other forms (or none: a fresh thread)
         with towers.load(tmp_path / "run", model=layers()) as model:
             assert (model.cpu_kernels, model.blas_threads, blas_limits()) == want
-            assert np.array_equal(model.predict(d["x_test"]), logits)
-            assert backend.name() == "numba"  # what computed them
+            assert np.array_equal(model.predict(d["x_test"]), logits)  # batch norm: numba's bits
+            assert model.forms.compiled and not forms.current().compiled  # its own, current only in its calls
         assert blas_limits()[:len(before)] == before  # (numba may have loaded a BLAS of its own since)
 
 

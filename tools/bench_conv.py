@@ -37,7 +37,6 @@ if str(ROOT) not in sys.path:
 from towers.devices import cudnn  # noqa: E402
 from towers.nn.conv import Conv2D  # noqa: E402
 from towers.nn.layers import Workspace  # noqa: E402
-from towers.ops import backend  # noqa: E402
 
 # ResNet-20's convolutions: (H, W, C in, F out, stride), each once however often the network repeats it.
 SHAPES = [(32, 32, 3, 16, 1), (32, 32, 16, 16, 1), (32, 32, 16, 32, 2), (16, 16, 32, 32, 1),
@@ -65,8 +64,7 @@ def towers_rows(cupy, shape, batch: int, iters: int) -> dict:
     wt = cupy.asarray(rng.standard_normal((3, 3, c, f), dtype=numpy.float32) * 0.1)
     ho, wo = layer.out_hw
     dy = cupy.asarray(rng.standard_normal((batch, ho, wo, f), dtype=numpy.float32))
-    out = {}
-    backend.restore((False, False, "cupy"))
+    out = {}  # outside any forms' scope: the im2col form (towers.ops.forms.NUMPY)
     ws, g = Workspace(cupy), {"weights": cupy.empty_like(wt)}
     p = {"weights": wt}
     out["im2col fwd"] = timed(cupy, lambda: layer.forward(p, x, ws), iters)

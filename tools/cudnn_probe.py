@@ -42,7 +42,6 @@ from towers.devices import cudnn  # noqa: E402
 from towers.nn.conv import Conv2D  # noqa: E402
 from towers.nn.layers import Workspace  # noqa: E402
 from towers.nn.models import build_model  # noqa: E402
-from towers.ops import backend  # noqa: E402
 
 MODELS = {"resnet20": (32, 32, 3), "cifar10": (24, 24, 3)}  # model -> example shape (the benchmark's)
 OPS = ("fprop", "dgrad", "wgrad")
@@ -112,15 +111,11 @@ def probe_shape(cupy, model: str, s: dict) -> list:
     x = cupy.asarray(rng.standard_normal(s["x"], dtype=numpy.float32))
     hwio = cupy.asarray(rng.standard_normal((k, k, c, f), dtype=numpy.float32) * 0.1)
     dy = cupy.asarray(rng.standard_normal(s["y"], dtype=numpy.float32))
-    before = backend.current()
-    backend.restore((before[0], False, before[2]))  # the im2col form: the reference
-    try:
-        ws, g = Workspace(cupy), {"weights": cupy.empty_like(hwio)}
-        y_ref = layer.forward({"weights": hwio}, x, ws).copy()
-        dx_ref = layer.backward({"weights": hwio}, g, dy, ws, True).copy()
-        dw_ref = g["weights"].transpose(3, 0, 1, 2).copy()  # KRSC, as cuDNN's
-    finally:
-        backend.restore(before)
+    # The reference: the im2col form, which runs outside any forms' scope (towers.ops.forms.NUMPY).
+    ws, g = Workspace(cupy), {"weights": cupy.empty_like(hwio)}
+    y_ref = layer.forward({"weights": hwio}, x, ws).copy()
+    dx_ref = layer.backward({"weights": hwio}, g, dy, ws, True).copy()
+    dw_ref = g["weights"].transpose(3, 0, 1, 2).copy()  # KRSC, as cuDNN's
     krsc = cupy.ascontiguousarray(hwio.transpose(3, 0, 1, 2))
     runs = {"fprop": (cudnn.conv_forward, x, krsc, cupy.empty(s["y"], numpy.float32), y_ref),
             "dgrad": (cudnn.conv_data_grad, dy, krsc, cupy.empty(s["x"], numpy.float32), dx_ref),

@@ -37,7 +37,7 @@ from towers.devices.cpu_threads import set_blas_threads  # noqa: E402
 from towers.nn import conv, layers, normalization, pooling  # noqa: E402
 from towers.nn.models import build_model  # noqa: E402
 from towers.nn.replica import Replica  # noqa: E402
-from towers.ops import backend  # noqa: E402
+from towers.ops import forms  # noqa: E402
 
 KINDS = {"gemm": "gemm", "im2col": "copies", "run_im2col": "copies", "col2im": "copies",
          "padded": "copies", "crop": "copies"}
@@ -75,7 +75,7 @@ def profile(model_name: str, shape: tuple, batch: int, steps: int, blas_threads:
     rep = Replica(model, numpy)
     rep.set_params(model.init_params(0))
     # As CPU towers get them (towers.step.tower.build_towers), except that auto loads them for any model here.
-    backend.use(backend.available(cpu_kernels))
+    cpu_forms = forms.host(cpu_kernels)
     rng = numpy.random.default_rng(0)
     x = rng.random((batch,) + shape, dtype=numpy.float32)
     y = rng.integers(0, 10, batch).astype(numpy.int32)
@@ -93,13 +93,14 @@ def profile(model_name: str, shape: tuple, batch: int, steps: int, blas_threads:
             if hasattr(module, name):
                 setattr(module, name, clock.wrap(getattr(module, name), ("kind", kind), nested=True))
     limit = set_blas_threads(blas_threads)
-    for _ in range(3):
-        rep.loss_and_grads(x, y, 1e-4, False)
-    clock.acc.clear()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        rep.loss_and_grads(x, y, 1e-4, False)
-    total = (time.perf_counter() - t0) * 1e3 / steps
+    with cpu_forms.active():
+        for _ in range(3):
+            rep.loss_and_grads(x, y, 1e-4, False)
+        clock.acc.clear()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            rep.loss_and_grads(x, y, 1e-4, False)
+        total = (time.perf_counter() - t0) * 1e3 / steps
     limit.restore_original_limits()
     return {k: v * 1e3 / steps for k, v in clock.acc.items()}, total
 
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=100, help="one tower's batch")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--blas-threads", type=int, default=1)
-    ap.add_argument("--cpu-kernels", default="auto", choices=backend.MODES,
+    ap.add_argument("--cpu-kernels", default="auto", choices=forms.MODES,
                     help="the ops' compiled numba loops (auto, numba) or NumPy's passes (numpy)")
     a = ap.parse_args(argv)
     shape = tuple(int(s) for s in a.shape.split(","))

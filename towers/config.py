@@ -27,7 +27,7 @@ from towers.data.dataset import INPUT_SCALES
 from towers.data.image.augment import AUGMENTS, parse_image_size, parse_normalize
 from towers.errors import UserError
 from towers.nn.models import ZERO_INIT_MODELS, model_defaults
-from towers.ops.backend import GPU_CONVS
+from towers.ops.forms import GPU_CONVS
 from towers.ops.precision import ALLREDUCE_DTYPES, PRECISIONS
 from towers.optim.optimizers import OPTIMIZERS, check_given, check_settings as check_optimizer_settings
 from towers.optim.optimizers import settings as optimizer_settings

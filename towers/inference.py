@@ -29,6 +29,7 @@ records only that there was one: give it again (``model=``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -47,7 +48,6 @@ from towers.devices.placement import Device, check_host, resolve
 from towers.errors import UserError, notice
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
-from towers.ops import backend
 from towers.output.checkpoint import named_to_flat, newest_readable, read_checkpoint, recorded_classes
 from towers.run.resume import model_weights
 from towers.settings import integer
@@ -97,8 +97,9 @@ class Predictor:
     names, label k at k, else None), ``model``, ``device``, and how it
     computes there, chosen as a ``Trainer`` of one tower on that device
     chooses (``towers.step.tower.choose_forms``,
-    ``towers.devices.cpu_threads.limit_blas``): ``cpu_kernels`` (``numba`` or
-    ``numpy``) and ``blas_threads`` (None on a GPU), held until ``close``.
+    ``towers.devices.cpu_threads.limit_blas``): ``forms`` (``towers.ops.forms``,
+    current while it computes), ``cpu_kernels`` (``numba`` or ``numpy``: the
+    forms' name) and ``blas_threads`` (None on a GPU), held until ``close``.
 
     Inputs: ``predict`` and ``evaluate`` take examples as the run's data
     stored them (uint8 pixels, or floats) and apply the run's own input
@@ -137,10 +138,10 @@ class Predictor:
         self.device = device or resolve(1, None, soft=True).towers[0]  # a GPU when there is one
         # As a Trainer of one tower on this device computes: its forms of the ops and its BLAS threads.
         self.settings = SimpleNamespace(**checkpoint_settings(ck))
-        self.cpu_kernels = choose_forms(self.settings, self.model, [self.device])
-        self._forms = backend.current()
+        self.forms = choose_forms(self.settings, self.model, [self.device])
+        self.cpu_kernels = self.forms.name
         self.blas_threads, self._blas = limit_blas([self.device], self.settings.blas_threads)
-        with self.device.scope():
+        with self._scope():
             self.replica = Replica(self.model, self.device.xp)
             self.replica.input_scale = self.settings.input_scale
             self.replica.set_buffers(self._buffers)
@@ -149,10 +150,14 @@ class Predictor:
         self._own_sets = test_sets is None
         self._sets = TestSets() if test_sets is None else test_sets
 
+    @contextlib.contextmanager
+    def _scope(self):
+        """Its device current, with its forms (``towers.ops.forms``): where its replica is made and runs."""
+        with self.device.scope(), self.forms.active():
+            yield
+
     def _replica(self, ema: bool) -> Replica:
-        """The replica with the weights asked for, the process's forms of the ops this run's again (another
-        ``Trainer`` may have chosen since; call within ``self.device.scope()``)."""
-        backend.restore(self._forms)
+        """The replica with the weights asked for (call within ``_scope``)."""
         if self._holds is not bool(ema):
             self.replica.set_params(self._weights[bool(ema)])
             self._holds = bool(ema)
@@ -209,7 +214,7 @@ class Predictor:
         made = x is not None
         x = self.test_data().x if x is None else self._check(x, None, "predict")[0]
         try:
-            with self.device.scope():
+            with self._scope():
                 return self._replica(ema).predict(x, batch)
         finally:
             if made and isinstance(x, OnDemand):
@@ -227,7 +232,7 @@ class Predictor:
         else:
             x, y = self._check(x, y, "evaluate")
         try:
-            with self.device.scope():
+            with self._scope():
                 loss, acc = self._replica(ema).evaluate(x, y)
         finally:
             if made and isinstance(x, OnDemand):
@@ -251,7 +256,7 @@ class Predictor:
         try:
             if self._spec is None:  # stored examples: those the run trained on, or not
                 check_test_split(x, None, f"{spec.path}: ", spec.x_key, self.example_dtype, self.example_shape)
-            with self.device.scope():
+            with self._scope():
                 return self._replica(ema).predict(x, batch), names
         finally:
             if isinstance(x, OnDemand):

@@ -16,7 +16,7 @@ from towers.nn.dropout import Dropout
 from towers.nn.layers import Dense, Flatten, Sequential
 from towers.nn.models import build_model
 from towers.nn.residual import Residual
-from towers.ops import backend
+from towers.ops import forms
 
 
 @pytest.mark.parametrize("settings,what", [
@@ -54,20 +54,16 @@ def test_cpu_towers_ignore_cuda_graphs_and_train_as_without_it():
     """No GPU tower: nothing to capture, the GEMM binding stays CuPy's, the run is the eager one bit for bit."""
     ds = images(48, (12, 12, 3))
     runs = []
-    before = backend.current()
-    try:
-        for graphs in (True, False):
-            tr = Trainer(Config(devices="cpu", model="resnet20", batch_size=8, quiet=True, summary_every=0,
-                                cuda_graphs=graphs), dataset=ds)
-            try:
-                tr.run_steps(3)
-                assert backend.gemm_binding() == "cupy"
-                assert all(t.graphs is None for t in tr.executor.towers)
-                runs.append(flat(tr.get_weights()))
-            finally:
-                tr.close()
-    finally:
-        backend.restore(before)
+    for graphs in (True, False):
+        tr = Trainer(Config(devices="cpu", model="resnet20", batch_size=8, quiet=True, summary_every=0,
+                            cuda_graphs=graphs), dataset=ds)
+        try:
+            tr.run_steps(3)
+            assert tr.executor.forms.gemm == "cupy"
+            assert all(t.graphs is None for t in tr.executor.towers)
+            runs.append(flat(tr.get_weights()))
+        finally:
+            tr.close()
     assert np.array_equal(runs[0], runs[1])
 
 
@@ -144,16 +140,11 @@ def test_graphs_asked_where_nvmath_does_not_start_is_one_clear_error():
     """GEMMs inside a capture need nvmath-python's cuBLAS binding: without it, one line naming the package."""
     from towers.devices.placement import CPU
 
-    before = backend.current()
-    try:
-        model = build_model("lenet5", (28, 28, 1), 10)
-        with pytest.raises(UserError, match=r"cuda_graphs.?: nvmath-python's cuBLAS binding does not start .*"
-                                            r"pip install nvmath-python.*drop .?cuda_graphs"):
-            backend.choose("numpy", model, True, "im2col", gpu=CPU, cuda_graphs=True)
-        backend.choose("numpy", model, True, "im2col", gpu=CPU)
-        assert backend.gemm_binding() == "cupy"
-    finally:
-        backend.restore(before)
+    model = build_model("lenet5", (28, 28, 1), 10)
+    with pytest.raises(UserError, match=r"cuda_graphs.?: nvmath-python's cuBLAS binding does not start .*"
+                                        r"pip install nvmath-python.*drop .?cuda_graphs"):
+        forms.choose("numpy", model, True, "im2col", gpu=CPU, cuda_graphs=True)
+    assert forms.choose("numpy", model, True, "im2col", gpu=CPU).gemm == "cupy"
 
 
 @pytest.mark.parametrize("model,shape", [("resnet20", (12, 12, 3)), ("lenet5", (28, 28, 1)), ("cifar10", (24, 24, 3))])

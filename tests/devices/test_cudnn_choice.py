@@ -11,7 +11,7 @@ from towers.devices import cudnn
 from towers.devices.placement import CPU
 from towers.errors import UserError
 from towers.nn.models import build_model
-from towers.ops import backend
+from towers.ops import forms
 
 
 def _gpu_started() -> bool:
@@ -21,21 +21,13 @@ def _gpu_started() -> bool:
         return False
 
 
-@pytest.fixture
-def choice():
-    before = backend.current()
-    yield
-    backend.restore(before)
-
-
 @pytest.mark.skipif(_gpu_started(), reason="cuDNN starts here: the refusal is for machines where it does not")
-def test_cudnn_asked_where_it_does_not_start_is_one_clear_error(choice):
+def test_cudnn_asked_where_it_does_not_start_is_one_clear_error():
     model = build_model("lenet5", (28, 28, 1), 10)
     with pytest.raises(UserError, match=r"gpu_conv.? cudnn: .*(pip install nvidia-cudnn-frontend|does not start)"
                                          r".*set .?gpu_conv.? to auto or im2col"):
-        backend.choose("numpy", model, True, "cudnn", gpu=CPU)
-    backend.choose("numpy", model, True, "auto", gpu=CPU)  # auto: im2col, no error
-    assert not backend.cudnn_conv()
+        forms.choose("numpy", model, True, "cudnn", gpu=CPU)
+    assert not forms.choose("numpy", model, True, "auto", gpu=CPU).cudnn  # auto: im2col, no error
 
 
 def test_an_unknown_gpu_conv_is_refused_by_name():
@@ -43,7 +35,7 @@ def test_an_unknown_gpu_conv_is_refused_by_name():
         Config(gpu_conv="winograd").resolved()
 
 
-def test_cpu_towers_ignore_gpu_conv_and_train_as_without_it(choice):
+def test_cpu_towers_ignore_gpu_conv_and_train_as_without_it():
     """No GPU tower, nothing for cuDNN to run: the run is the im2col one, bit for bit."""
     from tests.gpu_compare import flat, images
 
@@ -54,7 +46,7 @@ def test_cpu_towers_ignore_gpu_conv_and_train_as_without_it(choice):
                             summary_every=0, gpu_conv=form), dataset=ds)
         try:
             tr.run_steps(2)
-            assert not backend.cudnn_conv()
+            assert not tr.executor.forms.cudnn
             runs.append(flat(tr.get_weights()))
         finally:
             tr.close()

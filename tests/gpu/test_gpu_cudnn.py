@@ -14,7 +14,7 @@ from tests.conftest import cupy_performance_warnings_fail
 from tests.gpu import test_gpu_layers as layers
 from tests.gpu_compare import DRY, compare, flat, images, rel, train
 from towers.devices import cudnn
-from towers.ops import backend
+from towers.ops.forms import Forms
 
 pytestmark = [pytest.mark.gpu, *cupy_performance_warnings_fail(),
               pytest.mark.skipif(DRY, reason="needs CuPy arrays and cuDNN")]
@@ -22,18 +22,17 @@ pytestmark = [pytest.mark.gpu, *cupy_performance_warnings_fail(),
 
 @pytest.fixture
 def on_cudnn():
-    """Device convolutions on cuDNN for the test (the process's choice put back after it); the ``gpu`` mark
-    skips without CUDA (tests/conftest.py), this without the frontend."""
+    """Device convolutions on cuDNN for the test (forms current in it: a ``Replica`` made by hand runs them; a
+    ``Trainer`` runs its own); the ``gpu`` mark skips without CUDA (tests/conftest.py), this without the
+    frontend."""
     try:
         cudnn.frontend()
     except ImportError as e:
         pytest.skip(f"the cuDNN frontend does not import: {e}")
-    before = backend.current()
-    backend.restore((False, True, "cupy"))
     cudnn.refused.clear()
     start = dict(cudnn.calls)
-    yield start
-    backend.restore(before)
+    with Forms(cudnn=True).active():
+        yield start
 
 
 def _ran(start: dict, *ops) -> None:
@@ -74,11 +73,11 @@ def test_a_convolution_on_cudnn_equals_im2col_on_the_gpu_at_resnet_sizes(on_cudn
         y = cupy.asarray(rng.integers(0, 10, 32).astype(np.int32))
         out = {}
         for form in (False, True):
-            backend.restore((False, form, "cupy"))
-            r = Replica(model, cupy)
-            r.set_params(params)
-            loss = float(r.loss_and_grads(x, y, l2=0.0))
-            out[form] = (loss, cupy.asnumpy(r.grads), cupy.asnumpy(r.forward(x)))
+            with Forms(cudnn=form).active():
+                r = Replica(model, cupy)
+                r.set_params(params)
+                loss = float(r.loss_and_grads(x, y, l2=0.0))
+                out[form] = (loss, cupy.asnumpy(r.grads), cupy.asnumpy(r.forward(x)))
         assert rel(out[True][0], out[False][0]) < 1e-5
         assert rel(out[True][1], out[False][1]) < 1e-4, "gradients differ beyond rounding"
         assert rel(out[True][2], out[False][2]) < 1e-5, "logits differ beyond rounding"

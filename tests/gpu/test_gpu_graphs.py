@@ -23,7 +23,7 @@ from tests.gpu_compare import DRY, flat, images, record, rel
 from towers import Config, Trainer
 from towers.devices import cudnn, matmul
 from towers.nn.layers import Dense, Flatten, Layer, Sequential
-from towers.ops import backend
+from towers.ops.forms import Forms
 
 pytestmark = [pytest.mark.gpu, *cupy_performance_warnings_fail(),
               pytest.mark.skipif(DRY, reason="needs CuPy arrays and CUDA graphs")]
@@ -34,13 +34,10 @@ WANT = (True, True, False, True, True, False, True, False, True)
 
 @pytest.fixture
 def nvmath():
-    """The process's choice put back after the test; skipped where nvmath-python's cuBLAS binding does not start."""
-    before = backend.current()
+    """Skipped where nvmath-python's cuBLAS binding does not start."""
     why = matmul.nvmath_available()
     if why is not None:
         pytest.skip(why)
-    yield
-    backend.restore(before)
 
 
 def _trainer(ds, **settings) -> Trainer:
@@ -193,8 +190,7 @@ def test_nvmath_gemms_match_cupys_eagerly_and_inside_a_capture(trans_a, trans_b,
     b = cupy.asarray(rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32))
     want = cupy.asnumpy(cupy.matmul(a.T if trans_a else a, b.T if trans_b else b))
     stream = cupy.cuda.Stream(non_blocking=True)
-    backend.restore((False, False, "nvmath"))
-    with stream:
+    with Forms(gemm="nvmath").active(), stream:
         eager = cupy.empty((m, n), dtype=np.float32)
         gemm(a, b, eager, trans_a, trans_b)
         captured = cupy.zeros((m, n), dtype=np.float32)

@@ -164,7 +164,7 @@ def _resnet_step(dtype, x, y, n: int, masks: dict, compiled=False):
 
     ``masks``: the ReLU masks per (tower, call); a float32 step records them,
     a float64 step applies them (see the test).  ``compiled``: numba's compiled
-    CPU forms (``towers.ops.backend``), and each tower's own statistics (no
+    CPU forms (``towers.ops.forms``), and each tower's own statistics (no
     sync-BN: batch norm's compiled loops are for those).
     """
     model = resnet(3)(x.shape[1:], 10).build(x.shape[1:])

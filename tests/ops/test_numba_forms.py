@@ -1,4 +1,4 @@
-"""numba's compiled CPU forms of the ops (``towers.ops.backend``, ``towers.ops.numba_jit``) against NumPy's passes.
+"""numba's compiled CPU forms of the ops (``towers.ops.forms``, ``towers.ops.numba_jit``) against NumPy's passes.
 
 Batch norm: the NumPy passes are the reference (their precision is checked
 against float64 in ``tests/nn/test_sync_bn.py``); its compiled loops sum in
@@ -21,7 +21,7 @@ from towers.errors import UserError
 from towers.nn.context import StepContext
 from towers.nn.layers import Workspace
 from towers.nn.normalization import BatchNorm
-from towers.ops import backend, numba_jit
+from towers.ops import forms, numba_jit
 from towers.ops.codegen import elementwise
 
 numba = pytest.importorskip("numba", reason="numba is not installed: the compiled CPU forms are optional")
@@ -109,10 +109,10 @@ def test_compiled_batch_norm_gradient_matches_finite_differences():
 
 
 def test_cpu_kernels_setting():
-    assert not backend.available("numpy")
-    assert backend.available("auto") and backend.available("numba")
+    assert not forms.available("numpy")
+    assert forms.available("auto") and forms.available("numba")
     with pytest.raises(UserError, match="cpu_kernels"):
-        backend.available("fast")
+        forms.available("fast")
     with pytest.raises(UserError, match="cpu_kernels .fast. is unknown"):
         Config(cpu_kernels="fast").resolved()
 
@@ -139,13 +139,43 @@ def test_the_setting_picks_the_kernels_of_a_training_run(tmp_path):
            "the weights", rtol=1e-4)
 
 
+@pytest.mark.parametrize("sync", ["grads", "weights"])
+def test_a_conv_batch_norm_run_records_the_form_it_ran_and_its_bits_follow_it(sync, tmp_path):
+    """A convolution and batch norm on 2 CPU towers, trained with `cpu_kernels` numba and numpy (in grads mode
+    and in weights mode, whose average runs outside the towers): the checkpoint records the form that ran, the
+    caller's thread is left without any (the forms are current in the Trainer's scopes only), and the runs end
+    on other bits (batch norm's statistics round otherwise in the compiled loops), within float32 rounding."""
+    import towers
+
+    out = {}
+    for kernels in ("numba", "numpy"):
+        logdir = tmp_path / kernels
+        cfg = Config(devices="cpu", n_gpu=2, batch_size=8, steps=4, lr=0.05, quiet=True, summary_every=0,
+                     log_every=1000, checkpoint_every=0, cpu_kernels=kernels, logdir=str(logdir), sync=sync,
+                     **({"average_every": 2} if sync == "weights" else {}))
+        layers = [towers.Conv2D("c1", 4, 3), towers.BatchNorm("bn"), towers.ReLU(), towers.Flatten(),
+                  towers.Dense("fc", 10)]
+        with towers.Trainer(cfg, model=layers) as t:
+            t.fit()
+            assert t.executor.forms.name == kernels and forms.current() is forms.NUMPY
+            out[kernels] = {**t.get_weights(), **{"ema/" + k: v for k, v in t.get_weights(ema=True).items()}}
+        (last,) = logdir.glob("ckpt-*.npz")
+        with numpy.load(last) as ck:
+            assert str(ck["cpu_kernels"]) == kernels
+    assert out["numba"].keys() == out["numpy"].keys()
+    assert any(out["numba"][k].tobytes() != out["numpy"][k].tobytes() for k in out["numpy"]), "numba did not run"
+    # One scale for all: c1's biases feed a batch norm, so their gradient is rounding noise around 0.
+    _close(*(numpy.concatenate([out[m][k].ravel() for k in out["numpy"]]) for m in ("numba", "numpy")),
+           "the weights", rtol=1e-4)
+
+
 def test_without_numba_auto_is_numpy_and_numba_is_refused(monkeypatch, notices):
     monkeypatch.setattr(numba_jit, "_STATE", {})  # this process imported it already
     monkeypatch.setitem(sys.modules, "numba", None)  # hidden, as an uninstalled package is
-    assert not backend.available("auto")
+    assert not forms.available("auto")
     assert not notices  # not installed is a choice: nothing to say
     with pytest.raises(UserError, match="numba is not installed"):
-        backend.available("numba")
+        forms.available("numba")
 
 
 class _BrokenNumba:
@@ -161,10 +191,10 @@ def test_a_numba_that_fails_to_import_is_named(monkeypatch, notices):
     monkeypatch.setattr(numba_jit, "_STATE", {})
     monkeypatch.delitem(sys.modules, "numba", raising=False)
     monkeypatch.setattr(sys, "meta_path", [_BrokenNumba()] + sys.meta_path)
-    assert not backend.available("auto")
+    assert not forms.available("auto")
     assert any("numba does not import (Numba needs NumPy 2.3 or less)" in m for m in notices)
     with pytest.raises(UserError, match="numba does not import .*pip install -U numba"):
-        backend.available("numba")
+        forms.available("numba")
 
 
 def test_warm_up_loads_every_kernel_for_float32():
@@ -224,12 +254,12 @@ def test_auto_loads_numba_for_models_it_serves():
     import towers
     from towers.nn.models import build_model
 
-    assert backend.worth_loading(build_model("mlp", (28, 28), 10, 500))  # 397,510 parameters
-    assert not backend.worth_loading(build_model("mlp", (8, 8), 10, 500))  # the default digits MLP: 37,510
+    assert forms.worth_loading(build_model("mlp", (28, 28), 10, 500))  # 397,510 parameters
+    assert not forms.worth_loading(build_model("mlp", (8, 8), 10, 500))  # the default digits MLP: 37,510
     small_bn = towers.Sequential([towers.Flatten(), towers.Dense("fc1", 8), towers.BatchNorm("bn"),
                                   towers.Dense("fc2", 10)]).build((8, 8))
-    assert small_bn.size < backend.WORTH_PARAMS and backend.worth_loading(small_bn)
-    assert backend.worth_loading(build_model("lenet5", (28, 28), 10))
+    assert small_bn.size < forms.WORTH_PARAMS and forms.worth_loading(small_bn)
+    assert forms.worth_loading(build_model("lenet5", (28, 28), 10))
 
 
 def test_the_default_run_does_not_import_numba(tmp_path):
@@ -255,7 +285,7 @@ def test_without_a_writable_cache_the_kernels_are_compiled_each_run(monkeypatch,
 
     monkeypatch.setattr(numba_jit, "_STATE", {})
     monkeypatch.setattr(numba.core.caching.CacheImpl, "_locator_classes", [])  # no writable place found
-    assert backend.available("auto")
+    assert forms.available("auto")
     fresh = numba_jit.NumbaKernel(batch_norm.moments_loop.py_func)  # a new dispatcher, as a new process makes
     x = numpy.arange(8, dtype=numpy.float32).reshape(4, 2)
     shift, off, var = fresh(x)
@@ -375,7 +405,7 @@ def test_models_without_batch_norm_train_to_numpys_bits_through_the_exact_kernel
                      logdir=str(tmp_path / kernels), **({"model": model} if model == "mlp" else {}))
         with towers.Trainer(cfg, model=_pool_model() if model == "pool" else None) as t:
             t.fit()
-            assert t.cpu_kernels == kernels and backend.compiled() == (kernels == "numba")
+            assert t.cpu_kernels == kernels and t.executor.forms.compiled == (kernels == "numba")
             if kernels == "numba":
                 assert all(o._op.loop().compiled().signatures for o in t.executor.optimizers)
             out[kernels] = {k: v.tobytes() for k, v in {**t.get_weights(), **t.get_weights(ema=True)}.items()}
@@ -418,7 +448,7 @@ def test_lenet5_takes_its_input_gradient_by_col2im_through_numba(tmp_path):
             convs = [(i, layer) for i, layer in enumerate(t.model.layers) if isinstance(layer, towers.Conv2D)]
             # Both have more filters than channels; conv1 is the first layer and takes no input gradient.
             assert [layer.compiled_rounding(input_grad=i > 0) for i, layer in convs] == [False, True]
-            assert backend.rounds_otherwise(t.model)
+            assert forms.rounds_otherwise(t.model)
             out[kernels] = t.get_weights()
     assert any(out["numba"][k].tobytes() != out["numpy"][k].tobytes() for k in out["numpy"]), "col2im did not run"
     for k in out["numpy"]:
@@ -426,9 +456,9 @@ def test_lenet5_takes_its_input_gradient_by_col2im_through_numba(tmp_path):
 
 
 def test_two_trainers_in_one_process_each_train_with_their_own_forms(tmp_path):
-    """The forms are the process's choice; a Trainer built later with other ``cpu_kernels`` does not change what
-    an earlier one runs: batch norm's statistics (which the compiled loops round otherwise) end on the bits of
-    the earlier Trainer's run alone."""
+    """Each Trainer holds its forms; a Trainer built later with other ``cpu_kernels`` does not change what an
+    earlier one runs: batch norm's statistics (which the compiled loops round otherwise) end on the bits of the
+    earlier Trainer's run alone."""
     pytest.importorskip("numba", reason="numba is not installed")
     import towers
 
@@ -452,8 +482,9 @@ def test_two_trainers_in_one_process_each_train_with_their_own_forms(tmp_path):
 
 
 def test_two_trainers_fitting_in_two_threads_each_train_with_their_own_forms(tmp_path):
-    """The choice is each thread's: a Trainer built or stepping in another thread does not change what this one
-    runs, in its own thread or its tower threads (one numba, one numpy, their steps interleaved)."""
+    """Each Trainer holds its forms: a Trainer built or stepping in another thread does not change what this one
+    runs, in its own thread or its tower threads (one numba, one numpy, their steps interleaved), and building
+    one leaves no forms current in its thread."""
     import threading
 
     import towers
@@ -485,7 +516,7 @@ def test_two_trainers_fitting_in_two_threads_each_train_with_their_own_forms(tmp
             with trainer("numba", "numba", 6) as t:
                 built.wait()  # the numpy Trainer is built (its choice made) only after this one
                 built.wait()
-                got["name"] = backend.name()
+                got["name"] = (t.executor.forms.name, forms.current().name)  # its own; none current here
                 t.fit()
                 got["numba"] = t.get_weights()
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
@@ -513,7 +544,7 @@ def test_two_trainers_fitting_in_two_threads_each_train_with_their_own_forms(tmp
     for th in threads:
         th.join()
     assert not errors, errors
-    assert got["name"] == "numba"
+    assert got["name"] == ("numba", "numpy")
     for kernels in ("numba", "numpy"):
         assert all(want[kernels][k].tobytes() == v.tobytes() for k, v in got[kernels].items()), kernels
     assert any(want["numba"][k].tobytes() != want["numpy"][k].tobytes() for k in want["numpy"])

@@ -56,7 +56,7 @@ from towers.data.batches import InputPosition
 from towers.devices.placement import to_host
 from towers.errors import UserError
 from towers.nn.replica import Replica
-from towers.ops import backend
+from towers.ops.forms import choose as choose_forms
 from towers.optim.ema import EMA
 from towers.optim.optimizers import make_optimizer
 from towers.optim.schedule import make_schedule
@@ -333,10 +333,12 @@ class ParameterServer(Answering):
         self.replica = Replica(model, numpy)
         self.replica.set_params(model.init_params(cfg.seed))  # every host's initial weights
         self.model_state = ModelState([self.replica], model)
-        self.cpu_kernels = backend.choose(cfg.cpu_kernels, model, cpu_towers=True)  # its optimizer's host form
+        self.forms = choose_forms(cfg.cpu_kernels, model, cpu_towers=True)  # its optimizer's host form, current in
+        self.cpu_kernels = self.forms.name  # ``serve`` and ``call``
         self.ema = EMA(self.replica.params, cfg.ema_decay)
         self.optimizer = make_optimizer(cfg, self.replica.params, self.ema)  # the EMA follows every update
-        self.optimizer.warm_up()
+        with self.forms.active():
+            self.optimizer.warm_up()
         self.schedule = make_schedule(cfg, n_examples, self.per_update)
         self.step = 0
         self.position = InputPosition(n_examples, self.per_update)
@@ -351,8 +353,14 @@ class ParameterServer(Answering):
     # -- updates --
 
     def serve(self, n: int) -> dict:
-        """``n`` updates, as the mode serves them (``ServerKeeping.serve``)."""
-        return self.keeping.serve(self, n)
+        """``n`` updates, as the mode serves them (``ServerKeeping.serve``), with the server's forms."""
+        with self.forms.active():
+            return self.keeping.serve(self, n)
+
+    def call(self, method: str, *args):
+        """``Answering.call`` with the server's forms current (its replica's evaluation, a load's copies)."""
+        with self.forms.active():
+            return super().call(method, *args)
 
     def apply(self, grads) -> None:
         """One update with the mean gradient ``grads`` (a host flat array): the optimizer's step (and the EMA's)

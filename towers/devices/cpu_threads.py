@@ -115,8 +115,8 @@ class TowerThreads:
     ``barrier.wait()`` (a ``threading.Barrier`` over all towers).  An exception
     in any tower breaks the barrier (so no one hangs) and is re-raised by
     ``wait`` (or by ``run``, when tower 0 saw it).  Each runs in a copy of the
-    caller's ``contextvars`` context, which holds its thread's choice of the
-    ops' forms (``towers.ops.backend``).
+    caller's ``contextvars`` context, which holds the current forms of the
+    ops (``towers.ops.forms``).
     """
 
     def __init__(self, n: int):
@@ -135,8 +135,8 @@ class TowerThreads:
     def run(self, fn) -> None:
         """Start ``fn`` on every tower; return when tower 0's share is done."""
         self.wait()
-        # Each worker runs in a copy of the caller's context: the caller's choice of the ops' forms
-        # (towers.ops.backend), not another thread's.
+        # Each worker runs in a copy of the caller's context: the caller's current forms of the ops
+        # (towers.ops.forms), not another thread's.
         self._futures = [self._executor.submit(contextvars.copy_context().run, self._call, fn, i)
                          for i in range(1, self.n)]
         try:

@@ -3,9 +3,9 @@
 ``sgemm`` is the layers' device GEMM (``towers.ops.gemm``, ``bias_grad``,
 ``col_sum``): ONE ``cublasGemmEx`` call on the current stream, with the compute
 type and algorithm ``cupy.matmul`` picks, without its Python-level dispatch.
-It goes through CuPy's cuBLAS binding and handles, or, where the process
-chose it for CUDA graphs (``use_binding("nvmath")``, which
-``towers.ops.backend`` calls with the rest of its choice), through
+It goes through CuPy's cuBLAS binding and handles (``binding`` ``"cupy"``),
+or, where a run's forms chose it for CUDA graphs (``binding`` ``"nvmath"``:
+``towers.ops.forms``, whose current value the ops hand in), through
 nvmath-python's binding (``nvmath.bindings.cublas``; CuPy's refuses
 every call while a stream captures) with handles of our own: one per device,
 stream and thread (as cuDNN's, ``towers.devices.cudnn``: GEMMs on two streams
@@ -30,25 +30,13 @@ INT_MAX = 2**31 - 1  # cuBLAS's sizes and leading dimensions are ints
 _CUBLAS: dict = {}  # what a device GEMM needs, found on the first one (CuPy imported lazily)
 _ONE = numpy.ones(1, dtype=numpy.float32)  # alpha and beta, read by cuBLAS from host memory
 _ZERO = numpy.zeros(1, dtype=numpy.float32)  # (CuPy's handles keep the host pointer mode)
-_BINDING = ["cupy"]  # whose cuBLAS binding ``sgemm`` calls: "cupy" or "nvmath"
 _NV_HANDLES: dict = {}  # (device, stream pointer, thread) -> _NvHandle
 _NV_WORKSPACE = 32 << 20  # bytes: cuBLAS's recommendation for Hopper
 
 
-def binding() -> str:
-    """Whose cuBLAS binding ``sgemm`` calls: ``"cupy"`` or ``"nvmath"``."""
-    return _BINDING[0]
-
-
-def use_binding(name: str) -> None:
-    """Make ``sgemm`` call CuPy's binding (``"cupy"``) or nvmath-python's (``"nvmath"``), process-wide."""
-    if name not in ("cupy", "nvmath"):
-        raise ValueError(f"GEMM binding {name!r}: use cupy or nvmath")
-    _BINDING[0] = name
-
-
-def sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> bool:
-    """``out = op(a) (m, k) @ op(b) (k, n)`` by cuBLAS; False (nothing done) when it can't.
+def sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int, binding: str = "cupy") -> bool:
+    """``out = op(a) (m, k) @ op(b) (k, n)`` by cuBLAS through ``binding``'s handles (``"cupy"`` or
+    ``"nvmath"``: module doc); False (nothing done) when it can't.
 
     cuBLAS is column-major: a row-major (r, c) array is the column-major
     (c, r) matrix with leading dimension c, so the row-major ``out = A B`` is
@@ -63,7 +51,7 @@ def sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> bo
     compute = c["compute"].get(c["compute_type"](numpy.float32))
     if compute is None:  # a compute type set elsewhere (FP16, BF16...): cupy.matmul knows them all
         return False
-    if _BINDING[0] == "nvmath":
+    if binding == "nvmath":
         h = _nv_handle()
         gemm_ex, handle, algo = h.gemm_ex, h.handle, h.algo
     else:

@@ -31,7 +31,7 @@ layers through their workspaces (``ws.ctx``):
 
 Which form of each op runs (NumPy's passes, numba's compiled loops, CUDA)
 is not part of the context: the ops tell it from their arrays and the
-thread's choice (``towers.ops.backend``).
+current forms (``towers.ops.forms``).
 
 ``host_rng(ctx, path)`` is the generator a layer at ``path`` draws its masks
 from: ``numpy.random.default_rng([seed, tower, step, *path])``, drawn on the

@@ -34,7 +34,7 @@ Two algorithms, ``algorithm=``:
   LeNet-5's conv2) ``dW = cols(x)^T @ dy`` from x's im2col is faster instead
   (``_dw_from_x``: a k*k*C-wide im2col and a better-shaped GEMM), and dy's
   im2col gives the input gradient alone (on the CPU, where it was measured);
-  with the compiled CPU forms (``cpu_kernels``, ``towers.ops.backend``) such a
+  with the compiled CPU forms (``cpu_kernels``, ``towers.ops.forms``) such a
   layer takes the input gradient by ``dcols = dy @ W.T`` (k*k*C wide, not
   k*k*F) and the compiled col2im, one gathering pass (LeNet-5's conv2 backward 20.1 ->
   18.3 ms; NumPy's col2im is slower than dy's im2col there, so the two
@@ -52,8 +52,8 @@ Two algorithms, ``algorithm=``:
 Both give the same sums in other orders.  Strides above 1 take array
 operations on a GPU (no dedicated kernel).
 
-On a GPU with ``gpu_conv`` cudnn (``towers.ops.backend``) the three
-products run on cuDNN instead (``towers.devices.cudnn``: forward, weight
+On a GPU with ``gpu_conv`` cudnn (``towers.ops.forms``) the three
+products run on cuDNN instead (``towers.ops.conv``: forward, weight
 gradient, input gradient; no im2col), on the NHWC activations as they are and
 a KRSC copy of the kernel (F, kh, kw, C: cuDNN's channels-last filter), made
 in forward and read again by backward's input gradient; the weight gradient
@@ -65,15 +65,15 @@ Output shapes and padding follow ``towers.nn.windows``.
 """
 from __future__ import annotations
 
-from towers.devices import cudnn
 from towers.devices.kernels import on_host
 from towers.errors import UserError
 from towers.nn.layers import Exported, Layer, Param
 from towers.nn.pooling import MaxPool2D  # it lived here: kept importable from here
 from towers.nn.windows import check_padding, nhwc, positive, window_geometry
-from towers.ops import backend
+from towers.ops import conv as device_conv
 from towers.ops.bias import bias_add, bias_grad
 from towers.ops.gemm import gemm
+from towers.ops.forms import current as current_forms
 from towers.ops.im2col import col2im, im2col, im2col_plan, run_im2col
 
 
@@ -194,7 +194,7 @@ class Conv2D(Layer):
         n, f = x.shape[0], self.filters
         ho, wo = self.out_hw
         y = ws.array("y", (n, ho, wo, f), x.dtype)
-        ws.saved["cudnn"] = self._cudnn(cudnn.conv_forward, x.reshape((n,) + self.in_hwc), self._krsc(p, ws), y)
+        ws.saved["cudnn"] = device_conv.forward(x.reshape((n,) + self.in_hwc), self._krsc(p, ws), y, *self._geometry)
         if not ws.saved["cudnn"]:
             w2, y2, rows = p["weights"].reshape(-1, f), y.reshape(-1, f), ho * wo
             for (b0, b1), cols in self._im2col_chunks(x, ws):
@@ -213,12 +213,12 @@ class Conv2D(Layer):
         n = dy.shape[0]
         x4, dy4 = x.reshape((n,) + self.in_hwc), dy.reshape((n,) + self.out_hw + (f,))
         dw = ws.array("dw_krsc", (f, self.k, self.k, self.in_hwc[2]), dy.dtype) if ws.saved.get("cudnn") else None
-        if dw is not None and self._cudnn(cudnn.conv_weight_grad, x4, dy4, dw):
+        if dw is not None and device_conv.weight_grad(x4, dy4, dw, *self._geometry):
             g["weights"][...] = dw.transpose(1, 2, 3, 0)
             if not need_dx:
                 return None
             dx = ws.array("dx", x4.shape, dy.dtype)
-            if not self._cudnn(cudnn.conv_data_grad, dy4, ws.saved["w_krsc"], dx):
+            if not device_conv.data_grad(dy4, ws.saved["w_krsc"], dx, *self._geometry):
                 dx = self._dx(p["weights"], dy4, ws)
             return dx.reshape(ws.saved["x_shape"])
         if ws.saved.get("cudnn"):  # the forward ran on cuDNN: the im2col of x that backward reads is made here
@@ -229,7 +229,7 @@ class Conv2D(Layer):
         # (LeNet-5's conv2: dx 10.6 -> 8.1 ms at batch 50); without them NumPy's col2im is slower than dy's im2col.
         # Measured on the CPU only: a GPU keeps its path (and its results).
         from_x = self._dw_from_x and on_host(dy)
-        if need_dx and self._dx_conv and not (from_x and backend.compiled()):
+        if need_dx and self._dx_conv and not (from_x and current_forms().compiled):
             if from_x:
                 self._weight_grad(x, dy2, gw, ws)
             return self._backward_as_conv(p["weights"], None if from_x else gw, x, dy, ws)
@@ -250,26 +250,19 @@ class Conv2D(Layer):
         return True
 
     def _krsc(self, p, ws):
-        """The kernel as cuDNN's KRSC (F, kh, kw, C) copy, kept for backward, on device arrays taking cuDNN; else
-        the HWIO kernel (``_cudnn`` then declines)."""
+        """The kernel as cuDNN's KRSC (F, kh, kw, C) copy, kept for backward, where the convolution runs on cuDNN
+        (``towers.ops.conv.on_cudnn``); else the HWIO kernel (``towers.ops.conv`` then declines)."""
         w = p["weights"]
-        if on_host(w) or not backend.cudnn_conv():
+        if not device_conv.on_cudnn(w):
             return w
         k = ws.saved["w_krsc"] = ws.array("w_krsc", (self.filters, self.k, self.k, self.in_hwc[2]), w.dtype)
         k[...] = w.transpose(3, 0, 1, 2)
         return k
 
-    def _cudnn(self, run, a, b, out) -> bool:
-        """``run(a, b, out, ...)``, a ``towers.devices.cudnn`` convolution, when device arrays take cuDNN
-        (``backend.cudnn_conv``); False when the im2col form must run (host arrays, im2col chosen, a shape cuDNN
-        refuses)."""
-        if on_host(a) or not backend.cudnn_conv():
-            return False
-        try:
-            run(a, b, out, self.pad, self.post_pad, self.stride)
-        except cudnn.Unsupported:
-            return False
-        return True
+    @property
+    def _geometry(self) -> tuple:
+        """(pad, post_pad, stride): what ``towers.ops.conv`` takes after the arrays."""
+        return self.pad, self.post_pad, self.stride
 
     def compiled_rounding(self, input_grad: bool = True) -> bool:
         """With more filters than input channels the compiled CPU forms take dx by col2im, NumPy by dy's im2col:

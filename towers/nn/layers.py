@@ -135,7 +135,7 @@ class Layer:
     keeps_dy: bool = False
 
     def compiled_rounding(self, input_grad: bool = True) -> bool:
-        """Whether the compiled CPU forms of its ops (``towers.ops.backend``) round this layer otherwise than
+        """Whether the compiled CPU forms of its ops (``towers.ops.forms``) round this layer otherwise than
         their NumPy passes (batch norm's float64 sums), so that the ``cpu_kernels`` that ran are part of what
         reproduces its results; ``input_grad``: its backward computes the input gradient (not the first
         layer's)."""
@@ -143,7 +143,7 @@ class Layer:
 
     def convolves(self) -> bool:
         """Whether it (or a layer inside it) is a convolution, whose GPU form ``gpu_conv`` chooses
-        (``towers.ops.backend``)."""
+        (``towers.ops.forms``)."""
         return False
 
     def draws_on_host(self) -> bool:

@@ -26,7 +26,7 @@ module              ops                             forms
 The optimizers' updates and the EMA are ops too, defined in their own files
 (``towers.optim``) and derived the same way.  Which form runs: device arrays
 take the GPU form; host arrays the compiled loops or NumPy's passes, as the
-process chose once when the ``Trainer`` was built (``towers.ops.backend``).
+current forms say (``towers.ops.forms``: a run's, chosen once, current in its towers' scopes).
 The GPU forms of the modules' ops are registered, in the order imported
 here, into the one CUDA module of ``towers.devices.kernels``.
 """

@@ -14,8 +14,8 @@ op                   definition                                 forms
 ``np_max`` keeps -0.0: the sign of a zero may differ between devices).
 ``relu_backward`` multiplies by 1.0 or 0.0, so signs and NaN follow the
 multiply.  ``relu`` keeps NumPy's one pass on the CPU (its SIMD loop is as fast
-as a compiled one); the others take the compiled loop where the process chose
-it (``towers.ops.backend``).
+as a compiled one); the others take the compiled loop where the current forms
+take it (``towers.ops.forms``).
 """
 from __future__ import annotations
 

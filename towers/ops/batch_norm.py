@@ -21,7 +21,7 @@ Per element both forms compute ``y = xc * a + b`` and ``dx = (xc * k + dy +
 c0) * a`` with the same roundings; the sums differ (float64 in the loop, a
 GEMV's float32 order in NumPy), so results agree to float32 rounding, not bit
 for bit: a model with batch norm ``rounds_otherwise`` under the compiled loops
-(``towers.ops.backend``).  The moments are taken around a shift, never as
+(``towers.ops.forms``).  The moments are taken around a shift, never as
 ``E[x^2] - E[x]^2`` (module doc of ``towers.nn.normalization``).
 
 NumPy broadcasts a (C,) vector over (M, C) one row of C values at a time:
@@ -57,7 +57,7 @@ import functools
 import numpy
 
 from towers.devices.kernels import check_contiguous, launch_named, on_host, register, takes
-from towers.ops.backend import compiled as host_loops_chosen
+from towers.ops.forms import current as current_forms
 from towers.ops.numba_jit import kernel as numba_kernel
 from towers.ops.bias import col_sum
 
@@ -80,7 +80,7 @@ def wide(*arrays):
 def compiled_for(ws, a) -> bool:
     """Whether this step's array ``a`` takes the compiled loops: a C-contiguous host array, where the process
     chose them, and no ``sync`` (sync-BN gathers the NumPy passes' moments across towers)."""
-    return host_loops_chosen() and ws.ctx.sync is None and on_host(a) and a.flags.c_contiguous
+    return current_forms().compiled and ws.ctx.sync is None and on_host(a) and a.flags.c_contiguous
 
 
 # -- the NumPy passes

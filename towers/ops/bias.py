@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy
 
 from towers.devices.kernels import on_host
-from towers.devices.matmul import sgemm
 from towers.ops.codegen.elementwise import Elementwise
+from towers.ops.gemm import sgemm
 
 bias_add = Elementwise("bias_add", lambda y, b: y + b, ("y",), rows=("b",), compiled=False)
 

@@ -1,11 +1,23 @@
-"""Matrix products: ``gemm``, ``out = op(a) @ op(b)``, on NumPy (``matmul``) or one cuBLAS call (CuPy)."""
+"""Matrix products: ``gemm``, ``out = op(a) @ op(b)``, on NumPy (``matmul``) or one cuBLAS call (CuPy).
+
+``sgemm`` is every device GEMM of the ops (``gemm``, ``towers.ops.bias``):
+``towers.devices.matmul.sgemm`` through the cuBLAS binding of the current
+forms (``towers.ops.forms``: CuPy's, or nvmath-python's under CUDA graphs).
+"""
 from __future__ import annotations
 
 import numpy
 
 from towers.devices.kernels import on_host
-from towers.devices.matmul import sgemm
+from towers.devices import matmul
 from towers.devices.placement import array_module
+from towers.ops.forms import current as current_forms
+
+
+def sgemm(a, b, out, trans_a: bool, trans_b: bool, m: int, n: int, k: int) -> bool:
+    """``out = op(a) (m, k) @ op(b) (k, n)`` on device arrays by one cuBLAS call through the current forms'
+    binding (``towers.devices.matmul.sgemm``); False (nothing done) when it can't."""
+    return matmul.sgemm(a, b, out, trans_a, trans_b, m, n, k, current_forms().gemm)
 
 
 def gemm(a, b, out, trans_a: bool = False, trans_b: bool = False) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy
 
 from towers.devices.kernels import check_contiguous, launch_named, on_host, register, takes
-from towers.ops.backend import compiled as host_loops_chosen
+from towers.ops.forms import current as current_forms
 from towers.ops.numba_jit import kernel as numba_kernel
 
 _i = numpy.int32  # a kernel's int argument
@@ -181,7 +181,7 @@ def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1, out=None):
     """
     n, ho, wo, k, _, c = dcols.shape
     h, w = in_hw
-    if on_host(dcols) and host_loops_chosen() and dcols.flags.c_contiguous:
+    if on_host(dcols) and current_forms().compiled and dcols.flags.c_contiguous:
         fits = out is not None and out.flags.c_contiguous and out.shape == (n, h, w, c) and out.dtype == dcols.dtype
         dx = out if fits else ws.array("dx", (n, h, w, c), dcols.dtype)
         col2im_loop(dcols, dx, pad[0], pad[1], stride)

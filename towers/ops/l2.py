@@ -1,7 +1,7 @@
 """L2's gradient, ``g += w * s`` (the product rounded first), written once (``towers.ops.codegen.elementwise``).
 
 Two NumPy passes (a multiply into scratch, an add), or one compiled pass where
-the process chose it (``towers.ops.backend``), or one kernel
+the current forms take it (``towers.ops.forms``), or one kernel
 (``g + __fmul_rn(w, s)``: never a fused multiply-add): the same bits.
 ``towers.nn.replica`` adds it to the regularized weights' gradients.
 """

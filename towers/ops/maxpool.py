@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy
 
 from towers.devices.kernels import check_contiguous, launch_named, on_host, register, takes
-from towers.ops.backend import compiled as host_loops_chosen
+from towers.ops.forms import current as current_forms
 from towers.ops.numba_jit import kernel as numba_kernel
 
 _i = numpy.int32  # a kernel's int argument
@@ -77,7 +77,7 @@ __global__ void towers_maxpool_backward(const float* x, const float* y, const fl
 
 def _compiled(*arrays) -> bool:
     """Whether these arrays take the compiled loops: host arrays, C-contiguous, where the process chose them."""
-    return host_loops_chosen() and all(on_host(a) and a.flags.c_contiguous for a in arrays)
+    return current_forms().compiled and all(on_host(a) and a.flags.c_contiguous for a in arrays)
 
 
 @numba_kernel(warm=lambda: (numpy.zeros((1, 2, 2, 2), numpy.float32), 2, numpy.zeros((1, 1, 1, 2), numpy.float32)))

@@ -2,7 +2,7 @@
 
 The all-reduce of two towers sharing a device (``towers.parallel.reducers``):
 NumPy's add, scale and copy (three passes), one compiled pass where the
-process chose it (``towers.ops.backend``), or one kernel: the same bits.
+current forms take it (``towers.ops.forms``), or one kernel: the same bits.
 """
 from __future__ import annotations
 

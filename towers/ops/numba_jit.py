@@ -4,7 +4,7 @@ Each op module declares its compiled form as a plain Python loop, wrapped by
 ``kernel(fn, warm)`` (a hand-written loop: a window op, batch norm) or made
 from its definition's source by ``from_source`` (an elementwise op,
 ``towers.ops.codegen.numba_form``).  Nothing here imports numba until a kernel is
-first compiled (``towers.ops.backend`` decides whether one ever is): a run
+first compiled (``towers.ops.forms`` decides whether one ever is): a run
 that keeps NumPy's passes never pays numba's start (about 0.75 s: its import,
 then LLVM's).
 

@@ -247,7 +247,7 @@ def metadata(cfg, dataset, n_towers: int, global_batch: int, cpu_kernels: str = 
     """The checkpoint format's own keys: what a resume checks the data and the run against.
 
     ``cpu_kernels``: which form of the ops ran on the CPU towers, ``numba``
-    or ``numpy`` (``towers.ops.backend``), which the ``cpu_kernels`` setting
+    or ``numpy`` (``towers.ops.forms``), which the ``cpu_kernels`` setting
     alone does not say (``auto`` is either).  ``data/fingerprint``: the
     training set's (``towers.data.fingerprint``), as JSON.
     """

@@ -87,7 +87,7 @@ class DeviceMean(Reducer):
     Alone (one group, ``scale`` = 1 / towers) it is the mean of towers sharing
     a device; inside ``Hierarchical`` its two halves surround the leaders' mean.
     Two towers alone take one op (``towers.ops.mean2``): one kernel on a GPU,
-    one compiled loop or NumPy's passes on the CPU (``towers.ops.backend``),
+    one compiled loop or NumPy's passes on the CPU (the current ``towers.ops.forms``),
     with the same roundings in every form.
     """
 

@@ -34,7 +34,6 @@ from towers.devices.cpu_threads import limit_blas
 from towers.devices.placement import Placement, to_host
 from towers.run.executor import Executor
 from towers.nn.replica import Replica
-from towers.ops import backend
 from towers.optim.ema import EMA
 from towers.optim.optimizers import make_optimizer
 from towers.optim.schedule import make_schedule
@@ -114,11 +113,11 @@ class LocalExecutor(Executor):
         # them) reduces every tower's own buffers, so its towers keep their own.
         self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self.share.first_tower,
                                    share=keeping.same_updates and reducer is None)
-        # Which forms of the ops the towers run, chosen by build_towers (a checkpoint records the CPU's); the
-        # choice is the calling thread's, so each step makes it this executor's again (another Trainer may have
-        # chosen since in this thread).
-        self.cpu_kernels = backend.name()
-        self._forms = backend.current()
+        # The forms of the ops the towers run, chosen by build_towers (a checkpoint records the CPU's): current
+        # in each tower's scope, and in this executor's calls for what runs outside a tower (the reducer, the
+        # weights mode's average, evaluation).
+        self.forms = self.towers[0].forms
+        self.cpu_kernels = self.forms.name
         streams = [t.stream for t in self.towers]
         self.timer.syncs = [s.synchronize if s is not None else None for s in streams]
         # GPU towers: a training set that fits stays on the devices (steps then
@@ -140,12 +139,12 @@ class LocalExecutor(Executor):
         # In grads mode the EMA is fused into the first tower's update; in
         # weights mode it follows the averaged weights (``Keeping.fuses_ema``).
         for t in self.towers:
-            with t.device.scope():
+            with t.device.scope(), t.forms.active():
                 fused = self.ema if t.index == 0 and keeping.fuses_ema else None
                 # A tower that shares another's buffer is updated by that tower's optimizer.
                 t.optimizer = None if t.shares_params else make_optimizer(cfg, t.replica.params, fused)
-            if t.optimizer is not None:
-                t.optimizer.warm_up()  # its compiled CPU form, where chosen: loaded now, not in the first step
+                if t.optimizer is not None:
+                    t.optimizer.warm_up()  # its compiled CPU form, where chosen: loaded now, not in the first step
         # Devices were validated by placement.resolve before any communicator.
         if reducer is None:
             reducer = make_reducer(self.placement, streams)
@@ -242,27 +241,27 @@ class LocalExecutor(Executor):
             self._prefetch = None
 
     def run_steps(self, n: int, want_loss: bool = False):
-        backend.restore(self._forms)
-        losses = x = None
-        for k in range(n):
-            want = want_loss and k == n - 1
-            x = None
-            if self.device_data is not None:
-                losses = self.train_step_at(self.rows.next_indices(), want)
-            else:
-                if self._prefetch is not None:
-                    with self.timer("input wait"):
-                        x, y = self._prefetch.get()
+        with self.forms.active():
+            losses = x = None
+            for k in range(n):
+                want = want_loss and k == n - 1
+                x = None
+                if self.device_data is not None:
+                    losses = self.train_step_at(self.rows.next_indices(), want)
                 else:
-                    x, y = self.rows.next_batch()
-                losses = self.engine.run(x, y, want)
-            if self.step == self.cfg.steps:
-                self.finish()  # weights mode: a last average before the final checkpoint
-        return losses, x
+                    if self._prefetch is not None:
+                        with self.timer("input wait"):
+                            x, y = self._prefetch.get()
+                    else:
+                        x, y = self.rows.next_batch()
+                    losses = self.engine.run(x, y, want)
+                if self.step == self.cfg.steps:
+                    self.finish()  # weights mode: a last average before the final checkpoint
+            return losses, x
 
     def train_step(self, x, y, want_loss: bool = False):
-        backend.restore(self._forms)
-        return self.engine.run(x, y, want_loss)
+        with self.forms.active():
+            return self.engine.run(x, y, want_loss)
 
     def train_step_at(self, indices, want_loss: bool = False):
         """One step on the training-set rows ``indices`` (this process's towers' rows, host ints).
@@ -272,14 +271,14 @@ class LocalExecutor(Executor):
         same float32 batch reaches each tower.
         """
         indices = check_indices(indices, self.local_batch, len(self.dataset.x))
-        backend.restore(self._forms)
-        if self.device_data is None:
-            return self.engine.run(self.dataset.x[indices], self.dataset.y[indices], want_loss)
-        return self.engine.run(None, None, want_loss, indices)
+        with self.forms.active():
+            if self.device_data is None:
+                return self.engine.run(self.dataset.x[indices], self.dataset.y[indices], want_loss)
+            return self.engine.run(None, None, want_loss, indices)
 
     def next_gradients(self, want_loss: bool = False):
-        backend.restore(self._forms)
-        losses = self.engine.gradients(*self.rows.next_batch(), want_loss)
+        with self.forms.active():
+            losses = self.engine.gradients(*self.rows.next_batch(), want_loss)
         self.synchronize()
         reps = self.replicas
         bufs = to_host(reps[0].buffers, copy=True)
@@ -293,7 +292,8 @@ class LocalExecutor(Executor):
         self.model_state.set(weights, buffers)
 
     def finish(self) -> None:
-        self.engine.finish()
+        with self.forms.active():
+            self.engine.finish()
 
     def check_replicas(self) -> bool:
         return self.engine.check_replicas()
@@ -353,11 +353,10 @@ class LocalExecutor(Executor):
 
     @contextlib.contextmanager
     def _scoring(self, ema: bool):
-        """A replica of the first tower's weights (or the EMA's) and buffers, on its device, made current."""
+        """A replica of the first tower's weights (or the EMA's) and buffers, on its device, with its forms."""
         dev, first = self.towers[0].device, self.towers[0].replica
         self.synchronize()
-        backend.restore(self._forms)
-        with dev.scope():
+        with dev.scope(), self.forms.active():
             yield Replica.holding(self.model, dev.xp, self.ema.shadow if ema else first.params, first.buffers,
                                   self.cfg.input_scale)
 

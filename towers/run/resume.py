@@ -21,7 +21,7 @@ from towers.config import Config, checkpoint_settings
 from towers.data.fingerprint import changes as fingerprint_changes
 from towers.errors import UserError, notice
 from towers.files import remove_stale
-from towers.ops import backend
+from towers.ops.forms import rounds_otherwise
 from towers.output.checkpoint import check_classes, comparable, latest_checkpoint, list_checkpoints
 from towers.parallel.sync import MODES
 from towers.settings import NOTE, REFUSE, SILENT, note_reasons, resume_changes, show, used_settings
@@ -100,8 +100,8 @@ def resume(trainer, found: tuple[str, dict]) -> Resume:
     # A checkpoint without the key was written before numba's kernels existed: NumPy's.
     old, new = str(found.arrays.get("cpu_kernels", "numpy")), trainer.cpu_kernels
     # Only batch norm and a convolution with more filters than channels round otherwise through the
-    # compiled forms (``backend.rounds_otherwise``): elsewhere the bits are the same.
-    if new is not None and old != new and backend.rounds_otherwise(trainer.model):
+    # compiled forms (``towers.ops.forms.rounds_otherwise``): elsewhere the bits are the same.
+    if new is not None and old != new and rounds_otherwise(trainer.model):
         found.notes.append(f"note: the CPU kernels changed since the checkpoint ({old} -> {new}, see "
                            "`cpu_kernels`): batch norm's and some convolutions' sums round differently, so "
                            "the continuation differs from an uninterrupted run by float rounding")

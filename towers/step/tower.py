@@ -1,10 +1,13 @@
 """A tower: one model replica on its device, with everything that works on it.
 
-``Tower`` holds its device and stream, its replica (flat parameter, gradient
-and buffer arrays; ``towers.nn.replica``), its stager (its slice of the batch
-onto the device; ``towers.data.staging``), its optimizer and its phase timer.
-``build_towers`` makes them for a placement: every replica starts from the same
-seeded values, towers sharing a GPU share its stream.
+``Tower`` holds its device and stream, the forms its ops run (``towers.ops.forms``:
+compiled CPU loops or NumPy's passes, cuDNN or im2col, the GEMM binding), its
+replica (flat parameter, gradient and buffer arrays; ``towers.nn.replica``),
+its stager (its slice of the batch onto the device; ``towers.data.staging``),
+its optimizer and its phase timer; its ``scope`` makes the device, the stream
+and the forms current.  ``build_towers`` makes them for a placement: the forms
+chosen once for all of them, every replica from the same seeded values,
+towers sharing a GPU sharing its stream.
 
 ``ModelState`` is the model's part of a state dict: the weights
 (``params/<name>``) and the non-trainable buffers (``buffers/<name>``), read
@@ -24,7 +27,7 @@ from towers.devices.cuda_graphs import StepGraphs
 from towers.devices.placement import on_stream
 from towers.errors import UserError
 from towers.nn.replica import Replica
-from towers.ops import backend
+from towers.ops import forms as op_forms
 from towers.state import Layout, under
 
 # A diverging run overflows to inf/NaN: the loop reports it as one line at the
@@ -36,8 +39,10 @@ class Tower:
     """One tower: device, stream, replica, stager, optimizer (set by the trainer), timer."""
 
     def __init__(self, index: int, device, stream, replica: Replica, stager: Stager, timer, accumulate: int = 1,
-                 global_index: int | None = None, shares_params: bool = False, graphs=None):
+                 global_index: int | None = None, shares_params: bool = False, graphs=None,
+                 forms: op_forms.Forms = op_forms.NUMPY):
         self.index, self.device, self.stream = index, device, stream
+        self.forms = forms  # the forms its ops run (``towers.ops.forms``), current in its ``scope``
         # A GPU tower's CUDA graphs of its forward and backward (``cuda_graphs``), or None: eager steps.
         self.graphs = graphs
         self.replica, self.stager, self.timer = replica, stager, timer
@@ -54,8 +59,8 @@ class Tower:
 
     @contextlib.contextmanager
     def scope(self):
-        """This tower's device current, its stream current, NumPy's overflow warnings off."""
-        with self.device.scope(), on_stream(self.stream), numpy.errstate(**QUIET):
+        """This tower's device, stream and forms current, NumPy's overflow warnings off."""
+        with self.device.scope(), on_stream(self.stream), self.forms.active(), numpy.errstate(**QUIET):
             yield
 
     def compute(self, x, y, l2: float, want_loss: bool, step: int, stage=None, loss_scale: float = 1.0,
@@ -116,13 +121,13 @@ class Tower:
         return str(self.device)
 
 
-def choose_forms(cfg, model, devices) -> str:
-    """The process's forms of the ops (``towers.ops.backend.choose``) for ``model``'s towers on ``devices``, from a
-    run's settings (``cpu_kernels``, ``gpu_conv``, ``cuda_graphs``: a ``Config``, or a checkpoint's settings as
-    attributes); returns what runs the CPU's kernels.  The one choice of ``build_towers`` and of a loaded run
-    (``towers.inference.Predictor``, one tower)."""
+def choose_forms(cfg, model, devices) -> op_forms.Forms:
+    """The forms of the ops (``towers.ops.forms.choose``) for ``model``'s towers on ``devices``, from a run's
+    settings (``cpu_kernels``, ``gpu_conv``, ``cuda_graphs``: a ``Config``, or a checkpoint's settings as
+    attributes).  The one choice of ``build_towers`` and of a loaded run (``towers.inference.Predictor``, one
+    tower)."""
     gpus = [d for d in devices if d.is_gpu]
-    return backend.choose(cfg.cpu_kernels, model, len(gpus) < len(devices), cfg.gpu_conv, gpus[0] if gpus else None,
+    return op_forms.choose(cfg.cpu_kernels, model, len(gpus) < len(devices), cfg.gpu_conv, gpus[0] if gpus else None,
                           cuda_graphs=cfg.cuda_graphs and bool(gpus))
 
 
@@ -140,14 +145,14 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
     batch_size, seed = cfg.batch_size, cfg.seed
     init = model.init_params(seed)
     streams: dict[int, object] = {}
-    # The process's forms of the ops (towers.ops.backend): on host arrays, the GPU towers' convolutions and
-    # GEMM binding; chosen once here.  numba's kernels are loaded and cuDNN started now, not inside the first step.
+    # The towers' forms of the ops (towers.ops.forms): on host arrays, the GPU towers' convolutions and GEMM
+    # binding; chosen once here.  numba's kernels are loaded and cuDNN started now, not inside the first step.
     gpus = [d for d in placement.towers if d.is_gpu]
     graphs = cfg.cuda_graphs and bool(gpus)  # (CPU towers run eagerly: the setting is for GPU towers)
     if cfg.cuda_graphs and any(layer.draws_on_host() for layer in model.layers):
         raise UserError("`cuda_graphs` replays each GPU step as it was captured, but dropout draws new masks on the "
                         "host every step: drop `cuda_graphs` (or the dropout layers)")
-    choose_forms(cfg, model, placement.towers)
+    forms = choose_forms(cfg, model, placement.towers)
     # ``share`` (a keeper whose replicas apply the same update to the same
     # weights: grads mode): CPU towers (one process's memory) share the first
     # CPU tower's parameter buffer, and its optimizer step is the only one: the
@@ -174,7 +179,7 @@ def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, sh
             replica.context.tower, replica.context.seed = first_tower + i, seed
         stager = Stager(dev, stream, batch_size, dataset.example_shape, dataset.x.dtype, cfg.input_scale)
         towers.append(Tower(i, dev, stream, replica, stager, timer.for_tower(i), cfg.accumulate,
-                            first_tower + i, shares_params=shares,
+                            first_tower + i, shares_params=shares, forms=forms,
                             graphs=StepGraphs(stream, replica.context.scalars, replica.reset_workspaces,
                                               f"tower {i} ({dev})") if graphs and dev.is_gpu else None))
     return towers

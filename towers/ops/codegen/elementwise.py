@@ -24,7 +24,7 @@ the arrays' dtype, so they give the same bits on the same inputs
 ``op(*args)`` takes the definition's arguments in its order (arrays and
 scalars), then the output-only arrays, and writes the outputs in place.  It
 picks the form from the arrays: device arrays take the kernel, host arrays the
-compiled loop when the process chose it (``towers.ops.backend``) and the
+compiled loop when the current forms take it (``towers.ops.forms``) and the
 arrays are C-contiguous, else the passes.  Scalars are cast to the arrays'
 dtype.  Before a kernel or a compiled loop runs, the arrays' sizes are checked
 (every full array the outputs' size, a row operand a row long) and a mismatch
@@ -41,7 +41,7 @@ import numpy
 
 from towers.devices import kernels as device
 from towers.devices.placement import array_module
-from towers.ops.backend import compiled as host_loops_chosen
+from towers.ops.forms import current as current_forms
 from towers.ops.codegen.cuda_form import CudaKernel
 from towers.ops.codegen.cuda_form import source as cuda_text
 from towers.ops.codegen.numba_form import source as numba_text
@@ -140,7 +140,7 @@ class Elementwise:
 
     def warm_up(self) -> None:
         """Load (or compile) the compiled CPU form now, when the process chose it: not inside a timed step."""
-        if self.compiled and host_loops_chosen():
+        if self.compiled and current_forms().compiled:
             self.loop().warm()
 
     # -- a call
@@ -153,7 +153,7 @@ class Elementwise:
             for i in self._scalar_at:
                 args[i] = dt(args[i])
         if isinstance(lead, numpy.ndarray):
-            if self.compiled and host_loops_chosen() and self._flat(args, lead):
+            if self.compiled and current_forms().compiled and self._flat(args, lead):
                 cols = self._cols(args)
                 self._check(args, lead, cols)
                 self.loop()(*self._flatten(args), *cols)

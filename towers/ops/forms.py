@@ -1,20 +1,29 @@
-"""Which form of the ops runs: on host arrays NumPy's passes or numba's compiled loops, and on device arrays
-how a convolution runs (im2col or cuDNN) and through which binding cuBLAS runs: one choice per thread.
+"""Which form of the ops runs, as one value per tower: ``Forms``, current inside its ``active`` scope.
 
 Every op has a form per backend (``towers.ops``); device (CuPy) arrays take
-the GPU form, so an op tells its form from the arrays it gets and, for host
-arrays, from this module's choice.  A convolution on device arrays has two
-GPU forms, im2col + cuBLAS or cuDNN (``gpu_conv``, ``GPU_CONVS``), chosen
-here too, as is the binding of the GPU GEMMs (``gemm_binding``: CuPy's, or
-nvmath-python's for ``cuda_graphs``, whose captures CuPy's refuses).  The choice is made once, when a
-``Trainer`` builds its towers (``towers.step.tower.build_towers`` calls
-``choose`` with the ``cpu_kernels`` setting, the model and whether any tower
-is on the CPU), and holds for the thread that made it until its next
-``choose``; the ops, the optimizers and the reducers read it (``compiled``),
-no flag is handed through their calls.  ``using`` sets it for a block (tests,
-tools, a ``Replica`` made by hand, which otherwise runs whatever its thread
-last chose, or, in a thread that chose nothing, whatever the process last
-chose: NumPy's passes in a process that built no ``Trainer``).
+the GPU form, so an op tells its form from the arrays it gets and from the
+current ``Forms``: on host arrays numba's compiled loops or NumPy's passes
+(``compiled``), on device arrays a convolution on cuDNN or by im2col and
+cuBLAS (``cudnn``; ``gpu_conv``, ``GPU_CONVS``: ``towers.ops.conv``
+dispatches), and whose cuBLAS binding the device GEMMs call (``gemm``:
+CuPy's, or nvmath-python's for ``cuda_graphs``, whose captures CuPy's
+refuses; ``towers.ops.gemm`` hands it to ``towers.devices.matmul``).
+
+A ``Forms`` is made once per run by ``choose`` (``towers.step.tower.choose_forms``
+calls it from the ``cpu_kernels``, ``gpu_conv`` and ``cuda_graphs`` settings,
+the model and whether any tower is on the CPU) and handed to every ``Tower``
+(``build_towers``), whose ``scope`` makes it current, as it makes the tower's
+device and stream current; so do the executor's calls and a loaded run's
+(``towers.run.local``, ``towers.inference.Predictor``, the parameter server
+of ``towers.cluster.ps``), for what they run outside a tower (the reducers,
+the EMA, evaluation).  ``current`` is the one reader: the ops, the optimizers
+and the reducers ask it, no flag is handed through their calls.  Outside any
+scope the forms are ``NUMPY``: NumPy's passes, im2col, CuPy's binding.  The
+current forms are a context variable (``contextvars``): a thread starts
+without any (``NUMPY``), and the tower threads (``towers.devices.cpu_threads``)
+and the bucket thread of ``towers.parallel.overlap`` run in a copy of their
+caller's context.  So two ``Trainer`` objects, in one thread or two, each run
+their own forms, and nothing is left behind in a thread after a call.
 
 Settings (``MODES``): ``"auto"`` gives the compiled loops when numba imports
 and the model is ``worth_loading`` them, ``"numba"`` requires numba,
@@ -25,22 +34,13 @@ release that does not support this NumPy) leaves NumPy in charge under
 The compiled loops give NumPy's bits, but for batch norm's statistics (float64
 sums) and a convolution's input gradient by col2im (another order of sums):
 a model with such layers depends on the choice (``rounds_otherwise``), and a
-checkpoint records which form ran (``towers.output.checkpoint``).
-
-One choice per thread: the choice of the CPU forms and of cuDNN is a
-context variable (``contextvars``), so two ``Trainer`` objects fitting in two
-threads of one process each run their own; a ``Trainer``'s executor records
-its choice and makes it its thread's again at each step (another ``Trainer``
-may have chosen since in the same thread), in training, evaluation and
-prediction, and its tower threads run in a copy of the calling thread's
-context (``towers.devices.cpu_threads``, the bucket thread of
-``towers.parallel.overlap``).  The GEMM binding stays one per process
-(``towers.devices.matmul``).
+checkpoint records which form ran (``Forms.name``, ``towers.output.checkpoint``).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 
 from towers.devices import matmul
 from towers.errors import UserError, notice
@@ -49,46 +49,59 @@ from towers.ops.numba_jit import numba_module, warm_up
 MODES = ("auto", "numba", "numpy")
 #: The values of ``gpu_conv``: ``cudnn`` requires the cuDNN frontend, ``auto`` takes it where it starts.
 GPU_CONVS = ("im2col", "cudnn", "auto")
+#: The values of ``Forms.gemm``: whose cuBLAS binding the device GEMMs call.
+GEMM_BINDINGS = ("cupy", "nvmath")
 
 #: ``auto`` loads the compiled loops for models of this many parameters or more: the update, L2 and all-reduce
 #: passes they fuse grow with the model (the MLP 784-500-10, 0.4 M: 0.4-0.5 ms of a 3.4 ms step saved; the
 #: default digits MLP, 37.5 k: about 0.12 ms, so numba's start, 0.75 s, costs its 2,000-step run more than it saves).
 WORTH_PARAMS = 100_000
 
-# The choice, (whether host arrays take the compiled loops, whether device convolutions run on cuDNN
-# (towers.devices.cudnn)): the thread's own (None: it made none), else the last one made in the process.
-_CHOICE: contextvars.ContextVar = contextvars.ContextVar("towers_ops_forms", default=None)
-_LAST = [(False, False)]
+
+@dataclasses.dataclass(frozen=True)
+class Forms:
+    """The forms a tower's ops run: ``compiled`` (host arrays: numba's loops, else NumPy's passes), ``cudnn``
+    (device convolutions on cuDNN, else im2col and cuBLAS), ``gemm`` (the device GEMMs' cuBLAS binding:
+    ``"cupy"`` or ``"nvmath"``)."""
+
+    compiled: bool = False
+    cudnn: bool = False
+    gemm: str = "cupy"
+
+    def __post_init__(self):
+        if self.gemm not in GEMM_BINDINGS:
+            raise ValueError(f"GEMM binding {self.gemm!r}: use one of {', '.join(GEMM_BINDINGS)}")
+
+    @property
+    def name(self) -> str:
+        """What runs the CPU's kernels, as a checkpoint records it: ``"numba"`` or ``"numpy"``."""
+        return "numba" if self.compiled else "numpy"
+
+    @contextlib.contextmanager
+    def active(self):
+        """These forms current inside the block (in this thread, and in the threads that copy its context); the
+        ones current before after it."""
+        token = _CURRENT.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT.reset(token)
 
 
-def _choice() -> tuple:
-    return _CHOICE.get() or _LAST[0]
+#: The forms outside any scope: NumPy's passes, im2col, CuPy's binding.
+NUMPY = Forms()
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("towers_ops_forms", default=NUMPY)
 
 
-def _set(compiled_loops: bool, cudnn: bool) -> None:
-    _LAST[0] = choice = (bool(compiled_loops), bool(cudnn))
-    _CHOICE.set(choice)
+def current() -> Forms:
+    """The forms the ops run now: the innermost ``Forms.active`` scope's, else ``NUMPY``."""
+    return _CURRENT.get()
 
 
-def compiled() -> bool:
-    """Whether ops on host arrays run their compiled (numba) form."""
-    return _choice()[0]
-
-
-def cudnn_conv() -> bool:
-    """Whether convolutions on device arrays run on cuDNN (else im2col and cuBLAS)."""
-    return _choice()[1]
-
-
-def gemm_binding() -> str:
-    """Whose cuBLAS binding the device GEMMs call: ``"cupy"``, or ``"nvmath"`` (nvmath-python's, which a CUDA graph
-    capture accepts: ``towers.devices.matmul``, which holds this part of the choice)."""
-    return matmul.binding()
-
-
-def name() -> str:
-    """The choice as a checkpoint records it: ``"numba"`` or ``"numpy"``."""
-    return "numba" if compiled() else "numpy"
+def host(mode: str) -> Forms:
+    """The forms of ``mode`` for host arrays (``"numba"`` requires numba; ``"auto"``: numba where it imports),
+    the rest as ``NUMPY``: for tests, tools and a ``Replica`` made by hand."""
+    return Forms(compiled=available(mode))
 
 
 def worth_loading(model) -> bool:
@@ -128,8 +141,8 @@ def available(mode: str) -> bool:
         return False
 
 
-def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=None, cuda_graphs: bool = False) -> str:
-    """Make the thread's choice for a run (module doc) and return it as ``name`` does.
+def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=None, cuda_graphs: bool = False) -> Forms:
+    """The ``Forms`` of a run (module doc): nothing is made current.
 
     With the compiled loops, every kernel is loaded from numba's disk cache
     (or compiled: about a second a kernel, once per machine) now, not in the
@@ -146,13 +159,13 @@ def choose(mode: str, model, cpu_towers: bool, gpu_conv: str = "im2col", gpu=Non
     if gpu_conv not in GPU_CONVS:
         raise UserError(f"`gpu_conv` {gpu_conv!r} is unknown: use one of {', '.join(GPU_CONVS)}")
     on = cpu_towers and (mode != "auto" or worth_loading(model)) and available(mode)
-    use(on)
     if on:
-        warm_up()
+        with Forms(compiled=True).active():
+            warm_up()
     convolves = any(layer.convolves() for layer in model.layers)
-    _set(on, gpu is not None and gpu_conv != "im2col" and convolves and _cudnn_starts(gpu_conv, gpu))
-    matmul.use_binding("nvmath" if gpu is not None and cuda_graphs and _nvmath_starts(gpu) else "cupy")
-    return name()
+    cudnn = gpu is not None and gpu_conv != "im2col" and convolves and _cudnn_starts(gpu_conv, gpu)
+    gemm = "nvmath" if gpu is not None and cuda_graphs and _nvmath_starts(gpu) else "cupy"
+    return Forms(compiled=on, cudnn=cudnn, gemm=gemm)
 
 
 def _nvmath_starts(gpu) -> bool:
@@ -171,34 +184,6 @@ def _cudnn_starts(gpu_conv: str, gpu) -> bool:
     if why is not None and gpu_conv == "cudnn":
         raise UserError(f"`gpu_conv` cudnn: {why}; or set `gpu_conv` to auto or im2col")
     return why is None
-
-
-def current() -> tuple:
-    """The whole choice, for ``restore``."""
-    return (*_choice(), matmul.binding())
-
-
-def restore(choice: tuple) -> None:
-    """Make ``choice`` (from ``current``) the thread's again."""
-    _set(*choice[:2])
-    matmul.use_binding(choice[2])
-
-
-def use(on: bool) -> None:
-    """Set the thread's choice: the compiled loops (``on``) or NumPy's passes."""
-    _set(on, cudnn_conv())
-
-
-@contextlib.contextmanager
-def using(mode: str):
-    """The choice for ``mode`` (``"numba"`` requires numba; ``"auto"``: numba where it imports) inside the
-    block, the previous one after it."""
-    before = compiled()
-    use(available(mode))
-    try:
-        yield
-    finally:
-        use(before)
 
 
 def _numpy_version() -> str:
