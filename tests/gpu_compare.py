@@ -91,7 +91,7 @@ class Training:
         return flat(self.tr.get_weights())
 
     def result(self) -> Run:
-        from towers.devices.placement import to_host
+        from towers.arrays import to_host
 
         tr = self.tr
         tr.finish()

@@ -44,7 +44,8 @@ from towers.data.inputs import is_tfrecord
 from towers.data.loading import labelled, load_dataset, load_test_data, load_unlabelled
 from towers.data.pipeline import DataSpec, describe
 from towers.devices.cpu_threads import input_workers, limit_blas
-from towers.devices.placement import Device, check_host, resolve
+from towers.devices.placement import Device, resolve
+from towers.arrays import check_host
 from towers.errors import UserError, notice
 from towers.nn.models import build_model
 from towers.nn.replica import Replica

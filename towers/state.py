@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.placement import check_host, to_host
+from towers.arrays import check_host, to_host
 from towers.errors import UserError
 
 

@@ -10,7 +10,8 @@ from tests.conftest import DIGITS, cuda_count, cupy_performance_warnings_fail, r
 from tests.ops.test_update_forms import VARIANTS as UPDATE_VARIANTS
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset
-from towers.devices.placement import resolve, to_host
+from towers.devices.placement import resolve
+from towers.arrays import to_host
 from towers import Config, Trainer
 
 pytestmark = [pytest.mark.gpu, *cupy_performance_warnings_fail()]

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import cupy_performance_warnings_fail
 from tests.gpu_compare import DRY, record, rel, xp
-from towers.devices.placement import to_host
+from towers.arrays import to_host
 from towers.nn.conv import Conv2D
 from towers.nn.dropout import Dropout
 from towers.nn.layers import Dense, Flatten, ReLU, Sequential

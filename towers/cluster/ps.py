@@ -53,7 +53,7 @@ from towers.cluster.keeping import HostKeeping, compare_hosts
 from towers.cluster.session import same_priority
 from towers.cluster.state import Answering
 from towers.data.batches import InputPosition
-from towers.devices.placement import to_host
+from towers.arrays import to_host
 from towers.errors import UserError
 from towers.nn.replica import Replica
 from towers.ops.forms import choose as choose_forms

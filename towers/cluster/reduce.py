@@ -37,7 +37,7 @@ import time
 import numpy
 
 from towers.cluster.board import Barrier, Board
-from towers.devices.placement import to_host
+from towers.arrays import on_host, to_host
 from towers.parallel.reducers import Reducer
 
 
@@ -143,7 +143,7 @@ class ObjectStoreMean(_Timed):
 
 def _copy_into(buf, host: numpy.ndarray) -> None:
     """``buf[...] = host``, onto ``buf``'s device when it is a CuPy array."""
-    if isinstance(buf, numpy.ndarray):
+    if on_host(buf):
         buf[...] = host
     else:
         buf.set(host)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy
 from numpy.lib import format as npy
 
-from towers.devices.placement import check_host
+from towers.arrays import check_host
 from towers.errors import UserError
 
 # At most 2**20 classes (labels 0..1048575).  The class count sizes the output

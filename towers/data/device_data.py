@@ -24,7 +24,7 @@ import numpy
 
 from towers.data.dataset import OnDemand, input_scale
 from towers.devices import kernels
-from towers.devices.placement import empty_pinned
+from towers.arrays import empty_pinned
 
 FRACTION = 0.25  # of a device's free memory the training set may take
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy
 
 from towers.data.dataset import input_scale
-from towers.devices.placement import empty_pinned
+from towers.arrays import empty_pinned
 
 
 class Stager:

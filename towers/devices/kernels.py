@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.placement import array_module
+from towers.arrays import array_module, on_host
 
 _BLOCK = 256
 _MAX_GRID = 65535 * 8
@@ -135,11 +135,6 @@ def warm_up() -> None:
     """Compile (or load from the disk cache) every kernel on the current device now."""
     for name in kernel_names():
         _ = raw_kernel(name).attributes  # forces compilation and loading on this device
-
-
-def on_host(a) -> bool:
-    """Whether ``a`` is a NumPy array (the CPU path of a kernel), not a device array."""
-    return isinstance(a, numpy.ndarray)
 
 
 _FUNCS: dict = {}  # (RawKernel, device id) -> its loaded CUDA function

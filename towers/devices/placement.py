@@ -72,49 +72,6 @@ def on_stream(stream):
     return stream if stream is not None else contextlib.nullcontext()
 
 
-def array_module(a):
-    """The array module an array lives on: NumPy for host arrays, CuPy for device arrays."""
-    if isinstance(a, numpy.ndarray):
-        return numpy
-    import cupy
-
-    return cupy
-
-
-def to_host(a, copy: bool = False) -> numpy.ndarray:
-    """A device array as a NumPy array (a sync point on GPU); ``copy`` also copies host arrays."""
-    if hasattr(a, "get"):
-        return a.get()
-    return numpy.array(a, copy=True) if copy else a
-
-
-def check_host(a, what: str) -> None:
-    """A ``UserError`` starting with ``what`` if ``a`` is a device array (CuPy's): the API takes host arrays.
-
-    towers copies each tower's share of a batch, and weights, to its device
-    itself; a device array handed in would be copied back and forth, and
-    NumPy's and CuPy's refusals of each other's arrays are TypeErrors from
-    deep inside the step.
-    """
-    if hasattr(a, "__cuda_array_interface__"):
-        raise UserError(f"{what} is a {type(a).__module__.split('.')[0]}.{type(a).__name__} in GPU memory; give a "
-                        "host (NumPy) array, e.g. its .get(): towers copies each tower's share to its device itself")
-
-
-def empty_pinned(shape, dtype):
-    """An uninitialized NumPy array in page-locked host memory (GPU copies from it run async).
-
-    What ``cupyx.empty_pinned`` does, without importing ``cupyx``: its package
-    import pulls in cupyx.scipy.sparse, 0.37 s of the GPU job's start-up on the
-    H200 machine.
-    """
-    import cupy
-
-    shape = tuple(shape)
-    nbytes = max(int(numpy.prod(shape, dtype=numpy.int64)) * numpy.dtype(dtype).itemsize, 1)
-    return numpy.ndarray(shape, dtype=dtype, buffer=cupy.cuda.alloc_pinned_memory(nbytes))
-
-
 #: How to get CuPy and NCCL for GPUs: the extras (pyproject.toml), by the CUDA major version of the driver.
 GPU_EXTRAS = ("pip install 'towers[cuda12]' or 'towers[cuda13]' (the CUDA version nvidia-smi shows; "
               "in a checkout: pip install -e '.[cuda12]')")

@@ -44,6 +44,8 @@ from typing import Callable
 
 import numpy
 
+from towers.arrays import empty_pinned, on_host
+
 
 class StepScalars:
     """Per-step float32 numbers of one replica, on the host and in one device array the kernels read.
@@ -113,10 +115,9 @@ class StepScalars:
             self._upload(n)
 
     def _upload(self, n: int) -> None:
-        if self.xp is numpy:
+        if on_host(self._device):
             self._device[:n] = self._host[:n]
             return
-        from towers.devices.placement import empty_pinned
 
         if self._pinned is None:
             self._pinned = [[empty_pinned((self.SLOTS,), numpy.float32), None] for _ in range(2)]

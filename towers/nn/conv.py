@@ -65,7 +65,7 @@ Output shapes and padding follow ``towers.nn.windows``.
 """
 from __future__ import annotations
 
-from towers.devices.kernels import on_host
+from towers.arrays import on_host
 from towers.errors import UserError
 from towers.nn.layers import Exported, Layer, Param
 from towers.nn.pooling import MaxPool2D  # it lived here: kept importable from here

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.placement import array_module, check_host
+from towers.arrays import array_module, check_host
 from towers.nn.layers import Workspace
 from towers.ops.softmax_xent import softmax_xent
 

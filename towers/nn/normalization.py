@@ -70,7 +70,7 @@ import functools
 
 import numpy
 
-from towers.devices.kernels import on_host
+from towers.arrays import on_host
 from towers.errors import UserError
 from towers.nn.layers import Exported, Layer, Param, rows_in
 from towers.ops import batch_norm

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.kernels import on_host
+from towers.arrays import on_host
 from towers.ops.codegen.elementwise import Elementwise
 from towers.ops.gemm import sgemm
 

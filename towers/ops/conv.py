@@ -12,7 +12,7 @@ would take cuDNN (the layer makes the KRSC copy of its kernel only then).
 from __future__ import annotations
 
 from towers.devices import cudnn
-from towers.devices.kernels import on_host
+from towers.arrays import on_host
 from towers.ops.forms import current as current_forms
 
 

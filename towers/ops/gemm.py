@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.kernels import on_host
+from towers.arrays import on_host
 from towers.devices import matmul
-from towers.devices.placement import array_module
+from towers.arrays import array_module
 from towers.ops.forms import current as current_forms
 
 

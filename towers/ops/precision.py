@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy
 
 from towers.devices import kernels as device
-from towers.devices.placement import array_module
+from towers.arrays import array_module, on_host
 
 #: The values of ``--precision``: the format the forward and backward compute in.
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -90,7 +90,7 @@ def round_to(x, precision: str) -> None:
         raise ValueError(f"round_to rounds float32 arrays, got {x.dtype}")
     if x.size == 0:
         return
-    if not isinstance(x, numpy.ndarray) and device.takes(x) and x.flags.c_contiguous:
+    if not on_host(x) and device.takes(x) and x.flags.c_contiguous:
         device.launch_named("round_" + precision, x.size, x, numpy.int32(x.size))
         return
     xp = array_module(x)

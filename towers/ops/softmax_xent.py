@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.kernels import check_contiguous, launch_named, on_host, register, takes
+from towers.devices.kernels import check_contiguous, launch_named, register, takes
+from towers.arrays import on_host
 
 _i = numpy.int32  # a kernel's int argument
 

@@ -25,7 +25,7 @@ the first tower's device.
 """
 from __future__ import annotations
 
-from towers.devices.placement import array_module
+from towers.arrays import array_module
 from towers.ops.codegen.elementwise import Elementwise
 
 

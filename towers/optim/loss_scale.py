@@ -45,7 +45,7 @@ import math
 
 import numpy
 
-from towers.devices.placement import array_module
+from towers.arrays import array_module
 from towers.errors import UserError
 from towers.state import count, under
 

@@ -60,7 +60,7 @@ import importlib
 import numpy
 
 from towers.errors import TrainingError, UserError
-from towers.devices.placement import to_host
+from towers.arrays import to_host
 from towers.ops.precision import ALLREDUCE_DTYPES, round_to
 from towers.optim.loss_scale import LossScaler
 from towers.parallel.buckets import plan_buckets

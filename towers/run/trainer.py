@@ -39,7 +39,8 @@ from towers.data.kinds import is_synthetic
 from towers.data.loading import load_dataset
 from towers.data.pipeline import describe
 from towers.devices.cpu_threads import input_workers
-from towers.devices.placement import Placement, check_host, resolve
+from towers.devices.placement import Placement, resolve
+from towers.arrays import check_host
 from towers.errors import TrainingError, UserError, notice
 from towers.run.executor import Executor
 from towers.run.local import LocalExecutor

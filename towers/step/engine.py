@@ -74,7 +74,7 @@ from towers.devices.cpu_threads import TowerThreads, chunks
 from towers.errors import UserError
 from towers.nn.context import TowerSync
 from towers.parallel.sync import check_replicas
-from towers.devices.placement import check_host
+from towers.arrays import check_host
 from towers.state import count
 from towers.step.tower import QUIET
 

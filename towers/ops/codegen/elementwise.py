@@ -40,7 +40,7 @@ import threading
 import numpy
 
 from towers.devices import kernels as device
-from towers.devices.placement import array_module
+from towers.arrays import array_module, on_host
 from towers.ops.forms import current as current_forms
 from towers.ops.codegen.cuda_form import CudaKernel
 from towers.ops.codegen.cuda_form import source as cuda_text
@@ -152,7 +152,7 @@ class Elementwise:
             args = list(args)
             for i in self._scalar_at:
                 args[i] = dt(args[i])
-        if isinstance(lead, numpy.ndarray):
+        if on_host(lead):
             if self.compiled and current_forms().compiled and self._flat(args, lead):
                 cols = self._cols(args)
                 self._check(args, lead, cols)

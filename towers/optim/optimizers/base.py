@@ -49,7 +49,7 @@ import types
 
 import numpy
 
-from towers.devices.placement import array_module
+from towers.arrays import array_module, on_host
 from towers.ops.codegen import expr
 from towers.ops.codegen.elementwise import Elementwise
 from towers.optim.ema import ema
@@ -135,7 +135,7 @@ class Optimizer:
         """
         if part is None:
             part = slice(None)
-        elif self.xp is not numpy:
+        elif not on_host(self.params):
             raise ValueError("Optimizer.step(part=...) is for CPU buffers only")
         t = self.dtype
         scalars = [t(v) for v in self._scalars(lr, step)]
@@ -185,5 +185,5 @@ class Optimizer:
 
     def warm_up(self) -> None:
         """Load (or compile) the update's compiled CPU form now, where the process chose it: not in a step."""
-        if self.xp is numpy:
+        if on_host(self.params):
             self._op.warm_up()
