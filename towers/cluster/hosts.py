@@ -58,11 +58,11 @@ class Host(Answering):
 
         towers = self.placement.towers
         # NCCL ranks: one per device group (GPU hosts; with a stand-in NCCL module, the CPU group too).
-        ranks = len(self.placement.groups) if any(d.is_gpu for d in towers) or self.nccl is not None else 0
+        ranks = len(self.placement.groups) if self.placement.gpus or self.nccl is not None else 0
         return {"towers": len(towers), "ranks": ranks, "devices": [str(d) for d in towers],
                 "notice": self.placement.notice, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(), "cores": cpu_count(),
-                "cpu": not any(d.is_gpu for d in towers)}
+                "cpu": not self.placement.gpus}
 
     def unique_id(self) -> bytes:
         """The NCCL id of the cross-host communicator (asked of host 0 only)."""

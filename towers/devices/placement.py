@@ -134,6 +134,11 @@ class Placement:
         return seen
 
     @property
+    def cpu_towers(self) -> int:
+        """How many towers run on the CPU."""
+        return sum(not d.is_gpu for d in self.towers)
+
+    @property
     def groups(self) -> list[list[int]]:
         """Tower indices grouped by device, in order of each device's first tower."""
         order: dict[Device, list[int]] = {}

@@ -89,7 +89,7 @@ def resume(trainer, found: tuple[str, dict]) -> Resume:
     """
     cfg = trainer.cfg
     placement = getattr(trainer, "placement", None)  # None: a cluster's hosts place their own towers
-    cpu_only = placement is not None and not any(d.is_gpu for d in placement.towers)
+    cpu_only = placement is not None and not placement.gpus
     found = check_resume(cfg, *found, trainer.dataset, trainer.n_towers, getattr(trainer, "data_path", None),
                          cpu_only)
     model_weights(trainer.model, found.arrays, "params", found.path,

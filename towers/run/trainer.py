@@ -164,14 +164,14 @@ class Trainer:
             if self.placement.notice:
                 notice(self.placement.notice)
             unused = gpu_only_set(cfg)
-            if unused and not any(d.is_gpu for d in self.placement.towers):
+            if unused and not self.placement.gpus:
                 one = len(unused) == 1
                 notice(f"{', '.join(unused)} {'is' if one else 'are'} for GPU towers only: these towers run on the CPU "
                        f"and compute as without {'it' if one else 'them'}")
         # -- data (host): validated like a file, whatever its origin (a cluster's driver: before Ray starts).
         shipped = dataset
         if dataset is None:
-            cpu_towers = 0 if cluster else sum(not d.is_gpu for d in self.placement.towers)
+            cpu_towers = 0 if cluster else self.placement.cpu_towers
             # The decoded-image cache is for one host: a cluster's data set travels to its hosts.
             cache = cfg.cache_images_mib if cfg.cache_images and not cluster else None
             def load(cfg):
