@@ -38,9 +38,10 @@ and never runs a tower's optimizer:
   hooks; ``towers.parallel.overlap``), and ``average`` waits for the last;
 * ``PeriodicAveraging(every)`` (weights mode, like PyTorch's
   ``PeriodicModelAverager``): not shared -- ``average`` returns each tower's
-  own gradient, with no barrier; every ``every`` steps ``step_done`` joins
-  the tower threads and averages the parameters, every optimizer slot and
-  the model buffers, then the EMA follows.  It owns the averages' count (the
+  own gradient, with no barrier; every ``every`` steps (``averages_at``:
+  the engine joins the tower threads first) ``step_done`` averages the
+  parameters, every optimizer slot and the model buffers, then the EMA
+  follows.  It owns the averages' count (the
   EMA's, saved as ``sync/n_averages``) and the step of the last average,
   when replicas are compared.
 
@@ -162,11 +163,15 @@ class Keeping:
         backward was given (None when it gave none).  A keeper reduces buffers and decides; it does not update."""
         raise NotImplementedError  # pragma: no cover - interface
 
-    def step_done(self, towers: list, step: int, wait) -> None:
-        """The step count became ``step``; ``wait()`` joins the tower threads."""
+    def averages_at(self, step: int) -> bool:
+        """Whether ``step_done`` at ``step`` reads the towers' buffers (the engine joins the tower threads first)."""
+        return False
 
-    def finish(self, towers: list, step: int, wait) -> None:
-        """End of training at ``step``."""
+    def step_done(self, towers: list, step: int) -> None:
+        """The step count became ``step`` (the tower threads joined when ``averages_at(step)``)."""
+
+    def finish(self, towers: list, step: int) -> None:
+        """End of training at ``step`` (the tower threads joined)."""
 
     def agreed(self, step: int) -> None:
         """The replicas were just set to one value at ``step`` (a load, ``set_weights``)."""
@@ -328,13 +333,16 @@ class PeriodicAveraging(Keeping):
         """Each tower's own gradient, unaveraged: the replicas meet in ``step_done``."""
         return [t.replica.grads for t in towers]
 
-    def step_done(self, towers, step, wait) -> None:
-        if step % self.every == 0:
-            self.average_weights(towers, step, wait)
+    def averages_at(self, step: int) -> bool:
+        return step % self.every == 0
 
-    def average_weights(self, towers: list, step: int, wait) -> None:
-        """Average parameters, optimizer state and model buffers over the towers, then update the EMA."""
-        wait()  # the tower threads' updates are complete
+    def step_done(self, towers, step) -> None:
+        if self.averages_at(step):
+            self.average_weights(towers, step)
+
+    def average_weights(self, towers: list, step: int) -> None:
+        """Average parameters, optimizer state and model buffers over the towers, then update the EMA (the
+        tower threads' updates complete: the engine joined them)."""
         reps = [t.replica for t in towers]
         self._mean([r.params for r in reps])
         for slot in towers[0].optimizer.state:
@@ -346,10 +354,10 @@ class PeriodicAveraging(Keeping):
             self.ema.update(reps[0].params, self.n_averages)  # this average included, as TF counts
         self.last_average = step
 
-    def finish(self, towers, step, wait) -> None:
+    def finish(self, towers, step) -> None:
         """A last average if steps were taken since."""
         if self.last_average != step:
-            self.average_weights(towers, step, wait)
+            self.average_weights(towers, step)
 
     def agreed(self, step: int) -> None:
         self.last_average = step

@@ -56,9 +56,10 @@ Sync points: none inside a step on a GPU without ``sync_bn`` (fp16: the
 finite check of the averaged gradient is read back); with tower threads (CPU
 towers, or ``sync_bn``) host barriers inside the step (after compute, and two
 per batch-norm layer with ``sync_bn``), ``run`` returns when tower 0's share
-is done and ``synchronize`` joins the rest (the keeper joins them before an
-average of weights; ``want_loss`` with a keeper that is not shared joins them
-at once).  The loss leaves the device only when asked for (``want_loss``).
+is done and ``synchronize`` joins the rest (so do a step the keeper averages
+weights at, ``averages_at``, and ``finish``; ``want_loss`` with a keeper
+that is not shared joins them at once).  The loss leaves the device only
+when asked for (``want_loss``).
 
 All-reduces are counted once, by the keeper's ``Counted`` reducer
 (``all_reduces``): one per step in grads mode, whatever ``accumulate`` (a
@@ -240,8 +241,10 @@ class StepEngine:
 
     def _step_done(self, losses):
         self.step += 1
+        if self.keeper.averages_at(self.step):
+            self._wait_threads()  # the keeper reads every tower's buffers
         with numpy.errstate(**QUIET):
-            self.keeper.step_done(self.towers, self.step, self._wait_threads)
+            self.keeper.step_done(self.towers, self.step)
         self.timer.step_done()
         return losses
 
@@ -264,8 +267,9 @@ class StepEngine:
 
     def finish(self) -> None:
         """End of training (weights mode: a last average if steps were taken since)."""
+        self._wait_threads()
         with numpy.errstate(**QUIET):
-            self.keeper.finish(self.towers, self.step, self._wait_threads)
+            self.keeper.finish(self.towers, self.step)
 
     def agreed(self) -> None:
         """The replicas were just set to one value (a load, ``set_weights``): the next check compares against it."""
