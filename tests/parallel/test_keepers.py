@@ -1,7 +1,11 @@
 """The step engine's keepers (``towers.parallel.sync``) and the one all-reduce count (``Counted``).
 
-The engine runs a step and hands the update to its keeper: a keeper of our
-own that never averages must leave each tower where one tower alone would be.
+The engine runs a step and asks its keeper for the gradients each tower's
+update applies (``average``), then updates the towers itself: a keeper of
+our own that never averages must leave each tower where one tower alone
+would be; one that hands every tower the first tower's gradient must make
+every replica the first tower's run; one that returns None must leave the
+weights and the EMA where they were.
 The count is the communication report's: one per grads step on serial or
 threaded towers (a sliced all-reduce counts once), sync-BN's statistic
 averages not counted.
@@ -24,13 +28,28 @@ class Alone(Keeping):
 
     shared = False
 
-    def update(self, towers_, part, lr, step, on):
+    def average(self, towers_, part, on, buckets=None):
         assert part is None
-        for t in towers_:
-            t.update(t.replica.grads, lr, step)
+        return [t.replica.grads for t in towers_]
 
     def comparable(self, step):
         return False
+
+
+class FirstTowers(Keeping):
+    """Every tower applies the first tower's gradient (a slice of it on tower threads): a strategy that returns
+    buffers of its own choosing, as a communication hook does."""
+
+    def average(self, towers_, part, on, buckets=None):
+        first = towers_[0].replica.grads
+        return [first if part is None else first[part]] * len(towers_)
+
+
+class Never(Keeping):
+    """Every step is skipped, as fp16's overflow skips one."""
+
+    def average(self, towers_, part, on, buckets=None):
+        return None
 
 
 def _batches(steps: int, rows: int):
@@ -62,6 +81,41 @@ def test_a_custom_keeper_decides_how_replicas_stay_together(cpu_towers):
                 one.train_step(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
             numpy.testing.assert_allclose(got[i], one.executor.replicas[0].params, rtol=1e-6, atol=1e-7)
     assert not numpy.array_equal(got[0], got[1])
+
+
+@pytest.mark.parametrize("cpu_towers", ["serial", "threads"])
+def test_the_engine_updates_every_tower_with_the_buffers_its_keeper_returns(cpu_towers):
+    steps, b = 3, SMALL["batch_size"]
+    data = _batches(steps, 2 * b)
+    with towers.Trainer(towers.Config(**SMALL, n_gpu=2, cpu_towers=cpu_towers, sync="weights")) as tr:
+        tr.executor.engine.keeper = FirstTowers(tr.executor.reducer, tr.executor.timer)
+        for x, y in data:
+            tr.train_step(x, y)
+        tr.synchronize()
+        assert tr.all_reduces == 0
+        got = [r.params.copy() for r in tr.executor.replicas]
+    with towers.Trainer(towers.Config(**SMALL, n_gpu=1)) as one:  # tower 0 alone on its slice of every batch
+        for x, y in data:
+            one.train_step(x[:b], y[:b])
+        want = one.executor.replicas[0].params
+    for g in got:
+        numpy.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("sync", ["grads", "weights"])
+def test_a_keeper_that_returns_none_skips_the_update_and_the_ema(sync):
+    with towers.Trainer(towers.Config(**SMALL, n_gpu=2, sync=sync)) as tr:
+        before, ema = tr.get_weights(), tr.get_weights(ema=True)
+        keeper = Never(tr.executor.reducer, tr.executor.timer)
+        keeper.same_updates = True  # grads mode's CPU towers share one buffer: what it returns they apply once
+        tr.executor.engine.keeper = keeper
+        for x, y in _batches(2, 2 * SMALL["batch_size"]):
+            tr.train_step(x, y)
+        assert tr.step == 2
+        for name, w in tr.get_weights().items():
+            numpy.testing.assert_array_equal(w, before[name], err_msg=name)
+        for name, w in tr.get_weights(ema=True).items():
+            numpy.testing.assert_array_equal(w, ema[name], err_msg=name)
 
 
 def bn_model():

@@ -25,9 +25,10 @@ i's ``ready`` (``Replica.mean_loss_and_grads``):
    first waits for bucket b's event on every tower's compute stream, so the
    all-reduce of bucket b runs while the compute streams go on with the earlier
    layers (the reducer's ``on_streams``: the same NCCL communicators);
-3. before the update (``finish``) every compute stream waits for its GPU's
-   all-reduce stream, the bucket thread's averages are joined (an error there
-   is raised here); that every bucket was issued is checked.
+3. in the keeper's ``average``, before the update (``finish``), every
+   compute stream waits for its GPU's all-reduce stream, the bucket
+   thread's averages are joined (an error there is raised here); that every
+   bucket was issued is checked.
 
 Counting (``Counted``): each range of a bucket is one reducer call and counts
 as one all-reduce; a bucket holds two ranges in general (the buffer keeps the

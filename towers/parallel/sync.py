@@ -15,27 +15,35 @@ up with the number of averages.  With K=1 and plain SGD this is the same
 computation as grads mode up to float rounding (the mean of the updated
 weights equals the weights updated with the mean gradient).
 
-The step engine (``towers.step.engine``) decides who runs a step (one
-worker, or one thread per tower) and delegates how replicas stay together to
-one keeper, which reduces through ``Counted(reducer)`` (the run's all-reduce
-count, ``towers.parallel.reducers``):
+The step engine (``towers.step.engine``) runs a step and updates the towers;
+how replicas stay together is one keeper's, a strategy of buffers in and
+buffers out (as a DDP communication hook is a function from a bucket to its
+average): after compute the engine asks ``average(towers, part, on)`` for
+the gradients each tower's update applies, or None to skip the update, and
+at the end of every step it calls ``step_done``.  A keeper reduces through
+``Counted(reducer)`` (the run's all-reduce count, ``towers.parallel.reducers``)
+and never runs a tower's optimizer:
 
 * ``GradientAveraging`` (grads mode; also a parameter server's hosts, whose
-  towers reduce their gradients before the push): ``shared`` -- a worker's update needs every tower's
-  gradients, so on tower threads the engine puts its barrier between compute
-  and update; then ``reduce`` averages the gradient buffers (whole, or slice
-  ``part`` of every tower's by each thread) and ``apply`` runs every replica's
-  optimizer step on them (one step for towers sharing a buffer: ``Tower.update``).
+  towers average their gradients before the push): ``shared`` -- a worker's
+  update needs every tower's gradients, so on tower threads the engine puts
+  its barrier between compute and average; ``average`` makes the gradient
+  buffers (whole, or slice ``part`` of every tower's by each thread) their
+  mean and returns them; fp16's ``LossScaler`` then unscales the mean or
+  skips the step (None): the decision is a property of the averaged
+  gradient, the same bytes on every replica, and its state (the scale) is
+  this keeper's, which the next step's backward reads (``loss_scale``).
   With ``allreduce_bucket_mib`` the average runs during backward instead,
   bucket by bucket (``bind`` plans them once, ``buckets`` gives each step's
-  hooks; ``towers.parallel.overlap``), and the update waits for the last;
+  hooks; ``towers.parallel.overlap``), and ``average`` waits for the last;
 * ``PeriodicAveraging(every)`` (weights mode, like PyTorch's
-  ``PeriodicModelAverager``): not shared -- each tower updates alone, with no
-  barrier; every ``every`` steps ``step_done`` joins the tower threads and
-  averages the parameters, every optimizer slot and the model buffers, then
-  the EMA follows.  It owns the averages' count (the EMA's, saved as
-  ``sync/n_averages``) and the step of the last average, when replicas are
-  compared.
+  ``PeriodicModelAverager``): not shared -- ``average`` returns each tower's
+  own gradient, with no barrier; every ``every`` steps (``averages_at``:
+  the engine joins the tower threads first) ``step_done`` averages the
+  parameters, every optimizer slot and the model buffers, then the EMA
+  follows.  It owns the averages' count (the
+  EMA's, saved as ``sync/n_averages``) and the step of the last average,
+  when replicas are compared.
 
 A keeper is made by the run (``Keeping.build``): what it needs of the run's
 settings it takes itself (``period``: ``average_every``).
@@ -99,7 +107,7 @@ def check_replicas(replicas, step: int, atol: float = 0.0) -> None:
 
 
 class Keeping:
-    """How replicas stay together: the interface the step engine calls (see the module docstring).
+    """How replicas stay together: the strategy the step engine asks (see the module docstring).
 
     ``reducer`` is wrapped in ``Counted`` (``reducer.count``: the all-reduces);
     ``timer`` is the run's ``PhaseTimer``.  The defaults are those of a keeper
@@ -147,18 +155,23 @@ class Keeping:
     def close(self) -> None:
         """Stop what ``bind`` started (idempotent)."""
 
-    def update(self, towers: list, part: slice | None, lr: float, step: int, on: int, averaged=None) -> None:
-        """After compute: update ``towers`` (all of them when ``shared``, slice ``part`` of their
-        buffers or whole buffers; else the worker's own towers, whole), on worker ``on``'s timer.
-        ``averaged``: the step's ``buckets()``, whose hooks the towers' backward was given (passed only
-        when ``buckets()`` gave one)."""
+    def average(self, towers: list, part: slice | None, on: int, buckets=None) -> list | None:
+        """Phase 3 of a step, after compute: the gradient buffers the engine's update applies, one per tower of
+        ``towers`` in order, or None to skip the update.  ``towers``: all of them when ``shared`` (with ``part``
+        a slice of their flat buffers, or None: whole), else the worker's own (whole buffers); ``on``: the
+        worker, whose timer the reducer runs on; ``buckets``: the step's ``buckets()``, whose hooks the towers'
+        backward was given (None when it gave none).  A keeper reduces buffers and decides; it does not update."""
         raise NotImplementedError  # pragma: no cover - interface
 
-    def step_done(self, towers: list, step: int, wait) -> None:
-        """The step count became ``step``; ``wait()`` joins the tower threads."""
+    def averages_at(self, step: int) -> bool:
+        """Whether ``step_done`` at ``step`` reads the towers' buffers (the engine joins the tower threads first)."""
+        return False
 
-    def finish(self, towers: list, step: int, wait) -> None:
-        """End of training at ``step``."""
+    def step_done(self, towers: list, step: int) -> None:
+        """The step count became ``step`` (the tower threads joined when ``averages_at(step)``)."""
+
+    def finish(self, towers: list, step: int) -> None:
+        """End of training at ``step`` (the tower threads joined)."""
 
     def agreed(self, step: int) -> None:
         """The replicas were just set to one value at ``step`` (a load, ``set_weights``)."""
@@ -194,7 +207,7 @@ class Keeping:
 
 
 class GradientAveraging(Keeping):
-    """Grads mode: reduce the gradients, then every replica applies the same update.
+    """Grads mode: ``average`` returns the gradients' mean, which every replica's update applies.
 
     ``bucket_mib`` > 0 (``allreduce_bucket_mib``): the gradients are averaged
     in buckets of about that many MiB while the towers' backward runs
@@ -207,9 +220,10 @@ class GradientAveraging(Keeping):
     the rounded gradients, the same bytes everywhere.  ``scaler`` (fp16's
     ``towers.optim.loss_scale.LossScaler``): after the all-reduce it unscales
     the averaged gradients and decides whether the step updates; a skipped
-    step runs no optimizer update and so no EMA update (fused into it).  Its
-    decision needs the whole gradient, so with it tower threads do not split
-    the update (``splits``), and its state is saved under ``loss_scale/``.
+    step (``average`` returns None) runs no optimizer update and so no EMA
+    update (fused into it).  Its decision needs the whole gradient, so with
+    it tower threads do not split the update (``splits``), and its state is
+    saved under ``loss_scale/``.
     """
 
     same_updates = True
@@ -252,23 +266,22 @@ class GradientAveraging(Keeping):
     def loss_scale(self) -> float:
         return 1.0 if self.scaler is None else self.scaler.scale
 
-    def update(self, towers, part, lr, step, on, averaged=None) -> None:
-        if averaged is None:
-            self.reduce(towers, part, on)
+    def average(self, towers, part=None, on=0, buckets=None) -> list | None:
+        """Every tower's gradient buffer (or its slice ``part``) made the mean over all towers (of the gradients
+        rounded to ``allreduce_dtype``, each on its tower's device and stream), returned; with ``buckets`` the
+        means were issued during backward and are waited for here.  fp16: the mean unscaled, or None when it
+        is not finite (the step is skipped: no update, so no EMA)."""
+        grads = [t.replica.grads if part is None else t.replica.grads[part] for t in towers]
+        if buckets is None:
+            self._average(grads, [t.scope for t in towers], self.reducer, on, part)
         else:
-            averaged.finish()  # averaged bucket by bucket during the towers' backward
-        # fp16: the averaged gradient decides, the same on every replica (part is None: ``splits``).
-        updating = [t for t in towers if not t.shares_params]
-        if self.scaler is not None and not self.scaler.unscale([t.replica.grads for t in updating],
-                                                               [t.scope for t in updating]):
-            return  # skipped: no update, no EMA
-        self.apply(towers, part, lr, step, on)
-
-    def reduce(self, towers: list, part: slice | None = None, on: int = 0) -> None:
-        """Every tower's gradient buffer (or its slice ``part``) becomes the mean over all towers (of the
-        gradients rounded to ``allreduce_dtype``, each on its tower's device and stream)."""
-        buffers = [t.replica.grads if part is None else t.replica.grads[part] for t in towers]
-        self._average(buffers, [t.scope for t in towers], self.reducer, on, part)
+            buckets.finish()  # averaged bucket by bucket during the towers' backward
+        if self.scaler is None:
+            return grads
+        # The averaged gradient decides, the same on every replica (part is None: ``splits``); a tower that
+        # shares another's buffer has nothing of its own to unscale.
+        own = [(g, t.scope) for t, g in zip(towers, grads) if not t.shares_params]
+        return grads if self.scaler.unscale([g for g, _ in own], [scope for _, scope in own]) else None
 
     def _average(self, buffers: list, scopes: list, reducer, on: int, part: slice | None = None) -> None:
         """``buffers`` (one per tower) rounded to ``allreduce_dtype``, each in its tower's ``scopes[i]()``, then
@@ -295,13 +308,6 @@ class GradientAveraging(Keeping):
             set_scale()
         return apply
 
-    @staticmethod
-    def apply(towers: list, part: slice | None, lr: float, step: int, on: int = 0) -> None:
-        """Every tower's optimizer step on its (averaged) gradients; a slice on worker ``on``'s timer."""
-        for t in towers:
-            t.update(t.replica.grads if part is None else t.replica.grads[part], lr, step, part,
-                     timer=None if part is None else towers[on].timer)
-
 
 class PeriodicAveraging(Keeping):
     """Weights mode: each tower updates alone; every ``every`` steps average, then the EMA follows."""
@@ -323,17 +329,20 @@ class PeriodicAveraging(Keeping):
     def period(cls, cfg) -> int:
         return cfg.average_every
 
-    def update(self, towers, part, lr, step, on) -> None:
-        for t in towers:
-            t.update(t.replica.grads, lr, step)
+    def average(self, towers, part, on, buckets=None) -> list:
+        """Each tower's own gradient, unaveraged: the replicas meet in ``step_done``."""
+        return [t.replica.grads for t in towers]
 
-    def step_done(self, towers, step, wait) -> None:
-        if step % self.every == 0:
-            self.average(towers, step, wait)
+    def averages_at(self, step: int) -> bool:
+        return step % self.every == 0
 
-    def average(self, towers: list, step: int, wait) -> None:
-        """Average parameters, optimizer state and model buffers over the towers, then update the EMA."""
-        wait()  # the tower threads' updates are complete
+    def step_done(self, towers, step) -> None:
+        if self.averages_at(step):
+            self.average_weights(towers, step)
+
+    def average_weights(self, towers: list, step: int) -> None:
+        """Average parameters, optimizer state and model buffers over the towers, then update the EMA (the
+        tower threads' updates complete: the engine joined them)."""
         reps = [t.replica for t in towers]
         self._mean([r.params for r in reps])
         for slot in towers[0].optimizer.state:
@@ -345,10 +354,10 @@ class PeriodicAveraging(Keeping):
             self.ema.update(reps[0].params, self.n_averages)  # this average included, as TF counts
         self.last_average = step
 
-    def finish(self, towers, step, wait) -> None:
+    def finish(self, towers, step) -> None:
         """A last average if steps were taken since."""
         if self.last_average != step:
-            self.average(towers, step, wait)
+            self.average_weights(towers, step)
 
     def agreed(self, step: int) -> None:
         self.last_average = step

@@ -1,62 +1,65 @@
-"""The step engine: who runs one synchronous step over every tower; how replicas stay together is its keeper's.
+"""The step engine: one synchronous step over every tower, read top to bottom in ``run`` and ``_work``.
 
 A step on one global batch of ``towers x batch_size x accumulate`` host
-examples (or, with the training set on the GPUs, its row indices) runs four
-named phases per tower:
+examples (or, with the training set on the GPUs, its row indices) runs, per
+tower:
 
-1. stage:      the tower's contiguous slice onto its device (``Tower.compute``);
-2. compute:    forward and backward into the tower's flat gradient buffer;
-               with ``accumulate`` K > 1, phases 1-2 run once per micro-batch
-               of ``batch_size`` rows and the buffer ends as their mean
-               gradient (``Replica.mean_loss_and_grads``);
-3. all-reduce: in grads mode, ``reducer.average`` over every tower's
-               gradient buffer (``towers.parallel.reducers``); with
-               gradient buckets it runs inside phase 2, each bucket once
-               every tower's backward has finished its layers (the keeper's
-               ``buckets()``, whose hooks each tower's backward is given:
-               ``towers.parallel.overlap``);
-4. update:     the optimizer update (``towers.optim``); in grads mode every
-               replica applies the same one and the first also updates the
-               EMA in the same pass.
+1. stage:     the step's device rows uploaded once (``run``); each tower's
+              contiguous slice onto its device (``Tower.compute``);
+2. compute:   forward and backward into the tower's flat gradient buffer;
+              with ``accumulate`` K > 1, phases 1-2 run once per micro-batch
+              of ``batch_size`` rows and the buffer ends as their mean
+              gradient (``Replica.mean_loss_and_grads``);
+3. average:   the keeper's ``average`` (``towers.parallel.sync``), a strategy
+              that returns the gradient buffers each tower's update applies,
+              or None to skip the update (fp16's overflow): in grads mode
+              every tower's buffer made the mean over towers
+              (``reducer.average``; with gradient buckets issued inside
+              phase 2, each bucket once every tower's backward has finished
+              its layers: the keeper's ``buckets()``, whose hooks each
+              tower's backward is given, ``towers.parallel.overlap``); in
+              weights mode each tower's own gradient;
+4. update:    the engine calls each tower's ``update`` on those buffers (its
+              optimizer, ``towers.optim``; a tower sharing another's
+              parameter buffer has none: ``Tower.shares_params``);
+5. EMA:       in grads mode fused into the first tower's optimizer step
+              (phase 4); in weights mode the keeper's ``step_done``, every K
+              steps, averages the weights, optimizer slots and model buffers,
+              then updates the EMA.
 
-Phases 3-4 and what happens between steps belong to the keeper
-(``towers.parallel.sync``): ``GradientAveraging`` (3 then 4 on every tower)
-or ``PeriodicAveraging`` (weights mode: 4 on each tower alone, and every K
-steps an average of the weights, optimizer state and model buffers, which
-the EMA follows).  A ``shared`` keeper needs every tower's gradients before
-any update.
-
-Who runs the phases is the *worker* layout, the one difference between the
+Who runs phases 1-4 is the *worker* layout, the one difference between the
 two ways towers run:
 
 * one worker owning every tower (GPU towers, whose phases are queued on their
-  streams tower after tower; serial CPU towers): compute each tower, then the
-  keeper's update over whole buffers;
+  streams tower after tower; serial CPU towers): compute each tower, then
+  average and update whole buffers;
 * one worker per tower, concurrently on ``towers.devices.cpu_threads`` threads
   (CPU towers; and every tower with ``sync_bn``, GPU towers too, whose batch
   statistics meet at barriers): worker i computes tower i; with a ``shared``
-  keeper it waits at a barrier, then reduces and updates slice i of EVERY
+  keeper it waits at a barrier, then averages and updates slice i of EVERY
   tower's buffers, so the all-reduce and the update are split across cores (a
-  reducer that does not split -- NCCL, GPUs: tower 0's thread does both over
-  whole buffers).
+  reducer that does not split -- NCCL, GPUs -- or a keeper that does not,
+  fp16's: tower 0's thread does both over whole buffers); a keeper that is
+  not shared averages and updates the worker's own tower.
 
 Both call the same ``_work(mine, step)``: the worker's towers and the step's
 inputs (``Step``: its batch or staged rows, the learning rate, the step
 count, whether losses are wanted), one object made per call and bound to it;
 what is constant per worker (its slice ``part`` of the buffers) is looked up
-by its first tower.  With the training set on the GPUs the step's
-row indices are uploaded once, before the workers start, and each worker's
-gather reads the index buffer of its own step's upload (``Step.staged``).  ``gradients`` is phases 1-3 alone, through the
-gradient keeper's ``reduce``, for a parameter server's hosts
-(``towers.cluster.ps``: the server applies the update).
+by its first tower.  With the training set on the GPUs the step's row indices
+are uploaded once, before the workers start, and each worker's gather reads
+the index buffer of its own step's upload (``Step.staged``).  ``gradients``
+is phases 1-3 alone, for a parameter server's hosts (``towers.cluster.ps``:
+the server applies the update).
 
-Sync points: none inside a step on a GPU without ``sync_bn``; with tower
-threads (CPU towers, or ``sync_bn``) host barriers inside the step (after
-compute, and two per batch-norm layer with ``sync_bn``), ``run`` returns when
-tower 0's share is done and ``synchronize`` joins the rest (the keeper joins
-them before an average; ``want_loss`` with a keeper that is not shared joins
-them at once).  The loss leaves the device only when asked for
-(``want_loss``).
+Sync points: none inside a step on a GPU without ``sync_bn`` (fp16: the
+finite check of the averaged gradient is read back); with tower threads (CPU
+towers, or ``sync_bn``) host barriers inside the step (after compute, and two
+per batch-norm layer with ``sync_bn``), ``run`` returns when tower 0's share
+is done and ``synchronize`` joins the rest (so do a step the keeper averages
+weights at, ``averages_at``, and ``finish``; ``want_loss`` with a keeper
+that is not shared joins them at once).  The loss leaves the device only
+when asked for (``want_loss``).
 
 All-reduces are counted once, by the keeper's ``Counted`` reducer
 (``all_reduces``): one per step in grads mode, whatever ``accumulate`` (a
@@ -101,12 +104,6 @@ class Step:
     step: int
     loss_scale: float = 1.0
     buckets: object = None
-
-    @property
-    def averaged(self) -> dict:
-        """The keeper's ``update`` keywords: the step's buckets, when its keeper gave them (a keeper without
-        buckets is not asked to take the keyword)."""
-        return {} if self.buckets is None else {"averaged": self.buckets}
 
 
 class StepEngine:
@@ -167,12 +164,13 @@ class StepEngine:
 
     def run(self, x, y, want_loss: bool = False, indices=None):
         """One step on host batch ``x``, ``y`` (or device rows ``indices``); the towers' losses when ``want_loss``."""
-        # The step's device rows go up once, before any tower gathers its slice
-        # (GPU towers on threads too: sync-BN runs them on the pool).  ``staged``
-        # names this step's index buffers: a tower thread of the last step that
-        # is still running reads its own step's, not these.
+        # 1. stage: the step's device rows go up once, before any tower gathers
+        # its slice (GPU towers on threads too: sync-BN runs them on the pool).
+        # ``staged`` names this step's index buffers: a tower thread of the
+        # last step that is still running reads its own step's, not these.
         s = Step(x, y, self._stage_indices(indices), want_loss, self.schedule(self.step), self.step,
                  self.keeper.loss_scale, self.keeper.buckets())
+        # 1-4 by each worker (its module doc).
         if self._pool is None:
             self._work(range(len(self.towers)), s)
         else:
@@ -182,6 +180,7 @@ class StepEngine:
             self._pool.run(lambda i: self._work([i], s))
             if want_loss and not self.keeper.shared:
                 self._pool.wait()  # no barrier: wait for every tower's loss
+        # 5. the keeper's end of a step (weights mode: every K steps the weights' average, then the EMA).
         return self._step_done(list(self._losses) if want_loss else None)
 
     def _stage_indices(self, indices):
@@ -192,32 +191,38 @@ class StepEngine:
             return self.device_data.upload(indices)
 
     def _work(self, mine, s: Step) -> None:
-        """A worker's share of step ``s``: compute its towers ``mine``; then the keeper updates.
-
-        A keeper that is not ``shared`` updates the worker's own towers.  A
-        shared one updates the worker's ``part`` of every tower's buffers (on
-        tower threads, after the barrier; None: whole buffers, by the worker
-        that owns every tower or, on threads, by tower 0's).
-        """
-        for i in mine:
+        """A worker's share of step ``s``: phases 1-4 for its towers ``mine`` (the module doc)."""
+        on = mine[0]
+        for i in mine:  # 1-2. stage, forward and backward
             self._losses[i] = self._compute(i, s)
         with numpy.errstate(**QUIET):  # an overflow (fp16's skipped steps, a diverging run) is reported, not warned
-            self._update(mine, s)
+            towers, part = self._share(mine)
+            if not towers:
+                return  # tower 0's thread averages and updates whole buffers
+            grads = self.keeper.average(towers, part, on, s.buckets)  # 3. average (the keeper's strategy)
+            if grads is None:
+                return  # skipped (fp16's overflow): no update, no EMA
+            timer = None if part is None else self.towers[on].timer  # a slice: on this worker's timer
+            for t, g in zip(towers, grads):  # 4. update (grads mode: tower 0's fuses the EMA)
+                t.update(g, s.lr, s.step, part, timer=timer)
 
-    def _update(self, mine, s: Step) -> None:
-        """``_work``'s all-reduce and update (its module doc)."""
+    def _share(self, mine) -> tuple[list, slice | None]:
+        """The towers whose buffers worker ``mine`` averages and updates, and its slice ``part`` of them.
+
+        A keeper that is not ``shared``: the worker's own towers, whole.  A
+        shared one: every tower, after the barrier on tower threads (every
+        tower's gradients complete); the worker's slice of the buffers, or
+        whole buffers (the one worker; on threads tower 0's, the others none).
+        """
         on = mine[0]
         if not self.keeper.shared:
-            self.keeper.update([self.towers[i] for i in mine], None, s.lr, s.step, on, **s.averaged)
-            return
-        part = None
-        if self._pool is not None:  # one worker per tower
-            with self.timer("barrier", on):
-                self._pool.barrier.wait()  # every tower's gradients are complete
-            part = self._parts[on]
-            if part is None and on != 0:
-                return  # tower 0's thread reduces and updates whole buffers
-        self.keeper.update(self.towers, part, s.lr, s.step, on, **s.averaged)
+            return [self.towers[i] for i in mine], None
+        if self._pool is None:  # one worker owns every tower
+            return self.towers, None
+        with self.timer("barrier", on):
+            self._pool.barrier.wait()
+        part = self._parts[on]
+        return ([], None) if part is None and on != 0 else (self.towers, part)
 
     def _compute(self, i: int, s: Step):
         """Tower ``i``'s slice (rows ``i*r .. (i+1)*r`` of the host batch, or of the device rows) through phases 1-2.
@@ -236,16 +241,18 @@ class StepEngine:
 
     def _step_done(self, losses):
         self.step += 1
+        if self.keeper.averages_at(self.step):
+            self._wait_threads()  # the keeper reads every tower's buffers
         with numpy.errstate(**QUIET):
-            self.keeper.step_done(self.towers, self.step, self._wait_threads)
+            self.keeper.step_done(self.towers, self.step)
         self.timer.step_done()
         return losses
 
-    # -- a parameter server's host: phases 1-3 without the update (a GradientAveraging keeper) ----
+    # -- a parameter server's host: phases 1-3 without the update (a GradientAveraging keeper) -------
 
     def gradients(self, x, y, want_loss: bool = False):
-        """Phases 1-3 without the update: every tower's ``grads`` ends as the mean gradient (the server
-        applies it: ``towers.cluster.ps``); the step count does not move."""
+        """Phases 1-3 without the update: every tower's ``grads`` ends as the keeper's average (grads mode: the
+        mean gradient, which the server applies: ``towers.cluster.ps``); the step count does not move."""
         self.synchronize()
         if self._pool is not None and self.towers[0].replica.context.sync is not None:
             raise UserError("`sync_bn` averages batch statistics inside a synchronous step of one host's towers: "
@@ -253,15 +260,16 @@ class StepEngine:
         s = Step(x, y, None, want_loss, self.schedule(self.step), self.step)
         losses = [self._compute(i, s) for i in range(len(self.towers))]
         with numpy.errstate(**QUIET):
-            self.keeper.reduce(self.towers)
+            self.keeper.average(self.towers, None, 0)
         return losses if want_loss else None
 
     # -- keeping replicas together --------------------------------------------------------
 
     def finish(self) -> None:
         """End of training (weights mode: a last average if steps were taken since)."""
+        self._wait_threads()
         with numpy.errstate(**QUIET):
-            self.keeper.finish(self.towers, self.step, self._wait_threads)
+            self.keeper.finish(self.towers, self.step)
 
     def agreed(self) -> None:
         """The replicas were just set to one value (a load, ``set_weights``): the next check compares against it."""
