@@ -115,8 +115,8 @@ class LocalExecutor(Executor):
         self.towers = build_towers(self.placement, self.model, self.dataset, cfg, self.timer, self.share.first_tower,
                                    share=keeping.same_updates and reducer is None)
         # The forms of the ops the towers run, chosen by build_towers (a checkpoint records the CPU's): current
-        # in each tower's scope, and in this executor's calls for what runs outside a tower (the reducer, the
-        # weights mode's average, evaluation).
+        # in each tower's scope and in the step engine's calls (the reducer, weights mode's average); evaluation
+        # enters them itself (_scoring).
         self.forms = self.towers[0].forms
         self.cpu_kernels = self.forms.name
         streams = [t.stream for t in self.towers]
@@ -242,27 +242,25 @@ class LocalExecutor(Executor):
             self._prefetch = None
 
     def run_steps(self, n: int, want_loss: bool = False):
-        with self.forms.active():
-            losses = x = None
-            for k in range(n):
-                want = want_loss and k == n - 1
-                x = None
-                if self.device_data is not None:
-                    losses = self.train_step_at(self.rows.next_indices(), want)
+        losses = x = None
+        for k in range(n):
+            want = want_loss and k == n - 1
+            x = None
+            if self.device_data is not None:
+                losses = self.train_step_at(self.rows.next_indices(), want)
+            else:
+                if self._prefetch is not None:
+                    with self.timer("input wait"):
+                        x, y = self._prefetch.get()
                 else:
-                    if self._prefetch is not None:
-                        with self.timer("input wait"):
-                            x, y = self._prefetch.get()
-                    else:
-                        x, y = self.rows.next_batch()
-                    losses = self.engine.run(x, y, want)
-                if self.step == self.cfg.steps:
-                    self.finish()  # weights mode: a last average before the final checkpoint
-            return losses, x
+                    x, y = self.rows.next_batch()
+                losses = self.engine.run(x, y, want)
+            if self.step == self.cfg.steps:
+                self.finish()  # weights mode: a last average before the final checkpoint
+        return losses, x
 
     def train_step(self, x, y, want_loss: bool = False):
-        with self.forms.active():
-            return self.engine.run(x, y, want_loss)
+        return self.engine.run(x, y, want_loss)
 
     def train_step_at(self, indices, want_loss: bool = False):
         """One step on the training-set rows ``indices`` (this process's towers' rows, host ints).
@@ -272,14 +270,12 @@ class LocalExecutor(Executor):
         same float32 batch reaches each tower.
         """
         indices = check_indices(indices, self.local_batch, len(self.dataset.x))
-        with self.forms.active():
-            if self.device_data is None:
-                return self.engine.run(self.dataset.x[indices], self.dataset.y[indices], want_loss)
-            return self.engine.run(None, None, want_loss, indices)
+        if self.device_data is None:
+            return self.engine.run(self.dataset.x[indices], self.dataset.y[indices], want_loss)
+        return self.engine.run(None, None, want_loss, indices)
 
     def next_gradients(self, want_loss: bool = False):
-        with self.forms.active():
-            losses = self.engine.gradients(*self.rows.next_batch(), want_loss)
+        losses = self.engine.gradients(*self.rows.next_batch(), want_loss)
         self.synchronize()
         reps = self.replicas
         bufs = to_host(reps[0].buffers, copy=True)
@@ -293,8 +289,7 @@ class LocalExecutor(Executor):
         self.model_state.set(weights, buffers)
 
     def finish(self) -> None:
-        with self.forms.active():
-            self.engine.finish()
+        self.engine.finish()
 
     def check_replicas(self) -> bool:
         return self.engine.check_replicas()

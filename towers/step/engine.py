@@ -117,6 +117,7 @@ class StepEngine:
     def __init__(self, towers: list, keeper, schedule, *, l2: float, timer, threads: bool = False,
                  device_data=None, sync_bn: bool = False, nccl_timeout: float = 0.0):
         self.towers, self.schedule = towers, schedule
+        self.forms = towers[0].forms  # which forms of the ops the towers run (one choice per run: build_towers)
         self.nccl_timeout = nccl_timeout  # host sync points poll NCCL this long (0: they wait as CUDA does)
         self.keeper = keeper
         self.l2, self.timer, self.device_data = l2, timer, device_data
@@ -164,24 +165,25 @@ class StepEngine:
 
     def run(self, x, y, want_loss: bool = False, indices=None):
         """One step on host batch ``x``, ``y`` (or device rows ``indices``); the towers' losses when ``want_loss``."""
-        # 1. stage: the step's device rows go up once, before any tower gathers
-        # its slice (GPU towers on threads too: sync-BN runs them on the pool).
-        # ``staged`` names this step's index buffers: a tower thread of the
-        # last step that is still running reads its own step's, not these.
-        s = Step(x, y, self._stage_indices(indices), want_loss, self.schedule(self.step), self.step,
-                 self.keeper.loss_scale, self.keeper.buckets())
-        # 1-4 by each worker (its module doc).
-        if self._pool is None:
-            self._work(range(len(self.towers)), s)
-        else:
-            # The step is bound to this call, not stored on self: without a
-            # barrier (a keeper that is not shared) a late tower thread of the
-            # last step could otherwise read this step's batch.
-            self._pool.run(lambda i: self._work([i], s))
-            if want_loss and not self.keeper.shared:
-                self._pool.wait()  # no barrier: wait for every tower's loss
-        # 5. the keeper's end of a step (weights mode: every K steps the weights' average, then the EMA).
-        return self._step_done(list(self._losses) if want_loss else None)
+        with self.forms.active():  # this run's forms of the ops (tower threads run in a copy of this context)
+            # 1. stage: the step's device rows go up once, before any tower gathers
+            # its slice (GPU towers on threads too: sync-BN runs them on the pool).
+            # ``staged`` names this step's index buffers: a tower thread of the
+            # last step that is still running reads its own step's, not these.
+            s = Step(x, y, self._stage_indices(indices), want_loss, self.schedule(self.step), self.step,
+                     self.keeper.loss_scale, self.keeper.buckets())
+            # 1-4 by each worker (its module doc).
+            if self._pool is None:
+                self._work(range(len(self.towers)), s)
+            else:
+                # The step is bound to this call, not stored on self: without a
+                # barrier (a keeper that is not shared) a late tower thread of the
+                # last step could otherwise read this step's batch.
+                self._pool.run(lambda i: self._work([i], s))
+                if want_loss and not self.keeper.shared:
+                    self._pool.wait()  # no barrier: wait for every tower's loss
+            # 5. the keeper's end of a step (weights mode: every K steps the weights' average, then the EMA).
+            return self._step_done(list(self._losses) if want_loss else None)
 
     def _stage_indices(self, indices):
         """Send a step's device rows (one copy per GPU); the handle of their buffers, or None for a host batch."""
@@ -253,23 +255,25 @@ class StepEngine:
     def gradients(self, x, y, want_loss: bool = False):
         """Phases 1-3 without the update: every tower's ``grads`` ends as the keeper's average (grads mode: the
         mean gradient, which the server applies: ``towers.cluster.ps``); the step count does not move."""
-        self.synchronize()
-        if self._pool is not None and self.towers[0].replica.context.sync is not None:
-            raise UserError("`sync_bn` averages batch statistics inside a synchronous step of one host's towers: "
-                            "not with a parameter server")
-        s = Step(x, y, None, want_loss, self.schedule(self.step), self.step)
-        losses = [self._compute(i, s) for i in range(len(self.towers))]
-        with numpy.errstate(**QUIET):
-            self.keeper.average(self.towers, None, 0)
-        return losses if want_loss else None
+        with self.forms.active():  # this run's forms of the ops (tower threads run in a copy of this context)
+            self.synchronize()
+            if self._pool is not None and self.towers[0].replica.context.sync is not None:
+                raise UserError("`sync_bn` averages batch statistics inside a synchronous step of one host's towers: "
+                                "not with a parameter server")
+            s = Step(x, y, None, want_loss, self.schedule(self.step), self.step)
+            losses = [self._compute(i, s) for i in range(len(self.towers))]
+            with numpy.errstate(**QUIET):
+                self.keeper.average(self.towers, None, 0)
+            return losses if want_loss else None
 
-    # -- keeping replicas together --------------------------------------------------------
+        # -- keeping replicas together --------------------------------------------------------
 
     def finish(self) -> None:
         """End of training (weights mode: a last average if steps were taken since)."""
-        self._wait_threads()
-        with numpy.errstate(**QUIET):
-            self.keeper.finish(self.towers, self.step)
+        with self.forms.active():  # this run's forms of the ops (tower threads run in a copy of this context)
+            self._wait_threads()
+            with numpy.errstate(**QUIET):
+                self.keeper.finish(self.towers, self.step)
 
     def agreed(self) -> None:
         """The replicas were just set to one value (a load, ``set_weights``): the next check compares against it."""
