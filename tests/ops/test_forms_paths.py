@@ -155,3 +155,18 @@ def test_the_watch_sees_an_op_outside_a_scope():
     assert set(seen) == {forms.NUMPY, forms.host("numba")}
     with pytest.raises(AssertionError, match="outside the run's forms"):
         only(seen, forms.host("numba"))
+
+
+def test_the_gpu_benchmarks_forward_only_steps_run_the_towers_forms(tmp_path):
+    """``tools/bench_gpu.py --forward-only`` times each tower's forward pass on its arrays: with the tower's forms
+    (on a GPU: cuDNN where the row asks for it), not outside any (im2col, whatever the row says)."""
+    import towers
+    from tools import bench_gpu
+
+    with towers.Trainer(config(tmp_path), model=layers()) as t:
+        ring = [t.source.next_indices() for _ in range(2)]
+        with forms_seen() as seen:
+            step = bench_gpu._forward_steps(t, t.dataset, ring, 8, kept=2)
+            step(0)
+            step(1)
+        only(seen, t.executor.forms)
