@@ -432,9 +432,8 @@ def _towers_worker(spec) -> dict:
 
 def _forward_steps(trainer, ds, ring, batch: int, kept: int = 4):
     """``step(k)`` of ``--forward-only``: every tower's forward pass in evaluation mode on one of ``kept``
-    batches already on its device (float32, scaled as training scales uint8), issued on its stream."""
-    from towers.devices.placement import on_stream
-
+    batches already on its device (float32, scaled as training scales uint8), issued on its stream with its forms
+    (``Tower.scope``: cuDNN where the row asks for it)."""
     towers_ = trainer.executor.towers
     batches = []
     for t in towers_:
@@ -445,7 +444,7 @@ def _forward_steps(trainer, ds, ring, batch: int, kept: int = 4):
 
     def step(k):
         for t, xs in zip(towers_, batches):
-            with t.device.scope(), on_stream(t.stream):
+            with t.scope():
                 t.replica.forward(xs[k % kept])
     return step
 

@@ -363,3 +363,17 @@ def test_two_hosts_average_gradient_buckets_during_backward_with_the_same_bits(l
         assert t.check_replicas()
         assert t.all_reduces == 3 * 4  # two buckets (a layer each) of two ranges (weights, biases), 3 steps
     assert_same(got, want)
+
+
+def test_the_parameter_server_evaluates_and_predicts_with_the_runs_input_scale(local_ray):
+    """sync ps: the server holds the run's weights and evaluates and predicts with them, scaling uint8 examples
+    by the run's `input_scale` as a host does (it took the default 1/255, whatever the run said)."""
+    with cluster(hosts=2, n_gpu=1, sync="ps", steps=2, input_scale="1") as t:
+        t.fit()
+        x = t.dataset.x[:20]
+        weights, got = t.get_weights(), (t.evaluate(ema=False), t.predict(x, ema=False))
+    with towers.Trainer(towers.Config(**{**SMALL, "n_gpu": 1, "steps": 2, "input_scale": "1"})) as one:
+        one.set_weights(weights)
+        want = one.evaluate(ema=False), one.predict(x, ema=False)
+    assert got[0] == want[0]
+    numpy.testing.assert_array_equal(got[1], want[1])

@@ -430,7 +430,7 @@ class ParameterServer(Answering):
 
     def _scoring(self, ema: bool) -> Replica:
         r = self.replica
-        return Replica.holding(self.model, numpy, self.ema.shadow if ema else r.params, r.buffers)
+        return Replica.holding(self.model, numpy, self.ema.shadow if ema else r.params, r.buffers, self.cfg.input_scale)
 
     def finish(self) -> None:
         """Nothing to end: every update was applied whole."""

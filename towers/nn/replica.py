@@ -121,7 +121,7 @@ class Replica:
         self.train_correct, self.train_seen = None, 0
 
     @classmethod
-    def holding(cls, model: Sequential, xp, params, buffers, input_scale: str = "1/255") -> "Replica":
+    def holding(cls, model: Sequential, xp, params, buffers, input_scale: str) -> "Replica":
         """A replica of ``model`` on ``xp`` holding copies of these flat weights and buffers (to evaluate or
         predict with: an EMA's weights, a run's, without touching the run's replicas); ``input_scale``: the
         run's setting."""

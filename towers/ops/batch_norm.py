@@ -79,8 +79,9 @@ def wide(*arrays):
 
 
 def compiled_for(ws, a) -> bool:
-    """Whether this step's array ``a`` takes the compiled loops: a C-contiguous host array, where the process
-    chose them, and no ``sync`` (sync-BN gathers the NumPy passes' moments across towers)."""
+    """Whether this step's array ``a`` takes the compiled loops: a C-contiguous host array, where the current
+    forms take them (``towers.ops.forms``), and no ``sync`` (sync-BN gathers the NumPy passes' moments across
+    towers)."""
     return current_forms().compiled and ws.ctx.sync is None and on_host(a) and a.flags.c_contiguous
 
 

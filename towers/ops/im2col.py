@@ -174,7 +174,7 @@ def col2im(dcols, in_hw: tuple, pad: tuple, ws, stride: int = 1, out=None):
 
     NumPy (and CuPy for ``stride`` > 1): k*k strided adds into a zeroed padded
     buffer, in (i, j) order, then the interior is cropped into ``dx``.  CUDA
-    (stride 1), and the compiled loop where the process chose it
+    (stride 1), and the compiled loop where the current forms take it
     (``col2im_loop``): one pass in which each ``dx`` element sums its taps in
     the same order (a gather: no atomics, the same bits).  ``dx`` lives in
     ``ws`` (NumPy, VALID padding: the padded buffer itself), or in ``out`` (a

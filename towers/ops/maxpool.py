@@ -77,7 +77,7 @@ __global__ void towers_maxpool_backward(const float* x, const float* y, const fl
 
 
 def _compiled(*arrays) -> bool:
-    """Whether these arrays take the compiled loops: host arrays, C-contiguous, where the process chose them."""
+    """Whether these arrays take the compiled loops: host arrays, C-contiguous, where the current forms take them."""
     return current_forms().compiled and all(on_host(a) and a.flags.c_contiguous for a in arrays)
 
 
@@ -151,7 +151,7 @@ def maxpool(x, y, k: int, ws) -> None:
 
     NumPy: k*k elementwise maxima over strided window views (several times
     faster than a reduction over the two non-adjacent window axes); compiled
-    (where the process chose it), one pass.
+    (where the current forms take it), one pass.
     """
     n, ho, wo, c = y.shape
     h, w = x.shape[1:3]

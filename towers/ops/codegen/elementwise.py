@@ -139,7 +139,7 @@ class Elementwise:
         return tuple(args) + ((_i(2),) if self._rows else ())
 
     def warm_up(self) -> None:
-        """Load (or compile) the compiled CPU form now, when the process chose it: not inside a timed step."""
+        """Load (or compile) the compiled CPU form now, where the current forms take it: not inside a timed step."""
         if self.compiled and current_forms().compiled:
             self.loop().warm()
 

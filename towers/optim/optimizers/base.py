@@ -184,6 +184,6 @@ class Optimizer:
         raise NotImplementedError
 
     def warm_up(self) -> None:
-        """Load (or compile) the update's compiled CPU form now, where the process chose it: not in a step."""
+        """Load (or compile) the update's compiled CPU form now, where the current forms take it: not in a step."""
         if on_host(self.params):
             self._op.warm_up()
