@@ -139,7 +139,10 @@ class Predictor:
         self.device = device or resolve(1, None, soft=True).towers[0]  # a GPU when there is one
         # As a Trainer of one tower on this device computes: its forms of the ops and its BLAS threads.
         self.settings = SimpleNamespace(**checkpoint_settings(ck))
-        self.forms = choose_forms(self.settings, self.model, [self.device])
+        # No CUDA graphs for a loaded run (it captures nothing): CuPy's GEMM binding makes the same cuBLAS calls
+        # as nvmath-python's, so a run trained with `cuda_graphs` loads where nvmath-python is not installed.
+        self.forms = choose_forms(SimpleNamespace(**{**vars(self.settings), "cuda_graphs": False}), self.model,
+                                  [self.device])
         self.cpu_kernels = self.forms.name
         self.blas_threads, self._blas = limit_blas([self.device], self.settings.blas_threads)
         with self._scope():
