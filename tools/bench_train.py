@@ -87,6 +87,8 @@ def _towers_loop(a) -> float:
     from towers import Config, Trainer
 
     extra = {"optimizer": a.optimizer} if a.optimizer else {}
+    if a.cpu_kernels:
+        extra["cpu_kernels"] = a.cpu_kernels
     cfg = Config(n_gpu=a.towers, devices="cpu", data=a.data, model=a.model, steps=a.steps, lr=a.lr, **extra,
                  batch_size=a.batch_size, cpu_towers=a.cpu_towers, blas_threads=a.blas_threads, quiet=True,
                  log_every=max(1, a.steps // 4), logdir=tempfile.mkdtemp(prefix="bench-"))
@@ -401,9 +403,10 @@ def kernel_rows(data: dict, a) -> int:
     plan, steps = {}, {"resnet20": a.resnet_steps, "lenet5": a.lenet_steps, "mlp": a.steps}
     for title, model, b, opt, lr, d, _ in KERNEL_ROWS:
         common = dict(steps=steps[model], model=model, lr=lr, optimizer=opt, data=data[d])
-        plan[(title, "towers")] = ("towers-loop", dict(common, towers=2, batch_size=b))
+        ours = dict(common, towers=2, batch_size=b, **({"cpu_kernels": a.cpu_kernels} if a.cpu_kernels else {}))
+        plan[(title, "towers")] = ("towers-loop", ours)
         if a.compare_root:
-            plan[(title, "before")] = ("towers-loop", dict(common, towers=2, batch_size=b, root=a.compare_root))
+            plan[(title, "before")] = ("towers-loop", dict(ours, root=a.compare_root))
         if not a.no_torch:
             plan[(title, "torch")] = ("torch", dict(common, global_batch=2 * b, threads=2, python=ref))
     print(f"towers: {_measure_once('', 'blas-info', {})}")
@@ -411,7 +414,8 @@ def kernel_rows(data: dict, a) -> int:
         print(f"before ({a.compare_root}): {_measure_once('', 'blas-info', dict(root=a.compare_root))}")
     if not a.no_torch:
         print(f"PyTorch ({ref}): {_measure_once('', 'blas-info', dict(python=ref, threads=2))}")
-    print(f"measuring (median of {a.repeats} rounds over all rows, {os.cpu_count()} cores; "
+    print(f"measuring (median of {a.repeats} rounds over all rows, {os.cpu_count()} cores, "
+          f"towers' cpu_kernels {a.cpu_kernels or 'default'}; "
           f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())})...", flush=True)
     r = _measure_all("", a.repeats, plan, median=True)
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
@@ -563,6 +567,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=100)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--optimizer", default="")
+    ap.add_argument("--cpu-kernels", default="", choices=("", "auto", "numba", "numpy"),
+                    help="the towers rows' cpu_kernels setting (--kernel-rows; default: the setting's own, auto): "
+                         "numpy times the ops' NumPy passes")
     ap.add_argument("--only-resnet", action="store_true", help="measure the ResNet-20 rows alone")
     ap.add_argument("--kernel-rows", action="store_true",
                     help="the kernel rows alone: ResNet-20, LeNet-5 and MLP, 2 CPU towers against PyTorch eager on "
