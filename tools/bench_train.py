@@ -42,7 +42,8 @@ the BLAS setup each Python found, then its fourth row, the MLP from a JPEG
 TFRecord against npz (``tools/bench_input.py --jpeg-epochs``; not with
 ``--no-jpeg-row``); ``--reference-python`` runs the PyTorch rows
 in another Python, ``--compare-root`` adds another towers checkout's rows to
-the same rounds (``kernel_rows``).
+the same rounds (``kernel_rows``); ``--cpu-kernels numpy`` runs the towers rows on the
+ops' NumPy passes.
 
 Every measurement runs in its own subprocess (``--worker``), so BLAS/OpenMP
 thread settings of one library never leak into another, and the figure kept is
