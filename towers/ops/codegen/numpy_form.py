@@ -90,119 +90,119 @@ def source(traced: Traced, params: tuple) -> tuple[str, int, int]:
 
     ``params``: the function's parameters, the op's arrays and scalars in its
     call order; ``S``, ``B``: the float and bool scratch arrays; ``dt``: the
-    arrays' scalar type.
+    arrays' scalar type.  The values computed once per call come first, then
+    one line per pass (``_Places`` says where each writes), then the copies of
+    outputs whose value ends elsewhere.
     """
-    outs = traced.outputs
     number = {n.id: k for k, n in enumerate(traced.nodes)}  # names numbered per op
 
-    def _name(n) -> str:
+    def name(n) -> str:
         return f"c{number[n.id]}"
-
-    def _scalar_expr(n) -> str:
-        return _scalar_text(n, _name)
 
     passes = [n for n in traced.nodes if not traced.scalar_only(n) and n.op != "arg"]
     masks = _masks(passes)
-    last = {}
+    places = _Places(traced, passes)
+
+    def operand(a, like=None) -> str:
+        if not traced.scalar_only(a):
+            return _at(places.of[a.id])
+        text = a.value if a.op == "arg" else name(a)
+        return f"_constant(xp, {text}, {like})" if like else text
+
+    body = []
     for j, n in enumerate(passes):
-        for a in n.args:
-            last[a.id] = j
-    for node in outs.values():
-        last[node.id] = _NEVER
-    finals = {}
-    for name, node in outs.items():
-        finals.setdefault(node.id, []).append(name)
-    inputs = [a for a in traced.arrays if a not in outs]
-    # An output-only buffer may alias an input array: written no earlier than the inputs' last read.
-    safe_from = max((last.get(traced.args[a].id, -1) for a in inputs if a in traced.args),
-                                            default=-1)
+        if n.id in masks:  # no pass: the condition's mask stands for it
+            places.share(n, n.args[0])
+            continue
+        out = _at(places.put(n, j))
+        if n.op == "where":
+            body.append(f"    xp.copyto({out}, {operand(n.args[2])})")
+            body.append(f"    xp.copyto({out}, {operand(n.args[1])}, where={operand(n.args[0])})")
+        else:
+            # maximum against a constant reads an array of it (module doc); a per-call scalar stays a scalar
+            args = ", ".join(operand(a, out if n.op == "max" and _constant_only(a) else None) for a in n.args)
+            body.append(f"    xp.{_UFUNC[n.op]}({args}, out={out})")
+    copies = [(o, operand(node)) for o, node in traced.outputs.items() if places.of.get(node.id) != "buf:" + o]
+    if any(src in {o for o, _ in copies} for _, src in copies):
+        raise NotImplementedError(f"outputs {[o for o, _ in copies]} would be copied over one another")
+    body += [f"    xp.copyto({o}, {src})" for o, src in copies]
+    head = [f"    {name(n)} = {_scalar_text(n, name)}" for n in _per_call(traced, passes, masks)]
+    text = ("def passes(xp, S, B, dt, " + ", ".join(params) + "):\n" + "\n".join(head + body or ["    pass"]) + "\n")
+    return text, places.count["S"], places.count["B"]
 
-    occupants = {}  # location -> node ids it holds ("buf:<name>", "S[k]", "B[k]")
-    where_is = {}  # node id -> location
-    for name in traced.arrays:
-        loc = "buf:" + name
-        occupants[loc] = []
-        if name in traced.args:
-            occupants[loc].append(traced.args[name].id)
-            where_is[traced.args[name].id] = loc
-    counts = {"S": 0, "B": 0}
 
-    def free(loc, j) -> bool:
-        return all(last.get(x, -1) <= j for x in occupants[loc])
-
-    def writable(loc, j, two_steps) -> bool:
-        if not loc.startswith("buf:"):
-            return True
-        name = loc[4:]
-        # A pass that reads the inputs' last values may write over them elementwise, but a where() writes its
-        # "else" value before it reads its condition and "then" value: it needs the inputs read already.
-        return name in outs and (name in traced.args or j > safe_from or (j == safe_from and not two_steps))
-
-    def new_scratch(kind):
-        loc = f"{kind}[{counts[kind]}]"
-        counts[kind] += 1
-        occupants[loc] = []
-        return loc
-
-    head, body = [], []
-    # Scalar-only values: once per call, those a pass or an output reads (a mask's 1 and 0 are no operands).
-    needed = {a.id for n in passes if n.id not in masks for a in n.args} | {n.id for n in outs.values()}
+def _per_call(traced: Traced, passes: list, masks: set) -> list:
+    """The scalar-only operations a pass or an output reads, in order (a mask's 1 and 0 are no operands)."""
+    needed = {a.id for n in passes if n.id not in masks for a in n.args} | {n.id for n in traced.outputs.values()}
     for n in reversed(traced.nodes):
         if n.id in needed and traced.scalar_only(n):
             needed.update(a.id for a in n.args)
-    for n in traced.nodes:
-        if traced.scalar_only(n) and n.op != "arg" and n.id in needed:
-            head.append(f"    {_name(n)} = {_scalar_expr(n)}")
+    return [n for n in traced.nodes if traced.scalar_only(n) and n.op != "arg" and n.id in needed]
 
-    def operand(a, j, like=None):
-        if traced.scalar_only(a):
-            name = a.value if a.op == "arg" else _name(a)
-            return f"_constant(xp, {name}, {like})" if like else name
-        return _at(where_is[a.id])
 
-    def usable(loc, kind, j, excluded, two_steps) -> bool:
-        return (loc is not None and loc not in excluded and ("B" if loc.startswith("B[") else "S") == kind
-                and writable(loc, j, two_steps) and free(loc, j))
+class _Places:
+    """Where each pass writes: the locations ``buf:<array>``, ``S[k]`` (float scratch) and ``B[k]`` (bool
+    scratch), and the values each holds, pass by pass.
 
-    for j, n in enumerate(passes):
-        if n.id in masks:  # no pass: the condition's mask stands for it
-            loc = where_is[n.args[0].id]
-            occupants[loc].append(n.id)
-            where_is[n.id] = loc
-            continue
+    A pass writes, in this order of preference: its output's buffer (when it
+    is an output's final value), the location of an operand whose value dies
+    in this pass, any location whose values are all dead, a new scratch.  An
+    output's buffer is written only when it is an in-place output or the
+    pass reads the op's input arrays for the last time or later (an
+    output-only buffer may share an input's memory), and a ``where``, which
+    writes its "else" value before it reads its condition and "then" value,
+    writes neither of those two's locations and no output-only buffer in the
+    pass that reads the inputs last.  An output's final value never sits in
+    another output's buffer (the copies stay simple).
+    """
+
+    def __init__(self, traced: Traced, passes: list):
+        self.outs = traced.outputs
+        self.in_place = set(traced.args)
+        self.last = {a.id: j for j, n in enumerate(passes) for a in n.args}  # the last pass reading each value
+        self.last.update({node.id: _NEVER for node in self.outs.values()})
+        self.homes = {}  # node id -> the buffers of the outputs whose final value it is
+        for name, node in self.outs.items():
+            self.homes.setdefault(node.id, []).append("buf:" + name)
+        inputs = [a for a in traced.arrays if a not in self.outs and a in traced.args]
+        self.safe_from = max((self.last.get(traced.args[a].id, -1) for a in inputs), default=-1)
+        self.held = {"buf:" + a: [traced.args[a].id] if a in traced.args else [] for a in traced.arrays}
+        self.of = {traced.args[a].id: "buf:" + a for a in traced.arrays if a in traced.args}  # node id -> location
+        self.count = {"S": 0, "B": 0}
+
+    def share(self, n, like) -> None:
+        """``n`` stands in ``like``'s location (a mask)."""
+        self.of[n.id] = self.of[like.id]
+        self.held[self.of[n.id]].append(n.id)
+
+    def put(self, n, j: int) -> str:
+        """The location pass ``j`` (node ``n``) writes, recorded as holding it."""
         kind = "B" if n.is_bool else "S"
-        # where() writes its "else" value first: its condition and "then" value must stay intact until read.
-        excluded = {where_is.get(a.id) for a in n.args[:2]} if n.op == "where" else set()
-        home = ["buf:" + name for name in finals.get(n.id, ())]
-        candidates = (home  # an output's final value, at home
-                      + [where_is.get(a.id) for a in n.args]  # in place over an operand that dies here
-                      + list(occupants))  # any free location
-        if n.id in finals:  # an output's final value never sits in another output's buffer (copies stay simple)
+        excluded = {self.of.get(a.id) for a in n.args[:2]} if n.op == "where" else set()
+        home = self.homes.get(n.id, [])
+        candidates = home + [self.of.get(a.id) for a in n.args] + list(self.held)
+        if home:
             candidates = [c for c in candidates if c in home or not (c or "").startswith("buf:")]
-        loc = next((c for c in candidates if usable(c, kind, j, excluded, n.op == "where")), None) or new_scratch(kind)
-        occupants[loc] = [x for x in occupants[loc] if last.get(x, -1) > j] + [n.id]
-        where_is[n.id] = loc
-        out = _at(loc)
-        if n.op == "where":
-            body.append(f"    xp.copyto({out}, {operand(n.args[2], j)})")
-            body.append(f"    xp.copyto({out}, {operand(n.args[1], j)}, where={operand(n.args[0], j)})")
-        else:
-            # maximum against a constant reads an array of it (module doc); a per-call scalar stays a scalar
-            args = ", ".join(operand(a, j, out if n.op == "max" and _constant_only(a) else None) for a in n.args)
-            body.append(f"    xp.{_UFUNC[n.op]}({args}, out={out})")
-    copies = []
-    for name, node in outs.items():
-        loc = "buf:" + name
-        if where_is.get(node.id) == loc:
-            continue
-        src = operand(node, len(passes)) if traced.scalar_only(node) else _at(where_is[node.id])
-        copies.append((name, src))
-    targets = {_at("buf:" + name) for name, _ in copies}
-    if any(src in targets for _, src in copies):
-        raise NotImplementedError(f"outputs {[c[0] for c in copies]} would be copied over one another")
-    body += [f"    xp.copyto({name}, {src})" for name, src in copies]
-    text = ("def passes(xp, S, B, dt, " + ", ".join(params) + "):\n" + "\n".join(head + body or ["    pass"]) + "\n")
-    return text, counts["S"], counts["B"]
+        loc = next((c for c in candidates if c is not None and c not in excluded and self._takes(c, kind, j, n)),
+                   None)
+        if loc is None:
+            loc = f"{kind}[{self.count[kind]}]"
+            self.count[kind] += 1
+            self.held[loc] = []
+        self.held[loc] = [x for x in self.held[loc] if self.last.get(x, -1) > j] + [n.id]
+        self.of[n.id] = loc
+        return loc
+
+    def _takes(self, loc: str, kind: str, j: int, n) -> bool:
+        """Whether pass ``j`` may write ``loc``: the right kind, writable (class doc), its values all dead."""
+        if ("B" if loc.startswith("B[") else "S") != kind:
+            return False
+        if loc.startswith("buf:"):
+            name = loc[4:]
+            if name not in self.outs or not (name in self.in_place or j > self.safe_from
+                                             or (j == self.safe_from and n.op != "where")):
+                return False
+        return all(self.last.get(x, -1) <= j for x in self.held[loc])
 
 
 def _constant_only(node) -> bool:
