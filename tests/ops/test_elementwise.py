@@ -3,8 +3,8 @@
 Each definition below is traced once; its NumPy passes and its numba loop run
 on the same inputs (special values included: NaN, infinities, signed zeros,
 subnormals, overflow) and are compared bit for bit with the definition itself
-run by NumPy on whole arrays (each operation one allocating pass).  Also: the
-blocked passes on buffers several blocks long, strided and float64 arrays,
+run by NumPy on whole arrays (each operation one allocating pass).  Also: large
+buffers (the passes' per-thread scratch grown), strided and float64 arrays,
 outputs sharing an input's memory, the float32 constants that keep numba from
 promoting to float64, and what a definition may not do.
 """
@@ -16,7 +16,6 @@ import pytest
 from tests.conftest import cpu_form
 from towers.ops.codegen.elementwise import Elementwise
 from towers.ops.codegen.expr import maximum, sqrt, trace, where
-from towers.ops.codegen.numpy_form import HOST_BLOCK_BYTES
 
 
 def _mean_both(a, b, s):
@@ -101,11 +100,10 @@ def _run(op, args, form):
 @pytest.mark.parametrize("form", ["numpy", "numba"])
 @pytest.mark.parametrize("name", DEFINITIONS)
 @pytest.mark.parametrize("n, dtype", [(7 * 31, numpy.float32), (7 * 40000, numpy.float32), (7 * 29, numpy.float64)],
-                         ids=["small", "blocks", "float64"])
+                         ids=["small", "large", "float64"])
 def test_each_form_gives_the_definitions_bits(name, form, n, dtype):
     op = _op(name)
     args = _args(op, n, dtype)
-    assert (n * numpy.dtype(dtype).itemsize > 2 * HOST_BLOCK_BYTES) == (n > 7 * 10000)  # "blocks": several
     want = _reference(op, args)
     got = _run(op, args, form)
     for k in want:
@@ -131,6 +129,20 @@ def test_strided_arrays_take_whole_array_passes_with_the_same_bits(form):
         op(*strided)
     for k in want:
         assert _bits(strided[op.params.index(k)]) == _bits(want[k])
+
+
+def test_the_passes_scratch_serves_calls_of_other_sizes_and_shapes():
+    """The NumPy passes keep one scratch per thread, grown to the largest call: a large flat call, then a strided
+    2-D one (scratch in the outputs' shape) and a small one each give the definition's bits."""
+    op = _op("adamish")
+    assert op.numpy_form.n_float > 0
+    for view in (lambda a: a, lambda a: a.reshape(-1, 7)[::2], lambda a: a[:7]):
+        args = [view(a) if isinstance(a, numpy.ndarray) else a for a in _args(op, 7 * 3000, numpy.float32)]
+        want = _reference(op, args)
+        with cpu_form("numpy"), numpy.errstate(all="ignore"):
+            op(*args)
+        for k in want:
+            assert _bits(args[op.params.index(k)]) == _bits(want[k]), k
 
 
 @pytest.mark.parametrize("form", ["numpy", "numba"])

@@ -5,8 +5,8 @@ function of one element of each array, ``towers.ops.codegen.expr``) once, when i
 made, and derives:
 
 * the array form (``towers.ops.codegen.numpy_form``): one in-place NumPy pass per
-  operation, block by block on host arrays; CuPy runs the same passes for
-  device arrays the kernel does not take (not float32, or too large);
+  operation over the whole arrays; CuPy runs the same passes for device
+  arrays the kernel does not take (not float32, or too large);
 * the compiled CPU form (``towers.ops.codegen.numba_form``): one loop whose body is the
   definition, compiled by numba on first use (``towers.ops.numba_jit``);
 * the GPU form (``towers.ops.codegen.cuda_form``): one CUDA kernel, registered into the

@@ -15,21 +15,26 @@ Python source of one function that runs every operation as a ufunc call with
   pass: the boolean mask itself is the operand (a float times a bool is the
   float times 1.0 or 0.0, with a quarter of a float mask's memory traffic);
 * ``maximum`` against a constant reads an array of that constant (NumPy's
-  array-array loop is SIMD and about 1.8x faster than its array-scalar one);
+  array-array loop is SIMD, several times faster than its array-scalar one);
 * an output whose value ends elsewhere is copied there last.
 
 Each pass rounds as the operation does in any form (IEEE float32 ``+ - * /``
 and ``sqrt``), so the passes give the bits of the compiled loop and of the CUDA
 kernel on the same inputs.
 
-Host arrays that are C-contiguous and of one size run block by block
-(``host_blocks``: every pass over one block of each buffer, then the next
-block), so an op's passes over a block hit L1/L2 instead of each streaming the
-whole buffer from memory; elementwise passes give the same bits blocked or
-not.  Scratch buffers are a block long, kept per thread (CPU towers update
-their slices concurrently).  Other arrays (strided, a row operand, CuPy
-arrays: the GPU's fallback for dtypes and sizes its kernels do not take) run
-as whole-array passes with scratch made per call.
+Each call runs every pass over the whole arrays.  Scratch buffers for host
+arrays are kept per thread (CPU towers update their slices concurrently) and
+grow to the largest call; a device call (CuPy: the GPU's fallback for dtypes
+and sizes its kernels do not take) makes its own.
+
+Measured (``--cpu-kernels numpy``, 2 CPU towers, CPU ms per step of one
+process alternating the forms, on 2 shared cores): the definition itself on
+whole arrays, one temporary per operation, costs 1.15-1.6x these passes on
+the MLP, LeNet-5, ResNet-20 and the default job (fresh memory per operation;
+10-25x on an optimizer's update alone); without the masks 1.06-1.29x, without
+the constant's array 1.0-1.12x (``relu`` takes these passes in every mode).
+Running the passes block by block to stay in L2 showed no gain in any of them
+(0.93-1.03x), so the passes run whole.
 
 Aliasing: an op's in-place outputs are its own buffers; an output-only buffer
 is written no earlier than the pass that last reads the op's input arrays
@@ -44,31 +49,9 @@ import numpy
 
 from towers.ops.codegen.expr import Traced, render
 
-# Bytes of each buffer in one block of a blocked host pass.  Several in-place
-# NumPy passes over one block (Adam + EMA: 15 passes over 6 buffers) then run in
-# L1/L2 instead of each streaming a multi-megabyte buffer from memory.  Smaller
-# blocks mean more NumPy calls, each a hand-off of the GIL when CPU tower
-# threads update concurrently.  Measured on this project's 2-core Xeon (48 KiB
-# L1d, 2 MiB L2 per core), Adam + EMA of one tower and Adam of the other over
-# half of LeNet-5's 1.66M parameters, ms per step: one thread 5.26 unblocked,
-# 3.13 at 256 KiB, 3.16 at 512, 3.41 at 768, 3.81 at 1 MiB; two threads at once
-# (each its half) 5.30 unblocked, 5.46 at 256 KiB, 4.26 at 512, 4.20 at 768,
-# 4.36 at 1 MiB.  In bytes, so float64 (gradient checks) keeps the working set.
-HOST_BLOCK_BYTES = 512 * 1024
-
 _UFUNC = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide", "neg": "negative", "sqrt": "sqrt",
           "max": "maximum", "gt": "greater", "ge": "greater_equal", "lt": "less", "le": "less_equal"}
 _NEVER = 1 << 30  # the last use of an output's final value: after every pass
-
-
-def host_blocks(start: int, stop: int, itemsize: int):
-    """Slices that cut ``[start, stop)`` into consecutive blocks of ``HOST_BLOCK_BYTES`` (the last one shorter).
-
-    For host passes that are elementwise: running all of them block by block
-    gives the same bits as running each over the whole range.
-    """
-    step = max(1, HOST_BLOCK_BYTES // itemsize)
-    return [slice(i, min(i + step, stop)) for i in range(start, stop, step)]
 
 
 def _masks(passes) -> set:
@@ -242,44 +225,39 @@ def _constant(xp, value, like):
 
 
 class NumpyForm:
-    """The op's passes (``source``), run block by block on host arrays, whole on other arrays (module doc)."""
+    """The op's passes (``source``), compiled once, run over whole arrays (module doc)."""
 
     def __init__(self, traced: Traced, params: tuple, name: str):
         self.source, self.n_float, self.n_bool = source(traced, params)
-        self.name, self.rows = name, traced.rows
+        self.name = name
         scope = {"numpy": numpy, "_constant": _constant}
         exec(compile(self.source, f"<{name}: numpy form>", "exec"), scope)
         self._passes = scope["passes"]
         self._local = threading.local()
 
     def __call__(self, xp, args: list, arrays: list, lead) -> None:
-        """Run the passes: ``args`` in the op's call order, ``arrays`` the array ones, ``lead`` an output."""
-        dt = lead.dtype.type
-        n = lead.size
-        if xp is numpy and not self.rows and all(a.flags.c_contiguous and a.size == n for a in arrays):
-            step = max(1, HOST_BLOCK_BYTES // lead.itemsize)
-            S, B = self._scratch(lead.dtype, min(n, step))
-            flat = [a.reshape(-1) if isinstance(a, numpy.ndarray) else a for a in args]
-            if n <= step:
-                self._passes(xp, [s[:n] for s in S], [b[:n] for b in B], dt, *flat)
-                return
-            is_array = [isinstance(a, numpy.ndarray) for a in flat]
-            for block in host_blocks(0, n, lead.itemsize):
-                m = block.stop - block.start
-                self._passes(xp, [s[:m] for s in S], [b[:m] for b in B], dt,
-                             *[a[block] if arr else a for a, arr in zip(flat, is_array)])
-            return
-        S = [xp.empty(lead.shape, lead.dtype) for _ in range(self.n_float)]
-        B = [xp.empty(lead.shape, bool) for _ in range(self.n_bool)]
-        self._passes(xp, S, B, dt, *args)
+        """Run the passes: ``args`` in the op's call order, ``arrays`` the array ones, ``lead`` an output.
 
-    def _scratch(self, dtype, n: int):
-        """This thread's scratch of ``dtype``, at least ``n`` long (a block: made once per thread)."""
+        Host arrays that are C-contiguous and of the outputs' size run as flat
+        arrays (whatever their shapes, as the compiled loop takes them)."""
+        n, shape = lead.size, lead.shape
+        if xp is not numpy:
+            S = [xp.empty(shape, lead.dtype) for _ in range(self.n_float)]
+            B = [xp.empty(shape, bool) for _ in range(self.n_bool)]
+        else:
+            if all(a.flags.c_contiguous and a.size == n for a in arrays):
+                shape = (n,)
+                args = [a.reshape(-1) if isinstance(a, numpy.ndarray) else a for a in args]
+            S, B = self._scratch(lead.dtype, n, shape)
+        self._passes(xp, S, B, lead.dtype.type, *args)
+
+    def _scratch(self, dtype, n: int, shape: tuple):
+        """This thread's scratch of ``dtype`` in ``shape`` (``n`` elements), made once per thread and dtype and
+        grown to the largest call: fresh memory costs a page fault per page on its first pass."""
         pool = self._local.__dict__
-        key = dtype.str
-        have = pool.get(key)
+        have = pool.get(dtype.str)
         if have is None or (have[0] and have[0][0].size < n) or (have[1] and have[1][0].size < n):
             size = max(n, 1)
-            have = pool[key] = ([numpy.empty(size, dtype) for _ in range(self.n_float)],
-                                [numpy.empty(size, bool) for _ in range(self.n_bool)])
-        return have
+            have = pool[dtype.str] = ([numpy.empty(size, dtype) for _ in range(self.n_float)],
+                                      [numpy.empty(size, bool) for _ in range(self.n_bool)])
+        return [s[:n].reshape(shape) for s in have[0]], [b[:n].reshape(shape) for b in have[1]]

@@ -30,7 +30,7 @@ declares, beside its update:
 
 The base class appends the EMA (``towers.optim.ema.ema``, when this replica
 holds it) to the update and derives every form of the whole from that one
-definition (``towers.ops.codegen.elementwise``): NumPy passes block by block over the
+definition (``towers.ops.codegen.elementwise``): NumPy passes over the
 flat buffers, a numba loop (one pass, the run's compiled CPU form), and one
 CUDA kernel (one launch per replica and step).  Each performs the same
 operations in the same order, so they give the same bits
@@ -130,7 +130,7 @@ class Optimizer:
 
         ``part`` (CPU only) limits the update to a slice of the flat buffer;
         ``grads`` is then that slice's gradients.  One call of the update's op:
-        one kernel on a GPU, one compiled pass or the blocked NumPy passes on
+        one kernel on a GPU, one compiled pass or the NumPy passes on
         the CPU (``towers.ops.codegen.elementwise``).
         """
         if part is None:
