@@ -177,6 +177,8 @@ def test_arrays_of_the_wrong_size_are_refused_in_every_form(form):
     y = numpy.zeros((4, 7), numpy.float32)
     with cpu_form(form), pytest.raises(ValueError):
         _op("rows")(y, numpy.ones(8, numpy.float32))
+    with cpu_form(form), pytest.raises(ValueError):  # as many values as the outputs, but not a row long
+        _op("rows")(y, numpy.ones(28, numpy.float32))
     with cpu_form(form), pytest.raises(ValueError):
         _op("axpy")(numpy.zeros(10, numpy.float32), numpy.zeros(9, numpy.float32), numpy.float32(1))
 

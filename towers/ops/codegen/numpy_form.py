@@ -229,7 +229,7 @@ class NumpyForm:
 
     def __init__(self, traced: Traced, params: tuple, name: str):
         self.source, self.n_float, self.n_bool = source(traced, params)
-        self.name = name
+        self.name, self.rows = name, bool(traced.rows)
         scope = {"numpy": numpy, "_constant": _constant}
         exec(compile(self.source, f"<{name}: numpy form>", "exec"), scope)
         self._passes = scope["passes"]
@@ -239,13 +239,15 @@ class NumpyForm:
         """Run the passes: ``args`` in the op's call order, ``arrays`` the array ones, ``lead`` an output.
 
         Host arrays that are C-contiguous and of the outputs' size run as flat
-        arrays (whatever their shapes, as the compiled loop takes them)."""
+        arrays (whatever their shapes, as the compiled loop takes them); an op
+        with row operands keeps the shapes, so NumPy's broadcasting refuses a
+        row operand that is not a row long."""
         n, shape = lead.size, lead.shape
         if xp is not numpy:
             S = [xp.empty(shape, lead.dtype) for _ in range(self.n_float)]
             B = [xp.empty(shape, bool) for _ in range(self.n_bool)]
         else:
-            if all(a.flags.c_contiguous and a.size == n for a in arrays):
+            if not self.rows and all(a.flags.c_contiguous and a.size == n for a in arrays):
                 shape = (n,)
                 args = [a.reshape(-1) if isinstance(a, numpy.ndarray) else a for a in args]
             S, B = self._scratch(lead.dtype, n, shape)
