@@ -13,10 +13,11 @@ A ``Forms`` is made once per run by ``choose`` (``towers.step.tower.choose_forms
 calls it from the ``cpu_kernels``, ``gpu_conv`` and ``cuda_graphs`` settings,
 the model and whether any tower is on the CPU) and handed to every ``Tower``
 (``build_towers``), whose ``scope`` makes it current, as it makes the tower's
-device and stream current; so do the executor's calls and a loaded run's
-(``towers.run.local``, ``towers.inference.Predictor``, the parameter server
-of ``towers.cluster.ps``), for what they run outside a tower (the reducers,
-the EMA, evaluation).  ``current`` is the one reader: the ops, the optimizers
+device and stream current; so do the step engine's calls, the executor's
+evaluation and a loaded run's (``towers.step.engine``, ``towers.run.local``,
+``towers.inference.Predictor``, the parameter server of
+``towers.cluster.ps``), for what they run outside a tower (the reducers,
+weights mode's average and EMA, evaluation).  ``current`` is the one reader: the ops, the optimizers
 and the reducers ask it, no flag is handed through their calls.  Outside any
 scope the forms are ``NUMPY``: NumPy's passes, im2col, CuPy's binding.  The
 current forms are a context variable (``contextvars``): a thread starts
