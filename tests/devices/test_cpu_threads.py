@@ -20,7 +20,7 @@ def _data(n=400, seed=0):
     return Dataset(x, y, 3)
 
 
-def _train(cpu_towers, steps=15, model="mlp", momentum=0.0, sync="grads"):
+def _train(cpu_towers, steps=15, model="mlp", momentum=0.0, sync="grads", finish=False):
     ds = _data()
     cfg = Config(n_gpu=2, devices="cpu", cpu_towers=cpu_towers, batch_size=8, lr=0.1, hidden=16,
                  momentum=momentum, model=model, profile=True, sync=sync,
@@ -29,7 +29,10 @@ def _train(cpu_towers, steps=15, model="mlp", momentum=0.0, sync="grads"):
     try:
         for s in range(steps):
             sl = slice(16 * s % 384, 16 * s % 384 + 16)
-            losses = tr.train_step(ds.x[sl], ds.y[sl], want_loss=s == steps - 1)
+            # (a loss asked for with tower threads and no barrier joins them: not before ``finish``)
+            losses = tr.train_step(ds.x[sl], ds.y[sl], want_loss=s == steps - 1 and not finish)
+        if finish:
+            tr.finish()  # weights mode: the last average, which must join the tower threads itself
         tr.synchronize()
         ex = tr.executor
         return [r.params.copy() for r in ex.replicas], ex.ema.shadow.copy(), losses, ex.timer
@@ -66,6 +69,25 @@ def test_weights_mode_tower_threads_that_start_late_still_train_on_their_own_ste
         numpy.testing.assert_array_equal(a, b)
     numpy.testing.assert_array_equal(e_t, e_s)
     assert not numpy.array_equal(p_t[0], p_t[1])  # steps 11-13: each tower on its own
+
+
+def test_weights_mode_finish_averages_after_late_tower_threads_are_done(monkeypatch):
+    """``finish`` right after a step (no ``synchronize`` between): its last average reads every tower's
+    buffers, so it must wait for a tower thread still updating, as the averages every K steps do."""
+    p_s, e_s, _, _ = _train("serial", sync="weights", steps=13, finish=True)
+    start = TowerThreads._call
+
+    def late(self, fn, i):
+        if i > 0:
+            time.sleep(0.005)
+        start(self, fn, i)
+
+    monkeypatch.setattr(TowerThreads, "_call", late)
+    p_t, e_t, _, _ = _train("threads", sync="weights", steps=13, finish=True)
+    for a, b in zip(p_t, p_s):
+        numpy.testing.assert_array_equal(a, b)
+    numpy.testing.assert_array_equal(p_t[0], p_t[1])  # averaged at the end
+    numpy.testing.assert_array_equal(e_t, e_s)
 
 
 def test_profile_reports_every_phase_per_tower():
