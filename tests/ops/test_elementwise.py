@@ -145,6 +145,25 @@ def test_the_passes_scratch_serves_calls_of_other_sizes_and_shapes():
             assert _bits(args[op.params.index(k)]) == _bits(want[k]), k
 
 
+def test_a_large_call_leaves_no_array_of_its_size_behind():
+    """``maximum`` against a constant reads a kept array of it, no longer than ``CONSTANT_ELEMENTS``: a pass
+    longer than that (an evaluation chunk's relu) runs in pieces, flat or strided, with the definition's bits,
+    and what stays in memory after it is no larger."""
+    from towers.ops.codegen import numpy_form
+
+    n = 3 * numpy_form.CONSTANT_ELEMENTS + 5
+    x = _values(numpy.random.default_rng(4), 2 * n, numpy.float32)
+    for name in ("relu_out", "consts"):
+        op = _op(name)
+        for arg in (x[:n], x[::2]):  # one flat array; a strided one
+            want = _reference(op, [arg, numpy.full(n, 7.0, numpy.float32)])
+            y = numpy.full(n, 7.0, numpy.float32)
+            with cpu_form("numpy"), numpy.errstate(all="ignore"):
+                op(arg, y)
+            assert _bits(y) == _bits(want["y"]), name
+    assert max(a.size for a in numpy_form._CONSTANTS.values()) <= numpy_form.CONSTANT_ELEMENTS
+
+
 @pytest.mark.parametrize("form", ["numpy", "numba"])
 def test_an_output_sharing_an_inputs_memory_is_read_before_it_is_written(form):
     """``y = relu(h + s)`` into ``h`` itself, and ``relu(x, x)``."""

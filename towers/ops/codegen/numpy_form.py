@@ -15,7 +15,8 @@ Python source of one function that runs every operation as a ufunc call with
   pass: the boolean mask itself is the operand (a float times a bool is the
   float times 1.0 or 0.0, with a quarter of a float mask's memory traffic);
 * ``maximum`` against a constant reads an array of that constant (NumPy's
-  array-array loop is SIMD, several times faster than its array-scalar one);
+  array-array loop is SIMD, several times faster than its array-scalar one),
+  kept at most ``CONSTANT_ELEMENTS`` long: a longer pass runs in pieces;
 * an output whose value ends elsewhere is copied there last.
 
 Each pass rounds as the operation does in any form (IEEE float32 ``+ - * /``
@@ -86,11 +87,10 @@ def source(traced: Traced, params: tuple) -> tuple[str, int, int]:
     masks = _masks(passes)
     places = _Places(traced, passes)
 
-    def operand(a, like=None) -> str:
+    def operand(a) -> str:
         if not traced.scalar_only(a):
             return _at(places.of[a.id])
-        text = a.value if a.op == "arg" else name(a)
-        return f"_constant(xp, {text}, {like})" if like else text
+        return a.value if a.op == "arg" else name(a)
 
     body = []
     for j, n in enumerate(passes):
@@ -101,9 +101,13 @@ def source(traced: Traced, params: tuple) -> tuple[str, int, int]:
         if n.op == "where":
             body.append(f"    xp.copyto({out}, {operand(n.args[2])})")
             body.append(f"    xp.copyto({out}, {operand(n.args[1])}, where={operand(n.args[0])})")
-        else:
+        elif n.op == "max" and any(map(_constant_only, n.args)):
             # maximum against a constant reads an array of it (module doc); a per-call scalar stays a scalar
-            args = ", ".join(operand(a, out if n.op == "max" and _constant_only(a) else None) for a in n.args)
+            first = _constant_only(n.args[0])
+            other, const = (n.args[1], n.args[0]) if first else n.args
+            body.append(f"    _max_constant(xp, {operand(other)}, {operand(const)}, {out}, {first})")
+        else:
+            args = ", ".join(operand(a) for a in n.args)
             body.append(f"    xp.{_UFUNC[n.op]}({args}, out={out})")
     copies = [(o, operand(node)) for o, node in traced.outputs.items() if places.of.get(node.id) != "buf:" + o]
     if any(src in {o for o, _ in copies} for _, src in copies):
@@ -205,23 +209,42 @@ def _scalar_text(n, name) -> str:
     return render(n, lambda a: a.value if a.op == "arg" else name(a), _SCALAR_SPELLING, lambda v: f"dt({v!r})")
 
 
-_CONSTANTS: dict = {}  # (value, dtype) -> a read-only host array of it, grown as needed (shared by all threads)
+#: The longest array of a constant kept (elements): a longer pass runs in pieces of this length, so a large call
+#: (an evaluation chunk, a prediction batch) leaves no array of its size behind.
+CONSTANT_ELEMENTS = 1 << 20
+_CONSTANTS: dict = {}  # (value, dtype) -> a read-only host array of it, up to CONSTANT_ELEMENTS (shared by all threads)
 
 
-def _constant(xp, value, like):
-    """``value`` as an operand of ``maximum``: on the host a read-only array of it shaped like the pass's output
-    ``like`` (see the module doc), on a device the scalar."""
-    if xp is not numpy:
-        return value
+def _max_constant(xp, x, value, out, first: bool) -> None:
+    """``maximum(x, value)`` into ``out`` (``maximum(value, x)`` when ``first``: the order NumPy's ``maximum``
+    takes its operands in, which decides between -0.0 and 0.0).  On the host ``value`` is read from an array of
+    it (module doc): over flat arrays in pieces of at most ``CONSTANT_ELEMENTS``; an ``out`` longer than that
+    whose ``x`` is not a flat array of its size takes the scalar.  On a device, the scalar."""
+    n = out.size
+    if xp is not numpy or (n > CONSTANT_ELEMENTS and not (
+            out.flags.c_contiguous and x.flags.c_contiguous and x.size == n)):
+        xp.maximum(value, x, out=out) if first else xp.maximum(x, value, out=out)
+        return
+    if n <= CONSTANT_ELEMENTS:
+        c = _constant(value, n).reshape(out.shape)
+        numpy.maximum(c, x, out=out) if first else numpy.maximum(x, c, out=out)
+        return
+    xf, of = x.reshape(-1), out.reshape(-1)
+    for i in range(0, n, CONSTANT_ELEMENTS):
+        m = min(CONSTANT_ELEMENTS, n - i)
+        c, xs, os_ = _constant(value, m), xf[i: i + m], of[i: i + m]
+        numpy.maximum(c, xs, out=os_) if first else numpy.maximum(xs, c, out=os_)
+
+
+def _constant(value, size: int):
+    """A read-only flat host array of ``size`` (at most ``CONSTANT_ELEMENTS``) copies of ``value``."""
     key = (value.tobytes(), value.dtype.str)  # by its bits: -0.0 is not 0.0, and a NaN finds itself
-    shape = like.shape
-    size = like.size
     a = _CONSTANTS.get(key)
     if a is None or a.size < size:
-        a = numpy.full(max(size, 1 << 16), value)
+        a = numpy.full(min(max(size, 1 << 16), CONSTANT_ELEMENTS), value)
         a.flags.writeable = False
         _CONSTANTS[key] = a  # a thread that grew it concurrently just made one more
-    return a[:size].reshape(shape)
+    return a[:size]
 
 
 class NumpyForm:
@@ -230,7 +253,7 @@ class NumpyForm:
     def __init__(self, traced: Traced, params: tuple, name: str):
         self.source, self.n_float, self.n_bool = source(traced, params)
         self.name, self.rows = name, bool(traced.rows)
-        scope = {"numpy": numpy, "_constant": _constant}
+        scope = {"numpy": numpy, "_max_constant": _max_constant}
         exec(compile(self.source, f"<{name}: numpy form>", "exec"), scope)
         self._passes = scope["passes"]
         self._local = threading.local()
