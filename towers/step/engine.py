@@ -266,7 +266,7 @@ class StepEngine:
                 self.keeper.average(self.towers, None, 0)
             return losses if want_loss else None
 
-        # -- keeping replicas together --------------------------------------------------------
+    # -- keeping replicas together --------------------------------------------------------
 
     def finish(self) -> None:
         """End of training (weights mode: a last average if steps were taken since)."""
