@@ -40,6 +40,18 @@ def _train(cpu_towers, steps=15, model="mlp", momentum=0.0, sync="grads", finish
         tr.close()
 
 
+def _start_late(monkeypatch):
+    """Tower threads 1.. start each step 5 ms after the caller's."""
+    start = TowerThreads._call
+
+    def late(self, fn, i):
+        if i > 0:
+            time.sleep(0.005)
+        start(self, fn, i)
+
+    monkeypatch.setattr(TowerThreads, "_call", late)
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_threaded_towers_equal_serial_towers_bit_for_bit(momentum):
     p_t, e_t, l_t, _ = _train("threads", momentum=momentum)
@@ -56,14 +68,7 @@ def test_weights_mode_tower_threads_that_start_late_still_train_on_their_own_ste
     """Weights mode has no barrier: the caller may start the next step before a tower
     thread has begun this one.  Each thread must still see its own step's batch."""
     p_s, e_s, _, _ = _train("serial", sync="weights", steps=13)
-    start = TowerThreads._call
-
-    def late(self, fn, i):
-        if i > 0:
-            time.sleep(0.005)
-        start(self, fn, i)
-
-    monkeypatch.setattr(TowerThreads, "_call", late)
+    _start_late(monkeypatch)
     p_t, e_t, _, _ = _train("threads", sync="weights", steps=13)
     for a, b in zip(p_t, p_s):
         numpy.testing.assert_array_equal(a, b)
@@ -75,14 +80,7 @@ def test_weights_mode_finish_averages_after_late_tower_threads_are_done(monkeypa
     """``finish`` right after a step (no ``synchronize`` between): its last average reads every tower's
     buffers, so it must wait for a tower thread still updating, as the averages every K steps do."""
     p_s, e_s, _, _ = _train("serial", sync="weights", steps=13, finish=True)
-    start = TowerThreads._call
-
-    def late(self, fn, i):
-        if i > 0:
-            time.sleep(0.005)
-        start(self, fn, i)
-
-    monkeypatch.setattr(TowerThreads, "_call", late)
+    _start_late(monkeypatch)
     p_t, e_t, _, _ = _train("threads", sync="weights", steps=13, finish=True)
     for a, b in zip(p_t, p_s):
         numpy.testing.assert_array_equal(a, b)
