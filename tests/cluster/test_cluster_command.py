@@ -84,6 +84,7 @@ def test_command_and_library_give_the_same_weights(tmp_path, local_ray):
         numpy.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+@pytest.mark.slow
 def test_an_address_without_ray_is_one_line_within_seconds(tmp_path):
     """A closed port, and a port where some other TCP server listens (Ray would hang there for good)."""
 
@@ -141,6 +142,7 @@ def test_a_dead_host_is_one_line(tmp_path, local_ray):
     assert "\x1b" not in err + out and "(raylet)" not in out and "worker died" not in out, out
 
 
+@pytest.mark.slow
 def test_a_killed_driver_takes_the_ray_it_started_with_it(tmp_path):
     """The driver is killed: a Ray it started itself goes with it (no ``local_ray``: it runs beside the Ray group)."""
     proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path / "b"))
@@ -193,6 +195,7 @@ if __name__ == "__main__":
 PLAIN = "try:\n    print(__import__('towers').__file__)\nexcept ImportError as e:\n    print(repr(e))"
 
 
+@pytest.mark.slow
 def test_a_script_outside_the_checkout_runs_hosts_that_import_its_towers(tmp_path):
     """A script in another folder that puts the checkout on sys.path: the host actors import the same towers
     (they could not import it at all: "host 0 died at step 0", no checkpoint behind it).  The script starts its

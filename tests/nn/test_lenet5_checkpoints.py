@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy
+import pytest
 
 from towers.nn.conv import Conv2D
 from towers.nn.models import lenet5
@@ -46,6 +47,7 @@ def test_lenet5_uses_the_default_convolution_algorithm():
     assert [c.algorithm for c in convs] == ["chunked", "chunked"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_the_whole_batch_lenet5_resumes_under_the_new_code(tmp_path):
     _train(tmp_path / "old", "--steps", 20, old=True)  # the old code, straight to step 20
     (tmp_path / "split").mkdir()  # the step 10 checkpoint the old code wrote on its way (it keeps 5)

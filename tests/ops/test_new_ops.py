@@ -66,6 +66,7 @@ def _train(root, logdir, *args) -> subprocess.CompletedProcess:
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_lion_in_one_file_trains_to_the_same_bits_through_both_cpu_forms(package_with_lion, tmp_path):
     pytest.importorskip("numba", reason="numba is not installed: the compiled CPU forms are optional")
     md5 = {}
