@@ -45,21 +45,41 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
     config.addinivalue_line("markers", "dry_run: a GPU test that runs on the CPU with TOWERS_TEST_GPU_AS=cpu "
                                        "(tests/gpu_compare.py)")
+    config.addinivalue_line("markers", "slow: takes seconds on 2 quiet cores (most start processes): run first "
+                                       "(`-m 'not slow'` leaves them out)")
 
 
 def _one_worker_each(items) -> None:
     """The tests that share one thing run in one pytest-xdist worker (pytest.ini: ``-n auto --dist loadgroup``
     runs the others spread over a worker per core): those on the session's Ray (``local_ray``, started once,
-    not in every worker) and the GPU tests (one process at a time on the GPUs)."""
+    not in every worker), the GPU tests (one process at a time on the GPUs), and those of a module that share
+    one of its module-scoped fixtures (a trained run: made once, not once in each worker, nor again in a
+    worker whose turn passed to another module in between)."""
     for item in items:
         if "local_ray" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("ray"))
         elif "gpu" in item.keywords:
             item.add_marker(pytest.mark.xdist_group("gpu"))
+        elif _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _uses_a_module_fixture(item) -> bool:
+    """Whether ``item`` takes a module-scoped fixture defined in its own module."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(d[-1].scope == "module" and d[-1].func.__module__ == item.module.__name__
+               for d in defs.values() if d)
+
+
+def _slow_first(items) -> None:
+    """The tests marked ``slow`` go first: pytest-xdist hands out the groups (largest first), then the tests in
+    this order, so the run ends on short tests, not on one worker finishing a long one while the others wait."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(config, items):
+    _slow_first(items)
     _one_worker_each(items)
     if cuda_count() > 0:
         return

@@ -94,6 +94,7 @@ def test_eval_takes_a_runs_final_npz(run_dir, tmp_path):
     assert f"is not beside it ({tmp_path / 'ckpt-00000020.npz'}): give one of the run's ckpt-*.npz" in p.stderr
 
 
+@pytest.mark.slow
 def test_eval_of_a_batch_norm_model_uses_its_moving_statistics(tmp_path):
     # Before: towers.eval left the moving mean and variance at 0 and 1, and disagreed with the run.
     cli("towers.train", "--logdir", tmp_path, "--model", "resnet20", "--batch-size", "16", "--quiet", "--steps", 8,

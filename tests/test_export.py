@@ -345,6 +345,7 @@ def test_metadata_names_an_image_folders_classes(tmp_path, capsys):
         assert json.loads(f.metadata()["towers.class_names"]) == ["cat", "dog", "emu"]
 
 
+@pytest.mark.slow
 def test_resnet50_exports_into_torchvisions_resnet50_strictly_and_gives_towers_logits():
     """ResNet-50's weights (random, the batch norms' statistics and affine parameters too) in the torch layout
     (``towers.export.convert``, what --layout torch writes, through safetensors' bytes): torchvision's own

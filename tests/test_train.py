@@ -82,6 +82,7 @@ def test_replicas_stay_bit_identical_and_the_ema_follows(standin):
     assert 0 < rel_diff(tr.executor.ema.shadow, p[0]) < 0.5
 
 
+@pytest.mark.slow
 def test_default_command_trains_on_embedded_data(tmp_path):
     """`python -m towers.train --n-gpu 2` as in the quick start (plus a logdir)."""
     res = run_cli("--n-gpu", "2", "--logdir", str(tmp_path))
@@ -171,6 +172,7 @@ def test_a_loss_that_does_not_move_is_said_on_the_log_line(tmp_path):
     assert res.returncode == 0 and "chance level" not in res.stdout
 
 
+@pytest.mark.slow
 def test_a_converged_run_is_not_told_its_loss_has_stopped_moving(tmp_path):
     # Logged every 1000 steps, the digits MLP's loss barely changes between its
     # two lines (it has converged, ~97%): that is no reason to lower the rate;

@@ -84,6 +84,7 @@ def test_command_and_library_give_the_same_weights(tmp_path, local_ray):
         numpy.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+@pytest.mark.slow
 def test_an_address_without_ray_is_one_line_within_seconds(tmp_path):
     """A closed port, and a port where some other TCP server listens (Ray would hang there for good)."""
 
@@ -122,8 +123,8 @@ def test_sigterm_ends_a_run_of_two_hosts_with_one_line(tmp_path, local_ray):
     assert err.strip().splitlines() == ["towers.train: terminated (SIGTERM); the last checkpoint is kept"], err
 
 
-def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path, local_ray):
-    # A host dies: on a Ray the command joined (the tests' own: its actors are this process's descendants).
+def test_a_dead_host_is_one_line(tmp_path, local_ray):
+    """A host dies: on a Ray the command joined (the tests' own: its actors are this process's descendants)."""
     address = local_ray.get_runtime_context().gcs_address
     before = set(host_actors(os.getpid()))
     proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path / "a"),
@@ -140,7 +141,10 @@ def test_dead_host_is_one_line_and_a_killed_driver_takes_ray_with_it(tmp_path, l
     # Ray's "(raylet) A worker died or was killed ..." (in colour) came on stdout before: stdout keeps towers' lines
     assert "\x1b" not in err + out and "(raylet)" not in out and "worker died" not in out, out
 
-    # The driver is killed: a Ray it started itself goes with it.
+
+@pytest.mark.slow
+def test_a_killed_driver_takes_the_ray_it_started_with_it(tmp_path):
+    """The driver is killed: a Ray it started itself goes with it (no ``local_ray``: it runs beside the Ray group)."""
     proc = start("--steps", "1000000", "--checkpoint-every", "50", "--logdir", str(tmp_path / "b"))
     wait_for(str(tmp_path / "b" / "checkpoint"), proc)
     ray_processes = children_of({proc.pid})
@@ -191,13 +195,11 @@ if __name__ == "__main__":
 PLAIN = "try:\n    print(__import__('towers').__file__)\nexcept ImportError as e:\n    print(repr(e))"
 
 
-def test_a_script_outside_the_checkout_runs_hosts_that_import_its_towers(tmp_path, local_ray):
+@pytest.mark.slow
+def test_a_script_outside_the_checkout_runs_hosts_that_import_its_towers(tmp_path):
     """A script in another folder that puts the checkout on sys.path: the host actors import the same towers
-    (they could not import it at all: "host 0 died at step 0", no checkpoint behind it); and an actor that
-    cannot start says why, in its exception's own words."""
-    import towers
-    from towers.errors import TrainingError
-
+    (they could not import it at all: "host 0 died at step 0", no checkpoint behind it).  The script starts its
+    own Rays (no ``local_ray``: it runs beside the Ray group)."""
     folder = tmp_path / "elsewhere"
     folder.mkdir()
     script = folder / "two_hosts.py"
@@ -216,7 +218,13 @@ def test_a_script_outside_the_checkout_runs_hosts_that_import_its_towers(tmp_pat
         f"workers import {REPO / 'towers' / '__init__.py'}", f"workers import {plain}"], p.stdout
     assert (tmp_path / "run" / "a" / "final.npz").exists() and (tmp_path / "run" / "b" / "final.npz").exists()
 
-    # A host whose __init__ fails (here: an NCCL stand-in module it cannot import) did not die mid-run.
+
+def test_a_host_that_cannot_start_says_why(local_ray):
+    """An actor that cannot start says why, in its exception's own words: a host whose __init__ fails (here: an
+    NCCL stand-in module it cannot import) did not die mid-run."""
+    import towers
+    from towers.errors import TrainingError
+
     cfg = towers.Config(hosts=2, devices="cpu", hidden=16, steps=4, quiet=True, summary_every=0)
     with pytest.raises(TrainingError) as failed:
         towers.Trainer(cfg, nccl="no_such_nccl_module")

@@ -200,6 +200,7 @@ def _resnet_step(dtype, x, y, n: int, masks: dict, compiled=False):
     return sum(r.grads.astype(numpy.float64) for r in reps) / n
 
 
+@pytest.mark.slow
 def test_one_sync_bn_step_of_resnet20_lands_near_float64():
     """One step of ResNet-20, 2 towers x 8 with sync-BN, against the same step in float64.
 
@@ -223,6 +224,7 @@ def test_one_sync_bn_step_of_resnet20_lands_near_float64():
     assert numpy.linalg.norm(g32 - g64) / numpy.linalg.norm(g64) < 1e-5
 
 
+@pytest.mark.slow
 def test_one_compiled_step_of_resnet20_lands_near_float64():
     """The same step through numba's compiled batch norm (``cpu_kernels``), one tower, against float64.
 

@@ -47,9 +47,14 @@ def _nvrtc_compiles(kernel) -> None:
 
 @pytest.fixture(scope="module")
 def package_with_lion(tmp_path_factory):
-    """A copy of the towers package with the Lion file added to its optimizers: the one change."""
+    """A copy of the towers package with the Lion file added to its optimizers: the one change.
+
+    The ``__pycache__`` folders come along: numba's machine code of the kernels the checkout compiled
+    before (``towers.ops.numba_jit``: stamped by each source file, so only unchanged ones load) spares the
+    copy a cold compile of every kernel (about half the test); Lion's own kernel is compiled anew.
+    """
     root = tmp_path_factory.mktemp("with-lion")
-    shutil.copytree(REPO / "towers", root / "towers", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "towers", root / "towers")
     shutil.copy(FIXTURES / "lion.py", root / "towers" / "optim" / "optimizers" / "lion.py")
     return root
 
@@ -61,6 +66,7 @@ def _train(root, logdir, *args) -> subprocess.CompletedProcess:
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_lion_in_one_file_trains_to_the_same_bits_through_both_cpu_forms(package_with_lion, tmp_path):
     pytest.importorskip("numba", reason="numba is not installed: the compiled CPU forms are optional")
     md5 = {}

@@ -229,6 +229,7 @@ def test_rmsprop_matches_tf1s_formula_step_for_step(mu, centered, l2):
     assert np.abs(params - p0).max() > 0.01
 
 
+@pytest.mark.slow
 def test_torch_adamw_agrees_when_torch_is_installed():
     torch = pytest.importorskip("torch")
     from towers.optim.optimizers.adamw import AdamW

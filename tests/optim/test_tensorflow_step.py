@@ -58,6 +58,7 @@ def _close(ours, theirs, what):
     assert float(np.abs(ours - theirs).max()) <= 1e-5 * scale, (what, float(np.abs(ours - theirs).max()), scale)
 
 
+@pytest.mark.slow
 def test_one_step_of_the_tf1_tower_example_matches_towers():
     tf = pytest.importorskip("tensorflow")
     with Trainer(Config(**SETTINGS)) as tr:

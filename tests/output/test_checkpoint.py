@@ -142,6 +142,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
     assert "none of the" in err and "can be read" in err
 
 
+@pytest.mark.slow
 def test_resume_refusals_and_notes(tmp_path):
     train(tmp_path, "--steps", 4, "--n-gpu", 2)
     # A fresh run never overwrites a run's checkpoints.
@@ -298,6 +299,7 @@ def _newest_step(logdir) -> int:
     return found[0][0] if found else -1
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_moment_loses_nothing_beyond_the_last_checkpoint(tmp_path):
     args = ["--checkpoint-every", 1, "--log-every", 1, "--batch-size", 20, "--keep-checkpoints", 3]
     run = tmp_path / "crashy"

@@ -249,6 +249,7 @@ def test_a_step_past_its_limit_is_stopped_and_logged(tmp_path):
     assert "started" in (tmp_path / "echo").read_text()
 
 
+@pytest.mark.slow
 def test_the_gpu_tests_dry_run_on_the_cpu():
     """The GPU tests that take their device from tests/gpu_compare.py run here with TOWERS_TEST_GPU_AS=cpu (both
     sides CPU runs, which must agree): a broken test is found before a GPU lease is spent on it."""

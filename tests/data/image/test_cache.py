@@ -161,6 +161,7 @@ def test_a_cache_the_process_has_no_memory_for_streams_with_a_notice(tmp_path, l
     assert (tmp_path / "run" / "final.npz").exists()
 
 
+@pytest.mark.slow
 def test_a_corrupt_image_stops_or_is_counted_the_same_with_the_cache(tmp_path):
     x, y = _images()
     path = _records(tmp_path / "bad.tfrecords", x, y, bad={17})
