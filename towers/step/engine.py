@@ -1,71 +1,40 @@
 """The step engine: one synchronous step over every tower, read top to bottom in ``run`` and ``_work``.
 
-A step on one global batch of ``towers x batch_size x accumulate`` host
-examples (or, with the training set on the GPUs, its row indices) runs, per
-tower:
+The phases and how each runs are docs/architecture.md's "What a step does".  A step on one global batch of
+``towers x batch_size x accumulate`` host examples (or their row indices, with the training set on the GPUs)
+runs, per tower: 1. stage (``run`` uploads the device rows once; ``Tower.compute`` takes its slice);
+2. forward and backward into the flat gradient buffer (K micro-batches with ``accumulate``:
+``Replica.mean_loss_and_grads``); 3. the keeper's ``average`` (``towers.parallel.sync``) returns the buffers
+each tower's update applies, or None to skip the update (gradient buckets: issued inside phase 2 through
+the keeper's ``buckets()`` hooks, ``towers.parallel.overlap``); 4. each tower's ``update`` (none for a tower
+sharing another's parameter buffer: ``Tower.shares_params``); 5. EMA: fused into tower 0's update in grads
+mode, else the keeper's ``step_done``.
 
-1. stage:     the step's device rows uploaded once (``run``); each tower's
-              contiguous slice onto its device (``Tower.compute``);
-2. compute:   forward and backward into the tower's flat gradient buffer;
-              with ``accumulate`` K > 1, phases 1-2 run once per micro-batch
-              of ``batch_size`` rows and the buffer ends as their mean
-              gradient (``Replica.mean_loss_and_grads``);
-3. average:   the keeper's ``average`` (``towers.parallel.sync``), a strategy
-              that returns the gradient buffers each tower's update applies,
-              or None to skip the update (fp16's overflow): in grads mode
-              every tower's buffer made the mean over towers
-              (``reducer.average``; with gradient buckets issued inside
-              phase 2, each bucket once every tower's backward has finished
-              its layers: the keeper's ``buckets()``, whose hooks each
-              tower's backward is given, ``towers.parallel.overlap``); in
-              weights mode each tower's own gradient;
-4. update:    the engine calls each tower's ``update`` on those buffers (its
-              optimizer, ``towers.optim``; a tower sharing another's
-              parameter buffer has none: ``Tower.shares_params``);
-5. EMA:       in grads mode fused into the first tower's optimizer step
-              (phase 4); in weights mode the keeper's ``step_done``, every K
-              steps, averages the weights, optimizer slots and model buffers,
-              then updates the EMA.
+Who runs phases 1-4 is the *worker* layout:
 
-Who runs phases 1-4 is the *worker* layout, the one difference between the
-two ways towers run:
+* one worker owning every tower (GPU towers, queued on their streams tower after tower; serial CPU
+  towers): compute each tower, then average and update whole buffers;
+* one worker per tower on ``towers.devices.cpu_threads`` threads (CPU towers; every tower with
+  ``sync_bn``): worker i computes tower i; with a ``shared`` keeper it waits at a barrier, then averages
+  and updates slice i of EVERY tower's buffers (a reducer or keeper that does not split -- NCCL, fp16's
+  -- leaves both to tower 0's thread over whole buffers); a keeper that is not shared averages and
+  updates the worker's own tower.
 
-* one worker owning every tower (GPU towers, whose phases are queued on their
-  streams tower after tower; serial CPU towers): compute each tower, then
-  average and update whole buffers;
-* one worker per tower, concurrently on ``towers.devices.cpu_threads`` threads
-  (CPU towers; and every tower with ``sync_bn``, GPU towers too, whose batch
-  statistics meet at barriers): worker i computes tower i; with a ``shared``
-  keeper it waits at a barrier, then averages and updates slice i of EVERY
-  tower's buffers, so the all-reduce and the update are split across cores (a
-  reducer that does not split -- NCCL, GPUs -- or a keeper that does not,
-  fp16's: tower 0's thread does both over whole buffers); a keeper that is
-  not shared averages and updates the worker's own tower.
+Both call ``_work(mine, step)`` with a ``Step`` made per call and bound to it, so a late tower thread of
+the last step reads its own step's inputs (and, on GPUs, its own upload of the row indices:
+``Step.staged``).  ``gradients`` is phases 1-3 alone, for a parameter server's hosts
+(``towers.cluster.ps``).
 
-Both call the same ``_work(mine, step)``: the worker's towers and the step's
-inputs (``Step``: its batch or staged rows, the learning rate, the step
-count, whether losses are wanted), one object made per call and bound to it;
-what is constant per worker (its slice ``part`` of the buffers) is looked up
-by its first tower.  With the training set on the GPUs the step's row indices
-are uploaded once, before the workers start, and each worker's gather reads
-the index buffer of its own step's upload (``Step.staged``).  ``gradients``
-is phases 1-3 alone, for a parameter server's hosts (``towers.cluster.ps``:
-the server applies the update).
-
-Sync points: none inside a step on a GPU without ``sync_bn`` (fp16: the
-finite check of the averaged gradient is read back); with tower threads (CPU
-towers, or ``sync_bn``) host barriers inside the step (after compute, and two
-per batch-norm layer with ``sync_bn``), ``run`` returns when tower 0's share
-is done and ``synchronize`` joins the rest (so do a step the keeper averages
-weights at, ``averages_at``, and ``finish``; ``want_loss`` with a keeper
-that is not shared joins them at once).  The loss leaves the device only
+Sync points: none inside a step on a GPU without ``sync_bn`` (fp16: the finite check of the averaged
+gradient is read back); with tower threads, host barriers inside the step (after compute, and two per
+batch-norm layer with ``sync_bn``); ``run`` returns when tower 0's share is done and ``synchronize``
+joins the rest (so do a step the keeper averages weights at, ``averages_at``, and ``finish``;
+``want_loss`` with a keeper that is not shared joins them at once).  The loss leaves the device only
 when asked for (``want_loss``).
 
-All-reduces are counted once, by the keeper's ``Counted`` reducer
-(``all_reduces``): one per step in grads mode, whatever ``accumulate`` (a
-sliced all-reduce counts at slice 0), or with gradient buckets one per range
-of each bucket; one per averaged buffer in weights mode; sync-BN's statistic
-averages are not counted.
+All-reduces are counted once, by the keeper's ``Counted`` reducer (``all_reduces``): one per step in
+grads mode, whatever ``accumulate`` (a sliced all-reduce counts at slice 0), or one per bucket range;
+one per averaged buffer in weights mode; sync-BN's statistic averages are not counted.
 """
 from __future__ import annotations
 
