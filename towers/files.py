@@ -5,67 +5,36 @@ converters (``towers.data``), a run's output (``towers.output``) and the command
 
 Atomic outputs
 --------------
-Writing an output without ever hurting the user's data: temporaries, atomic rename, refusals.
+A run keeps every temporary file (the column spill files, the output being written) in one *owned
+folder* beside the output (:func:`output_folder`), not in ``/tmp``: :func:`os.replace` is atomic only
+within one file system, and ``/tmp`` is often a small tmpfs the spill would fill.
 
-A run keeps every temporary file in one *owned folder* beside the output
-(:func:`output_folder`): the column spill files and the output being
-written.  Beside, not in ``/tmp``: the final :func:`os.replace` is atomic only
-within one file system, and ``/tmp`` is often a small RAM-backed tmpfs that
-the spill would fill.
+Ownership is proven by the kernel: the folder holds a lock file on which its run takes an exclusive
+``flock`` (:func:`try_lock`) for its life.  The kernel drops the lock when the process ends, however it
+ends, so the next run in the same folder removes exactly the folders whose lock it can take; a live
+owner's folder is never touched, whatever its pid namespace or host (over NFS the server holds the lock).
+The same lock proves a logdir's live run (``towers.output.logdir.lock_logdir``); the file holds nothing.
+Limits: folders with our name but no lock file are left alone (a run killed between creating and locking
+its folder leaves an empty one); without ``fcntl`` (Windows) nothing is removed; folders another user
+owns are left to that user.
 
-Ownership is proven by the kernel, not by guessing from names: the folder
-holds a lock file on which its run takes an exclusive ``flock`` for as long
-as it lives.  The kernel drops that lock when the process ends, however it
-ends (SIGKILL, a crash, a reboot), so the next run in the same folder
-removes exactly the folders whose lock it can take: their owners are dead.
-A live owner's folder is never touched, whatever its pid namespace or host
-(over NFS the lock is held by the server).  This replaces guessing from a pid
-in the name, which pid reuse, containers and shared folders defeat.  Limits:
-folders with our name but no lock file are left alone (a run killed between
-creating its folder and locking it leaves an empty one); without ``fcntl``
-(Windows) nothing is removed; folders another user owns are left to that
-user; folders of older versions (``.OUT.columns-*``) are not recognised.
+:func:`atomic_path` creates the partial output with ``O_CREAT | O_EXCL`` and mode 0o666, so the umask
+gives it the mode ``open()`` would (not ``mkstemp``'s 0600).  When the caller has written it, the file
+is fsynced, renamed over the output, and the output's folder fsynced so the rename survives a power cut:
+readers see no output (or the old one) or the complete new one.
 
-:func:`atomic_path` creates the partial output with ``O_CREAT | O_EXCL`` and
-mode 0o666, so the umask gives it exactly the mode ``open()`` would (not
-``mkstemp``'s 0600).  When the caller has written it, the file is fsynced,
-renamed over the output, and the output's folder is fsynced so that the
-rename itself survives a power cut.  Readers see either no output (or the old
-one) or the complete new one.
-
-The sync points are those two fsyncs at the end of a successful write; a
-failure or interruption anywhere (any ``BaseException``, so Ctrl-C and a
-command line's SIGTERM too) removes the owned folder, so no partial output and
-no temporary file remain.  A full disk (or quota) inside either context
-becomes a :class:`DiskError` naming the output and what was being written.
+Sync points: those two fsyncs at the end of a successful write.  A failure or interruption anywhere (any
+``BaseException``: Ctrl-C, a command line's SIGTERM) removes the owned folder.  ``writing(path)`` turns
+an ``OSError`` (full disk or quota, read-only file system, I/O error) into a :class:`DiskError` naming
+the file and what was being written, the one type for a failed write (exit status 1).
 :func:`refuse_overwriting_inputs` stops an output that is one of the inputs.
 
 npz files
 ---------
-Write an ``.npz`` whose arrays are streamed from files, never held in memory.
-
-``numpy.savez`` needs every array in memory at once.  :func:`write_npz`
-instead writes each member of the zip archive as an ``.npy`` header followed
-by the raw bytes of an :class:`ArrayBytes`, copied in blocks, so a 10 GB
-output costs a few MiB of memory.  The result is an ordinary npz archive
-(ZIP64 where needed) that ``numpy.load`` reads.
-Members carry a fixed timestamp, so identical arrays give byte-identical files
-(checkpoints rely on it for the byte-identical resume).
-
-Write failures and the lock
----------------------------
-``writing(path)`` turns an ``OSError`` (a full disk, a read-only filesystem, an
-I/O error) into a ``DiskError`` naming the file and the OS error, which the
-command line prints as one line.  ``DiskError`` is the one type for a failed
-write, a run's or a converter's (exit status 1).
-
-One lock file, ``lock``, proves a live owner wherever one is needed: a logdir
-(``towers.output.logdir.lock_logdir``: a logdir belongs to one live run) and
-each owned temporary folder (``output_folder``: a dead writer's folder is
-removed).  It is an ``flock`` (:func:`try_lock`) held for the owner's life;
-the kernel drops it when the process dies, however it dies, so a dead
-owner's lock file never blocks.  A folder's lock file holds nothing (nobody
-asks who holds it).
+:func:`write_npz` writes each member of the zip archive as an ``.npy`` header followed by the raw bytes
+of an :class:`ArrayBytes`, copied in blocks, so a 10 GB output costs a few MiB of memory (``numpy.savez``
+needs every array in memory).  The result is an ordinary npz (ZIP64 where needed); members carry a fixed
+timestamp, so identical arrays give byte-identical files (the byte-identical resume relies on it).
 """
 from __future__ import annotations
 
