@@ -19,35 +19,26 @@ of zero pixels on every side; optional bias) is im2col + matmuls:
 
 Two algorithms, ``algorithm=``:
 
-* ``"chunked"`` (the default).  On the CPU the batch goes through in chunks
-  of images whose ``cols`` fit in about ``CHUNK_BYTES`` (a core's L2 cache),
-  im2col'd again in backward instead of kept: a ResNet's 16-channel layer
-  reads a 38 MB ``cols`` at batch 64 otherwise, and its thin GEMMs (16 output
-  columns) are bound by that memory traffic, not by arithmetic (forward 19 ms
-  whole, 10 ms in chunks).  At stride 1 backward makes ONE im2col, of ``dy``
-  padded by k-1-pad (row = input pixel), and both gradients come from it:
-  the input gradient is the forward convolution of ``dy`` with the kernel
-  turned 180 degrees and its channels swapped (10 ms against 49 ms for
-  col2im's strided adds on that layer), and ``dW`` is ``x^T @ dcols`` with
-  the taps turned back (no second im2col of ``x``: the 16-channel layer's
-  backward 19 ms -> 14 ms).  With more filters than input channels (F > C,
-  LeNet-5's conv2) ``dW = cols(x)^T @ dy`` from x's im2col is faster instead
-  (``_dw_from_x``: a k*k*C-wide im2col and a better-shaped GEMM), and dy's
-  im2col gives the input gradient alone (on the CPU, where it was measured);
-  with the compiled CPU forms (``cpu_kernels``, ``towers.ops.forms``) such a
-  layer takes the input gradient by ``dcols = dy @ W.T`` (k*k*C wide, not
-  k*k*F) and the compiled col2im, one gathering pass (LeNet-5's conv2 backward 20.1 ->
-  18.3 ms; NumPy's col2im is slower than dy's im2col there, so the two
-  modes sum it in different orders).  At other strides, and for the first
-  layer (no input gradient, and a narrow ``x``), ``dW = cols.T @ dy`` from
-  ``x``'s im2col, and ``dcols = dy @ W.T`` and col2im (compiled, with the
-  same bits, under the compiled forms).  On a GPU: one chunk, the whole batch.
+* ``"chunked"`` (the default; why, with measurements: docs/architecture.md,
+  "Why some paths are as they are").  On the CPU the batch goes through in
+  chunks of images whose ``cols`` fit in about ``CHUNK_BYTES`` (a core's L2
+  cache), im2col'd again in backward instead of kept.  At stride 1 backward
+  makes ONE im2col, of ``dy`` padded by k-1-pad (row = input pixel): the input
+  gradient is the forward convolution of ``dy`` with the kernel turned 180
+  degrees and its channels swapped, and ``dW`` is ``x^T @ dcols`` with the taps
+  turned back.  With more filters than input channels (F > C) ``dW = cols(x)^T
+  @ dy`` from x's im2col instead (``_dw_from_x``), and dy's im2col gives the
+  input gradient alone; under the compiled CPU forms (``towers.ops.forms``)
+  such a layer's input gradient is ``dcols = dy @ W.T`` and the compiled col2im,
+  so the two CPU modes sum it in different orders.  At other strides, and for
+  the first layer (no input gradient), ``dW = cols.T @ dy`` from ``x``'s
+  im2col, and ``dcols = dy @ W.T`` and col2im (compiled, with the same bits,
+  under the compiled forms).  On a GPU: one chunk, the whole batch.
 * ``"whole"``: the batch's ``cols`` in one piece, kept for backward; the input
   gradient by ``dcols = dy @ W.T`` and col2im (kh*kw strided adds into a padded
   buffer on the CPU, one gathering kernel on a GPU).  No built-in model uses
-  it (it is slower).  ``cols`` costs N*Ho*Wo*kh*kw*C floats (63 MB
-  for LeNet's second convolution at batch 100), which is why evaluation runs
-  in chunks.
+  it (it is slower).  ``cols`` costs N*Ho*Wo*kh*kw*C floats, which is why
+  evaluation runs in chunks.
 
 Both give the same sums in other orders.  Strides above 1 take array
 operations on a GPU (no dedicated kernel).

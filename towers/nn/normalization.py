@@ -19,10 +19,8 @@ momentum 0.99, epsilon 1e-3).  Over the M = N*H*W values of each channel:
   elementwise (one more than ``x * a + b`` from ``E[x^2]`` needs: the
   centring) and three GEMVs.  The buffers follow:
   ``moving -= (1 - d) * (moving - batch)`` with ``d = min(momentum, (1 + step)
-  / (10 + step))``, the EMA's warm-up (``towers.optim.ema``), so the moving
-  statistics are the recent batches' after a few hundred steps already, not
-  a blend dominated by their initial values (0 and 1) for 1 / (1 - momentum)
-  steps;
+  / (10 + step))``, the EMA's warm-up (``towers.optim.ema``; why: docs/models.md,
+  "Batch norm");
 * evaluation (``ctx.training`` False): the moving mean and variance instead,
   ``y = (x - mean) * a + beta`` (centred first, for the same reason);
 * backward: with ``xhat = (xc - off) / sqrt(var + eps)``,
@@ -47,16 +45,10 @@ an average of ONE packed array across towers --
 * backward: ``[mean(dy), mean(dy * xhat)]`` (2C values), the two sums of
   ``dx``.
 
-Every tower then computes the same statistics, the same moving averages, and
-input gradients whose average over towers is the gradient of the global
-batch's loss, so N towers x B examples train as 1 tower x N*B up to float
-rounding.  The parameter gradients stay each tower's own sums: the gradient
-all-reduce averages them as any other.  ``gamma`` and ``beta`` are not under
-L2.
-
-Precision: one float32 step of ResNet-20 (2 towers x 8, sync-BN, nearly
-flat images) lands about 2.5e-6 of the update from the same step in
-float64, against 1e-4 with ``E[x^2] - E[x]^2`` (``tests/nn/test_sync_bn.py``).
+Every tower then computes the same statistics and moving averages, and input
+gradients whose average over towers is the global batch's; the parameter
+gradients stay each tower's own sums, for the gradient all-reduce.  ``gamma``
+and ``beta`` are not under L2.  Precision and cost: docs/models.md, "Batch norm".
 
 LRN (TensorFlow's ``local_response_normalization``, defaults depth_radius 5,
 bias 1, alpha 1, beta 0.5): ``s = bias + alpha * sum(x^2 over channels c - r
