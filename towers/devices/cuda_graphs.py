@@ -1,10 +1,8 @@
 """CUDA graphs of a GPU tower's forward and backward: captured once per kind of step, then replayed.
 
-A GPU step is bound by the host when its kernels are small: ResNet-20 at
-batch 128 queues about 340 launches per tower-step, each tens of
-microseconds of Python and CuPy on the one thread that drives every GPU,
-against a few milliseconds of kernels.  ``StepGraphs`` records a tower's
-forward and backward once as a CUDA graph and then runs it as ONE launch.
+``StepGraphs`` records a tower's forward and backward once as a CUDA graph
+and then runs it as ONE launch, for steps bound by the host's launch cost
+(docs/architecture.md, "On GPUs").
 
 ``StepGraphs.run(key, inputs, compute, timer, want)``, ``compute(*inputs,
 timer=)`` being the tower's eager forward and backward on its staged batch

@@ -1,65 +1,37 @@
 """Keeping data-parallel replicas together: the sync modes by name, one host's keepers, the replica check.
 
-``--sync grads`` (default), as in the TF multi-GPU example and Ray's gradient
-averaging: one all-reduce of the gradient buffer per step; every replica then
-applies the same update, so replicas stay bit-identical.  CPU towers that
-reduce through the host's own mean share one parameter buffer instead, which
-one optimizer step updates (``same_updates``, ``towers.step.tower.build_towers``).
+What each ``--sync`` value does is docs/training.md's "Keeping replicas together"; the keeper interface
+and how to add a mode, docs/architecture.md's "Sync modes".  A keeper is a strategy of buffers in and
+buffers out: after compute the step engine (``towers.step.engine``) asks ``average(towers, part, on)``
+for the gradients each tower's update applies, or None to skip the update, and calls ``step_done`` at
+the end of every step.  A keeper reduces through ``Counted(reducer)`` (the run's all-reduce count,
+``towers.parallel.reducers``) and never runs a tower's optimizer:
 
-``--sync weights --average-every K``, as in Ray's weight averaging (local SGD):
-each tower updates with its own slice's gradient; every K steps the parameter
-buffers (and momentum buffers, if any) are averaged with the same all-reduce.
-This sends 1/K as many all-reduces (2/K with momentum).  The EMA follows the
-averaged weights: it is updated right after each average, its decay warming
-up with the number of averages.  With K=1 and plain SGD this is the same
-computation as grads mode up to float rounding (the mean of the updated
-weights equals the weights updated with the mean gradient).
+* ``GradientAveraging`` (grads mode; also a parameter server's hosts, whose towers average their
+  gradients before the push): ``shared`` -- on tower threads the engine puts its barrier between
+  compute and average; ``average`` makes the gradient buffers (whole, or slice ``part`` of every
+  tower's by each thread) their mean and returns them; fp16's ``LossScaler`` then unscales the mean or
+  skips the step (None), a decision of the averaged gradient, the same bytes on every replica; the
+  scale is this keeper's state, which the next step's backward reads (``loss_scale``).  With
+  ``allreduce_bucket_mib`` the average runs during backward, bucket by bucket (``bind`` plans them
+  once, ``buckets`` gives each step's hooks; ``towers.parallel.overlap``), and ``average`` waits for the
+  last.  CPU towers that reduce through the host's own mean share one parameter buffer
+  (``same_updates``, ``towers.step.tower.build_towers``);
+* ``PeriodicAveraging(every)`` (weights mode): not shared -- ``average`` returns each tower's own
+  gradient, with no barrier; every ``every`` steps (``averages_at``: the engine joins the tower threads
+  first) ``step_done`` averages the parameters, every optimizer slot and the model buffers, then
+  updates the EMA.  It owns the averages' count (saved as ``sync/n_averages``) and the step of the last
+  average, when replicas are compared.
 
-The step engine (``towers.step.engine``) runs a step and updates the towers;
-how replicas stay together is one keeper's, a strategy of buffers in and
-buffers out (as a DDP communication hook is a function from a bucket to its
-average): after compute the engine asks ``average(towers, part, on)`` for
-the gradients each tower's update applies, or None to skip the update, and
-at the end of every step it calls ``step_done``.  A keeper reduces through
-``Counted(reducer)`` (the run's all-reduce count, ``towers.parallel.reducers``)
-and never runs a tower's optimizer:
+A keeper is made by the run (``Keeping.build``), taking what it needs of the settings itself
+(``period``: ``average_every``).  ``MODES`` is the one registry of the ``sync`` setting: each name is a
+``Mode`` whose ``keeper`` keeps one host's towers together (None: several hosts only) and whose
+``hosts`` keeps a cluster's (``towers.cluster.keeping.HostKeeping``, imported only with ``hosts`` > 1,
+so one host never imports ``towers.cluster``).  The setting's check, the default checkpoint interval,
+the one-host executor and the cluster's driver all look the mode up here.
 
-* ``GradientAveraging`` (grads mode; also a parameter server's hosts, whose
-  towers average their gradients before the push): ``shared`` -- a worker's
-  update needs every tower's gradients, so on tower threads the engine puts
-  its barrier between compute and average; ``average`` makes the gradient
-  buffers (whole, or slice ``part`` of every tower's by each thread) their
-  mean and returns them; fp16's ``LossScaler`` then unscales the mean or
-  skips the step (None): the decision is a property of the averaged
-  gradient, the same bytes on every replica, and its state (the scale) is
-  this keeper's, which the next step's backward reads (``loss_scale``).
-  With ``allreduce_bucket_mib`` the average runs during backward instead,
-  bucket by bucket (``bind`` plans them once, ``buckets`` gives each step's
-  hooks; ``towers.parallel.overlap``), and ``average`` waits for the last;
-* ``PeriodicAveraging(every)`` (weights mode, like PyTorch's
-  ``PeriodicModelAverager``): not shared -- ``average`` returns each tower's
-  own gradient, with no barrier; every ``every`` steps (``averages_at``:
-  the engine joins the tower threads first) ``step_done`` averages the
-  parameters, every optimizer slot and the model buffers, then the EMA
-  follows.  It owns the averages' count (the
-  EMA's, saved as ``sync/n_averages``) and the step of the last average,
-  when replicas are compared.
-
-A keeper is made by the run (``Keeping.build``): what it needs of the run's
-settings it takes itself (``period``: ``average_every``).
-
-``MODES`` is the one registry of the ``sync`` setting: each name is a ``Mode``,
-whose ``keeper`` keeps one host's towers together (None: a mode for several
-hosts only) and whose ``hosts`` keeps a cluster's hosts together
-(``towers.cluster.keeping.HostKeeping``: the hosts' own loop, a parameter
-server; imported only with ``hosts`` > 1, so one host never imports
-``towers.cluster``).  The setting's check, the default checkpoint interval,
-the one-host executor and the cluster's driver all look the mode up here,
-once; adding a mode is adding an entry (docs/architecture.md, Sync modes).
-
-Limits: between averages the replicas differ by design, so they are compared
-only right after an average; a single process that owns every device has no
-true asynchronous mode (docs/architecture.md, Sync modes).
+Limits: between averages the replicas differ by design, so they are compared only right after an
+average.
 """
 from __future__ import annotations
 
