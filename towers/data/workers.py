@@ -25,13 +25,9 @@ has been answered: a batch dropped unread (a run stopped early) may still be
 written by its workers.
 
 Hand-offs: each worker has its own pipe; chunks go down it in order and their
-answers come back in the same order, read by whichever thread waits for one.
-Not ``concurrent.futures.ProcessPoolExecutor``: its hand-off passes through
-two more threads of the main process (the executor's manager and its queue's
-feeder), and on 2 cores, with both cores decoding, those threads' wake-ups
-held 2 workers to 1.1-1.55x one worker on 32x32 JPEGs (``tools/bench_input.py
---images``); direct pipes and whole-batch chunks measure 1.63-1.90x, two
-processes that share nothing 1.7-2.0x.
+answers come back in the same order, read by whichever thread waits for one
+(why not ``concurrent.futures.ProcessPoolExecutor``: docs/architecture.md,
+"Why some paths are as they are").
 
 Order and memory: the caller (``towers.data.batches.Prefetcher``) keeps a
 bounded number of batches in flight and takes them in order.  A block is
