@@ -1,44 +1,26 @@
 """Datasets: examples and labels in host memory, validated once, from a file or from arrays.
 
-``Dataset.from_arrays(x, y, x_test=None, y_test=None)`` checks what training
-needs (integer labels 0..C-1 that fit int32 with C at most ``MAX_CLASSES``,
-examples as uint8 pixels or finite floats, matching lengths and shapes, test
-labels within the training classes, a test set that is not empty and whose
-examples have the training examples' dtype) and every loader goes through it, so
-in-memory arrays and files are held to the same rules.  Every problem is a
-``UserError`` naming the array (or the file and key), and for bad values the
-count and the first index.  The value checks run in chunks of
-``CHUNK_BYTES`` along the first axis, so they need bounded memory on a
-memory-mapped array.
+``Dataset.from_arrays(x, y, x_test=None, y_test=None)`` checks what training needs and every loader
+goes through it, so in-memory arrays and files are held to the same rules (listed in docs/data.md, "npz
+files").  Every problem is a ``UserError`` naming the array (or the file and key), and for bad values
+the count and the first index.  The value checks run in chunks of ``CHUNK_BYTES`` along the first axis,
+so they need bounded memory on a memory-mapped array.  Labels that train but say little are
+``Dataset.warnings`` (``_label_warnings``), which the command lines print; the library prints nothing.
 
-Labels that train but say little are not errors: one class only (every
-prediction is that class, and its accuracy is that class's share), or labels
-that start above 0 or skip numbers (class indices without examples, counted).  They are listed in
-``Dataset.warnings``, one line each, which the command lines print; the
-library prints nothing.
+``load_dataset`` reads .npz files with ``zipfile`` and ``numpy.lib.format`` rather than ``numpy.load``,
+whose ``NpzFile`` reads members lazily (damage would surface mid-run) and cannot map a member:
 
-``load_dataset`` reads .npz files with ``zipfile`` and ``numpy.lib.format``
-rather than ``numpy.load``, whose ``NpzFile`` reads members lazily (damage
-would surface mid-run) and cannot map a member:
+- a member stored uncompressed (``numpy.savez``) is memory-mapped read-only (``numpy.memmap`` at the
+  member's data offset: the local zip header's length plus the .npy header's); its CRC-32 is still
+  verified at load, in one streamed pass through ``zipfile`` (bounded memory, nothing kept);
+- a compressed member (``numpy.savez_compressed``) is decompressed whole into memory, in chunks, and
+  ``zipfile`` checks its CRC at the end;
+- object (pickled) arrays are refused from their .npy header, before any of their data is read.
 
-- a member stored uncompressed (``numpy.savez``) is memory-mapped read-only
-  (``numpy.memmap`` at the member's data offset: the local zip header's length
-  plus the .npy header's), so a file larger than RAM trains too; the batch
-  thread gathers ``x[idx]`` from the mapping and the page cache does the rest.
-  Its CRC-32 is still verified at load, in one streamed pass through
-  ``zipfile`` (bounded memory; the whole member is read once, which costs a
-  sequential read of the file and nothing is kept);
-- a compressed member (``numpy.savez_compressed``) is decompressed whole
-  into memory, in chunks, and ``zipfile`` checks its CRC at the end;
-- object (pickled) arrays are refused from their .npy header, before any of
-  their data is read.
-
-Limits of a mapped member: it stays mapped for the dataset's life, so the file
-must not be rewritten in place meanwhile (a truncated file faults on access);
-labels are copied into memory as int32 (4 bytes per example), and examples
-that are not uint8 or float32 in native byte order are converted, which loads
-them whole.  Gathering batches from a Fortran-ordered mapping is slow (each
-example is strided across the file): save C-ordered arrays.
+Limits of a mapped member: it stays mapped for the dataset's life, so the file must not be rewritten in
+place meanwhile (a truncated file faults on access); labels are copied into memory as int32, and
+examples that are not uint8 or float32 in native byte order are converted, which loads them whole.
+Gathering batches from a Fortran-ordered mapping is slow (each example is strided across the file).
 """
 from __future__ import annotations
 
