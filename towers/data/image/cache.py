@@ -1,8 +1,6 @@
 """The decoded-image cache: a training set of encoded images decoded once, then served from memory.
 
-Decoding is the costly step of an encoded-image set (JPEG or PNG in
-TFRecord records, an image folder), and without a cache every epoch decodes
-every image again.  When the decoded training set fits under the budget
+When the decoded training set fits under the budget
 (``cache_images_mib``), :func:`fill` decodes it once, before the first
 step, into one uint8 (N, H, W, C) array, and the training array
 (``towers.data.examples.Examples``) then reads a :class:`CachedSource`
@@ -24,8 +22,8 @@ gives the figures).
 
 **Not cached:** ``augment`` imagenet (it decodes each crop from the encoded
 image at a DCT scale, so pixels decoded once at full size would change its
-results), a test split (evaluated from the files, as before), a set over
-the budget, which streams as before after one notice that gives the size it
+results), a test split (evaluated from the files), a set over
+the budget, which streams after one notice that gives the size it
 would need, and a set the process has no memory for (:func:`not_cached`): the
 budget is checked against what this process may still take (``ulimit -v``
 and ``-d`` less what it maps, its cgroup's memory limit less its use, the

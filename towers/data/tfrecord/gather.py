@@ -33,12 +33,10 @@ after the first few records no record needs the parser:
    frame is learned (see :class:`Layouts`: a frame counts once a second
    record has it, and a second parse proves where its value lies).
 
-Steps 1-3 cost about 0.55 us a MNIST record against 3 us for a parse; on 2
-cores that is what lets the input thread share the cores with two CPU towers
-(``python -m tools.bench_input``).  Records whose frames never repeat (an id
-or a name in every record) cost a parse each, as before, plus a little
-bookkeeping until ``TRIES`` candidates have failed to repeat; a length whose
-gathered rows are mostly unknown is read one by one (``OFF_AFTER``).
+Records whose frames never repeat (an id or a name in every record) cost a
+parse each plus a little bookkeeping until ``TRIES`` candidates have failed to
+repeat; a length whose gathered rows are mostly unknown is read one by one
+(``OFF_AFTER``).  What gathering saves: ``python -m tools.bench_input``.
 
 Memory, per Gatherer (the input thread's, and each worker process's): the
 batch being read (whole records, a few copies, ``CHUNK_BYTES`` at a time),
