@@ -8,11 +8,9 @@ strides:
 * an NHWC activation (n, h, w, c): dims ``[n, c, h, w]``, strides ``[h*w*c, 1, w*c, c]``;
 * a KRSC kernel (f, kh, kw, c): dims ``[f, c, kh, kw]``, strides ``[kh*kw*c, 1, kw*c, c]``.
 
-A kernel described by other strides (TensorFlow's HWIO as it is, strides
-``[1, f, kw*c*f, c*f]``) is accepted by cuDNN's graph API, but the
-convolutions came out wrong on an H200 (every GPU test off by about 100%),
-most likely read as if packed; so the layer hands its HWIO kernel over as a
-KRSC copy (``Conv2D``), which no GPU has run yet.
+The layer hands its HWIO kernel over as a KRSC copy (``Conv2D``): cuDNN's
+graph API accepts a kernel of other strides but computed wrong results on one
+(docs/architecture.md, "On GPUs", says what has run on a GPU).
 
 Each operation is one cuDNN graph (``cudnn.pygraph``: ``conv_fprop``,
 ``conv_dgrad``, ``conv_wgrad``), built once per shape, padding, stride, data
