@@ -28,18 +28,13 @@ restores the caller's, so SIGTERM and Ctrl-C end a run as on one host.  A
 local Ray instance gets a watchdog (``towers.cluster.watchdog``) that stops it
 if the driver is killed.
 
-The actors import the towers the driver runs, wherever it was imported from:
-Ray's workers see only the driver's script folder and working directory, so a
-script elsewhere that put a checkout on ``sys.path`` had hosts that could not
-import ``towers``.  A Ray instance ``connect`` starts on this machine runs its
-job with the package's folder on ``PYTHONPATH`` (the same files, the same numba
-cache beside them); a cluster it joins gets the package shipped to every node
-(``py_modules``: uploaded once, cached by content, without ``__pycache__``), so
-a node runs the driver's code and not whichever towers it has installed.  Ray
-takes a folder to ship only at ``ray.init``: on a Ray the caller started
-itself, every actor gets the ``PYTHONPATH`` when all nodes are this machine
-(``actor_env``), and on other nodes imports what the caller's own
-``ray.init(runtime_env=...)`` gives it.
+The actors import the towers the driver runs, wherever it was imported from
+(Ray's workers see only the driver's script folder and working directory): a
+Ray instance ``connect`` starts on this machine runs its job with the package's
+folder on ``PYTHONPATH``; a cluster it joins gets the package shipped to every
+node (``py_modules``); on a Ray the caller started itself, ``actor_env`` gives
+every actor the ``PYTHONPATH`` when all nodes are this machine (docs/hosts.md
+says what a user does on several machines).
 """
 from __future__ import annotations
 
