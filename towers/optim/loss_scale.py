@@ -1,42 +1,26 @@
 """Dynamic loss scaling for ``--precision fp16``: the scale, its growth and back-off, the skipped steps.
 
-float16 holds magnitudes from 2**-24 to 65504: small gradients would flush
-to zero.  So the loss's gradient is multiplied by a scale S before backward
-(``towers.nn.replica``: every gradient comes out S times larger), and after
-the all-reduce the keeper (``towers.parallel.sync.GradientAveraging``) calls
+What a user sees (defaults, log lines, metrics) is docs/training.md's "Low precision".  The loss's
+gradient is multiplied by a scale S before backward (``towers.nn.replica``: every gradient comes out S
+times larger), and after the all-reduce the keeper (``towers.parallel.sync.GradientAveraging``) calls
 ``unscale``, which decides the step:
 
-* the averaged gradient holds an inf or NaN (some tower's gradient
-  overflowed float16, and the mean carries it: the all-reduce propagates
-  inf/NaN): the step is skipped -- no optimizer update, no EMA update, the
-  optimizer's slots untouched -- and S halves (``BACKOFF``), its clean-step
-  count restarting at 0;
-* otherwise the gradients are multiplied by 1/S (exact: S is a power of two)
-  and the update runs; after ``growth_every`` clean steps in a row S doubles
-  (``GROWTH``) and the count restarts.
+* the averaged gradient holds an inf or NaN (the all-reduce carries any tower's overflow): the step is
+  skipped -- no optimizer update, no EMA update, the slots untouched -- and S halves (``BACKOFF``), its
+  clean-step count restarting at 0;
+* otherwise the gradients are multiplied by 1/S (exact: S is a power of two) and the update runs; after
+  ``growth_every`` clean steps in a row S doubles (``GROWTH``) and the count restarts.
 
-PyTorch's ``GradScaler`` defaults: initial scale 2**16, x0.5, x2 after 2000
-clean steps.  S stays a power of two between 1 (a scale below 1 would make
-small gradients smaller; it is not lowered further) and 2**24.
+S stays a power of two between 1 and 2**24.  Every tower and host agrees: the decision is made on the
+averaged gradient, the same bytes on every replica, so the first replica's answers for all (on a GPU,
+the one host sync point of a step: the finite check's flag read back).  A skipped step still counts as
+a step of the run (step count, schedule, input position, checkpoints); it changes no weights, slots or
+EMA, so Adam's bias correction and the EMA's warm-up then see one more step than updates applied.
+``skipped`` counts them.
 
-Every tower and host agrees: the decision is made on the averaged gradient,
-which is the same bytes on every replica, so the first replica's answers for
-all (on a GPU, the one host sync point of a step: the finite check's flag
-read back, as ``GradScaler.step`` reads its ``found_inf``).
-
-The step counter: a skipped step still counts as a step of the run -- the
-step count, the learning-rate schedule, the input position, checkpoints and
-logs move on as after any step -- it changes no weights, slots or EMA.
-Adam's bias correction and the EMA's warm-up read the step count, so after a
-skip they see one more step than updates applied (PyTorch's per-parameter
-step would not move); skips are rare after the first few steps, while S
-falls from 2**16 to what the gradients allow.  ``skipped`` counts them.
-
-State (``state_dict``/``prepare``, under ``loss_scale/``): ``scale``
-(float64), ``clean_steps`` and ``skipped`` (int64).  Strict: an unknown key
-under the prefix, or a bad value, is a ``UserError`` naming it; a
-checkpoint without the keys (written before fp16 or by another precision)
-resumes at the initial scale.
+State (``state_dict``/``prepare``, under ``loss_scale/``): ``scale`` (float64), ``clean_steps`` and
+``skipped`` (int64).  Strict: an unknown key under the prefix, or a bad value, is a ``UserError`` naming
+it; a checkpoint without the keys resumes at the initial scale.
 """
 from __future__ import annotations
 
