@@ -9,13 +9,10 @@ their names, the examples' stored dtype), so the model is built and its
 inputs are checked without the training data.  ``towers.eval`` builds its
 model, and finds its test data, through this module too: one piece of code.
 
-Why a ``Predictor`` and not a ``Trainer``: a ``Trainer`` is a run in
-progress, made from settings and training data: towers, optimizer state,
-an input thread, an all-reduce.  A finished run's checkpoint holds the
-model, its raw and EMA weights and the description of its data, and
-inference needs nothing more: one replica on one device.  What the two share
-is one piece of code each: the input check (``towers.run.trainer.check_inputs``),
-the forward pass in chunks (``Replica.predict``, ``Replica.evaluate``).
+Why a ``Predictor`` and not a ``Trainer``: docs/architecture.md, "Why some
+paths are as they are".  What the two share is one piece of code each: the
+input check (``towers.run.trainer.check_inputs``), the forward pass in chunks
+(``Replica.predict``, ``Replica.evaluate``).
 
 Algorithm: the raw and the EMA weights are checked against the model's
 layout and kept as host flat arrays; one ``Replica`` on the device (the first

@@ -64,13 +64,10 @@ def core_shares(host_info: list[dict]) -> list[int]:
     split them (``towers.devices.cpu_threads.blas_threads``: the spare core is
     the machine's, left once), at least one each: each host's BLAS is sized
     from its share (``towers.run.local.Share``) instead of every host taking them
-    all, which on 2 cores made 2 hosts x 1 tower run at 0.16x of 1 host x 2
-    towers (each sgemm's threads spinning against the other host's).  A host
-    alone on its machine, and GPU hosts, get 0: one host's rule.  OpenBLAS sums some products in another order with
-    another thread count (the MNIST MLP's 784 x 500 layer, LeNet-5's; not the
-    digits MLP's), so such a run's weights move by rounding from the releases
-    before, and now equal 1 host x N towers' bit for bit (one BLAS thread a
-    tower on either; docs/hosts.md).
+    all (each sgemm's threads would spin against the other host's).  A host
+    alone on its machine, and GPU hosts, get 0: one host's rule.  With one BLAS
+    thread a tower either way, N hosts x 1 tower equal 1 host x N towers bit for
+    bit (docs/hosts.md).
     """
     crowd: dict = {}
     for info in host_info:

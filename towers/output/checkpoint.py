@@ -23,13 +23,10 @@ plain names that do not depend on the number of towers:
 The learning rate and the EMA decay are functions of ``step``, and everything
 else is scratch, so this is all a bit-identical resume needs.
 
-Every file is written atomically (``towers.files``): a temporary file in
-an owned folder beside the target is fsynced, renamed over the target, and the
-directory is fsynced.  A
-crash (even SIGKILL) at any moment leaves the old file or the complete new one,
-never a torn one.  The text file ``checkpoint`` names the latest, as
-TensorFlow's does, and is written the same way.  npz members get a fixed
-timestamp, so equal arrays give byte-identical files.
+Every file is written atomically through ``towers.files`` (a crash, even
+SIGKILL, leaves the old file or the complete new one; equal arrays give
+byte-identical files).  The text file ``checkpoint`` names the latest, as
+TensorFlow's does.
 """
 from __future__ import annotations
 
