@@ -207,14 +207,10 @@ class Replica:
 
         ``batches`` yields ``count`` (x, labels) pairs of equal size, taken one
         at a time (a generator may stage each into the same device buffer).
-        Each micro-batch's logits gradient is scaled by 1/K (K = ``count``; a
-        pass over B x classes values, not over the weights: backward is linear
-        in it); the first micro-batch's backward writes ``grads``, each later
-        one writes a scratch buffer of the same size (made on first use, then
-        reused) that is added to ``grads``.  So ``grads`` ends as the mean
-        gradient of all K x B examples (up to float rounding) after K - 1 adds
-        over the flat buffer.  L2's gradient and loss term are added once, after
-        the mean.  Layers see each micro-batch as a batch of its own (batch
+        The algorithm is docs/architecture.md's "Gradient accumulation": each
+        micro-batch's logits gradient scaled by 1/K (K = ``count``), the first
+        backward into ``grads``, each later one into a scratch buffer (made once)
+        then added; L2's gradient and loss term added once, after the mean.  Layers see each micro-batch as a batch of its own (batch
         norm: its statistics; sync-BN: one pair of syncs per micro-batch).
         ``loss_scale`` S (fp16's dynamic loss scaling, a power of two:
         ``towers.optim.loss_scale``) multiplies the logits' gradient before
