@@ -66,14 +66,9 @@ def blas_threads(towers: int, serial: bool = False, share: int = 0) -> int:
     Why a core is left over: OpenBLAS splits each product among its threads
     and the product ends when the slowest thread does, the others spinning
     meanwhile.  With a thread on every core, one other busy process takes a
-    core from one of them at a time, and every product waits for it: one
-    LeNet-5 tower with 2 threads on 2 cores ran 20 steps in 3.5x the time of
-    one thread beside a busy process, against 1.2x faster on a quiet machine
+    core from one of them at a time, and every product waits for it
     (docs/performance.md, CPU towers).  A spare core also keeps the input thread
-    and the main thread off the towers' cores.  OpenBLAS's own waiting policy
-    (``OPENBLAS_THREAD_TIMEOUT``) is read only when it loads, before towers
-    runs, and shortening it did not stop the wait for the slowest thread.
-    OpenBLAS orders some sums by its thread count, so a run's last bits depend
+    and the main thread off the towers' cores.  OpenBLAS orders some sums by its thread count, so a run's last bits depend
     on it (the MNIST MLP's 784 x 500 layer, LeNet-5; not the digits MLP's).
     """
     if serial and towers > 1:
