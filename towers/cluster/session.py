@@ -50,6 +50,9 @@ from towers.errors import UserError
 
 CONNECT_TIMEOUT_S = 3.0
 PLACEMENT_TIMEOUT_S = 60.0
+# Ray starts a worker per CPU for the first driver, in no runtime_env: the job's (the PYTHONPATH of
+# ``_this_machine``) differs, so none of them could become a host actor and each only costs a process start.
+NO_PRESTART = {"prestart_worker_first_driver": False}
 
 
 # The HTTP/2 client preface and an empty SETTINGS frame (RFC 9113, 3.4).
@@ -108,7 +111,8 @@ def connect(address: str | None, verbose: bool, n_hosts: int):
         try:
             if address is None:
                 ray.init(num_cpus=max(os.cpu_count() or 1, n_hosts + 1), include_dashboard=False,
-                         log_to_driver=verbose, logging_level=level, runtime_env=_this_machine())
+                         log_to_driver=verbose, logging_level=level, runtime_env=_this_machine(),
+                         _system_config=NO_PRESTART)
             else:
                 ray.init(address=address, log_to_driver=verbose, logging_level=level,
                          runtime_env={"py_modules": [_package()], "excludes": ["__pycache__/", "*.pyc"]})
