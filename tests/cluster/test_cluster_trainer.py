@@ -69,11 +69,11 @@ def test_epochs_give_every_host_the_step_count_of_one_host(local_ray):
     assert_same(got, want)
 
 
-def test_hosts_on_one_machine_split_its_cores_for_blas(local_ray):
+def test_hosts_on_one_machine_split_its_cores_for_blas(local_ray, three_hosts):
     """CPU hosts sharing a machine each take their share of its cores for BLAS (each took every core: 2 hosts x 1
     tower ran at 0.16x of 1 host x 2 towers on 2 cores), so 2 hosts x 1 tower run what 1 host x 2 towers runs,
     bit for bit also on a product whose sums OpenBLAS orders by its thread count (784 x 500); hosts on other
-    machines keep theirs; a `blas_threads` setting is every host's."""
+    machines keep theirs; a `blas_threads` setting is every host's (the run of ``three_hosts`` sets it)."""
     from towers.cluster.driver import core_shares
     from towers.devices.cpu_threads import cpu_count
 
@@ -89,8 +89,7 @@ def test_hosts_on_one_machine_split_its_cores_for_blas(local_ray):
         assert t.executor.blas_threads == share  # each tower thread's
         want = weights_after(t, 3)
     assert_same(got, want)
-    with cluster(hosts=2, n_gpu=1, steps=1, blas_threads=3) as t:
-        assert t.executor.host_blas_threads() == [3, 3]
+    assert three_hosts["blas_threads"] == [3, 3, 3]
     hosts = [{"cpu": True, "node_id": "a", "cores": 8}, {"cpu": True, "node_id": "b", "cores": 4},
              {"cpu": True, "node_id": "a", "cores": 8}, {"cpu": False, "node_id": "a", "cores": 8},
              {"cpu": True, "node_id": "c", "cores": 2}, {"cpu": True, "node_id": "c", "cores": 2},
@@ -156,10 +155,8 @@ def test_async_converges_and_reports_staleness(local_ray, tmp_path, capsys):
     assert " on 2 towers (2 hosts x 1 tower: cpu | cpu;" in last, last
     assert "async sync, 1.00 host gradients/update to the parameter server;" in last and "all-reduce" not in last
     assert checkpoint.list_checkpoints(str(tmp_path))[0][0] == 300
-    with cluster(hosts=2, n_gpu=1, sync="ps", steps=4, logdir=str(tmp_path / "ps")) as t:
-        t.fit()  # every update is the mean of both hosts' gradients
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert " on 2 towers (2 hosts x 1 tower: cpu | cpu)" in last and "ps sync, 2.00 host gradients/update" in last
+    # sync ps's line (every update the mean of both hosts' gradients): the run of the test of the server's
+    # evaluation says it.
 
 
 def test_killed_host_stops_run_and_resume_continues(local_ray, tmp_path):
@@ -192,9 +189,12 @@ def test_killed_host_stops_run_and_resume_continues(local_ray, tmp_path):
 
 
 def test_resume_is_exact_and_a_checkpoint_resumes_on_one_host(local_ray, tmp_path, notices):
-    """4 steps, then 4 more from the checkpoint == 8 steps at once; then one host continues it."""
+    """4 steps, then 4 more from the checkpoint == 8 steps at once; then one host continues it.
+
+    The 8 steps at once are one host's with both towers (2 hosts x 1 tower give its bits: the equivalence
+    tests above), which needs no host actors."""
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
-    with cluster(hosts=2, n_gpu=1, steps=8, logdir=whole) as t:
+    with towers.Trainer(towers.Config(**SMALL, n_gpu=2, steps=8, logdir=whole)) as t:
         t.fit()
     with cluster(hosts=2, n_gpu=1, steps=4, logdir=parts) as t:
         t.fit()
@@ -210,11 +210,20 @@ def test_resume_is_exact_and_a_checkpoint_resumes_on_one_host(local_ray, tmp_pat
     assert any("written by 2 tower(s)" in line for line in notices)  # the note about another tower count (a notice)
 
 
-def test_nccl_id_and_ranks_through_ray(local_ray):
-    """The GPU path's id exchange and rank layout, against the host-memory stand-in."""
-    cfg = towers.Config(**{**SMALL, "hosts": 3, "n_gpu": 2})
+@pytest.fixture(scope="module")
+def three_hosts(local_ray) -> dict:
+    """One cluster of 3 hosts x 2 towers on the host-memory NCCL stand-in, with `blas_threads` 3 (each test
+    reads what it needs, one start of 3 host actors): each host's NCCL ranks and BLAS threads.  Closed before
+    any test reads it (its hosts would hold 3 of the session Ray's 4 CPUs)."""
+    cfg = towers.Config(**{**SMALL, "hosts": 3, "n_gpu": 2, "blas_threads": 3})
     with towers.ClusterTrainer(cfg, nccl="tests.nccl_standin") as t:
-        ranks = local_ray.get([h.nccl_ranks.remote() for h in t.executor.hosts])  # the layout test
+        return {"ranks": local_ray.get([h.nccl_ranks.remote() for h in t.executor.hosts]),
+                "blas_threads": t.executor.host_blas_threads()}
+
+
+def test_nccl_id_and_ranks_through_ray(three_hosts):
+    """The GPU path's id exchange and rank layout, against the host-memory stand-in."""
+    ranks = three_hosts["ranks"]
     # 3 hosts, each 2 CPU towers on one device (one group, one rank): ranks numbered host by host.
     assert [[r for _, r, _ in host] for host in ranks] == [[0], [1], [2]]
     assert {size for host in ranks for size, _, _ in host} == {3}
@@ -365,11 +374,14 @@ def test_two_hosts_average_gradient_buckets_during_backward_with_the_same_bits(l
     assert_same(got, want)
 
 
-def test_the_parameter_server_evaluates_and_predicts_with_the_runs_input_scale(local_ray):
+def test_the_parameter_server_evaluates_and_predicts_with_the_runs_input_scale(local_ray, capsys):
     """sync ps: the server holds the run's weights and evaluates and predicts with them, scaling uint8 examples
-    by the run's `input_scale` as a host does (it took the default 1/255, whatever the run said)."""
+    by the run's `input_scale` as a host does (it took the default 1/255, whatever the run said); its summary
+    says what ran (every update the mean of both hosts' gradients, against async's one)."""
     with cluster(hosts=2, n_gpu=1, sync="ps", steps=2, input_scale="1") as t:
         t.fit()
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert " on 2 towers (2 hosts x 1 tower: cpu | cpu)" in last and "ps sync, 2.00 host gradients/update" in last
         x = t.dataset.x[:20]
         weights, got = t.get_weights(), (t.evaluate(ema=False), t.predict(x, ema=False))
     with towers.Trainer(towers.Config(**{**SMALL, "n_gpu": 1, "steps": 2, "input_scale": "1"})) as one:
