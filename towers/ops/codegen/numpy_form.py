@@ -48,6 +48,7 @@ import threading
 
 import numpy
 
+from towers.arrays import on_host
 from towers.ops.codegen.expr import Traced, render
 
 _UFUNC = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide", "neg": "negative", "sqrt": "sqrt",
@@ -221,7 +222,7 @@ def _max_constant(xp, x, value, out, first: bool) -> None:
     it (module doc): over flat arrays in pieces of at most ``CONSTANT_ELEMENTS``; an ``out`` longer than that
     whose ``x`` is not a flat array of its size takes the scalar.  On a device, the scalar."""
     n = out.size
-    if xp is not numpy or (n > CONSTANT_ELEMENTS and not (
+    if not on_host(out) or (n > CONSTANT_ELEMENTS and not (
             out.flags.c_contiguous and x.flags.c_contiguous and x.size == n)):
         xp.maximum(value, x, out=out) if first else xp.maximum(x, value, out=out)
         return
@@ -266,13 +267,13 @@ class NumpyForm:
         with row operands keeps the shapes, so NumPy's broadcasting refuses a
         row operand that is not a row long."""
         n, shape = lead.size, lead.shape
-        if xp is not numpy:
+        if not on_host(lead):
             S = [xp.empty(shape, lead.dtype) for _ in range(self.n_float)]
             B = [xp.empty(shape, bool) for _ in range(self.n_bool)]
         else:
             if not self.rows and all(a.flags.c_contiguous and a.size == n for a in arrays):
                 shape = (n,)
-                args = [a.reshape(-1) if isinstance(a, numpy.ndarray) else a for a in args]
+                args = [a.reshape(-1) if on_host(a) else a for a in args]
             S, B = self._scratch(lead.dtype, n, shape)
         self._passes(xp, S, B, lead.dtype.type, *args)
 
