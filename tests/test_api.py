@@ -338,7 +338,7 @@ def test_run_steps_takes_a_count_of_steps_and_nothing_else():
 
 def test_fit_refuses_a_plain_callable_as_an_extension_before_writing_anything(tmp_path):
     with Trainer(Config(**SMALL, steps=3, logdir=str(tmp_path / "run"))) as tr:
-        with pytest.raises(UserError, match="not a towers.run.extensions.Extension"):
+        with pytest.raises(UserError, match="not a towers.Extension"):
             tr.fit(extensions=[lambda run: None])
     assert not (tmp_path / "run").exists()
 

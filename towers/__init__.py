@@ -50,12 +50,13 @@ from towers.nn.loss import softmax
 from towers.nn.normalization import LRN, BatchNorm
 from towers.nn.pooling import AvgPool2D, GlobalAvgPool, MaxPool2D
 from towers.nn.residual import PadShortcut, Residual
+from towers.run.extensions import Extension
 from towers.run.trainer import Trainer
 
 __all__ = ["Config", "Trainer", "ClusterTrainer", "Dataset", "load_dataset", "load", "Predictor", "softmax",
            "Sequential", "Dense", "ReLU", "Flatten",
            "Conv2D", "MaxPool2D", "AvgPool2D", "GlobalAvgPool", "BatchNorm", "LRN", "Dropout", "Residual",
-           "PadShortcut",
+           "PadShortcut", "Extension",
            "UserError", "TrainingError"]
 
 

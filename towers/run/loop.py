@@ -60,11 +60,11 @@ def check_extensions(extensions) -> list:
     try:
         extensions = list(extensions)
     except TypeError:
-        raise UserError(f"fit(extensions=...) takes a list of towers.run.extensions.Extension objects, "
+        raise UserError(f"fit(extensions=...) takes a list of towers.Extension objects, "
                         f"got {type(extensions).__name__}") from None
     for e in extensions:
         if not isinstance(e, Extension):
-            raise UserError(f"fit(extensions=...): {e!r} is a {type(e).__name__}, not a towers.run.extensions.Extension: "
+            raise UserError(f"fit(extensions=...): {e!r} is a {type(e).__name__}, not a towers.Extension: "
                             "subclass Extension and override due(step, last_step) and __call__(run)")
     return extensions
 
