@@ -29,11 +29,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from types import SimpleNamespace
 
 import numpy
 
-from types import SimpleNamespace
-
+from towers.arrays import check_host
 from towers.config import MODEL_OBJECT, checkpoint_settings
 from towers.data.dataset import OnDemand, TestSet, check_test_split, hold_out, test_label_warnings
 from towers.data.fingerprint import changes as fingerprint_changes
@@ -42,7 +42,6 @@ from towers.data.loading import labelled, load_dataset, load_test_data, load_unl
 from towers.data.pipeline import DataSpec, describe
 from towers.devices.cpu_threads import input_workers, limit_blas
 from towers.devices.placement import Device, resolve
-from towers.arrays import check_host
 from towers.errors import UserError, notice
 from towers.nn.models import build_model
 from towers.nn.replica import Replica
@@ -50,8 +49,8 @@ from towers.output.checkpoint import named_to_flat, newest_readable, read_checkp
 from towers.run.resume import model_weights
 from towers.settings import integer
 from towers.state import Layout, under
-from towers.step.tower import choose_forms
 from towers.run.trainer import check_inputs
+from towers.step.tower import choose_forms
 
 FIX = {"loaded": "it cannot be loaded", "evaluated": "it cannot be evaluated"}
 

@@ -8,10 +8,10 @@ import pytest
 
 from tests.conftest import DIGITS, cuda_count, cupy_performance_warnings_fail, run_cli
 from tests.ops.test_update_forms import VARIANTS as UPDATE_VARIANTS
+from towers.arrays import to_host
 from towers.data.batches import BatchSource
 from towers.data.loading import load_dataset
 from towers.devices.placement import resolve
-from towers.arrays import to_host
 from towers import Config, Trainer
 
 pytestmark = [pytest.mark.gpu, *cupy_performance_warnings_fail()]

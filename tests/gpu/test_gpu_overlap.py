@@ -10,8 +10,8 @@ import pytest
 
 from tests.conftest import DIGITS, cuda_count, cupy_performance_warnings_fail
 from towers import Config, Trainer
-from towers.data.loading import load_dataset
 from towers.arrays import to_host
+from towers.data.loading import load_dataset
 from towers.errors import UserError
 
 pytestmark = [pytest.mark.gpu, *cupy_performance_warnings_fail()]

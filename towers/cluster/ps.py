@@ -48,12 +48,12 @@ import os
 
 import numpy
 
+from towers.arrays import to_host
 from towers.cluster.board import Board
 from towers.cluster.keeping import HostKeeping, compare_hosts
 from towers.cluster.session import same_priority
 from towers.cluster.state import Answering
 from towers.data.batches import InputPosition
-from towers.arrays import to_host
 from towers.errors import UserError
 from towers.nn.replica import Replica
 from towers.ops.forms import choose as choose_forms
@@ -333,8 +333,9 @@ class ParameterServer(Answering):
         self.replica = Replica(model, numpy)
         self.replica.set_params(model.init_params(cfg.seed))  # every host's initial weights
         self.model_state = ModelState([self.replica], model)
-        self.forms = choose_forms(cfg.cpu_kernels, model, cpu_towers=True)  # its optimizer's host form, current in
-        self.cpu_kernels = self.forms.name  # ``serve`` and ``call``
+        # Its optimizer's host form, current in ``serve`` and ``call``.
+        self.forms = choose_forms(cfg.cpu_kernels, model, cpu_towers=True)
+        self.cpu_kernels = self.forms.name
         self.ema = EMA(self.replica.params, cfg.ema_decay)
         self.optimizer = make_optimizer(cfg, self.replica.params, self.ema)  # the EMA follows every update
         with self.forms.active():

@@ -36,8 +36,8 @@ import time
 
 import numpy
 
-from towers.cluster.board import Barrier, Board
 from towers.arrays import on_host, to_host
+from towers.cluster.board import Barrier, Board
 from towers.parallel.reducers import Reducer
 
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy
 
+from towers.arrays import empty_pinned
 from towers.data.dataset import OnDemand, input_scale
 from towers.devices import kernels
-from towers.arrays import empty_pinned
 
 FRACTION = 0.25  # of a device's free memory the training set may take
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy
 
-from towers.data.dataset import input_scale
 from towers.arrays import empty_pinned
+from towers.data.dataset import input_scale
 
 
 class Stager:

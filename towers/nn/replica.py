@@ -34,8 +34,8 @@ import functools
 
 import numpy
 
-from towers.data.dataset import input_scale
 from towers.arrays import to_host
+from towers.data.dataset import input_scale
 from towers.nn.context import StepContext
 from towers.nn.layers import Sequential, Workspace
 from towers.nn.loss import accuracy_count, softmax_cross_entropy, top_k_count

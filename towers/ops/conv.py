@@ -11,8 +11,8 @@ would take cuDNN (the layer makes the KRSC copy of its kernel only then).
 """
 from __future__ import annotations
 
-from towers.devices import cudnn
 from towers.arrays import on_host
+from towers.devices import cudnn
 from towers.ops.forms import current as current_forms
 
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import numpy
 
-from towers.arrays import on_host
+from towers.arrays import array_module, on_host
 from towers.devices import matmul
-from towers.arrays import array_module
 from towers.ops.forms import current as current_forms
 
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.kernels import check_contiguous, launch_named, register, takes
 from towers.arrays import on_host
+from towers.devices.kernels import check_contiguous, launch_named, register, takes
 from towers.ops.forms import current as current_forms
 from towers.ops.numba_jit import kernel as numba_kernel
 

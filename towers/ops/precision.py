@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices import kernels as device
 from towers.arrays import array_module, on_host
+from towers.devices import kernels as device
 
 #: The values of ``--precision``: the format the forward and backward compute in.
 PRECISIONS = ("fp32", "bf16", "fp16")

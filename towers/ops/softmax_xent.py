@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy
 
-from towers.devices.kernels import check_contiguous, launch_named, register, takes
 from towers.arrays import on_host
+from towers.devices.kernels import check_contiguous, launch_named, register, takes
 
 _i = numpy.int32  # a kernel's int argument
 

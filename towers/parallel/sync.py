@@ -39,8 +39,8 @@ import importlib
 
 import numpy
 
-from towers.errors import TrainingError, UserError
 from towers.arrays import to_host
+from towers.errors import TrainingError, UserError
 from towers.ops.precision import ALLREDUCE_DTYPES, round_to
 from towers.optim.loss_scale import LossScaler
 from towers.parallel.buckets import plan_buckets

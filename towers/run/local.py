@@ -26,13 +26,13 @@ import dataclasses
 
 import numpy
 
+from towers.arrays import to_host
 from towers.config import steps_of_epochs
 from towers.data.batches import BatchSource, InputPosition, Prefetcher, start_batch, workers_of
 from towers.data.device_data import DeviceData, fits_on
 from towers.devices import kernels, matmul
 from towers.devices.cpu_threads import limit_blas
 from towers.devices.placement import Placement
-from towers.arrays import to_host
 from towers.run.executor import Executor
 from towers.nn.replica import Replica
 from towers.optim.ema import EMA

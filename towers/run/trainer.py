@@ -32,6 +32,7 @@ import time
 
 import numpy
 
+from towers.arrays import check_host
 from towers.run import resume
 from towers.config import MODEL_OBJECT, Config, resume_settings
 from towers.data.dataset import Dataset, check_examples, check_test_split, hold_out
@@ -40,7 +41,6 @@ from towers.data.loading import load_dataset
 from towers.data.pipeline import describe
 from towers.devices.cpu_threads import input_workers
 from towers.devices.placement import Placement, resolve
-from towers.arrays import check_host
 from towers.errors import TrainingError, UserError, notice
 from towers.run.executor import Executor
 from towers.run.local import LocalExecutor
@@ -529,7 +529,7 @@ class Trainer:
         Writes into ``cfg.logdir`` (default: a new ``runs/<timestamp>`` folder):
         checkpoints, summaries, ``metrics.jsonl`` and ``final.npz``; resumes
         from its latest checkpoint with ``cfg.resume``.  ``extensions``
-        (``towers.run.extensions.Extension`` objects) are called after the
+        (``towers.Extension`` objects) are called after the
         built-in ones.  The loop itself is ``towers.run.loop.fit``.
         """
         from towers.run.loop import fit

@@ -42,11 +42,11 @@ import dataclasses
 
 import numpy
 
+from towers.arrays import check_host
 from towers.devices.cpu_threads import TowerThreads, chunks
 from towers.errors import UserError
 from towers.nn.context import TowerSync
 from towers.parallel.sync import check_replicas
-from towers.arrays import check_host
 from towers.state import count
 from towers.step.tower import QUIET
 

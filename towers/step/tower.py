@@ -128,7 +128,7 @@ def choose_forms(cfg, model, devices) -> op_forms.Forms:
     tower)."""
     gpus = [d for d in devices if d.is_gpu]
     return op_forms.choose(cfg.cpu_kernels, model, len(gpus) < len(devices), cfg.gpu_conv, gpus[0] if gpus else None,
-                          cuda_graphs=cfg.cuda_graphs and bool(gpus))
+                           cuda_graphs=cfg.cuda_graphs and bool(gpus))
 
 
 def build_towers(placement, model, dataset, cfg, timer, first_tower: int = 0, share: bool = False) -> list[Tower]:

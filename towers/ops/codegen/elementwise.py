@@ -39,8 +39,8 @@ import threading
 
 import numpy
 
-from towers.devices import kernels as device
 from towers.arrays import array_module, on_host
+from towers.devices import kernels as device
 from towers.ops.forms import current as current_forms
 from towers.ops.codegen.cuda_form import CudaKernel
 from towers.ops.codegen.cuda_form import source as cuda_text
