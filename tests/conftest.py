@@ -150,12 +150,10 @@ def standin():
 
 
 def run_cli(*args: str, module: str = "towers.train", timeout: int = 120) -> subprocess.CompletedProcess:
-    """Run ``python -m module args`` from the repository root, as a user would."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=timeout,
-    )
+    """Run ``python -m module args`` from the repository root, as a user would (``tests.commands``)."""
+    from tests import commands
+
+    return commands.run(module, *args, timeout=timeout)
 
 
 @contextlib.contextmanager

@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy
 import pytest
 
+from tests import commands
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--hidden", "16", "--batch-size", "50", "--quiet"]
 
 
 def cli(module, *args, ok=True):
-    p = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = commands.run(module, *args, cwd=ROOT)
     if ok:
         assert p.returncode == 0, p.stderr
     return p

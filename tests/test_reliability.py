@@ -19,6 +19,7 @@ import types
 import numpy
 import pytest
 
+from tests import commands
 from tests.conftest import DIGITS, REPO, cuda_count
 from towers import Config, Dataset, Trainer, TrainingError, UserError
 from towers.data.batches import BatchSource
@@ -31,8 +32,7 @@ SMALL = ["--devices", "cpu", "--hidden", "16", "--batch-size", "50", "--quiet"]
 
 
 def cli(*args, module="towers.train", env=None, timeout=60):
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return commands.run(module, *args, env=env, timeout=timeout)
 
 
 def train(logdir, *args, **kw):

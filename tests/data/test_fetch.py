@@ -14,15 +14,13 @@ import io
 import os
 import socket
 import struct
-import subprocess
-import sys
 import tarfile
 import threading
 
 import numpy as np
 import pytest
 
-from tests.conftest import REPO
+from tests import commands
 from towers.data.fetch import FetchError, fetch, read_idx
 
 IDX_NAMES = {"x": "train-images-idx3-ubyte.gz", "y": "train-labels-idx1-ubyte.gz",
@@ -154,8 +152,7 @@ def assert_npz(path, arrays):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "tools.fetch_data", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    return commands.run("tools.fetch_data", *args, timeout=60)
 
 
 def closed_port():

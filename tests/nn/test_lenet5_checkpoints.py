@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy
 import pytest
 
+from tests import commands
 from towers.nn.conv import Conv2D
 from towers.nn.models import lenet5
 
@@ -35,9 +36,9 @@ OLD = ("import sys\n"
 
 
 def _train(logdir, *args, old=False):
-    head = [sys.executable, "-c", OLD] if old else [sys.executable, "-m", "towers.train"]
-    p = subprocess.run(head + ["--logdir", str(logdir), *COMMON, *map(str, args)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    args = ["--logdir", str(logdir), *COMMON, *map(str, args)]
+    p = (subprocess.run([sys.executable, "-c", OLD, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+         if old else commands.run("towers.train", *args, cwd=ROOT, timeout=300))
     assert p.returncode == 0, p.stderr
     return p
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy
 import pytest
 
+from tests import commands
 from towers.output.checkpoint import list_checkpoints, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,8 +27,7 @@ SMALL = ["--hidden", "16", "--batch-size", "50", "--quiet", "--summary-every", "
 
 
 def train(logdir, *args, ok=True):
-    p = subprocess.run([sys.executable, "-m", "towers.train", "--logdir", str(logdir), *SMALL, *map(str, args)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = commands.run("towers.train", "--logdir", logdir, *SMALL, *args, cwd=ROOT)
     if ok:
         assert p.returncode == 0, p.stderr
     return p
@@ -159,7 +159,7 @@ def test_resume_refusals_and_notes(tmp_path):
     assert "written by 2 tower(s)" in p.stderr and "same global batch" in p.stderr
     assert load_checkpoint(str(tmp_path / "ckpt-00000006.npz"))["step"] == 6
     # --resume without --logdir, and in an empty logdir.
-    p = subprocess.run([sys.executable, "-m", "towers.train", "--resume"], cwd=ROOT, capture_output=True, text=True)
+    p = commands.run("towers.train", "--resume", cwd=ROOT)
     assert "--resume needs --logdir" in one_line_error(p)
     p = train(tmp_path / "empty", "--steps", 2, "--resume")
     assert "no checkpoint" in p.stderr and "starting fresh" in p.stderr

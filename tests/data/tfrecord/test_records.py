@@ -7,14 +7,11 @@ epochs (1,438 records, 100 a step).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import DIGITS
+from tests.conftest import DIGITS, run_cli
 from towers.data.tfrecord import from_npz
 from towers.data.tfrecord.records import file_index, index_cache_paths
 from towers.train import main as train_main
@@ -213,9 +210,7 @@ def test_a_record_array_pickles_without_its_workers_and_reads_the_same(tmp_path)
 def test_a_npy_file_is_not_taken_for_tfrecord(tmp_path):
     data = tmp_path / "x.npy"
     np.save(data, np.zeros((4, 3), np.float32))
-    p = subprocess.run([sys.executable, "-m", "towers.train", "--data", str(data), "--devices", "cpu", "--quiet",
-                        "--logdir", str(tmp_path / "run")], cwd=Path(__file__).resolve().parents[3],
-                       capture_output=True, text=True, timeout=120)
+    p = run_cli("--data", str(data), "--devices", "cpu", "--quiet", "--logdir", str(tmp_path / "run"))
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
     assert "is a .npy file (one array), not an npz" in p.stderr
     assert "TFRecord" not in p.stderr and not list(tmp_path.glob(".x.npy*"))  # no index cache written
