@@ -66,19 +66,24 @@ def pytest_configure(config):
                                        "(tests/gpu_compare.py)")
     config.addinivalue_line("markers", "slow: takes seconds on 2 quiet cores (most start processes): run first "
                                        "(`-m 'not slow'` leaves them out)")
+    config.addinivalue_line("markers", "references: imports PyTorch or TensorFlow, seconds of CPU each: these run "
+                                       "in one pytest-xdist worker, which imports each once")
 
 
 def _one_worker_each(items) -> None:
     """The tests that share one thing run in one pytest-xdist worker (pytest.ini: ``-n auto --dist loadgroup``
     runs the others spread over a worker per core): those on the session's Ray (``local_ray``, started once,
-    not in every worker), the GPU tests (one process at a time on the GPUs), and those of a module that share
-    one of its module-scoped fixtures (a trained run: made once, not once in each worker, nor again in a
-    worker whose turn passed to another module in between)."""
+    not in every worker), the GPU tests (one process at a time on the GPUs), those that import PyTorch or
+    TensorFlow (``references``: each imported once), and those of a module that share one of its module-scoped
+    fixtures (a trained run: made once, not once in each worker, nor again in a worker whose turn passed to
+    another module in between)."""
     for item in items:
         if "local_ray" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("ray"))
         elif "gpu" in item.keywords:
             item.add_marker(pytest.mark.xdist_group("gpu"))
+        elif item.get_closest_marker("references"):
+            item.add_marker(pytest.mark.xdist_group("references"))
         elif _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
@@ -115,11 +120,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def local_ray():
-    """One quiet local Ray instance (4 logical CPUs) for every test that needs one (its start-up costs seconds)."""
+    """One quiet local Ray instance (4 logical CPUs) for every test that needs one (its start-up costs seconds),
+    started as towers starts its own: without a worker per CPU made in advance (``NO_PRESTART``)."""
     ray = pytest.importorskip("ray")
+    from towers.cluster.session import NO_PRESTART
+
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                 _system_config=NO_PRESTART)
     yield ray
     ray.shutdown()
 

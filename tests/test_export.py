@@ -20,6 +20,9 @@ from towers.export import main as export_main
 from towers.output.checkpoint import latest_checkpoint, list_checkpoints
 from towers.train import main as train_main
 
+# Its PyTorch and Keras tests, and the module's trained runs, in one worker (tests/conftest.py).
+pytestmark = pytest.mark.references
+
 RUN = ["--devices", "cpu", "--n-gpu", "2", "--batch-size", "20", "--quiet", "--summary-every", "0"]
 
 

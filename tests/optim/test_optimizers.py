@@ -230,6 +230,7 @@ def test_rmsprop_matches_tf1s_formula_step_for_step(mu, centered, l2):
 
 
 @pytest.mark.slow
+@pytest.mark.references
 def test_torch_adamw_agrees_when_torch_is_installed():
     torch = pytest.importorskip("torch")
     from towers.optim.optimizers.adamw import AdamW

@@ -59,6 +59,7 @@ def _close(ours, theirs, what):
 
 
 @pytest.mark.slow
+@pytest.mark.references
 def test_one_step_of_the_tf1_tower_example_matches_towers():
     tf = pytest.importorskip("tensorflow")
     with Trainer(Config(**SETTINGS)) as tr:
