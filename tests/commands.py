@@ -14,10 +14,11 @@ text=True)`` gives it; a signal's death is ``-signum``.
 
 What the child shares with its zygote is what a fresh process would have made
 the same way: the modules ``import towers`` imports and their state after
-import.  A command whose environment or folder differs from the zygote's
-(another ``PYTHONPATH``, another folder, which change what is imported) and
-``fresh=True`` (a test of the start itself: what gets imported, the
-interpreter's flags) run as a plain subprocess.
+import; its environment is the command's.  A command whose environment differs
+from the zygote's in what is read at import (``_READ_AT_IMPORT``: another
+``PYTHONPATH``, BLAS threads, ...) or that runs in another folder runs as a
+plain subprocess, and so do a test's own ``python -c`` scripts: a test of the
+start itself (what a command imports) starts a new interpreter.
 """
 from __future__ import annotations
 
@@ -62,10 +63,6 @@ def _child(request):
     sys.exit(0)
 
 
-def _status(status):
-    return os.waitstatus_to_exitcode(status)
-
-
 for line in requests:
     request = json.loads(line)
     pid = os.fork()
@@ -73,7 +70,7 @@ for line in requests:
         _child(request)
     os.write(rep_fd, (json.dumps({"pid": pid}) + "\n").encode())
     _, status = os.waitpid(pid, 0)
-    os.write(rep_fd, (json.dumps({"status": _status(status)}) + "\n").encode())
+    os.write(rep_fd, (json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n").encode())
 """
 
 
@@ -106,14 +103,14 @@ class _Zygote:
         line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, module: str, args: list[str], timeout: float | None) -> subprocess.CompletedProcess:
+    def run(self, module: str, args: list[str], env: dict, timeout: float | None) -> subprocess.CompletedProcess:
         import time
 
         with tempfile.TemporaryDirectory(prefix="towers-command-") as folder:
             out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
             for path in (out, err):
                 open(path, "wb").close()
-            request = {"module": module, "args": args, "env": self.env, "stdout": out, "stderr": err}
+            request = {"module": module, "args": args, "env": env, "stdout": out, "stderr": err}
             os.write(self._req, (json.dumps(request) + "\n").encode())
             started = self._reply(None)
             if started is None:
@@ -175,17 +172,17 @@ def _zygote(env: dict, cwd: str) -> _Zygote | None:
     return z if _same(env, z.env) and z.proc.poll() is None else None
 
 
-def run(module: str, *args, cwd=REPO, env: dict | None = None, timeout: float | None = 120,
-        fresh: bool = False) -> subprocess.CompletedProcess:
+def run(module: str, *args, cwd=REPO, env: dict | None = None,
+        timeout: float | None = 120) -> subprocess.CompletedProcess:
     """``python -m module args`` in ``cwd`` (the checkout), its output captured as text: a
     ``subprocess.CompletedProcess``; ``subprocess.TimeoutExpired`` past ``timeout``."""
     args = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     env.setdefault("PYTHONUNBUFFERED", "1")  # the zygote's and every child's: output to files, nothing lost
-    z = None if fresh or not hasattr(os, "fork") else _zygote(env, str(cwd))
+    z = _zygote(env, str(cwd)) if hasattr(os, "fork") else None
     if z is not None and z.lock.acquire(blocking=False):  # a second command at once: a subprocess
         try:
-            return z.run(module, args, timeout)
+            return z.run(module, args, env, timeout)
         finally:
             z.lock.release()
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,

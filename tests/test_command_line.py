@@ -8,6 +8,8 @@ import sys
 import textwrap
 from dataclasses import fields
 
+import numpy
+
 from tests.conftest import REPO
 from towers.config import Config
 from towers.settings import flag_name
@@ -107,3 +109,29 @@ def test_the_readme_says_the_shared_folder_tests_are_optional():
     for line in re.split(r"\n\n", (REPO / "README.md").read_text()):
         if "../shared" in line:
             assert "optional" in line and "not part of the repository" in line, line
+
+
+def test_a_command_forked_by_the_suite_gives_what_a_new_interpreter_gives(tmp_path):
+    """``tests.commands`` forks the suite's commands from a process that has imported towers: the same status,
+    output and files as ``python -m`` in a new interpreter, in the command's environment (``COLUMNS`` wraps
+    ``--help``), a refusal's one line, and a run's weights."""
+    from tests import commands
+
+    def both(*args, env=None):
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+        forked = commands.run("towers.train", *args, env=env)
+        assert commands._ZYGOTES["one"].proc.poll() is None  # forked, not started anew
+        new = subprocess.run([sys.executable, "-m", "towers.train", *args], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (new.returncode, new.stdout, new.stderr)
+        return forked
+
+    narrow, wide = (both("--help", env=dict(os.environ, COLUMNS=str(c))).stdout for c in (60, 200))
+    assert narrow != wide and max(map(len, narrow.splitlines())) <= 60
+    assert both("--steps", "-1").returncode == 2
+    run = ["--devices", "cpu", "--steps", "3", "--hidden", "8", "--quiet", "--summary-every", "0"]
+    commands.run("towers.train", *run, "--logdir", tmp_path / "forked")
+    subprocess.run([sys.executable, "-m", "towers.train", *run, "--logdir", str(tmp_path / "new")], cwd=REPO,
+                   check=True, capture_output=True, timeout=120)
+    with numpy.load(tmp_path / "forked" / "final.npz") as a, numpy.load(tmp_path / "new" / "final.npz") as b:
+        assert a.files == b.files and all(numpy.array_equal(a[k], b[k]) for k in a.files)
