@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -22,10 +23,20 @@ def _share_compiled_bytecode() -> None:
     0.2 s of CPU each on a fresh checkout.  The suite writes its bytecode under one folder in the system's temp
     folder instead (``PYTHONPYCACHEPREFIX``), so the checkout still gets no ``__pycache__``; it runs before
     pytest-xdist starts its workers, which inherit it with the processes they start.  A prefix already set is
-    kept."""
+    kept; a folder of that name that is not this user's own (another user could plant bytecode in it) is not
+    used, and this user's is closed to others."""
     if not os.environ.get("PYTHONDONTWRITEBYTECODE") or os.environ.get("PYTHONPYCACHEPREFIX"):
         return
     prefix = os.path.join(tempfile.gettempdir(), f"towers-tests-pycache-{os.getuid()}")
+    try:
+        os.makedirs(prefix, mode=0o700, exist_ok=True)
+        st = os.lstat(prefix)
+    except OSError:
+        return
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return
+    if st.st_mode & 0o077:
+        os.chmod(prefix, 0o700)
     os.environ.pop("PYTHONDONTWRITEBYTECODE")
     os.environ["PYTHONPYCACHEPREFIX"] = prefix
     sys.dont_write_bytecode, sys.pycache_prefix = False, prefix

@@ -381,6 +381,7 @@ def test_the_parameter_server_trains_one_hosts_weights_and_evaluates_with_the_ru
     kw = dict(input_scale="1", lr=0.001)
     want = one_host(3, **kw)
     with cluster(hosts=2, n_gpu=1, sync="ps", steps=3, **kw) as t:
+        assert t.global_batch == 200 and t.n_towers == 2 and type(t.executor).__name__ == "ClusterExecutor"
         t.fit()
         last = capsys.readouterr().out.strip().splitlines()[-1]
         assert " on 2 towers (2 hosts x 1 tower: cpu | cpu)" in last and "ps sync, 2.00 host gradients/update" in last
