@@ -1,4 +1,4 @@
-"""Shared fixtures: paths, the NCCL stand-in, the GPU marker, the library's notices."""
+"""Shared fixtures: paths, the NCCL stand-in, the GPU marker, the library's notices, the suite's bytecode and groups."""
 from __future__ import annotations
 
 import contextlib
