@@ -183,8 +183,7 @@ def test_a_user_models_shape_mismatch_cites_only_the_settings_it_reads(tmp_path)
 
     def run(module, units, *args):
         env = dict(os.environ, PYTHONPATH=str(tmp_path), UNITS=str(units))
-        return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=120)
+        return commands.run(module, *args, cwd=ROOT, env=env)
     p = run("towers.train", 32, "--logdir", tmp_path / "run", "--model", "usernet:small", "--steps", 2, "--quiet",
             "--summary-every", 0)
     assert p.returncode == 0, p.stderr

@@ -17,11 +17,11 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy
 import pytest
 
+from tests import commands
 from tests.conftest import DIGITS, REPO
 
 FIXTURES = REPO / "tests" / "fixtures"
@@ -61,9 +61,8 @@ def package_with_lion(tmp_path_factory):
 
 def _train(root, logdir, *args) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(root))
-    return subprocess.run([sys.executable, "-m", "towers.train", "--data", str(DIGITS), "--n-gpu", "2", "--devices",
-                           "cpu", "--steps", "40", "--quiet", "--logdir", str(logdir), *args],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    return commands.run("towers.train", "--data", DIGITS, "--n-gpu", "2", "--devices", "cpu", "--steps", "40",
+                        "--quiet", "--logdir", logdir, *args, cwd=root, env=env, timeout=300)
 
 
 @pytest.mark.slow

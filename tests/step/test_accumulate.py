@@ -9,14 +9,13 @@ uninterrupted run (resume), one host with every tower (several hosts).
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy
 import pytest
 
 import towers
+from tests import commands
 from towers.nn.replica import Replica
 from towers.settings import BATCH, resume_changes
 
@@ -133,10 +132,9 @@ def test_accumulate_is_checked_and_counted_in_the_global_batch():
 
 
 def _train(logdir, *args):
-    cmd = [sys.executable, "-m", "towers.train", "--logdir", str(logdir), "--hidden", "16", "--quiet",
-           "--summary-every", "0", "--n-gpu", "2", "--batch-size", "25", "--accumulate", "2", "--momentum", "0.9",
-           "--checkpoint-every", "7", *map(str, args)]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = commands.run("towers.train", "--logdir", logdir, "--hidden", "16", "--quiet", "--summary-every", "0",
+                     "--n-gpu", "2", "--batch-size", "25", "--accumulate", "2", "--momentum", "0.9",
+                     "--checkpoint-every", "7", *args, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     return p
 
