@@ -21,10 +21,11 @@ import; its environment is the command's.  It shares one more thing, the
 string hash seed: two forked commands iterate a set of strings in the same
 order, where two new interpreters might not (the CLI-against-API comparisons
 run their API side in the test process, which has its own seed).  A command whose environment differs
-from the zygote's in what is read at import (``_READ_AT_IMPORT``: another
-``PYTHONPATH``, BLAS threads, ...) or that runs in another folder runs as a
-plain subprocess, and so do a test's own ``python -c`` scripts: a test of the
-start itself (what a command imports) starts a new interpreter.
+from the test process's in what is read at import (``_READ_AT_IMPORT``:
+another ``PYTHONPATH``, BLAS threads, ...) or that runs in another folder runs
+as a plain subprocess, and so do a test's own ``python -c`` scripts: a test of
+the start itself (what a command imports) starts a new interpreter.  When the
+test process's own environment changes there, a new zygote is made.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ class _Zygote:
     """One zygote process and the socket to it; used by one command at a time."""
 
     def __init__(self, env: dict, cwd: str):
-        self.env, self.cwd = env, cwd
+        self.env = env
         self.sock, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, str(theirs.fileno())], cwd=cwd, env=env,
                                      pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
@@ -183,18 +184,27 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _zygote(env: dict, cwd: str) -> _Zygote | None:
-    """This process's zygote, for a command in the checkout with this process's environment (made at the first
-    such command); None for any other (a plain subprocess), and once the zygote is gone."""
+    """This process's zygote, for a command in the checkout with this process's environment; None for any other
+    (a plain subprocess).  A zygote is made at the first such command, and again when this process's environment
+    has changed in what is read at import since (a library the tests import may set such a variable) or the
+    zygote died: a command always runs in the environment it was given."""
     if cwd != str(REPO):
         return None
+    current = dict(os.environ, PYTHONUNBUFFERED=os.environ.get("PYTHONUNBUFFERED", "1"))
+    if not _same(env, current):
+        return None
     with _ZYGOTES_LOCK:
+        old = _ZYGOTES.get("one")
+        if old is not None and (not _same(old.env, env) or old.proc.poll() is not None):
+            if not old.lock.acquire(blocking=False):
+                return None  # still running another thread's command
+            del _ZYGOTES["one"]
+            old.close()
+            old.lock.release()
         if "one" not in _ZYGOTES:
-            if not _same(env, dict(os.environ, PYTHONUNBUFFERED=os.environ.get("PYTHONUNBUFFERED", "1"))):
-                return None
             _ZYGOTES["one"] = _Zygote(env, cwd)
             atexit.register(_ZYGOTES["one"].close)
-        z = _ZYGOTES["one"]
-    return z if _same(env, z.env) and z.proc.poll() is None else None
+        return _ZYGOTES["one"]
 
 
 def run(module: str, *args, cwd=REPO, env: dict | None = None,
@@ -203,7 +213,7 @@ def run(module: str, *args, cwd=REPO, env: dict | None = None,
     ``subprocess.CompletedProcess``; ``subprocess.TimeoutExpired`` past ``timeout``."""
     args = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
-    env.setdefault("PYTHONUNBUFFERED", "1")  # the zygote's and every child's: output to files, nothing lost
+    env.setdefault("PYTHONUNBUFFERED", "1")  # output reaches the pipes as it is written, a crash loses none
     z = _zygote(env, str(cwd)) if hasattr(os, "fork") else None
     if z is not None and z.lock.acquire(blocking=False):  # a second command at once: a subprocess
         try:
